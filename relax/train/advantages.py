@@ -1,0 +1,118 @@
+"""Advantage estimators for outcome rewards (one scalar reward per response), as plain functions.
+
+Rewards come as a flat [N] tensor in rollout order: the n responses to one prompt are contiguous
+(N = num_prompts * group_size). Each estimator returns per-token advantages [N, T] for the response
+mask [N, T], ready for relax.train.losses.policy_loss.
+
+- "grpo": reward minus its group's mean, divided by the group's std unless normalize_std=False
+  (Dr. GRPO drops the std).
+- "dapo": the same advantages as GRPO. DAPO's differences live elsewhere: token-level loss aggregation
+  ("token_mean"), clip-higher bounds (LossSettings.clip_high > clip_low) and dynamic sampling of groups
+  whose rewards are not all equal (a rollout-side filter).
+- "gspo": GRPO's advantages too; GSPO differs in the loss (LossSettings.ratio_level="sequence").
+- "rloo": leave-one-out baseline, r_i minus the mean of the other responses to the same prompt.
+- "reinforce_plus_plus": REINFORCE++: the return of every token (the outcome reward at the last
+  response token, minus kl_coef * per-token KL to the reference when given, summed to the end with
+  discount gamma), then normalised over all response tokens of the batch (mean 0, std 1). With
+  group_size > 1 the group-mean reward is subtracted first (REINFORCE++-baseline).
+"""
+
+import torch
+
+ESTIMATORS = ("grpo", "dapo", "gspo", "rloo", "reinforce_plus_plus")
+
+
+def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be a flat [N] tensor, got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of group_size={group_size}: the n responses "
+            "of each prompt must be contiguous and complete"
+        )
+    return rewards.view(-1, group_size)
+
+
+def to_tokens(sequence_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Give every response token its sequence's value: [N] -> [N, T], zero on padding."""
+    if sequence_values.shape[0] != mask.shape[0]:
+        raise ValueError(f"{sequence_values.shape[0]} sequence values for {mask.shape[0]} masked rows")
+    return sequence_values.unsqueeze(-1) * mask.to(sequence_values.dtype)
+
+
+def grpo_sequence_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Group-relative advantage per response, [N]. The std is the unbiased sample std of the group (as
+    torch.std); a group with equal rewards gets zero advantages."""
+    grouped = _groups(rewards, group_size)
+    centred = grouped - grouped.mean(-1, keepdim=True)
+    if normalize_std:
+        if group_size < 2:
+            raise ValueError("normalize_std needs group_size >= 2 (the std of one response is undefined)")
+        centred = centred / (grouped.std(-1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def rloo_sequence_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Leave-one-out: r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - group mean), [N]."""
+    if group_size < 2:
+        raise ValueError("rloo needs group_size >= 2 (a leave-one-out baseline needs another response)")
+    grouped = _groups(rewards, group_size)
+    others_mean = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others_mean).reshape(-1)
+
+
+def reinforce_plus_plus_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int = 1,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """REINFORCE++ token advantages [N, T] (see module doc)."""
+    if kl_coef != 0.0 and kl is None:
+        raise ValueError("reinforce_plus_plus: kl_coef is set but no per-token kl was given")
+    sequence_rewards = _groups(rewards, group_size)
+    if group_size > 1:
+        sequence_rewards = sequence_rewards - sequence_rewards.mean(-1, keepdim=True)
+    sequence_rewards = sequence_rewards.reshape(-1)
+    mask = mask.to(rewards.dtype)
+    lengths = mask.sum(-1).long()
+    if (lengths == 0).any():
+        raise ValueError(f"reinforce_plus_plus: responses {torch.nonzero(lengths == 0).flatten().tolist()} are empty")
+    token_rewards = torch.zeros_like(mask)
+    token_rewards[torch.arange(mask.shape[0]), lengths - 1] = sequence_rewards
+    if kl is not None:
+        token_rewards = token_rewards - kl_coef * kl * mask
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(sequence_rewards)
+    for t in reversed(range(mask.shape[1])):
+        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        returns[:, t] = running
+    valid = returns[mask.bool()]
+    return (returns - valid.mean()) / (valid.std() + eps) * mask
+
+
+def compute_advantages(
+    estimator: str,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    group_size: int,
+    normalize_std: bool = True,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """Per-token advantages [N, T] by estimator name (one of ESTIMATORS)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"advantage estimator {estimator!r} is not supported; choose one of {list(ESTIMATORS)}")
+    if rewards.shape[0] != mask.shape[0]:
+        raise ValueError(f"{rewards.shape[0]} rewards for {mask.shape[0]} responses")
+    if estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus_advantages(rewards, mask, group_size, kl, kl_coef, gamma)
+    if estimator == "rloo":
+        return to_tokens(rloo_sequence_advantages(rewards, group_size), mask)
+    return to_tokens(grpo_sequence_advantages(rewards, group_size, normalize_std), mask)

@@ -1,0 +1,97 @@
+"""relax.train.advantages against values computed by hand (the arithmetic is in the comments)."""
+
+import pytest
+import torch
+
+from relax.train.advantages import (
+    compute_advantages,
+    grpo_sequence_advantages,
+    reinforce_plus_plus_advantages,
+    rloo_sequence_advantages,
+)
+
+
+def close(actual, expected, atol=1e-5):
+    torch.testing.assert_close(actual.float(), torch.tensor(expected), atol=atol, rtol=0)
+
+
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])  # two prompts, four responses each
+
+
+def test_grpo_group_normalised():
+    # group 1: mean 0.5, sample std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.866025
+    # group 2: mean 0.75, sample std sqrt((3 * 0.0625 + 0.5625) / 3) = 0.5 -> 0.5, 0.5, 0.5, -1.5
+    close(
+        grpo_sequence_advantages(REWARDS, group_size=4),
+        [0.866025, -0.866025, -0.866025, 0.866025, 0.5, 0.5, 0.5, -1.5],
+    )
+
+
+def test_grpo_without_std_and_equal_rewards():
+    close(
+        grpo_sequence_advantages(REWARDS, group_size=4, normalize_std=False),
+        [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75],
+    )
+    close(grpo_sequence_advantages(torch.tensor([1.0, 1.0]), group_size=2), [0.0, 0.0])
+
+
+def test_rloo_leave_one_out():
+    # r=1: 1 - mean(0, 0, 1) = 2/3;  r=0: 0 - mean(1, 0, 1) = -2/3.  group 2: 1 - 2/3 = 1/3, 0 - 1 = -1
+    close(
+        rloo_sequence_advantages(REWARDS, group_size=4),
+        [2 / 3, -2 / 3, -2 / 3, 2 / 3, 1 / 3, 1 / 3, 1 / 3, -1.0],
+    )
+
+
+def test_sequence_advantages_spread_over_response_tokens():
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    advantages = compute_advantages("dapo", torch.tensor([1.0, 0.0]), mask, group_size=2)
+    # mean 0.5, sample std 0.707107 -> +-0.707107, zero on padding
+    close(advantages, [[0.707107] * 3, [-0.707107, 0.0, 0.0]])
+    torch.testing.assert_close(advantages, compute_advantages("grpo", torch.tensor([1.0, 0.0]), mask, 2))
+
+
+def test_reinforce_plus_plus_batch_normalised_returns():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # returns 1, 1, 1 | 0, 0; mean 0.6, sample std sqrt((3 * 0.16 + 2 * 0.36) / 4) = 0.547723
+    close(
+        reinforce_plus_plus_advantages(torch.tensor([1.0, 0.0]), mask),
+        [[0.730297] * 3, [-1.095445, -1.095445, 0.0]],
+    )
+
+
+def test_reinforce_plus_plus_with_kl_penalty():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.5, 0.5, 9.0]])
+    # token rewards -0.1, -0.2, 1-0.3 | -0.5, -0.5 -> returns 0.4, 0.5, 0.7 | -1.0, -0.5
+    # mean 0.02; sample std sqrt((0.38^2 + 0.48^2 + 0.68^2 + 1.02^2 + 0.52^2) / 4) = sqrt(0.537) = 0.732803
+    close(
+        reinforce_plus_plus_advantages(torch.tensor([1.0, 0.0]), mask, kl=kl, kl_coef=1.0),
+        [[0.518557, 0.655019, 0.927944], [-1.391915, -0.709604, 0.0]],
+    )
+
+
+def test_reinforce_plus_plus_discount():
+    mask = torch.ones(2, 2)
+    # returns 0.5, 1 | 0, 0; mean 0.375; sample std sqrt(0.6875 / 3) = 0.478714
+    close(
+        reinforce_plus_plus_advantages(torch.tensor([1.0, 0.0]), mask, gamma=0.5),
+        [[0.261116, 1.305582], [-0.783349, -0.783349]],
+    )
+
+
+def test_reinforce_plus_plus_baseline_subtracts_group_mean():
+    # groups (1, 0), (1, 1) -> 0.5, -0.5, 0, 0; mean 0, sample std sqrt(0.5 / 3) = 0.408248
+    close(
+        reinforce_plus_plus_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.ones(4, 1), group_size=2),
+        [[1.224745], [-1.224745], [0.0], [0.0]],
+    )
+
+
+def test_bad_inputs_name_the_problem():
+    with pytest.raises(ValueError, match="group_size=3"):
+        grpo_sequence_advantages(REWARDS, group_size=3)
+    with pytest.raises(ValueError, match="rloo"):
+        compute_advantages("vtrace", REWARDS, torch.ones(8, 1), group_size=4)
+    with pytest.raises(ValueError, match="empty"):
+        reinforce_plus_plus_advantages(torch.tensor([1.0]), torch.zeros(1, 2))
