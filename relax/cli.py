@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return doctor_main(rest)
     if command == "submit":
-        print("relax submit: not built yet (the colocated-loop issue builds it)", file=sys.stderr)
-        return 2
+        from relax.submit import main as submit_main
+
+        return submit_main(rest)
     print(f"relax: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
     return 2
 
