@@ -1,0 +1,1 @@
+"""Rollout: the in-process SGLang engine, prompt data, sampling, reward functions and group handling."""

@@ -1,0 +1,257 @@
+"""Prompt data: rows from a jsonl or parquet file turned into token-id prompts, served in seeded epochs.
+
+A row holds a prompt (a string, or a list of chat messages), an optional label (what the reward
+compares against) and optional metadata. Keys are configurable and may be dotted paths into nested
+fields (`reward_model.ground_truth`, as DAPO-Math-17k stores its answers).
+
+Every row is checked and tokenized when the file is loaded, so a bad row fails at start with the file,
+the row number and what is wrong, not halfway through training. With `skip_bad_rows` such rows are
+counted and listed in the load report instead. Prompts over `max_prompt_tokens` are filtered (and
+counted) separately: they are not errors.
+
+PromptLoader serves the prompts in epochs, each a permutation seeded by (seed, epoch), and its position
+(epoch, index) is all a checkpoint needs to resume exactly where it stopped.
+"""
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_REPORTED_BAD_ROWS = 20
+
+
+class PromptDataError(ValueError):
+    """A data file or one of its rows cannot be used; the message names the file, the row and the fix."""
+
+
+@dataclass
+class PromptDataConfig:
+    path: str
+    prompt_key: str = "prompt"  # a string, or a list of {"role", "content"} messages
+    label_key: str | None = "label"  # None: rows carry no label
+    metadata_key: str | None = None  # None: no metadata; the value must be a JSON object
+    apply_chat_template: bool = True  # wrap the prompt as chat and render it with the tokenizer's template
+    system_prompt: str | None = None  # prepended as a system message when the chat template is applied
+    max_prompt_tokens: int | None = None  # longer prompts are filtered out (and counted)
+    skip_bad_rows: bool = False  # count and report bad rows instead of failing on the first one
+
+
+@dataclass
+class Prompt:
+    row: int  # 1-based row number in the file (the line number for jsonl)
+    token_ids: list[int]
+    text: str  # the prompt as the model sees it (chat template applied)
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+
+
+@dataclass
+class LoadReport:
+    path: str
+    rows: int = 0
+    kept: int = 0
+    filtered_too_long: int = 0
+    bad_rows: int = 0
+    bad_row_reasons: list[str] = field(default_factory=list)  # the first MAX_REPORTED_BAD_ROWS
+
+    def summary(self) -> str:
+        text = (
+            f"{self.path}: {self.rows} rows, {self.kept} prompts kept, "
+            f"{self.filtered_too_long} over the prompt length limit, {self.bad_rows} bad rows skipped"
+        )
+        if self.bad_row_reasons:
+            text += "\n  " + "\n  ".join(self.bad_row_reasons)
+            if self.bad_rows > len(self.bad_row_reasons):
+                text += f"\n  ... and {self.bad_rows - len(self.bad_row_reasons)} more"
+        return text
+
+
+class _BadRow(Exception):
+    pass
+
+
+def _read_rows(path: Path):
+    """Yield (row number, row dict or _BadRow) for every row of a jsonl or parquet file."""
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json"):
+        with open(path, encoding="utf-8") as f:
+            for line_number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield line_number, _BadRow(f"invalid JSON ({e.msg} at column {e.colno})")
+                    continue
+                if not isinstance(row, dict):
+                    yield line_number, _BadRow(f"expected a JSON object, got {type(row).__name__}")
+                    continue
+                yield line_number, row
+    elif suffix == ".parquet":
+        import datasets
+
+        table = datasets.Dataset.from_parquet(str(path))
+        for index, row in enumerate(table, start=1):
+            yield index, row
+    else:
+        raise PromptDataError(f"{path}: unsupported data file type {suffix!r}; use .jsonl or .parquet")
+
+
+def _lookup(row: dict, key: str):
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            available = ", ".join(sorted(row)) if isinstance(row, dict) else "none"
+            raise _BadRow(f"key {key!r} missing (row has keys: {available})")
+        value = value[part]
+    return value
+
+
+def _messages(prompt, config: PromptDataConfig) -> list[dict]:
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list):
+        for i, message in enumerate(prompt):
+            if not (isinstance(message, dict) and isinstance(message.get("content"), str) and "role" in message):
+                raise _BadRow(
+                    f"{config.prompt_key!r} message {i} must be an object with 'role' and string 'content', "
+                    f"got {message!r:.80}"
+                )
+        messages = list(prompt)
+    else:
+        raise _BadRow(
+            f"{config.prompt_key!r} must be a string or a list of chat messages, got {type(prompt).__name__}"
+        )
+    if config.system_prompt is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": config.system_prompt}, *messages]
+    return messages
+
+
+def _prompt_text(prompt, config: PromptDataConfig, tokenizer) -> str:
+    if config.apply_chat_template:
+        return tokenizer.apply_chat_template(_messages(prompt, config), tokenize=False, add_generation_prompt=True)
+    if not isinstance(prompt, str):
+        raise _BadRow(
+            f"{config.prompt_key!r} is a list of chat messages but the chat template is off; "
+            "turn on apply_chat_template (--apply-chat-template) or store plain-text prompts"
+        )
+    return prompt
+
+
+def _parse_row(row: dict, config: PromptDataConfig, tokenizer, row_number: int) -> Prompt:
+    text = _prompt_text(_lookup(row, config.prompt_key), config, tokenizer)
+    token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not token_ids:
+        raise _BadRow(f"{config.prompt_key!r} tokenizes to no tokens (text {text!r:.80})")
+    label = _lookup(row, config.label_key) if config.label_key is not None else None
+    metadata = {}
+    if config.metadata_key is not None:
+        metadata = _lookup(row, config.metadata_key)
+        if not isinstance(metadata, dict):
+            raise _BadRow(f"{config.metadata_key!r} must be an object, got {type(metadata).__name__}")
+    return Prompt(row=row_number, token_ids=list(token_ids), text=text, label=label, metadata=metadata)
+
+
+def load_prompts(config: PromptDataConfig, tokenizer) -> tuple[list[Prompt], LoadReport]:
+    """Read, check and tokenize every row of config.path. Raises PromptDataError on the first bad row
+    unless config.skip_bad_rows; then bad rows are counted in the report."""
+    path = Path(config.path)
+    if not path.is_file():
+        raise PromptDataError(f"prompt data file {path} does not exist")
+    report = LoadReport(path=str(path))
+    prompts = []
+    for row_number, row in _read_rows(path):
+        report.rows += 1
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            prompt = _parse_row(row, config, tokenizer, row_number)
+        except _BadRow as e:
+            reason = f"{path} row {row_number}: {e}"
+            if not config.skip_bad_rows:
+                raise PromptDataError(f"{reason} (pass skip_bad_rows / --skip-bad-rows to skip such rows)") from None
+            report.bad_rows += 1
+            if len(report.bad_row_reasons) < MAX_REPORTED_BAD_ROWS:
+                report.bad_row_reasons.append(reason)
+            continue
+        if config.max_prompt_tokens is not None and len(prompt.token_ids) > config.max_prompt_tokens:
+            report.filtered_too_long += 1
+            continue
+        prompts.append(prompt)
+    report.kept = len(prompts)
+    if not prompts:
+        raise PromptDataError(f"no usable prompts in {path}: {report.summary()}")
+    return prompts, report
+
+
+@dataclass(frozen=True)
+class LoaderPosition:
+    epoch: int = 0
+    index: int = 0  # prompts of this epoch already served
+
+
+class PromptLoader:
+    """Serves prompts in epochs; each epoch's order is a permutation seeded by (seed, epoch).
+
+    Its position is all the state there is: a loader built with the same prompts, seed and a saved
+    position serves exactly what the original would have served next.
+    """
+
+    def __init__(
+        self,
+        prompts: list[Prompt],
+        seed: int = 0,
+        shuffle: bool = True,
+        num_epochs: int | None = None,  # None: endless
+        position: LoaderPosition = LoaderPosition(),
+    ):
+        if not prompts:
+            raise PromptDataError("PromptLoader needs at least one prompt")
+        if not 0 <= position.index < len(prompts):
+            raise PromptDataError(
+                f"resume position index {position.index} is outside the {len(prompts)} prompts of an epoch; "
+                "was the checkpoint made with different data or filters?"
+            )
+        self.prompts = prompts
+        self.seed = seed
+        self.shuffle = shuffle
+        self.num_epochs = num_epochs
+        self.position = position
+        self._order_epoch = None
+        self._order: list[int] = []
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        if self._order_epoch != epoch:
+            order = list(range(len(self.prompts)))
+            if self.shuffle:
+                random.Random(f"{self.seed}:{epoch}").shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    @property
+    def exhausted(self) -> bool:
+        return self.num_epochs is not None and self.position.epoch >= self.num_epochs
+
+    def take(self, count: int) -> list[Prompt]:
+        """The next `count` prompts, continuing into the next epoch as needed; fewer only when the
+        last epoch ends."""
+        batch = []
+        epoch, index = self.position.epoch, self.position.index
+        while len(batch) < count and not (self.num_epochs is not None and epoch >= self.num_epochs):
+            order = self._epoch_order(epoch)
+            step = min(count - len(batch), len(order) - index)
+            batch.extend(self.prompts[i] for i in order[index : index + step])
+            index += step
+            if index == len(order):
+                epoch, index = epoch + 1, 0
+        self.position = LoaderPosition(epoch, index)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.position.epoch, "index": self.position.index, "seed": self.seed}
+
+    @classmethod
+    def from_state_dict(cls, prompts: list[Prompt], state: dict, **kwargs) -> "PromptLoader":
+        return cls(prompts, seed=state["seed"], position=LoaderPosition(state["epoch"], state["index"]), **kwargs)

@@ -1,0 +1,127 @@
+"""Samples grouped per prompt, DAPO dynamic sampling and DAPO's soft overlong punishment.
+
+GRPO-style advantages compare the samples of one prompt with each other, so a group whose rewards are
+all equal teaches nothing. Dynamic sampling (DAPO, arXiv:2503.14476) drops such groups and generates
+more until the batch is full; its statistics say how much was thrown away.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from relax.rollout.data import Prompt
+
+
+@dataclass
+class Sample:
+    prompt: Prompt
+    response_token_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str  # "stop" (EOS or a stop token), "length" (max new tokens) or "abort"
+    response_text: str = ""
+    reward: float = 0.0
+    reward_failed: bool = False  # the reward function raised for this sample; reward is the failure score
+
+
+@dataclass
+class Group:
+    prompt: Prompt
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [sample.reward for sample in self.samples]
+
+    def rewards_all_equal(self) -> bool:
+        return len(set(self.rewards)) <= 1
+
+
+def group_by_prompt(samples: list[Sample], samples_per_prompt: int) -> list[Group]:
+    """Groups from samples listed prompt by prompt (samples_per_prompt consecutive samples each)."""
+    if len(samples) % samples_per_prompt:
+        raise ValueError(f"{len(samples)} samples do not split into groups of {samples_per_prompt}")
+    groups = []
+    for start in range(0, len(samples), samples_per_prompt):
+        members = samples[start : start + samples_per_prompt]
+        if any(sample.prompt is not members[0].prompt for sample in members):
+            raise ValueError(f"samples {start}..{start + samples_per_prompt - 1} do not share one prompt")
+        groups.append(Group(prompt=members[0].prompt, samples=members))
+    return groups
+
+
+# --- dynamic sampling --------------------------------------------------------------------------------
+
+class DynamicSamplingError(RuntimeError):
+    pass
+
+
+@dataclass
+class DynamicSamplingStats:
+    rounds: int = 0
+    groups_generated: int = 0
+    groups_kept: int = 0
+    groups_dropped: int = 0  # all rewards equal
+    dropped_by_reward: dict[float, int] = field(default_factory=dict)  # the shared reward of dropped groups
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/dynamic_sampling_rounds": self.rounds,
+            "rollout/dynamic_sampling_groups_generated": self.groups_generated,
+            "rollout/dynamic_sampling_groups_dropped": self.groups_dropped,
+            "rollout/dynamic_sampling_keep_ratio": self.groups_kept / max(self.groups_generated, 1),
+        }
+
+
+def fill_with_informative_groups(
+    generate_groups: Callable[[int], list[Group]], num_groups: int, max_rounds: int = 10
+) -> tuple[list[Group], DynamicSamplingStats]:
+    """Call generate_groups(k) for k more groups, keeping only groups whose rewards differ, until
+    num_groups are kept. Fails after max_rounds rounds or when generate_groups has no more data."""
+    stats = DynamicSamplingStats()
+    kept: list[Group] = []
+    while len(kept) < num_groups:
+        if stats.rounds == max_rounds:
+            raise DynamicSamplingError(
+                f"dynamic sampling kept {len(kept)} of {num_groups} groups after {max_rounds} rounds: "
+                f"{stats.groups_dropped} of {stats.groups_generated} groups had equal rewards "
+                f"(by shared reward: {stats.dropped_by_reward}). The task is too easy or too hard for the "
+                "model, or the reward is broken; raise the round limit or turn dynamic sampling off."
+            )
+        stats.rounds += 1
+        groups = generate_groups(num_groups - len(kept))
+        if not groups:
+            raise DynamicSamplingError(
+                f"prompt data ran out during dynamic sampling with {len(kept)} of {num_groups} groups kept"
+            )
+        stats.groups_generated += len(groups)
+        for group in groups:
+            if group.rewards_all_equal():
+                stats.groups_dropped += 1
+                shared = group.rewards[0] if group.samples else 0.0
+                stats.dropped_by_reward[shared] = stats.dropped_by_reward.get(shared, 0) + 1
+            elif len(kept) < num_groups:
+                kept.append(group)
+    stats.groups_kept = len(kept)
+    return kept, stats
+
+
+# --- overlong punishment -----------------------------------------------------------------------------
+
+def overlong_penalty(response_length: int, max_response_length: int, buffer_length: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then falling linearly to -1 at max
+    tokens, and -1 beyond."""
+    if not 0 < buffer_length <= max_response_length:
+        raise ValueError(
+            f"overlong buffer length {buffer_length} must be in (0, max response length {max_response_length}]"
+        )
+    free_length = max_response_length - buffer_length
+    if response_length <= free_length:
+        return 0.0
+    if response_length <= max_response_length:
+        return (free_length - response_length) / buffer_length
+    return -1.0
+
+
+def apply_overlong_penalty(samples: list[Sample], max_response_length: int, buffer_length: int) -> None:
+    """Add the soft overlong penalty to each sample's reward (in place)."""
+    for sample in samples:
+        sample.reward += overlong_penalty(len(sample.response_token_ids), max_response_length, buffer_length)

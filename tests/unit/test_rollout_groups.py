@@ -1,0 +1,68 @@
+import pytest
+
+from relax.rollout.data import Prompt
+from relax.rollout.groups import (
+    DynamicSamplingError,
+    Group,
+    Sample,
+    apply_overlong_penalty,
+    fill_with_informative_groups,
+    group_by_prompt,
+    overlong_penalty,
+)
+
+
+def make_group(rewards, row=1):
+    prompt = Prompt(row=row, token_ids=[1], text="p")
+    return Group(prompt, [Sample(prompt, [5], [0.0], "stop", reward=r) for r in rewards])
+
+
+def test_group_by_prompt():
+    a, b = Prompt(1, [1], "a"), Prompt(2, [2], "b")
+    samples = [Sample(p, [3], [0.0], "stop") for p in (a, a, b, b)]
+    groups = group_by_prompt(samples, 2)
+    assert [g.prompt for g in groups] == [a, b] and all(len(g.samples) == 2 for g in groups)
+    with pytest.raises(ValueError, match="do not split into groups of 3"):
+        group_by_prompt(samples, 3)
+    with pytest.raises(ValueError, match="do not share one prompt"):
+        group_by_prompt([samples[0], samples[2]], 2)
+
+
+def test_dynamic_sampling_drops_equal_groups_and_refills():
+    rounds = iter(
+        [
+            [make_group([1, 1]), make_group([0, 1]), make_group([0, 0]), make_group([0.5, 0])],  # 2 kept of 4
+            [make_group([0, 0]), make_group([1, 0])],  # 1 kept
+            [make_group([0.2, 0.3])],
+        ]
+    )
+    requested = []
+
+    def generate(count):
+        requested.append(count)
+        return next(rounds)
+
+    groups, stats = fill_with_informative_groups(generate, num_groups=4)
+    assert requested == [4, 2, 1]
+    assert len(groups) == 4 and not any(g.rewards_all_equal() for g in groups)
+    assert (stats.rounds, stats.groups_generated, stats.groups_kept, stats.groups_dropped) == (3, 7, 4, 3)
+    assert stats.dropped_by_reward == {1: 1, 0: 2}
+    assert stats.metrics()["rollout/dynamic_sampling_keep_ratio"] == pytest.approx(4 / 7)
+
+
+def test_dynamic_sampling_gives_up_with_statistics():
+    with pytest.raises(DynamicSamplingError, match=r"kept 0 of 2 groups after 3 rounds: 6 of 6 groups had equal"):
+        fill_with_informative_groups(lambda count: [make_group([1, 1])] * count, num_groups=2, max_rounds=3)
+    with pytest.raises(DynamicSamplingError, match="prompt data ran out"):
+        fill_with_informative_groups(lambda count: [], num_groups=2)
+
+
+def test_overlong_penalty_matches_dapo():
+    # max 20 tokens, the last 4 of them a soft buffer
+    assert [overlong_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20, 21)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    with pytest.raises(ValueError, match="overlong buffer length 0"):
+        overlong_penalty(5, 20, 0)
+    group = make_group([1.0, 1.0])
+    group.samples[1].response_token_ids = [5] * 18
+    apply_overlong_penalty(group.samples, 20, 4)
+    assert group.rewards == [1.0, 0.5]
