@@ -1,0 +1,96 @@
+"""CPU: debugging and CI. Real SGLang and real megatron-core run here, on gloo, with no device memory.
+
+Verified on this CPU stack (torch 2.13.0+cpu, megatron-core 0.16.1, sglang 0.5.23) by
+tests/e2e/test_platform_megatron.py and tests/e2e/test_platform_sglang.py.
+"""
+
+import torch
+
+from relax.platform import Platform, frozen
+
+
+class CpuDeviceModule:
+    """Stand-in for torch.cuda / torch.npu on the CPU: one device, always current, nothing to sync."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> torch.device:
+        # A torch.device rather than an index: callers pass it straight to `device=` arguments.
+        return torch.device("cpu")
+
+    @staticmethod
+    def set_device(device) -> None:
+        if torch.device("cpu", 0) != _as_cpu_index_device(device):
+            raise ValueError(f"device {device!r} does not exist on the CPU platform: it has one device, 0")
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """CPU ops are synchronous."""
+
+    @staticmethod
+    def empty_cache() -> None:
+        """The CPU allocator keeps no cache to hand back."""
+
+    @staticmethod
+    def memory_allocated(device=None) -> int:
+        return 0
+
+    # The device generator is the CPU generator (megatron's RNG tracker forks it like a CUDA one).
+    get_rng_state = staticmethod(torch.get_rng_state)
+    set_rng_state = staticmethod(torch.set_rng_state)
+    manual_seed = staticmethod(torch.manual_seed)
+    manual_seed_all = staticmethod(torch.manual_seed)
+
+
+def _as_cpu_index_device(device) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cpu", device)
+    device = torch.device(device)
+    return torch.device("cpu", device.index or 0) if device.type == "cpu" else device
+
+
+def _worker_env(memory_saver_on: bool) -> dict:
+    # Nothing is needed: Ray already sets OMP_NUM_THREADS=1 in actors, and gloo needs no tuning.
+    return {}
+
+
+# ServerArgs overrides that make SGLang 0.5.23's engine run on a CPU (FACTS.md, "SGLang 0.5.23 on CPU").
+SGLANG_SERVER_DEFAULTS = {
+    "device": "cpu",
+    "attention_backend": "torch_native",  # the only attention backend with a CPU path without sgl-kernel
+    "disable_cuda_graph": True,
+    "skip_server_warmup": True,
+    # The default (0.719) makes a 14 GB KV cache and a 51 s start; 0.05 is plenty for tiny models.
+    "mem_fraction_static": 0.05,
+    # With "auto", one prompt of a batch diverged from HF's greedy tokens; float32 matches exactly.
+    "dtype": "float32",
+}
+
+
+def build_platform() -> Platform:
+    from relax.platform import cpu_megatron, cpu_sglang
+
+    return Platform(
+        name="cpu",
+        device_module=CpuDeviceModule,
+        dist_backend="gloo",
+        visible_devices_env=None,
+        ray_resource=None,
+        memory_saver=None,
+        same_node_transport="shared_memory",
+        # torch's default (file_descriptor) fails between Ray actors ("AuthenticationError: digest sent
+        # was rejected") and crashes SGLang's scheduler; file_system names /dev/shm files instead.
+        sharing_strategy="file_system",
+        destroy_process_group_delay_s=0.0,
+        sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
+        _worker_env=_worker_env,
+        _prepare_megatron=cpu_megatron.prepare_megatron,
+        _prepare_sglang=cpu_sglang.prepare_sglang,
+    )

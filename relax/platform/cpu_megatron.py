@@ -1,0 +1,190 @@
+"""megatron-core 0.16.1 on the CPU: its CUDA calls redirected, as narrowly as possible.
+
+megatron-core assumes CUDA in three ways (FACTS.md, "megatron-core 0.16.1 on CPU"); each is redirected
+only for megatron-core's own code:
+
+1. `torch.cuda.*` calls and `device="cuda"` literals inside megatron.core modules, e.g.
+   `torch.cuda.current_device()` (models/common/embeddings/rotary_pos_embedding.py, distributed/
+   param_and_grad_buffer.py, transformer/module.py), `torch.ones(..., device="cuda")` (the causal mask,
+   transformer/utils.py), `torch.zeros(..., device="cuda")` (pipeline_parallel/schedules.py,
+   optimizer/clip_grads.py), `torch.tensor(..., device='cuda')` (optimizer/optimizer.py).
+   Each megatron.core module's global `torch` is swapped, right after the module is executed, for a
+   view of torch whose `cuda` is the CPU stand-in and whose tensor factories map a CUDA device to the
+   CPU. torch itself, and every other package, is untouched.
+2. The RNG tracker (tensor_parallel/random.py: `model_parallel_cuda_manual_seed`, `CudaRNGStatesTracker`
+   and `checkpoint`): its two module functions `_get_cuda_rng_state` / `_set_cuda_rng_state` are replaced
+   by ones on the CPU generator, which stands in for the device generator. Forking the tracker therefore
+   changes the CPU generator by design, so its "CPU RNG state changed within GPU RNG context" warning is
+   filtered (that message only, that logger only).
+3. Tensor methods: `tensor.type() == 'torch.cuda.FloatTensor'` checks (optimizer/optimizer.py
+   FP32/Float16 optimizers, optimizer/distrib_optimizer.py, optimizer/clip_grads.py) and `tensor.cuda()`
+   (optimizer/optimizer.py restore_from_cpu, models/common/language_module). Methods of torch.Tensor can
+   only be patched globally, so the patch is scoped by caller: only a call made from a megatron.core
+   module sees the CUDA type name or gets the CPU tensor back; everybody else gets torch's behaviour.
+
+Applied only by the CPU platform, in the process that calls `prepare_megatron()`; idempotent.
+"""
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+import types
+
+import torch
+
+from relax.platform.cpu import CpuDeviceModule
+
+_MEGATRON_PACKAGE = "megatron.core"
+_RNG_MODULE = "megatron.core.tensor_parallel.random"
+_RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
+_FACTORIES = (
+    "arange",
+    "as_tensor",
+    "empty",
+    "empty_strided",
+    "full",
+    "ones",
+    "rand",
+    "randint",
+    "randn",
+    "tensor",
+    "zeros",
+)
+
+_prepared = False
+
+
+def prepare_megatron() -> None:
+    global _prepared
+    if _prepared:
+        return
+    sys.meta_path.insert(0, _RedirectingFinder())
+    for name, module in list(sys.modules.items()):  # megatron.core modules imported before this call
+        if _is_megatron_core(name) and module is not None:
+            _redirect_module(module)
+    torch.Tensor.type = _scoped_type(torch.Tensor.type)
+    torch.Tensor.cuda = _scoped_cuda(torch.Tensor.cuda)
+    logging.getLogger(_RNG_MODULE).addFilter(_drop_rng_fork_warning)
+    _prepared = True
+
+
+def _is_megatron_core(name: str) -> bool:
+    return name == _MEGATRON_PACKAGE or name.startswith(_MEGATRON_PACKAGE + ".")
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, int):  # a bare index means a CUDA device to torch
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _on_cpu(factory):
+    def factory_on_cpu(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    factory_on_cpu.__name__ = factory.__name__
+    return factory_on_cpu
+
+
+def _build_torch_view() -> types.ModuleType:
+    """torch as megatron.core sees it on the CPU: `cuda` is the CPU stand-in, factories map CUDA to CPU."""
+
+    cuda_view = types.ModuleType("torch.cuda", "torch.cuda seen by megatron.core on the CPU")
+    for name in dir(CpuDeviceModule):
+        if not name.startswith("_"):
+            setattr(cuda_view, name, getattr(CpuDeviceModule, name))
+    # Anything the stand-in lacks (FloatTensor types, nvtx, streams) is torch.cuda's own: it either works
+    # without a GPU or fails loudly at the call, naming what megatron reached for.
+    cuda_view.__getattr__ = lambda name: getattr(torch.cuda, name)
+
+    torch_view = types.ModuleType("torch", "torch seen by megatron.core on the CPU")
+    torch_view.cuda = cuda_view
+    for name in _FACTORIES:
+        setattr(torch_view, name, _on_cpu(getattr(torch, name)))
+    torch_view.__getattr__ = lambda name: getattr(torch, name)
+    return torch_view
+
+
+_TORCH_VIEW = _build_torch_view()
+
+
+def _cpu_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _redirect_module(module: types.ModuleType) -> None:
+    if module.__dict__.get("torch") is torch:
+        module.torch = _TORCH_VIEW
+    if module.__name__ == _RNG_MODULE:
+        module._get_cuda_rng_state = _cpu_rng_state
+        module._set_cuda_rng_state = _set_cpu_rng_state
+
+
+class _RedirectingFinder(importlib.abc.MetaPathFinder):
+    """Finds megatron.core modules with the ordinary finders and redirects each once it has run."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not _is_megatron_core(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RedirectingLoader(spec.loader)
+                return spec
+        return None
+
+
+class _RedirectingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _redirect_module(module)
+
+    def __getattr__(self, name):  # get_source, is_package, ... of the wrapped loader
+        return getattr(self._loader, name)
+
+
+def _called_from_megatron_core() -> bool:
+    return _is_megatron_core(sys._getframe(2).f_globals.get("__name__", ""))
+
+
+def _scoped_type(tensor_type):
+    def type_(self, *args, **kwargs):
+        result = tensor_type(self, *args, **kwargs)
+        if not args and not kwargs and self.device.type == "cpu" and _called_from_megatron_core():
+            return result.replace("torch.", "torch.cuda.", 1)  # 'torch.FloatTensor' -> 'torch.cuda.FloatTensor'
+        return result
+
+    type_.__wrapped__ = tensor_type
+    return type_
+
+
+def _scoped_cuda(tensor_cuda):
+    def cuda(self, *args, **kwargs):
+        if _called_from_megatron_core():
+            return self
+        return tensor_cuda(self, *args, **kwargs)
+
+    cuda.__wrapped__ = tensor_cuda
+    return cuda
+
+
+def _drop_rng_fork_warning(record: logging.LogRecord) -> bool:
+    return record.getMessage() != _RNG_FORK_WARNING
