@@ -1,0 +1,204 @@
+"""Triton kernels for GDN decode; each has its torch reference in gdn_reference (same name, same arguments).
+
+Written to triton-ascend's porting rules so one source runs on NVIDIA GPUs and Ascend NPUs:
+- every launch is a 1-D grid of at most `launch.num_programs` programs (the device's core count, or cores times
+  resident programs on a GPU), each looping over work items with a stride of the grid size;
+- launch keywords such as num_warps / num_stages come only from `launch.options` (empty on NPU), never from here;
+- on-chip buffers are bounded: the recurrent state is streamed in [block_v, K] tiles, never a whole [V, K] head.
+The per-device values live in relax.platform; tests and benchmarks build a TritonLaunch themselves.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from relax.kernels.gdn_reference import QKVZ_LAYOUTS
+
+
+@dataclass(frozen=True)
+class TritonLaunch:
+    """How Triton kernels are launched on one device kind."""
+
+    num_programs: int  # upper bound of the 1-D grid: NPU vector cores, or GPU SMs x programs resident per SM
+    options: dict = field(default_factory=dict)  # extra launch keywords (num_warps, num_stages); {} on NPU
+
+
+@triton.jit
+def _causal_conv_silu(x_ptr, state_ptr, weight_ptr, bias_ptr, channels, mask, W: tl.constexpr,
+                      BW: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """silu(causal conv) of one new input per channel; shifts the channels' window [W-1] in the state.
+
+    x_ptr points at each channel's new input; state_ptr at the slot's [conv_dim, W-1] state. Returns fp32.
+    """
+    taps = tl.arange(0, BW)
+    from_state = mask[:, None] & (taps[None, :] < W - 1)
+    window = tl.load(state_ptr + channels[:, None] * (W - 1) + taps[None, :], mask=from_state, other=0.0)
+    x = tl.load(x_ptr, mask=mask, other=0.0)
+    window = tl.where(taps[None, :] == W - 1, x[:, None], window).to(tl.float32)
+    weight = tl.load(weight_ptr + channels[:, None] * W + taps[None, :], mask=mask[:, None] & (taps[None, :] < W),
+                     other=0.0).to(tl.float32)
+    y = tl.sum(window * weight, axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + channels, mask=mask, other=0.0).to(tl.float32)
+    # The window minus its oldest input is the new state: tap t moves to t-1.
+    shifted = mask[:, None] & (taps[None, :] >= 1) & (taps[None, :] < W)
+    tl.store(state_ptr + channels[:, None] * (W - 1) + taps[None, :] - 1,
+             window.to(state_ptr.dtype.element_ty), mask=shifted)
+    return y * tl.sigmoid(y)
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    qkvz_ptr, ba_ptr, conv_state_ptr, conv_weight_ptr, conv_bias_ptr, state_ptr, slot_ptr,
+    A_log_ptr, dt_bias_ptr, norm_weight_ptr, out_ptr,
+    num_rows, qkvz_row_stride, ba_row_stride, conv_slot_stride, state_slot_stride,
+    scale, norm_eps,
+    HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, BW: tl.constexpr,
+    INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+):
+    """One work item = one token row x one key head with its R = HV // HK value heads.
+
+    A key head's q/k conv channels are read and rewritten by exactly one work item, so the in-place conv-state
+    update cannot race with another program still reading the old window.
+    """
+    R: tl.constexpr = HV // HK
+    NT: tl.constexpr = (V + BV - 1) // BV  # value tiles per head
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    offs_o = tl.arange(0, R * BVF)  # the R heads' outputs, head after head, each padded to BVF
+    offs_h = tl.arange(0, R)
+    offs_vf = tl.arange(0, BVF)
+    mask_out = (offs_h[:, None] < R) & (offs_vf[None, :] < V)
+    for item in range(tl.program_id(0), num_rows * HK, tl.num_programs(0)):
+        row = item // HK
+        hk = item % HK
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        out_row = out_ptr + row * HV * V + hk * R * V
+        if slot < 0:  # padding row: no state touched, zero output
+            tl.store(out_row + offs_h[:, None] * V + offs_vf[None, :],
+                     tl.zeros([R, BVF], dtype=out_ptr.dtype.element_ty), mask=mask_out)
+        else:
+            qkvz_row = qkvz_ptr + row * qkvz_row_stride
+            ba_row = ba_ptr + row * ba_row_stride
+            if INTERLEAVED:  # per key head: [q K | k K | v R*V | z R*V], [b R | a R]
+                q_in = qkvz_row + hk * (2 * K + 2 * R * V)
+                k_in = q_in + K
+                v_in = q_in + 2 * K
+                z_in = v_in + R * V
+                b_in = ba_row + hk * 2 * R
+                a_in = b_in + R
+            else:  # [q HK*K | k HK*K | v HV*V | z HV*V], [b HV | a HV]
+                q_in = qkvz_row + hk * K
+                k_in = qkvz_row + HK * K + hk * K
+                v_in = qkvz_row + 2 * HK * K + hk * R * V
+                z_in = v_in + HV * V
+                b_in = ba_row + hk * R
+                a_in = ba_row + HV + hk * R
+            conv_state = conv_state_ptr + slot * conv_slot_stride
+            q = _causal_conv_silu(q_in + offs_k, conv_state, conv_weight_ptr, conv_bias_ptr, hk * K + offs_k,
+                                  mask_k, W, BW, HAS_CONV_BIAS)
+            k = _causal_conv_silu(k_in + offs_k, conv_state, conv_weight_ptr, conv_bias_ptr,
+                                  HK * K + hk * K + offs_k, mask_k, W, BW, HAS_CONV_BIAS)
+            q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+            k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+
+            o = tl.zeros([R * BVF], dtype=tl.float32)
+            for it in range(R * NT):
+                j = it // NT  # value head within the group
+                h = hk * R + j
+                offs_v = (it % NT) * BV + tl.arange(0, BV)
+                mask_v = offs_v < V
+                x = tl.load(a_in + j).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+                softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+                decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
+                beta = tl.sigmoid(tl.load(b_in + j).to(tl.float32))
+                v = _causal_conv_silu(v_in + j * V + offs_v, conv_state, conv_weight_ptr, conv_bias_ptr,
+                                      2 * HK * K + h * V + offs_v, mask_v, W, BW, HAS_CONV_BIAS)
+                # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
+                tile = state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K + offs_k[None, :]
+                tile_mask = mask_v[:, None] & mask_k[None, :]
+                s = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float32) * decay
+                delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
+                s += delta[:, None] * k[None, :]
+                tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
+                o_tile = tl.sum(s * q[None, :], axis=1)
+                # Place the tile's outputs at j * BVF + offs_v of the group's output vector.
+                o += tl.sum(tl.where(offs_o[None, :] == (j * BVF + offs_v)[:, None], o_tile[:, None], 0.0), axis=0)
+
+            # Gated RMSNorm per value head: o / rms(o) * weight * silu(z).
+            o2 = tl.reshape(o, [R, BVF])
+            rstd = tl.rsqrt(tl.sum(o2 * o2, axis=1) / V + norm_eps)
+            z = tl.load(z_in + offs_h[:, None] * V + offs_vf[None, :], mask=mask_out, other=0.0).to(tl.float32)
+            weight = tl.load(norm_weight_ptr + offs_vf, mask=offs_vf < V, other=0.0).to(tl.float32)
+            y = o2 * rstd[:, None] * weight[None, :] * z * tl.sigmoid(z)
+            tl.store(out_row + offs_h[:, None] * V + offs_vf[None, :], y.to(out_ptr.dtype.element_ty),
+                     mask=mask_out)
+
+
+def _check(condition: bool, message: str):
+    if not condition:
+        raise ValueError(message)
+
+
+def gdn_decode(
+    mixed_qkvz: torch.Tensor,
+    mixed_ba: torch.Tensor,
+    conv_state_pool: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    state_pool: torch.Tensor,
+    slot_indices: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+    num_k_heads: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    layout: str,
+    launch: TritonLaunch,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """Fused GDN decode step; same arguments and result as gdn_reference.gdn_decode, plus the launch record.
+
+    One kernel: QKVZBA split, conv1d state update + silu, q/k l2norm, gating, delta-rule update of the pooled
+    state [num_slots, Hv, V, K] and gated RMSNorm; both pools are updated in place. Returns [N, Hv, V].
+    block_v: value rows of the state streamed per step (the on-chip tile is block_v x K).
+    """
+    num_v_heads = A_log.shape[0]
+    _check(layout in QKVZ_LAYOUTS, f"layout={layout!r}: use one of {QKVZ_LAYOUTS}")
+    _check(num_v_heads % num_k_heads == 0 and (num_v_heads // num_k_heads) & (num_v_heads // num_k_heads - 1) == 0,
+           f"num_v_heads ({num_v_heads}) must be num_k_heads ({num_k_heads}) times a power of two")
+    rows = mixed_qkvz.shape[0]
+    conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    width = conv_weight.shape[-1]
+    _check(mixed_qkvz.dim() == 2 and mixed_qkvz.shape[1] == conv_dim + num_v_heads * head_v_dim
+           and mixed_qkvz.stride(1) == 1, f"mixed_qkvz must be [N, {conv_dim + num_v_heads * head_v_dim}] with "
+           f"contiguous rows, got {tuple(mixed_qkvz.shape)} strides {mixed_qkvz.stride()}")
+    _check(mixed_ba.shape == (rows, 2 * num_v_heads) and mixed_ba.stride(1) == 1,
+           f"mixed_ba must be [{rows}, {2 * num_v_heads}] with contiguous rows, got {tuple(mixed_ba.shape)}")
+    _check(conv_weight.shape == (conv_dim, width) and conv_weight.is_contiguous(),
+           f"conv_weight must be a contiguous [{conv_dim}, W], got {tuple(conv_weight.shape)}")
+    _check(conv_state_pool.shape[1:] == (conv_dim, width - 1) and conv_state_pool[0].is_contiguous(),
+           f"conv_state_pool must be [num_slots, {conv_dim}, {width - 1}], got {tuple(conv_state_pool.shape)}")
+    _check(state_pool.shape[1:] == (num_v_heads, head_v_dim, head_k_dim) and state_pool[0].is_contiguous(),
+           f"state_pool must be [num_slots, {num_v_heads}, {head_v_dim}, {head_k_dim}] (the [V, K] pool layout), "
+           f"got {tuple(state_pool.shape)}")
+    _check(slot_indices.shape == (rows,), f"slot_indices must be [{rows}], got {tuple(slot_indices.shape)}")
+    out = mixed_qkvz.new_empty(rows, num_v_heads, head_v_dim)
+    grid = (max(1, min(rows * num_k_heads, launch.num_programs)),)
+    _gdn_decode_kernel[grid](
+        mixed_qkvz, mixed_ba, conv_state_pool, conv_weight, conv_bias, state_pool, slot_indices,
+        A_log, dt_bias, norm_weight, out,
+        rows, mixed_qkvz.stride(0), mixed_ba.stride(0), conv_state_pool.stride(0), state_pool.stride(0),
+        head_k_dim ** -0.5, norm_eps,
+        HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, W=width,
+        BK=triton.next_power_of_2(head_k_dim), BV=min(block_v, triton.next_power_of_2(head_v_dim)),
+        BVF=triton.next_power_of_2(head_v_dim), BW=triton.next_power_of_2(width),
+        INTERLEAVED=layout == "interleaved", HAS_CONV_BIAS=conv_bias is not None,
+        **launch.options,
+    )
+    return out

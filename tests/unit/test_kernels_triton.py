@@ -1,0 +1,67 @@
+"""Triton kernels of relax.kernels.gdn_triton against their torch references, on CPU via TRITON_INTERPRET=1.
+
+Each check runs in its own interpreter subprocess: TRITON_INTERPRET must be set before a kernel is decorated, and
+setting it in the pytest process would turn every later-imported Triton kernel (SGLang's too) into interpreted ones.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from relax.kernels import gdn_reference as ref
+
+
+def decode_case(layout, num_rows=3, hk=2, hv=4, dk=16, dv=12, width=4, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    conv_dim = 2 * hk * dk + hv * dv
+    return dict(
+        mixed_qkvz=torch.randn(num_rows, conv_dim + hv * dv, generator=gen),
+        mixed_ba=torch.randn(num_rows, 2 * hv, generator=gen),
+        conv_state_pool=torch.randn(5, conv_dim, width - 1, generator=gen),
+        conv_weight=torch.randn(conv_dim, width, generator=gen),
+        conv_bias=torch.randn(conv_dim, generator=gen) if bias else None,
+        state_pool=torch.randn(5, hv, dv, dk, generator=gen) * 0.1,
+        slot_indices=torch.tensor([3, -1, 0, 4, 1][:num_rows]),
+        A_log=torch.randn(hv, generator=gen), dt_bias=torch.randn(hv, generator=gen),
+        norm_weight=torch.randn(dv, generator=gen), norm_eps=1e-6,
+        num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, layout=layout,
+    )
+
+
+def check_fused_decode(layout, bias, block_v):
+    from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
+
+    for num_programs in (1, 4):  # a grid smaller than the work: programs loop over several items
+        case = decode_case(layout, bias=bias)
+        expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        out = gdn_decode(**case, launch=TritonLaunch(num_programs=num_programs), block_v=block_v)
+        expected = ref.gdn_decode(**expected_case)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
+
+
+def run_interpreted(check, *args):
+    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            f"import {__name__.rsplit('.', 1)[-1]} as t; t.{check}(*{args!r})")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("layout,bias,block_v", [("contiguous", True, 4), ("interleaved", False, 8),
+                                                  ("contiguous", False, 16)])
+def test_fused_decode_matches_reference_interpreted(layout, bias, block_v):
+    run_interpreted("check_fused_decode", layout, bias, block_v)
+
+
+def test_fused_decode_rejects_a_pool_in_hf_layout():
+    from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
+
+    case = decode_case("contiguous")
+    case["state_pool"] = ref.state_from_pool_layout(case["state_pool"])  # [slots, Hv, K, V]
+    with pytest.raises(ValueError, match="pool layout"):
+        gdn_decode(**case, launch=TritonLaunch(num_programs=1))
