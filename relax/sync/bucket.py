@@ -1,0 +1,65 @@
+"""Flattened weight buckets in SGLang's own format, ready for Engine.update_weights_from_tensor.
+
+A bucket is a list of (HF name, tensor) packed by sglang.srt.weight_sync.tensor_bucket's
+FlattenedTensorBucket into one uint8 tensor plus per-tensor metadata, then serialized with SGLang's
+MultiprocessingSerializer: the payload holds a handle to the data, not the data (CUDA/NPU IPC handles
+on accelerators, shared memory on CPU). The engine loads it with load_format="flattened_bucket".
+
+The sender must keep the bucket's tensor alive until the engine has answered the update call (the
+handle points into it); Engine.update_weights_from_tensor only returns after the engine has copied it.
+"""
+
+from typing import Iterable, Iterator
+
+import torch
+
+LOAD_FORMAT = "flattened_bucket"
+
+
+def split_into_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of named tensors of at most bucket_bytes each (a larger tensor goes alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        tensor_bytes = tensor.numel() * tensor.element_size()
+        if bucket and size + tensor_bytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor_bytes
+    if bucket:
+        yield bucket
+
+
+def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], platform, tp_size: int = 1):
+    """The flattened bucket and its per-TP-rank payloads for
+    engine.update_weights_from_tensor(payloads, load_format=LOAD_FORMAT), made the way `platform`
+    (a relax.platform record) hands tensors to an engine on the same node.
+
+    Returns (bucket, payloads): keep `bucket` referenced until the update call has returned.
+    """
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    if not named_tensors:
+        raise ValueError("cannot serialize an empty weight bucket")
+    if platform.sharing_strategy is not None:
+        # CPU tensors travel as shared memory; the strategy decides how (see the platform record).
+        torch.multiprocessing.set_sharing_strategy(platform.sharing_strategy)
+    if platform.same_node_transport == "ipc":
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        # SGLang's receiver finds the device of an IPC handle by UUID; its patched reductions write it.
+        monkey_patch_torch_reductions()
+    # SGLang packs tensors back to back and views each slice as its dtype, which needs the slice's byte
+    # offset to be a multiple of the dtype's size. Packing wider dtypes first guarantees that (sizes are
+    # powers of two); the engine does not care about the order.
+    ordered = sorted(named_tensors, key=lambda item: -item[1].element_size())
+    bucket = FlattenedTensorBucket(named_tensors=[(name, tensor.detach()) for name, tensor in ordered])
+    content = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    # One payload per rank: each rank deserializes only its own, so IPC reference counts stay per rank.
+    payloads = [MultiprocessingSerializer.serialize(content) for _ in range(tp_size)]
+    return bucket, payloads
