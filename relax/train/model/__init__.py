@@ -1,0 +1,307 @@
+"""HF <-> Megatron model families: build a megatron-core GPTModel (local layer spec, no TransformerEngine)
+from an HF directory, load its safetensors into the (TP/EP/PP-sharded) model, and export the model back
+under HF names with the shards gathered.
+
+One module per family (qwen2.py, qwen3.py, qwen3_moe.py) holds its mapping and nothing else:
+  MODEL_TYPES                       HF model_type values it serves
+  config_fields(hf) -> dict         TransformerConfig fields fixed by config.json
+  top_level_rules(hf)               Megatron name -> Rule for embedding, final norm, output layer
+  layer_rules(hf)                   the same for `decoder.layers.{i}.*` ({layer} in HF names)
+  expert_rules(hf)                  the same for `mlp.experts.local_experts.{j}.*` ({expert} in HF names)
+The layout kinds of a Rule (how HF tensors fuse and how TP cuts them) are in layouts.py.
+
+megatron.core must be importable when these functions run: on the CPU call
+`relax.platform.get_platform("cpu").prepare_megatron()` before importing megatron.
+"""
+
+import dataclasses
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from relax.train.model import qwen2, qwen3, qwen3_moe
+from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
+
+FAMILIES = {model_type: module for module in (qwen2, qwen3, qwen3_moe) for model_type in module.MODEL_TYPES}
+
+_LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: pass an HF model directory (config.json + *.safetensors)")
+    return json.loads(path.read_text())
+
+
+def family_of(hf: dict):
+    """The family module for an HF config; unsupported architectures name the supported ones."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"model_type {model_type!r} (architectures {hf.get('architectures')}) is not supported by relax's "
+            f"Megatron actor; supported model types: {sorted(FAMILIES)}"
+        )
+    return FAMILIES[model_type]
+
+
+def _rope_theta(hf: dict) -> float:
+    """RoPE base; only plain RoPE is supported (transformers 5 writes rope_parameters, 4.x rope_theta)."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported yet (only 'default' RoPE): {rope}")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def transformer_config(hf: dict, base=None, **overrides):
+    """A megatron-core TransformerConfig for an HF config.
+
+    The architecture (layers, heads, norms, MoE, ...) comes from config.json; everything else (parallel
+    sizes, dtype, recompute, ...) from `base` (a TransformerConfig, e.g. from relax.args) and then
+    `overrides`. Dropouts are 0 as in the Qwen checkpoints' configs.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    if hf.get("use_sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
+    _rope_theta(hf)  # fail early on an unsupported RoPE
+    fields = {
+        **family_of(hf).config_fields(hf),
+        "hidden_dropout": 0.0,
+        "attention_dropout": float(hf.get("attention_dropout", 0.0)),
+        **overrides,
+    }
+    if base is None:
+        return TransformerConfig(**fields)
+    return dataclasses.replace(base, **fields)
+
+
+def build_gpt_model(hf: dict, config, pre_process: bool | None = None, post_process: bool | None = None):
+    """A GPTModel with megatron-core's local layer spec for this HF config, for this process's pipeline
+    stage (first/last stage from parallel_state unless given). parallel_output=True: logits stay
+    vocab-sharded across TP ranks."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if hf["vocab_size"] % tp_size:
+        raise ValueError(
+            f"vocab_size {hf['vocab_size']} is not divisible by tensor-model-parallel size {tp_size}; choose a TP "
+            "size that divides it (relax does not pad the vocabulary)"
+        )
+    if config.num_moe_experts:
+        _define_te_general_gemm_without_te()
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=hf["max_position_embeddings"],
+        pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
+        post_process=parallel_state.is_pipeline_last_stage() if post_process is None else post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=_rope_theta(hf),
+    )
+
+
+def _define_te_general_gemm_without_te() -> None:
+    """megatron-core 0.16.1's MoE router reads moe_utils.te_general_gemm, a name that module binds only when
+    TransformerEngine imports (`if te_general_gemm is not None`, moe_utils.py:1192): without TE every MoE
+    forward raises NameError. Binding it to None selects the plain torch.mm path the code already has."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def unwrap(model):
+    """The GPTModel inside Megatron's wrappers (DDP, Float16Module)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placement:
+    """Where a local parameter sits: its rule (HF names resolved) and its TP/EP groups."""
+
+    rule: Rule
+    tp_rank: int
+    tp_size: int
+    tp_group: object
+    local_expert: int | None  # index among this rank's experts, for expert parameters
+
+
+class _Mapping:
+    """Resolves the local Megatron parameter names of one model (one PP stage, one TP/EP rank)."""
+
+    def __init__(self, model, hf: dict):
+        from megatron.core import parallel_state as ps
+
+        self.model = unwrap(model)
+        self.hf = hf
+        self.family = family_of(hf)
+        config = self.model.config
+        self.attention = AttentionLayout(config.num_attention_heads, config.num_query_groups, config.kv_channels)
+        self.top = self.family.top_level_rules(hf)
+        self.layer = self.family.layer_rules(hf)
+        self.expert = self.family.expert_rules(hf)
+        self.tied = bool(hf.get("tie_word_embeddings", False))
+        self.num_experts = config.num_moe_experts or 0
+        self.ep_size = ps.get_expert_model_parallel_world_size() if self.num_experts else 1
+        self.ep_rank = ps.get_expert_model_parallel_rank() if self.num_experts else 0
+        self.ep_group = ps.get_expert_model_parallel_group() if self.num_experts else None
+        self.local_experts = self.num_experts // self.ep_size
+        self.dense_tp = (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_group(),
+        )
+        self.expert_tp = (
+            (
+                ps.get_expert_tensor_parallel_rank(),
+                ps.get_expert_tensor_parallel_world_size(),
+                ps.get_expert_tensor_parallel_group(),
+            )
+            if self.num_experts
+            else None
+        )
+
+    def place(self, name: str, ep_rank: int | None = None) -> _Placement:
+        """The placement of local parameter `name`; expert HF names for EP rank `ep_rank` (default: own)."""
+        layer_match = _LAYER_NAME.fullmatch(name)
+        if layer_match is None:
+            return self._placement(name, self.top, name, {}, self.dense_tp, None)
+        local_layer, rest = layer_match.groups()
+        layer = self.model.decoder.layers[int(local_layer)].layer_number - 1  # global index under PP
+        expert_match = _EXPERT_NAME.fullmatch(rest)
+        if expert_match is None:
+            return self._placement(name, self.layer, rest, {"layer": layer}, self.dense_tp, None)
+        local_expert, expert_rest = int(expert_match.group(1)), expert_match.group(2)
+        expert = (self.ep_rank if ep_rank is None else ep_rank) * self.local_experts + local_expert
+        fields = {"layer": layer, "expert": expert}
+        return self._placement(name, self.expert, expert_rest, fields, self.expert_tp, local_expert)
+
+    def _placement(self, name, rules, key, fields, tp, local_expert) -> _Placement:
+        if key not in rules:
+            raise KeyError(
+                f"Megatron parameter {name!r} has no HF mapping in family {self.family.__name__} "
+                "(does the TransformerConfig match the HF config.json?)"
+            )
+        rule = rules[key]
+        rule = Rule(rule.kind, tuple(n.format(**fields) for n in rule.hf_names))
+        return _Placement(rule, *tp, local_expert)
+
+    def all_hf_names(self) -> set[str]:
+        """Every HF tensor name the whole model (all layers, all experts) is made of."""
+        names = {n for rule in self.top.values() for n in rule.hf_names}
+        for layer in range(self.hf["num_hidden_layers"]):
+            names |= {n.format(layer=layer) for rule in self.layer.values() for n in rule.hf_names}
+            for expert in range(self.num_experts):
+                names |= {n.format(layer=layer, expert=expert) for rule in self.expert.values() for n in rule.hf_names}
+        return names
+
+
+def _whole_shape(kind: str, shard_shape: torch.Size, tp_size: int) -> list[int]:
+    shape = list(shard_shape)
+    if kind == "row":
+        shape[1] *= tp_size
+    elif kind != "replicated":
+        shape[0] *= tp_size
+    return shape
+
+
+class HFCheckpoint:
+    """Lazy reader of an HF directory's safetensors (one file or an index of shards)."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        hf_dir = Path(hf_dir)
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {hf_dir}")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._file_of = {name: handle for handle in self._handles for name in handle.keys()}
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._file_of[name].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._file_of[name].get_tensor(name)
+
+
+def load_hf_weights(model, hf_dir: str | Path) -> None:
+    """Copy an HF checkpoint into this rank's shard of `model` (one PP stage, one TP/EP rank).
+
+    Every tensor is read lazily, only the ones this stage needs. A tensor the model needs but the checkpoint
+    lacks, a tensor of the wrong shape, or a checkpoint tensor the family does not map, is an error naming it.
+    """
+    hf = read_hf_config(hf_dir)
+    mapping = _Mapping(model, hf)
+    checkpoint = HFCheckpoint(hf_dir)
+    unexpected = checkpoint.names() - mapping.all_hf_names()
+    if unexpected:
+        raise ValueError(
+            f"{hf_dir}: tensors not mapped by family {mapping.family.__name__}: {sorted(unexpected)[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''} (is config.json the one these weights belong to?)"
+        )
+    for name, param in mapping.model.named_parameters():
+        place = mapping.place(name)
+        whole_shape = _whole_shape(place.rule.kind, param.shape, place.tp_size)
+        expected = unfuse(place.rule.kind, torch.empty(whole_shape, device="meta"), mapping.attention)
+        for hf_name, expected_tensor in zip(place.rule.hf_names, expected):
+            if hf_name not in checkpoint.names():
+                raise KeyError(f"{hf_dir}: tensor {hf_name!r} (for Megatron {name!r}) is missing")
+            if checkpoint.shape(hf_name) != list(expected_tensor.shape):
+                raise ValueError(
+                    f"{hf_dir}: tensor {hf_name!r} has shape {checkpoint.shape(hf_name)} but Megatron {name!r} "
+                    f"needs {list(expected_tensor.shape)}"
+                )
+        whole = fuse(place.rule.kind, [checkpoint.get(n) for n in place.rule.hf_names], mapping.attention)
+        with torch.no_grad():
+            param.copy_(tp_shard(place.rule.kind, whole, place.tp_rank, place.tp_size))
+
+
+def _all_gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    if size == 1:
+        return [tensor]
+    shards = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
+    return shards
+
+
+def export_hf_weights(model, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, whole tensor) for every parameter of this PP stage, TP shards (and EP experts) gathered.
+
+    One parameter is gathered at a time, so at most one whole tensor (times the EP size for experts) exists
+    beyond the model. Collective: every rank of the TP/EP groups must iterate in step. Each PP stage yields
+    its own layers (with global layer indices); the stages together cover the model once. A tied lm_head
+    is not yielded (it is model.embed_tokens.weight).
+    """
+    mapping = _Mapping(model, hf)
+    for name, param in mapping.model.named_parameters():
+        if mapping.tied and name == "output_layer.weight":
+            continue
+        place = mapping.place(name)
+        whole = tp_unshard(place.rule.kind, _all_gather(param.detach(), place.tp_size, place.tp_group))
+        if place.local_expert is None:
+            yield from zip(place.rule.hf_names, unfuse(place.rule.kind, whole, mapping.attention))
+            continue
+        for ep_rank, expert_whole in enumerate(_all_gather(whole, mapping.ep_size, mapping.ep_group)):
+            hf_names = mapping.place(name, ep_rank).rule.hf_names
+            yield from zip(hf_names, unfuse(place.rule.kind, expert_whole, mapping.attention))
