@@ -1,0 +1,138 @@
+"""One parser, three namespaces: relax's own flags, SGLang's ServerArgs, Megatron's config dataclasses.
+
+    config = parse_train_args(argv)   # exits 2 with a message on bad input, like argparse
+    config.relax                      # argparse.Namespace of relax's flags (resolved defaults filled in)
+    config.sglang                     # sglang.srt.server_args.ServerArgs
+    config.megatron                   # MegatronConfig: TransformerConfig, OptimizerConfig, DDP config, ...
+    print(format_config(config))      # what --dry-run prints
+"""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import msgspec
+
+from relax.args.checks import check_config
+from relax.args.device import resolve_device
+from relax.args.megatron import (
+    MegatronConfig,
+    add_megatron_args,
+    build_megatron_config,
+    given_values,
+    resolve_architecture,
+)
+from relax.args.relax_flags import add_relax_args
+from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, redirects
+from relax.args.strict import StrictArgumentParser
+
+__all__ = ["TrainConfig", "MegatronConfig", "build_parser", "parse_train_args", "format_config"]
+
+_NAMESPACED = ("sglang_", "megatron_")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    relax: argparse.Namespace
+    sglang: object  # sglang.srt.server_args.ServerArgs
+    megatron: MegatronConfig
+
+
+def build_parser() -> StrictArgumentParser:
+    parser = StrictArgumentParser(
+        prog="relax train",
+        description="Colocated RL post-training. relax's flags, then SGLang's (--sglang-*), then Megatron's.",
+        redirects=redirects(),
+    )
+    add_relax_args(parser)
+    add_sglang_args(parser)
+    add_megatron_args(parser)
+    return parser
+
+
+def parse_train_args(argv: list[str]) -> TrainConfig:
+    parser = build_parser()
+    argv = expand_sglang_config(list(argv), parser.error)
+    namespace = parser.parse_args(argv)
+    relax = argparse.Namespace(**{k: v for k, v in vars(namespace).items() if not k.startswith(_NAMESPACED)})
+    device = resolve_device(relax.device)
+    relax.device = device.name
+    _fill_relax_defaults(relax)
+
+    checkpoint = relax.hf_checkpoint
+    if checkpoint is not None and not relax.dry_run and not (Path(checkpoint) / "config.json").is_file():
+        parser.error(f"--hf-checkpoint {checkpoint}: no config.json there (expected an HF model directory)")
+    values = resolve_architecture(given_values(namespace), checkpoint, parser.error)
+    megatron = build_megatron_config(values, relax.num_steps, parser.error)
+    sglang = build_server_args(
+        namespace,
+        argv,
+        managed=dict(
+            model_path=checkpoint,
+            tp_size=relax.rollout_num_devices_per_engine,
+            device=device.name,
+            enable_memory_saver=relax.colocate and device.has_memory_saver,
+        ),
+    )
+    config = TrainConfig(relax=relax, sglang=sglang, megatron=megatron)
+    problems = check_config(config, device)
+    if problems:
+        parser.error("\n".join(problems))
+    return config
+
+
+def _fill_relax_defaults(relax: argparse.Namespace) -> None:
+    """Defaults that are other flags' values."""
+    if relax.global_batch_size is None:
+        relax.global_batch_size = relax.rollout_batch_size * relax.n_samples_per_prompt
+    if relax.eps_clip_high is None:
+        relax.eps_clip_high = relax.eps_clip
+
+
+def format_config(config: TrainConfig) -> str:
+    """The resolved configuration, one `name = value` line per field; `*` marks a value that is not the default."""
+    parser_defaults = build_parser()
+    sections = [("relax", [(k, v, parser_defaults.get_default(k)) for k, v in sorted(vars(config.relax).items())])]
+    sections.append((f"sglang ({_class_path(config.sglang)})", _struct_rows(config.sglang)))
+    m = config.megatron
+    for name in ("transformer", "optimizer", "ddp"):
+        obj = getattr(m, name)
+        sections.append((f"megatron.{name} ({_class_path(obj)})", _dataclass_rows(obj)))
+    for name, title in (("model", "GPTModel settings"), ("scheduler", "LR schedule")):
+        rows = [(k, v, parser_defaults.get_default(f"megatron_{k}")) for k, v in vars(getattr(m, name)).items()]
+        sections.append((f"megatron.{name} ({title})", rows))
+    lines = []
+    for title, rows in sections:
+        lines.append(f"== {title} ==")
+        lines += [f"{'*' if _differs(value, default) else ' '} {name} = {value!r}" for name, value, default in rows]
+    return "\n".join(lines)
+
+
+def _class_path(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _differs(value, default) -> bool:
+    try:
+        return bool(value != default)
+    except Exception:  # values whose == is not a bool (arrays): say they differ
+        return True
+
+
+def _struct_rows(record) -> list:
+    rows = []
+    for f in msgspec.structs.fields(type(record)):
+        if f.default is not msgspec.NODEFAULT:
+            default = f.default
+        else:
+            default = f.default_factory() if f.default_factory is not msgspec.NODEFAULT else None
+        rows.append((f.name, getattr(record, f.name), default))
+    return rows
+
+
+def _dataclass_rows(obj) -> list:
+    rows = []
+    for f in dataclasses.fields(obj):
+        default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        rows.append((f.name, getattr(obj, f.name), default))
+    return rows

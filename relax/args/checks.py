@@ -1,0 +1,156 @@
+"""Rules that involve more than one flag. Each returns the problem in words naming the flags, or None."""
+
+from relax.args.device import DeviceFacts
+
+
+def world_size(relax) -> int:
+    return relax.num_nodes * relax.num_devices_per_node
+
+
+def data_parallel_size(config) -> int:
+    tc = config.megatron.transformer
+    return world_size(config.relax) // (tc.tensor_model_parallel_size * tc.pipeline_model_parallel_size * tc.context_parallel_size)
+
+
+def required_flags(config, device):
+    r = config.relax
+    needed = []
+    if r.hf_checkpoint is None and not r.dry_run:
+        needed.append("--hf-checkpoint (only --dry-run may leave it out)")
+    if not r.debug_train_only:
+        needed += [flag for flag, value in (("--prompt-data", r.prompt_data), ("--reward-fn", r.reward_fn)) if value is None]
+    if not r.debug_rollout_only and config.megatron.optimizer.lr is None:
+        needed.append("--lr")
+    return f"missing {', '.join(needed)}" if needed else None
+
+
+def model_parallel_fits_devices(config, device):
+    tc, r = config.megatron.transformer, config.relax
+    product = tc.tensor_model_parallel_size * tc.pipeline_model_parallel_size * tc.context_parallel_size
+    if world_size(r) % product:
+        return (
+            f"--tensor-model-parallel-size {tc.tensor_model_parallel_size} x --pipeline-model-parallel-size "
+            f"{tc.pipeline_model_parallel_size} x --context-parallel-size {tc.context_parallel_size} = {product} "
+            f"does not divide the {world_size(r)} devices (--num-nodes {r.num_nodes} x --num-devices-per-node {r.num_devices_per_node})"
+        )
+
+
+def expert_parallel_fits(config, device):
+    tc, r = config.megatron.transformer, config.relax
+    ep = tc.expert_model_parallel_size
+    etp = tc.expert_tensor_parallel_size or tc.tensor_model_parallel_size
+    if ep == 1:
+        return None
+    if not tc.num_moe_experts:
+        return f"--expert-model-parallel-size {ep} needs a MoE model (--num-experts, or an HF config with num_experts)"
+    if tc.num_moe_experts % ep:
+        return f"--expert-model-parallel-size {ep} does not divide the {tc.num_moe_experts} experts (--num-experts)"
+    product = ep * etp * tc.pipeline_model_parallel_size
+    if world_size(r) % product:
+        return (
+            f"--expert-model-parallel-size {ep} x expert tensor parallel {etp} x --pipeline-model-parallel-size "
+            f"{tc.pipeline_model_parallel_size} = {product} does not divide the {world_size(r)} devices"
+        )
+
+
+def rollout_fills_global_batches(config, device):
+    r = config.relax
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    if samples % r.global_batch_size:
+        return (
+            f"--rollout-batch-size {r.rollout_batch_size} x --n-samples-per-prompt {r.n_samples_per_prompt} = {samples} "
+            f"samples is not a multiple of --global-batch-size {r.global_batch_size}"
+        )
+
+
+def global_batch_splits_over_data_parallel(config, device):
+    r = config.relax
+    dp = data_parallel_size(config)
+    if dp == 0:
+        return None  # model_parallel_fits_devices reports it
+    per_step = dp if r.use_dynamic_batch_size else r.micro_batch_size * dp
+    if r.global_batch_size % per_step:
+        what = f"data-parallel size {dp}" if r.use_dynamic_batch_size else f"--micro-batch-size {r.micro_batch_size} x data-parallel size {dp}"
+        return f"--global-batch-size {r.global_batch_size} is not a multiple of {what} = {per_step}"
+
+
+def engine_fits_devices(config, device):
+    r = config.relax
+    if world_size(r) % r.rollout_num_devices_per_engine:
+        return (
+            f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} does not divide the {world_size(r)} devices "
+            f"(--num-nodes {r.num_nodes} x --num-devices-per-node {r.num_devices_per_node})"
+        )
+
+
+def colocation_releases_memory(config, device: DeviceFacts):
+    if config.relax.colocate and device.colocation_needs_release and not device.has_memory_saver:
+        return (
+            f"--colocate on {device.name} needs the rollout engine to release its memory (SGLang's memory saver), "
+            f"which this platform lacks: use --no-colocate"
+        )
+
+
+def clip_range_ordered(config, device):
+    r = config.relax
+    if r.eps_clip_high < r.eps_clip:
+        return f"--eps-clip-high {r.eps_clip_high} is below --eps-clip {r.eps_clip}"
+
+
+def kl_loss_has_weight(config, device):
+    if config.relax.use_kl_loss and config.relax.kl_coef <= 0:
+        return "--use-kl-loss with --kl-coef 0 adds nothing: give --kl-coef > 0 or drop --use-kl-loss"
+
+
+def debug_modes_consistent(config, device):
+    r = config.relax
+    if r.debug_rollout_only and r.debug_train_only:
+        return "--debug-rollout-only and --debug-train-only exclude each other"
+    if r.debug_train_only and not r.load_rollout_data:
+        return "--debug-train-only needs --load-rollout-data (saved by --save-rollout-data)"
+
+
+def batching_flags_consistent(config, device):
+    r = config.relax
+    if r.use_dynamic_batch_size and not r.max_tokens_per_device:
+        return "--use-dynamic-batch-size needs --max-tokens-per-device"
+    if r.max_tokens_per_device and not r.use_dynamic_batch_size:
+        return "--max-tokens-per-device only applies with --use-dynamic-batch-size"
+
+
+def sampling_flags_consistent(config, device):
+    r = config.relax
+    if r.over_sampling_batch_size is not None:
+        if not r.dynamic_sampling:
+            return "--over-sampling-batch-size only applies with --dynamic-sampling"
+        if r.over_sampling_batch_size < r.rollout_batch_size:
+            return f"--over-sampling-batch-size {r.over_sampling_batch_size} is below --rollout-batch-size {r.rollout_batch_size}"
+    if r.overlong_buffer_len is not None and r.overlong_buffer_len >= r.rollout_max_response_len:
+        return f"--overlong-buffer-len {r.overlong_buffer_len} must be below --rollout-max-response-len {r.rollout_max_response_len}"
+
+
+def checkpoint_flags_consistent(config, device):
+    if config.relax.save_interval is not None and not config.relax.save:
+        return "--save-interval needs --save"
+
+
+RULES = [
+    required_flags,
+    model_parallel_fits_devices,
+    expert_parallel_fits,
+    rollout_fills_global_batches,
+    global_batch_splits_over_data_parallel,
+    engine_fits_devices,
+    colocation_releases_memory,
+    clip_range_ordered,
+    kl_loss_has_weight,
+    debug_modes_consistent,
+    batching_flags_consistent,
+    sampling_flags_consistent,
+    checkpoint_flags_consistent,
+]
+
+
+def check_config(config, device: DeviceFacts) -> list[str]:
+    """Every rule's problem, in order; empty when the configuration is consistent."""
+    return [problem for rule in RULES if (problem := rule(config, device))]

@@ -1,0 +1,306 @@
+"""Megatron flags, generated from megatron-core's config dataclasses, and the config objects they build.
+
+Rule: every field of TransformerConfig (with its ModelParallelConfig base), OptimizerConfig and
+DistributedDataParallelConfig becomes `--field-name` (dest `megatron_<field>`), as Megatron-LM spells it,
+typed from the annotation:
+  int / float / str                    -> that type
+  Optional[X]                          -> X (not given: the dataclass default)
+  Literal[...] / an Enum               -> choices
+  list[X]                              -> nargs="+"
+  X | list[X]                          -> nargs="+", one value gives X (Megatron-LM's --moe-aux-loss-coeff)
+  tuple[X, ...]                        -> that many values
+  a union that admits str              -> one string (the dataclass parses it)
+  bool                                 -> --field-name / --no-field-name
+Fields that cannot be written on a command line are not flags: callables (init methods, hooks, timers),
+torch dtypes (params_dtype and pipeline_dtype follow --bf16 / --fp16; the others keep their defaults),
+objects (quant recipes, context managers) and private fields. A field present in several dataclasses
+(--use-distributed-optimizer, --bf16, --overlap-param-gather, ...) is one flag that sets it in each.
+A flag not given leaves the dataclass default. Megatron-LM spellings that differ from the field names
+(--norm-epsilon, --num-experts, --disable-bias-linear, ...) are added, and the GPTModel-level and
+LR-schedule settings that live in no core dataclass get flags of their own (MODEL_FLAGS, SCHEDULER_FLAGS).
+"""
+
+import argparse
+import dataclasses
+import enum
+import functools
+import json
+import types
+import typing
+from pathlib import Path
+
+PREFIX = "megatron"
+
+
+@functools.cache
+def config_classes() -> dict:
+    """The megatron-core dataclasses that become flags, in the order that decides a shared field's type."""
+    import warnings
+
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": true, and not news here
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.transformer.transformer_config import TransformerConfig
+    return {"transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+
+
+@dataclasses.dataclass
+class MegatronConfig:
+    transformer: typing.Any  # megatron.core.transformer.TransformerConfig
+    optimizer: typing.Any  # megatron.core.optimizer.OptimizerConfig
+    ddp: typing.Any  # megatron.core.distributed.DistributedDataParallelConfig
+    model: argparse.Namespace  # GPTModel-level settings (vocab, positions, embeddings tying)
+    scheduler: argparse.Namespace  # LR schedule (OptimizerParamScheduler's arguments)
+
+
+# Model-level settings in no core dataclass, with Megatron-LM's spellings. Defaults of None are filled
+# from the HF checkpoint's config.json, else as the help says.
+MODEL_FLAGS = {
+    "vocab_size": dict(type=int, help="Vocabulary size (default: the HF config's vocab_size)."),
+    "make_vocab_size_divisible_by": dict(type=int, default=128, help="Pad the vocabulary to a multiple of this x TP (default: %(default)s)."),
+    "max_position_embeddings": dict(type=int, help="Maximum positions (default: the HF config's, else --seq-length)."),
+    "seq_length": dict(type=int, default=4096, help="Longest training sequence, prompt + response (default: %(default)s)."),
+    "position_embedding_type": dict(choices=["learned_absolute", "rope", "mrope", "none"], default="rope", help="(default: %(default)s)"),
+    "rotary_base": dict(type=float, help="RoPE base (default: the HF config's rope_theta, else 10000)."),
+    "rotary_percent": dict(type=float, default=1.0, help="Fraction of each head's dims that are rotated (default: %(default)s)."),
+    "untie_embeddings_and_output_weights": dict(
+        action="store_const", const=True, help="Separate input embedding and output layer (default: the HF config's tie_word_embeddings)."
+    ),
+    "swiglu": dict(action="store_const", const=True, help="Gated linear unit with SiLU (sets gated_linear_unit and activation_func)."),
+    "group_query_attention": dict(action="store_const", const=True, help="Use --num-query-groups (Megatron-LM ignores it otherwise)."),
+}
+SCHEDULER_FLAGS = {
+    "lr_decay_style": dict(
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="constant", help="(default: %(default)s)"
+    ),
+    "lr_decay_iters": dict(type=int, help="Steps over which the LR decays (default: --num-steps)."),
+    "lr_warmup_iters": dict(type=int, default=0, help="Linear warmup steps (default: %(default)s)."),
+    "lr_warmup_fraction": dict(type=float, help="Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."),
+    "lr_warmup_init": dict(type=float, default=0.0, help="LR at the start of warmup (default: %(default)s)."),
+}
+# Megatron-LM spellings of dataclass fields that differ from the field name: (flag, field, const).
+# const None: the flag takes a value like the field's own flag; otherwise it stores const.
+MEGATRON_LM_SPELLINGS = [
+    ("--norm-epsilon", "layernorm_epsilon", None),
+    ("--num-experts", "num_moe_experts", None),
+    ("--disable-bias-linear", "add_bias_linear", False),
+    ("--accumulate-allreduce-grads-in-fp32", "grad_reduce_in_fp32", True),
+]
+
+# What an HF config.json says about the architecture: HF key -> Megatron name. The first set defines
+# the weights' shapes, so a flag must agree with the checkpoint; the second may be overridden by a flag.
+HF_SHAPE_KEYS = {
+    "num_hidden_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_query_groups",
+    "head_dim": "kv_channels",
+    "vocab_size": "vocab_size",
+    "num_experts": "num_moe_experts",
+    "moe_intermediate_size": "moe_ffn_hidden_size",
+}
+HF_OVERRIDABLE_KEYS = {
+    "rms_norm_eps": "layernorm_epsilon",
+    "max_position_embeddings": "max_position_embeddings",
+    "num_experts_per_tok": "moe_router_topk",
+}
+REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def _cli_kwargs(annotation) -> dict | None:
+    """argparse keyword arguments for a field's annotation, or None when it has no CLI form."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:
+            return _cli_kwargs(members[0])
+        scalars = [m for m in members if m in (int, float, str)]
+        lists = [m for m in members if typing.get_origin(m) in (list, typing.List)]
+        if len(scalars) == 1 and len(lists) == len(members) - 1 and all(typing.get_args(m) == (scalars[0],) for m in lists):
+            return {"nargs": "+", "type": scalars[0], "one_value_is_scalar": True}
+        return {"type": str} if str in members else None
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if annotation in (int, float, str):
+        return {"type": annotation}
+    if origin is typing.Literal:
+        return {"type": type(args[0]), "choices": list(args)}
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return {"type": _enum_by_name(annotation), "choices": list(annotation), "metavar": "{" + ",".join(annotation.__members__) + "}"}
+    if origin in (list, typing.List) and len(args) == 1 and args[0] in (int, float, str):
+        return {"nargs": "+", "type": args[0]}
+    if origin in (tuple, typing.Tuple) and args and all(a in (int, float, str) for a in args) and len(set(args)) == 1:
+        return {"nargs": len(args), "type": args[0], "as_tuple": True}
+    return None
+
+
+def _enum_by_name(enum_class):
+    def parse(text):
+        try:
+            return enum_class[text]
+        except KeyError:
+            raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(enum_class.__members__)})") from None
+
+    parse.__name__ = enum_class.__name__
+    return parse
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+@functools.cache
+def field_flags() -> tuple[dict, dict, list]:
+    """(field -> argparse kwargs, field -> the classes that have it, [fields that are not flags])."""
+    kwargs_by_field, owners, skipped = {}, {}, []
+    for cls in config_classes().values():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            owners.setdefault(f.name, []).append(cls)
+            if f.name in kwargs_by_field or f.name in skipped:
+                continue
+            kwargs = None if f.name.startswith("_") else _cli_kwargs(hints[f.name])
+            if kwargs is None:
+                skipped.append(f.name)
+            else:
+                kwargs_by_field[f.name] = kwargs
+    return kwargs_by_field, owners, skipped
+
+
+def _default_text(field: str, owners: list) -> str:
+    parts = []
+    for cls in owners:
+        f = next(f for f in dataclasses.fields(cls) if f.name == field)
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        parts.append(f"{cls.__name__}.{field}, default {default!r}")
+    return "; ".join(parts)
+
+
+def add_megatron_args(parser: argparse.ArgumentParser) -> None:
+    kwargs_by_field, owners, skipped = field_flags()
+    spellings = {field: flag for flag, field, const in MEGATRON_LM_SPELLINGS if const is None or isinstance(const, bool) and const}
+    group = parser.add_argument_group(
+        "Megatron (megatron-core TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)",
+        "Generated from the dataclass fields. Not flags (no command-line form): " + ", ".join(skipped) + ".",
+    )
+    for field, kwargs in kwargs_by_field.items():
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("one_value_is_scalar", "as_tuple")}
+        options = [_flag(field)] + ([spellings[field]] if field in spellings else [])
+        group.add_argument(*options, dest=f"{PREFIX}_{field}", default=None, help=_default_text(field, owners[field]), **kwargs)
+    for flag, field, const in MEGATRON_LM_SPELLINGS:
+        if const is False:
+            group.add_argument(flag, dest=f"{PREFIX}_{field}", action="store_const", const=False, help=f"Megatron-LM's spelling of --no-{_flag(field)[2:]}.")
+    group = parser.add_argument_group("Megatron model (GPTModel) and LR schedule")
+    for name, kwargs in {**MODEL_FLAGS, **SCHEDULER_FLAGS}.items():
+        group.add_argument(_flag(name), dest=f"{PREFIX}_{name}", **kwargs)
+
+
+def given_values(namespace: argparse.Namespace) -> dict:
+    """The Megatron flags' values by unprefixed name; dataclass fields that were not given are left out."""
+    kwargs_by_field, _, _ = field_flags()
+    values = {}
+    for dest, value in vars(namespace).items():
+        if not dest.startswith(PREFIX + "_"):
+            continue
+        name = dest[len(PREFIX) + 1 :]
+        if name in kwargs_by_field:
+            if value is None:
+                continue
+            if kwargs_by_field[name].get("one_value_is_scalar") and len(value) == 1:
+                value = value[0]
+            if kwargs_by_field[name].get("as_tuple"):
+                value = tuple(value)
+        values[name] = value
+    return values
+
+
+def read_hf_architecture(checkpoint: str) -> dict:
+    """Megatron names -> values from `<checkpoint>/config.json` ({} when there is none).
+
+    Multimodal and hybrid configs keep the language model under text_config.
+    """
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    config = config.get("text_config", config)
+    found = {name: config[key] for key, name in {**HF_SHAPE_KEYS, **HF_OVERRIDABLE_KEYS}.items() if config.get(key) is not None}
+    if "num_query_groups" in found:
+        found["group_query_attention"] = True
+    if "rms_norm_eps" in config:
+        found["normalization"] = "RMSNorm"
+    rope_theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    if rope_theta is not None:
+        found["rotary_base"] = float(rope_theta)
+    if "tie_word_embeddings" in config:
+        found["untie_embeddings_and_output_weights"] = not config["tie_word_embeddings"]
+    return found
+
+
+def resolve_architecture(given: dict, checkpoint: str | None, error) -> dict:
+    """Flags merged with the checkpoint's config.json: shape-defining flags must agree with it."""
+    from_hf = read_hf_architecture(checkpoint) if checkpoint else {}
+    merged = dict(given)
+    for name, value in from_hf.items():
+        if given.get(name) is None:
+            merged[name] = value
+        elif name in HF_SHAPE_KEYS.values() or name == "untie_embeddings_and_output_weights":
+            if given[name] != value:
+                error(
+                    f"{_flag(name)} {given[name]} disagrees with {checkpoint}/config.json ({value}); "
+                    f"the weights have the checkpoint's shape: drop the flag or fix it"
+                )
+    missing = [_flag(name) for name in REQUIRED_MODEL_FIELDS if not merged.get(name)]
+    if missing:
+        error(
+            f"the Megatron model size is unknown: give {', '.join(missing)} "
+            f"(or --hf-checkpoint DIR with a config.json, which supplies them)"
+        )
+    return merged
+
+
+def build_megatron_config(values: dict, num_steps: int, error) -> MegatronConfig:
+    """Real megatron-core config objects from resolved values (flags + checkpoint architecture)."""
+    import torch
+    import torch.nn.functional as F
+
+    classes = config_classes()
+    values = dict(values)
+    if values.get("bf16") and values.get("fp16"):
+        error("--bf16 and --fp16 are exclusive")
+    dtype = torch.bfloat16 if values.get("bf16") else torch.float16 if values.get("fp16") else torch.float32
+    if values.get("num_query_groups") is not None and not values.get("group_query_attention"):
+        error("--num-query-groups needs --group-query-attention (Megatron-LM ignores it otherwise)")
+    if not values.get("group_query_attention"):
+        values.pop("num_query_groups", None)
+    derived = {"params_dtype": dtype, "pipeline_dtype": dtype}
+    if values.get("swiglu"):
+        derived.update(gated_linear_unit=True, activation_func=F.silu)
+    built = {}
+    for key, cls in classes.items():
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        kwargs = {n: v for n, v in {**values, **derived}.items() if n in names}
+        try:
+            built[key] = cls(**kwargs)
+        except (ValueError, AssertionError, TypeError) as exc:
+            error(f"megatron-core {cls.__name__} rejects these flags: {exc}")
+    model = argparse.Namespace(**{name: values.get(name) for name in MODEL_FLAGS})
+    model.untie_embeddings_and_output_weights = bool(model.untie_embeddings_and_output_weights)
+    model.swiglu = bool(model.swiglu)
+    model.group_query_attention = bool(model.group_query_attention)
+    if model.rotary_base is None:
+        model.rotary_base = 10000.0
+    if model.max_position_embeddings is None:
+        model.max_position_embeddings = model.seq_length
+    model.padded_vocab_size = None
+    if model.vocab_size is not None:
+        multiple = model.make_vocab_size_divisible_by * built["transformer"].tensor_model_parallel_size
+        model.padded_vocab_size = -(-model.vocab_size // multiple) * multiple
+    scheduler = argparse.Namespace(**{name: values.get(name) for name in SCHEDULER_FLAGS})
+    if scheduler.lr_decay_iters is None:
+        scheduler.lr_decay_iters = num_steps
+    return MegatronConfig(model=model, scheduler=scheduler, **built)

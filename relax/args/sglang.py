@@ -1,0 +1,168 @@
+"""SGLang's flags as `--sglang-<flag>`, taken at run time from the installed SGLang, and back to a ServerArgs.
+
+Every action of `ServerArgs.add_cli_args` is re-registered with each option string prefixed
+(`--foo` -> `--sglang-foo`, `--no-foo` -> `--no-sglang-foo`) and its dest prefixed with `sglang_`;
+type, nargs, choices, default, help and the action class itself are SGLang's. The ServerArgs is then
+built by SGLang's own `from_cli_args` from a Namespace with the unprefixed dests, exactly as
+`sglang.srt.server_args.prepare_server_args` does.
+"""
+
+import argparse
+import copy
+import functools
+
+import msgspec
+import yaml
+
+PREFIX = "sglang"
+
+# ServerArgs fields relax sets itself, and what the user sets instead.
+MANAGED_BY_RELAX = {
+    "model_path": "use --hf-checkpoint",
+    "tokenizer_path": "use --hf-checkpoint (the tokenizer is read from it)",
+    "tp_size": "use --rollout-num-devices-per-engine",
+    "port": "relax's placement picks a free port per engine; remove it",
+    "nccl_port": "relax's placement picks a free port per engine; remove it",
+    "dist_init_addr": "relax's placement sets it; remove it",
+    "base_gpu_id": "relax's placement assigns devices; remove it",
+    "enable_memory_saver": "use --colocate (on by default; the memory saver follows it where the platform has one)",
+    "device": "use --device",
+}
+
+
+def prefixed(option: str) -> str:
+    if option.startswith("--no-"):
+        return f"--no-{PREFIX}-{option[5:]}"
+    return f"--{PREFIX}-{option[2:]}"
+
+
+@functools.cache
+def sglang_parser() -> argparse.ArgumentParser:
+    """SGLang's own parser, as prepare_server_args builds it (without -h)."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang serve", add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def sglang_actions() -> list[argparse.Action]:
+    """Every flag of ServerArgs.add_cli_args except --config (relax's --sglang-config replaces it)."""
+    return [a for a in sglang_parser()._actions if "--config" not in a.option_strings]
+
+
+class ManagedBySglangRefused(argparse.Action):
+    """A ServerArgs flag whose field relax fills itself: using it is an error naming the relax flag."""
+
+    def __init__(self, option_strings, dest, instead, **kwargs):
+        self.instead = instead
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is set by relax: {self.instead}")
+
+
+def add_sglang_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "SGLang engine (every flag of the installed sglang.srt.server_args.ServerArgs, prefixed with --sglang-)"
+    )
+    group.add_argument(
+        "--sglang-config",
+        metavar="YAML",
+        help="SGLang's --config: a YAML file whose keys are SGLang flags (without the prefix); flags given "
+        "on the command line override it.",
+    )
+    for action in sglang_actions():
+        options = [prefixed(o) for o in action.option_strings]
+        if action.dest in MANAGED_BY_RELAX:
+            instead = MANAGED_BY_RELAX[action.dest]
+            group.add_argument(
+                *options, action=ManagedBySglangRefused, dest=f"{PREFIX}_{action.dest}", instead=instead, help=f"Set by relax: {instead}."
+            )
+            continue
+        # A copy of SGLang's own action object keeps its class, type, nargs, choices, default and help; only
+        # the spellings and the dest change. argparse has no public way to add an existing action.
+        clone = copy.copy(action)
+        clone.option_strings = options
+        clone.dest = f"{PREFIX}_{action.dest}"
+        clone.required = False
+        if getattr(clone, "new_flag", None):  # deprecation warnings name the replacement flag
+            clone.new_flag = prefixed(clone.new_flag)
+        group._add_action(clone)
+
+
+def redirects() -> dict[str, str]:
+    """Unprefixed spellings of the managed flags -> what to use instead (for unknown-flag messages)."""
+    return {o: MANAGED_BY_RELAX[a.dest] for a in sglang_actions() if a.dest in MANAGED_BY_RELAX for o in a.option_strings}
+
+
+def expand_sglang_config(argv: list[str], error) -> list[str]:
+    """Put the flags of `--sglang-config FILE` in front of argv, so the command line overrides the file.
+
+    SGLang does this for --config in prepare_server_args: its ConfigArgumentMerger turns the YAML into
+    `--key value` tokens placed before the other arguments. relax uses that same merger on SGLang's parser
+    and then prefixes the flag tokens, so the file means exactly what it means to SGLang.
+    """
+    positions = [i for i, a in enumerate(argv) if a == "--sglang-config" or a.startswith("--sglang-config=")]
+    if not positions:
+        return argv
+    if len(positions) > 1:
+        error("--sglang-config given more than once")
+    i = positions[0]
+    path = argv[i].partition("=")[2] if "=" in argv[i] else (argv[i + 1] if i + 1 < len(argv) else "")
+    if not path:
+        error("--sglang-config needs a YAML file")
+    from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+
+    keys = _config_keys(path, error)
+    try:
+        tokens = ConfigArgumentMerger(sglang_parser()).merge_config_with_args(["--config", path])
+    except ValueError as exc:
+        error(f"--sglang-config {path}: {exc}")
+    flag_tokens = {f"--{key}" for key in keys}
+    return [prefixed(t) if t in flag_tokens else t for t in tokens] + argv
+
+
+def _config_keys(path: str, error) -> list[str]:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        error(f"--sglang-config {path}: {exc}")
+    if not isinstance(data, dict):
+        error(f"--sglang-config {path}: the file must hold a mapping of SGLang flags to values")
+    by_option = {o: a for a in sglang_actions() for o in a.option_strings}
+    for key in data:
+        action = by_option.get(f"--{key}")
+        if action is None:
+            import difflib
+
+            guess = difflib.get_close_matches(f"--{key}", list(by_option), n=1, cutoff=0.75)
+            hint = f": did you mean {guess[0][2:]!r}?" if guess else " (keys are SGLang flags without the leading --)"
+            error(f"--sglang-config {path}: unknown SGLang flag {key!r}{hint}")
+        if action.dest in MANAGED_BY_RELAX:
+            error(f"--sglang-config {path}: {key!r} is set by relax: {MANAGED_BY_RELAX[action.dest]}")
+    return list(data)
+
+
+def build_server_args(namespace: argparse.Namespace, argv: list[str], managed: dict):
+    """A real ServerArgs from the `sglang_*` dests plus the managed fields relax fills (`managed`)."""
+    from sglang.srt.server_args import ServerArgs
+
+    values = {}
+    for action in sglang_actions():
+        if action.dest in MANAGED_BY_RELAX:
+            values[action.dest] = action.default
+        else:
+            values[action.dest] = getattr(namespace, f"{PREFIX}_{action.dest}")
+    unknown = set(managed) - set(MANAGED_BY_RELAX)
+    assert not unknown, f"not a relax-managed ServerArgs field: {unknown}"
+    values.update(managed)
+    # prepare_server_args records whether the flag was given (a model override reads it); so does relax.
+    flag = prefixed("--radix-eviction-policy")
+    values["_radix_eviction_policy_explicitly_set"] = any(a == flag or a.startswith(flag + "=") for a in argv)
+    return ServerArgs.from_cli_args(argparse.Namespace(**values))
+
+
+def server_args_fields(server_args) -> dict:
+    return {f.name: getattr(server_args, f.name) for f in msgspec.structs.fields(type(server_args))}

@@ -1,0 +1,58 @@
+"""An argparse parser that refuses what it does not know and says what was probably meant.
+
+No abbreviations (`--lr-decay` never means `--lr-decay-style`), and an unknown flag is an error that
+names the closest known flags. Flags that belong to SGLang but were given without the `--sglang-`
+prefix are pointed at their prefixed spelling; flags relax sets itself are pointed at the relax flag.
+"""
+
+import argparse
+import difflib
+
+
+class StrictArgumentParser(argparse.ArgumentParser):
+    def __init__(self, *args, redirects: dict[str, str] | None = None, **kwargs):
+        """redirects: unknown flag -> the sentence to say instead of a guess (e.g. flags relax manages)."""
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.redirects = dict(redirects or {})
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self.unknown_message(extras))
+        return namespace
+
+    def known_flags(self) -> list[str]:
+        return [option for action in self._actions for option in action.option_strings]
+
+    def unknown_message(self, extras: list[str]) -> str:
+        flags = [token.split("=", 1)[0] for token in extras if token.startswith("-")]
+        if not flags:
+            return f"unexpected value(s) {' '.join(extras)!r}: every value follows the flag it belongs to"
+        return "\n".join(self.explain_unknown(flag) for flag in flags)
+
+    def explain_unknown(self, flag: str) -> str:
+        if flag in self.redirects:
+            return f"unknown flag {flag}: {self.redirects[flag]}"
+        # Compare against every flag with its --sglang- prefix taken off, so that an SGLang flag given
+        # without the prefix (or misspelt that way) is answered with its prefixed spelling.
+        by_bare_spelling = {}
+        for option in self.known_flags():
+            by_bare_spelling.setdefault(_without_namespace(option), option)
+        guesses = [by_bare_spelling[flag]] if flag in by_bare_spelling else []
+        for close in difflib.get_close_matches(flag, list(by_bare_spelling), n=3, cutoff=0.7):
+            if by_bare_spelling[close] not in guesses:
+                guesses.append(by_bare_spelling[close])
+        if not guesses:
+            return f"unknown flag {flag} (`relax train --help` lists every flag)"
+        return f"unknown flag {flag}: did you mean {' or '.join(guesses)}?"
+
+    def print_usage(self, file=None):
+        # The full usage line would list every flag (about a thousand); errors show the short form.
+        self._print_message(f"usage: {self.prog} [flags]   (`{self.prog} --help` lists every flag)\n", file)
+
+
+def _without_namespace(option: str) -> str:
+    for prefix, bare in (("--no-sglang-", "--no-"), ("--sglang-", "--")):
+        if option.startswith(prefix):
+            return bare + option[len(prefix) :]
+    return option
