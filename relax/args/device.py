@@ -1,14 +1,18 @@
-"""Which device a run uses, and the one fact about it that argument checking needs.
+"""Which device a run uses, and the facts about it that argument checking needs.
 
-Stand-in until relax/platform lands: `resolve_device` is the only place in relax/args that knows about
-devices, and it moves to relax.platform (get_platform(name)) unchanged in meaning.
+The name comes from relax.platform (same `auto` detection and RELAX_DEVICE as every other part of relax).
+The memory facts are kept here because a relax.platform record can only be built on a machine that has
+the device, while `--dry-run` must check a GPU or NPU run script on a CPU machine. They belong in
+relax.platform as facts readable without the device; then `resolve_device` reads them from there.
 """
 
-import importlib.util
 from typing import NamedTuple
+
+from relax.platform import resolve_platform_name
 
 # Per platform: (can the rollout engine release and resume its memory: SGLang's memory saver, i.e.
 # torch_memory_saver; must it, for training to fit beside it). Host memory is shared, so the CPU need not.
+# Agrees with relax.platform's records (memory_saver is None on cpu, torch_memory_saver on cuda/npu).
 _MEMORY_FACTS = {"cpu": (False, False), "cuda": (True, True), "npu": (True, True)}
 
 
@@ -21,18 +25,6 @@ class DeviceFacts(NamedTuple):
 def resolve_device(requested: str) -> DeviceFacts:
     """`--device auto|cpu|cuda|npu` -> the platform. An explicit name is taken as given (so a GPU run
     script can be dry-run on a CPU machine); only `auto` looks at the machine."""
-    name = requested if requested != "auto" else _detect()
+    name = resolve_platform_name(requested)
     has_memory_saver, colocation_needs_release = _MEMORY_FACTS[name]
     return DeviceFacts(name, has_memory_saver, colocation_needs_release)
-
-
-def _detect() -> str:
-    if importlib.util.find_spec("torch_npu") is not None:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-        import torch
-
-        if torch.npu.is_available():
-            return "npu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,199 @@
+"""--sglang-* flags: the ServerArgs relax builds equals the one SGLang builds from the same flags unprefixed."""
+
+import argparse
+import json
+import logging
+
+import msgspec
+import pytest
+
+from relax.args import build_parser, parse_train_args
+from relax.args.sglang import MANAGED_BY_RELAX, sglang_actions
+
+# Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--lr", "1e-6"]
+BASE += ["--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu"]
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, tie_word_embeddings=False))
+    )
+    return str(tmp_path)
+
+
+@pytest.fixture
+def sglang_own_parse():
+    """SGLang's own path, prepare_server_args: its parser, its --config merger, its from_cli_args.
+    It reconfigures root logging (basicConfig(force=True)); put it back afterwards."""
+    from sglang.srt.server_args import prepare_server_args
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield prepare_server_args
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def assert_same_server_args(ours, theirs):
+    assert type(ours) is type(theirs)
+    names = [f.name for f in msgspec.structs.fields(type(theirs))]
+    assert len(names) > 500  # every field is compared, not a sample
+    differing = {n: (getattr(ours, n), getattr(theirs, n)) for n in names if getattr(ours, n) != getattr(theirs, n)}
+    assert differing == {}
+
+
+# (SGLang's own spelling, relax's spelling): every kind of action SGLang registers.
+CASES = {
+    "store_true": (["--enable-hierarchical-cache"], ["--sglang-enable-hierarchical-cache"]),
+    "store_true alias": (["--enable-hicache"], ["--sglang-enable-hicache"]),
+    "boolean optional, negative": (["--no-enable-tf32-matmul"], ["--no-sglang-enable-tf32-matmul"]),
+    "boolean optional, positive": (["--enable-fused-qk-norm-rope"], ["--sglang-enable-fused-qk-norm-rope"]),
+    "valued aliases": (
+        ["--pipeline-parallel-size", "2", "--ep", "2", "--data-parallel-size", "2"],
+        ["--sglang-pipeline-parallel-size", "2", "--sglang-ep", "2", "--sglang-data-parallel-size", "2"],
+    ),
+    "dest differs from flag": (
+        ["--fp8-gemm-backend", "triton", "--elastic-ep-join-mode", "scale"],
+        ["--sglang-fp8-gemm-backend", "triton", "--sglang-elastic-ep-join-mode", "scale"],
+    ),
+    "lists": (
+        ["--cuda-graph-bs-decode", "1", "2", "4", "--lora-target-modules", "q_proj", "v_proj", "--gc-threshold", "10", "5"],
+        ["--sglang-cuda-graph-bs-decode", "1", "2", "4", "--sglang-lora-target-modules", "q_proj", "v_proj"]
+        + ["--sglang-gc-threshold", "10", "5"],
+    ),
+    "choices and types": (
+        ["--attention-backend", "torch_native", "--dtype", "float32", "--mem-fraction-static", "0.05", "--max-running-requests", "8"],
+        ["--sglang-attention-backend", "torch_native", "--sglang-dtype", "float32"]
+        + ["--sglang-mem-fraction-static", "0.05", "--sglang-max-running-requests", "8"],
+    ),
+    "explicitly-set bookkeeping": (["--radix-eviction-policy", "lru"], ["--sglang-radix-eviction-policy=lru"]),
+    "deprecated actions": (
+        ["--disable-cuda-graph", "--monokernel-backend", "amd"],
+        ["--sglang-disable-cuda-graph", "--sglang-monokernel-backend", "amd"],
+    ),
+    "nothing given": ([], []),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefixed_flags_build_the_server_args_sglang_builds(case, checkpoint, sglang_own_parse):
+    theirs_argv, ours_argv = CASES[case]
+    theirs = sglang_own_parse(["--model-path", checkpoint, "--device", "cpu", *theirs_argv])
+    ours = parse_train_args([*BASE, "--hf-checkpoint", checkpoint, *ours_argv]).sglang
+    assert_same_server_args(ours, theirs)
+
+
+def test_sglang_config_file_means_what_it_means_to_sglang(tmp_path, checkpoint, sglang_own_parse):
+    config = tmp_path / "engine.yaml"
+    config.write_text(
+        "mem-fraction-static: 0.1\nenable-hierarchical-cache: true\ndisable-radix-cache: false\n"
+        "cuda-graph-bs-decode: [1, 2]\nattention-backend: torch_native\nradix-eviction-policy: lfu\n"
+    )
+    override = ["--mem-fraction-static", "0.2"]  # the command line wins over the file
+    theirs = sglang_own_parse(["--model-path", checkpoint, "--device", "cpu", "--config", str(config), *override])
+    ours = parse_train_args([*BASE, "--hf-checkpoint", checkpoint, "--sglang-config", str(config), "--sglang-mem-fraction-static", "0.2"])
+    assert ours.sglang.mem_fraction_static == 0.2 and ours.sglang.enable_hierarchical_cache
+    assert_same_server_args(ours.sglang, theirs)
+
+
+def test_every_sglang_flag_is_registered_with_the_prefix():
+    ours = {o for a in build_parser()._actions for o in a.option_strings if "sglang-" in o}
+    theirs = [o for a in sglang_actions() for o in a.option_strings]
+    assert len(theirs) > 500
+    expected = {"--sglang-config"} | {f"--no-sglang-{o[5:]}" if o.startswith("--no-") else f"--sglang-{o[2:]}" for o in theirs}
+    assert ours == expected
+
+
+def test_relax_fills_the_fields_it_manages(checkpoint):
+    config = parse_train_args([*BASE, "--hf-checkpoint", checkpoint, "--rollout-num-devices-per-engine", "1"])
+    assert (config.sglang.model_path, config.sglang.tp_size, config.sglang.device) == (checkpoint, 1, "cpu")
+    assert config.sglang.enable_memory_saver is False  # the CPU has no memory saver
+    gpu = ["--device", "cuda", "--dry-run", "--num-devices-per-node", "2", "--rollout-num-devices-per-engine", "2"]
+    assert parse_train_args([*BASE, *gpu]).sglang.enable_memory_saver is True
+    assert parse_train_args([*BASE, *gpu, "--no-colocate"]).sglang.tp_size == 2
+    assert parse_train_args([*BASE, *gpu, "--no-colocate"]).sglang.enable_memory_saver is False
+
+
+def parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_train_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, relax_flag",
+    [
+        (["--sglang-model-path", "/m"], "--hf-checkpoint"),
+        (["--sglang-model=/m"], "--hf-checkpoint"),
+        (["--sglang-tokenizer-path", "/m"], "--hf-checkpoint"),
+        (["--sglang-tp-size", "2"], "--rollout-num-devices-per-engine"),
+        (["--sglang-tensor-parallel-size", "2"], "--rollout-num-devices-per-engine"),
+        (["--sglang-port", "30000"], "placement"),
+        (["--sglang-nccl-port", "30001"], "placement"),
+        (["--sglang-dist-init-addr", "h:1"], "placement"),
+        (["--sglang-base-gpu-id", "1"], "placement"),
+        (["--sglang-enable-memory-saver"], "--colocate"),
+        (["--sglang-device", "cuda"], "--device"),
+    ],
+)
+def test_managed_fields_are_refused_naming_the_relax_flag(flag, relax_flag, capsys):
+    err = parse_error([*BASE, *flag], capsys)
+    assert "set by relax" in err and relax_flag in err
+
+
+def test_every_managed_field_is_refused():
+    parser = build_parser()
+    refused = {a.dest[len("sglang_") :] for a in parser._actions if type(a).__name__ == "ManagedBySglangRefused"}
+    assert refused == set(MANAGED_BY_RELAX)
+
+
+def test_managed_field_in_the_config_file_is_refused(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text("tp-size: 2\n")
+    err = parse_error([*BASE, "--sglang-config", str(config)], capsys)
+    assert "'tp-size' is set by relax" in err and "--rollout-num-devices-per-engine" in err
+
+
+def test_unknown_key_in_the_config_file_is_refused_with_a_guess(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text("mem_fraction_static: 0.1\n")
+    err = parse_error([*BASE, "--sglang-config", str(config)], capsys)
+    assert "unknown SGLang flag 'mem_fraction_static'" in err and "mem-fraction-static" in err
+
+
+@pytest.mark.parametrize(
+    "flag, suggestion",
+    [
+        ("--mamba-radix-cache-strategy", "--sglang-mamba-radix-cache-strategy"),
+        # The name in newer SGLang releases; the installed 0.5.23 calls it --mamba-radix-cache-strategy.
+        ("--mamba-scheduler-strategy", "--sglang-mamba-radix-cache-strategy"),
+        ("--no-enable-tf32-matmul", "--no-sglang-enable-tf32-matmul"),
+        ("--sglang-mem-fraction-statc", "--sglang-mem-fraction-static"),
+    ],
+)
+def test_unprefixed_or_misspelt_sglang_flag_suggests_the_prefixed_one(flag, suggestion, capsys):
+    err = parse_error([*BASE, flag, "x"], capsys)
+    assert f"unknown flag {flag}: did you mean {suggestion}" in err
+
+
+def test_unprefixed_managed_flag_names_the_relax_flag(capsys):
+    assert "unknown flag --tp-size: use --rollout-num-devices-per-engine" in parse_error([*BASE, "--tp-size", "2"], capsys)
+
+
+def test_no_abbreviations(capsys):
+    assert "unknown flag --sglang-mem-fraction" in parse_error([*BASE, "--sglang-mem-fraction", "0.1"], capsys)
+
+
+def test_a_stray_value_is_an_error(capsys):
+    assert "unexpected value" in parse_error([*BASE, "stray"], capsys)
+
+
+def test_help_lists_the_namespaces():
+    text = build_parser().format_help()
+    assert "SGLang engine" in text and "--sglang-mem-fraction-static" in text and "--no-sglang-enable-tf32-matmul" in text
+    assert "Megatron (megatron-core TransformerConfig" in text and "--tensor-model-parallel-size" in text
+    assert "relax: rollout" in text
+    assert isinstance(build_parser(), argparse.ArgumentParser)
