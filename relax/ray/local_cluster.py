@@ -1,0 +1,149 @@
+"""A Ray cluster of one or more nodes on this machine, for tests and the CPU demo.
+
+Every node is a `ray start --block` process of its own, bound to 127.0.0.1 on ports chosen free, with its
+own temporary directory, usage stats off and token authentication off. It is torn down by ending exactly
+the processes it started (never `ray stop`, which ends every Ray process of the machine, other users'
+clusters included).
+
+    with LocalCluster() as cluster:
+        cluster.start_head(num_cpus=2)
+        cluster.add_node(num_cpus=2, resources={"node_b": 1})
+        ray.init(address=cluster.address)
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+# Environment of every node and of every client of the cluster (drivers, job submission).
+# Token auth is off explicitly: with RAY_AUTH_MODE unset, `ray start` turns it on as soon as an earlier
+# ray.init() has left ~/.ray/auth_token behind, and clients then fail with "Authentication required".
+CLUSTER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+
+_STARTED_LINE = "Ray runtime started"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalCluster:
+    def __init__(self, start_timeout_s: float = 60.0):
+        # A short path: Ray puts unix sockets under it and their paths are limited to 107 bytes.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="relax-ray-"))
+        self.start_timeout_s = start_timeout_s
+        self.address: str | None = None  # GCS address, for ray.init(address=...) and `ray start --address`
+        self.dashboard_url: str | None = None  # for the Jobs API (relax submit --address)
+        self._nodes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """Variables a driver or `relax submit` process needs to reach this cluster."""
+        return {**CLUSTER_ENV, "RAY_ADDRESS": self.address or ""}
+
+    def start_head(self, num_cpus: int, num_gpus: int | None = None, resources: dict | None = None,
+                   env: dict[str, str] | None = None) -> None:
+        if self._nodes:
+            raise RuntimeError("LocalCluster.start_head: the head is already started")
+        gcs_port, dashboard_port = free_port(), free_port()
+        self._start_node(
+            "head",
+            ["--head", f"--port={gcs_port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={free_port()}",
+             f"--temp-dir={self.temp_dir}"],
+            num_cpus, num_gpus, resources, env,
+        )
+        self.address = f"127.0.0.1:{gcs_port}"
+        self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+
+    def add_node(self, num_cpus: int, num_gpus: int | None = None, resources: dict | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """Another raylet joining the head: a node of its own (own node id and resources) on this machine."""
+        if self.address is None:
+            raise RuntimeError("LocalCluster.add_node: call start_head first")
+        self._start_node(f"node{len(self._nodes)}", [f"--address={self.address}"], num_cpus, num_gpus, resources, env)
+
+    def _start_node(self, name, role_args, num_cpus, num_gpus, resources, env) -> None:
+        command = [
+            str(Path(sys.executable).with_name("ray")), "start", "--block", *role_args,
+            "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+            f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources or {})}",
+            # Ports every node would otherwise take at fixed defaults (clashing with a second node here, or
+            # with someone else's cluster on this machine).
+            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+            "--min-worker-port=0", "--max-worker-port=0",  # 0: each worker takes a port the OS gives it
+        ]
+        if num_gpus is not None:
+            command.append(f"--num-gpus={num_gpus}")
+        log_path = self.temp_dir / f"{name}.log"
+        with open(log_path, "w") as log:
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **CLUSTER_ENV, **(env or {})}, start_new_session=True,
+            )
+        self._nodes.append(process)
+        deadline = time.monotonic() + self.start_timeout_s
+        while _STARTED_LINE not in log_path.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                output = log_path.read_text()
+                self.stop()
+                raise RuntimeError(f"LocalCluster: `ray start` of {name} did not come up:\n{output[-4000:]}")
+            time.sleep(0.2)
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of this cluster: the `ray start` processes, their descendants, and any process
+        whose command line names this cluster's temporary directory (workers reparented after a crash)."""
+        found: dict[int, psutil.Process] = {}
+        for node in self._nodes:
+            try:
+                root = psutil.Process(node.pid)
+                found[root.pid] = root
+                found.update((child.pid, child) for child in root.children(recursive=True))
+            except psutil.NoSuchProcess:
+                pass
+        marker = str(self.temp_dir)
+        for process in psutil.process_iter(["cmdline"]):
+            if any(marker in part for part in process.info["cmdline"] or ()):
+                found.setdefault(process.pid, process)
+        return [process for process in found.values() if process.is_running() and process.status() != psutil.STATUS_ZOMBIE]
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """End every process of this cluster (SIGTERM, then SIGKILL after grace_s) and remove its temp dir."""
+        processes = self.processes()
+        for process in processes:
+            try:
+                process.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(processes, timeout=grace_s)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=grace_s)
+        for node in self._nodes:
+            node.wait(timeout=grace_s)
+        self._nodes.clear()
+        # Ray removes nothing on its own; a leftover ray_current_cluster would redirect later ray.init()s.
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -1,0 +1,329 @@
+"""Placement: one placement group of device bundles, ordered by node and device, and the actors on it.
+
+    placement = create_placement(platform, num_devices=8)           # bundles sorted by node, then device
+    trainers = create_training_actors(TrainActor, placement)         # rank i on bundle i, share 0.4
+    engines = create_engine_actors(Engine, placement, devices_per_engine=2)   # share 0.2 of its first bundle
+    ...
+    engines.kill(); trainers.kill(); placement.remove()
+
+A bundle holds one device ({"GPU": 1, "CPU": c} / {"NPU": 1, "CPU": c}) or, on the CPU platform, CPUs
+only ({"CPU": c}). Training actors and engines are colocated: each takes a fraction (`share`) of every
+resource of its bundle, so a training rank and an engine live on the same device.
+
+Devices: Ray names a bundle's device by its entry in the node's visible-devices list (the raylet's
+CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES when set, else 0..n-1): the physical id. Every actor here
+starts with Ray's RAY_EXPERIMENTAL_NOSET_<visible-devices variable>, so Ray leaves that variable as the
+raylet has it and each process of a node sees the same devices in the same order; an actor then selects
+its device by the logical index (its position in that list), given to it in RELAX_LOCAL_DEVICE. Engines
+get the logical index of their first device (SGLang's base_gpu_id) and of all of theirs.
+"""
+
+import ipaddress
+import os
+import socket
+from collections import Counter
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from relax.ray.runtime_env import worker_env_vars
+
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+# Variables relax sets in the actors it places (besides torch.distributed's MASTER_ADDR, MASTER_PORT,
+# RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE for training ranks).
+LOCAL_DEVICE_ENV = "RELAX_LOCAL_DEVICE"  # logical index of the actor's (first) device; unset on CPU
+ENGINE_RANK_ENV = "RELAX_ENGINE_RANK"
+NUM_ENGINES_ENV = "RELAX_NUM_ENGINES"
+ENGINE_DEVICES_ENV = "RELAX_ENGINE_DEVICES"  # logical indices of all of an engine's devices, comma-separated
+
+# What a probe takes of its bundle: enough to be given the bundle's device, little enough to fit beside
+# anything (Ray counts resources in units of 1e-4).
+_PROBE_SHARE = 0.01
+
+
+def noset_visible_devices_env(platform) -> dict[str, str]:
+    """Ray's switch that keeps it from narrowing the platform's visible-devices variable per actor."""
+    if platform.visible_devices_env is None:
+        return {}
+    return {f"RAY_EXPERIMENTAL_NOSET_{platform.visible_devices_env}": "1"}
+
+
+def local_device_index(environ=os.environ) -> int:
+    """The device index an actor placed here should select (platform.set_device): 0 on the CPU platform."""
+    return int(environ.get(LOCAL_DEVICE_ENV, "0"))
+
+
+@dataclass(frozen=True)
+class Bundle:
+    index: int  # the bundle's index in the placement group
+    node_id: str
+    node_ip: str
+    device_id: str | None  # Ray's (physical) id of the bundle's device; None on the CPU platform
+    local_device: int | None  # its logical index for a process that sees all of the node's devices
+
+
+@dataclass
+class Placement:
+    platform: object
+    group: PlacementGroup
+    bundle_resources: dict[str, float]
+    bundles: list[Bundle]  # ordered by node (IP, then node id), then device
+    master_addr: str  # for torch.distributed: the node of the first bundle
+    master_port: int  # a port that was free on that node when the placement was made
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.bundles)
+
+    def node_ids(self) -> list[str]:
+        """The nodes in bundle order, each once."""
+        return list(dict.fromkeys(bundle.node_id for bundle in self.bundles))
+
+    def local_ranks(self) -> list[tuple[int, int]]:
+        """(local rank, local world size) of each bundle: its position among the bundles of its node."""
+        sizes = Counter(bundle.node_id for bundle in self.bundles)
+        seen: Counter = Counter()
+        ranks = []
+        for bundle in self.bundles:
+            ranks.append((seen[bundle.node_id], sizes[bundle.node_id]))
+            seen[bundle.node_id] += 1
+        return ranks
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+class _BundleProbe:
+    """Reports where the bundle it runs in lives; one per bundle, killed once the bundles are sorted."""
+
+    def where(self, ray_resource: str | None, visible_devices_env: str | None) -> dict:
+        context = ray.get_runtime_context()
+        device_id = local_device = None
+        if ray_resource is not None:
+            (device_id,) = context.get_accelerator_ids()[ray_resource]
+            # With NOSET this process sees the raylet's list; Ray's ids are entries of that list.
+            visible = os.environ.get(visible_devices_env or "")
+            local_device = visible.split(",").index(device_id) if visible else int(device_id)
+        return {
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "device_id": device_id,
+            "local_device": local_device,
+        }
+
+    def free_port(self) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+
+def bundle_sort_key(bundle: Bundle) -> tuple:
+    """Node IP (numerically; a hostname after all addresses), node id, then device id (numerically)."""
+    try:
+        address = ipaddress.ip_address(bundle.node_ip)
+        node_key = (0, address.version, int(address), "")
+    except ValueError:
+        node_key = (1, 0, 0, bundle.node_ip)
+    device = bundle.device_id
+    device_key = (0, int(device), "") if device is not None and device.isdigit() else (1, 0, device or "")
+    return (node_key, bundle.node_id, device_key, bundle.index)
+
+
+def bundle_resources_for(platform, cpus_per_device: float) -> dict[str, float]:
+    if platform.ray_resource is None:
+        return {"CPU": cpus_per_device}
+    return {platform.ray_resource: 1, "CPU": cpus_per_device}
+
+
+def create_placement(
+    platform,
+    num_devices: int,
+    cpus_per_device: float = 1,
+    strategy: str = "PACK",
+    timeout_s: float = 300,
+) -> Placement:
+    """Reserve `num_devices` bundles (PACK: as few nodes as possible) and order them by node and device.
+
+    Needs ray.init() done. Fails with the cluster's resources named when they cannot hold the bundles.
+    """
+    if num_devices < 1:
+        raise ValueError(f"create_placement: num_devices must be at least 1, got {num_devices}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"create_placement: strategy {strategy!r} is not one of {', '.join(STRATEGIES)}")
+    resources = bundle_resources_for(platform, cpus_per_device)
+    total = ray.cluster_resources()
+    for name, amount in resources.items():
+        if total.get(name, 0) < amount * num_devices:
+            raise RuntimeError(
+                f"placement: {num_devices} bundles of {resources} need {amount * num_devices:g} {name}, "
+                f"but the Ray cluster has {total.get(name, 0):g} {name} in all ({len(ray.nodes())} nodes); "
+                "ask for fewer devices or add nodes"
+            )
+    group = placement_group([dict(resources)] * num_devices, strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"placement: {num_devices} bundles of {resources} ({strategy}) were not granted within {timeout_s:g} s; "
+            f"the cluster has {ray.available_resources()} free now (other jobs may hold the rest)"
+        )
+    try:
+        return _probe_and_sort(platform, group, resources)
+    except BaseException:
+        remove_placement_group(group)
+        raise
+
+
+def _probe_and_sort(platform, group: PlacementGroup, resources: dict[str, float]) -> Placement:
+    probe_class = ray.remote(_BundleProbe)
+    probes = [
+        probe_class.options(
+            **_resource_options({name: amount * _PROBE_SHARE for name, amount in resources.items()}),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index),
+            runtime_env={"env_vars": noset_visible_devices_env(platform)},
+        ).remote()
+        for index in range(len(group.bundle_specs))
+    ]
+    try:
+        reports = ray.get([probe.where.remote(platform.ray_resource, platform.visible_devices_env) for probe in probes])
+        bundles = sorted(
+            (Bundle(index=index, **report) for index, report in enumerate(reports)), key=bundle_sort_key
+        )
+        master_port = ray.get(probes[bundles[0].index].free_port.remote())
+    finally:
+        for probe in probes:
+            ray.kill(probe)
+    return Placement(
+        platform=platform,
+        group=group,
+        bundle_resources=dict(resources),
+        bundles=bundles,
+        master_addr=bundles[0].node_ip,
+        master_port=master_port,
+    )
+
+
+def _resource_options(resources: dict[str, float]) -> dict:
+    """Ray's actor options for a resource dict: CPU and GPU have keywords of their own, the rest go in `resources`."""
+    options = {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0)}
+    custom = {name: amount for name, amount in resources.items() if name not in ("CPU", "GPU")}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+class ActorGroup:
+    """Ray actors of one class: actor i on bundle `placement.bundles[positions[i]]`, taking `share` of each
+    resource of that bundle, with environment `envs[i]` (on top of the job's). All get the same init args."""
+
+    def __init__(self, actor_class, placement: Placement, positions: list[int], share: float,
+                 envs: list[dict[str, str]], args: tuple = (), kwargs: dict | None = None):
+        if len(positions) != len(envs):
+            raise ValueError(f"ActorGroup: {len(positions)} bundle positions but {len(envs)} environments")
+        if not 0 < share <= 1:
+            raise ValueError(f"ActorGroup: share must be in (0, 1], got {share}")
+        self.placement = placement
+        self.envs = envs
+        self.bundles = [placement.bundles[position] for position in positions]
+        remote_class = actor_class if isinstance(actor_class, ray.actor.ActorClass) else ray.remote(actor_class)
+        options = _resource_options({name: amount * share for name, amount in placement.bundle_resources.items()})
+        self.actors = [
+            remote_class.options(
+                **options,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=placement.group, placement_group_bundle_index=bundle.index
+                ),
+                runtime_env={"env_vars": env},
+            ).remote(*args, **(kwargs or {}))
+            for bundle, env in zip(self.bundles, envs)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """Call `method` on every actor; returns the object refs (ray.get them)."""
+        return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+def _base_env(placement: Placement, env: dict | None, memory_saver_on: bool) -> dict[str, str]:
+    """The worker environment of this driver's run, Ray's NOSET switch, and the caller's variables."""
+    return {
+        **worker_env_vars(placement.platform, os.environ, memory_saver_on=memory_saver_on),
+        **noset_visible_devices_env(placement.platform),
+        **(env or {}),
+    }
+
+
+def training_envs(placement: Placement, base_env: dict[str, str]) -> list[dict[str, str]]:
+    """torch.distributed's variables for rank i on bundle i (bundles in node/device order)."""
+    envs = []
+    for rank, (bundle, (local_rank, local_size)) in enumerate(zip(placement.bundles, placement.local_ranks())):
+        env = {
+            **base_env,
+            "MASTER_ADDR": placement.master_addr,
+            "MASTER_PORT": str(placement.master_port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(placement.num_devices),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_size),
+        }
+        if bundle.local_device is not None:
+            env[LOCAL_DEVICE_ENV] = str(bundle.local_device)
+        envs.append(env)
+    return envs
+
+
+def engine_envs(placement: Placement, devices_per_engine: int, base_env: dict[str, str]) -> list[dict[str, str]]:
+    """Engine e runs on bundles [e*k, (e+1)*k) (k = devices_per_engine), all on one node, consecutive devices."""
+    if devices_per_engine < 1 or placement.num_devices % devices_per_engine:
+        raise ValueError(
+            f"rollout_num_devices_per_engine={devices_per_engine} must divide the {placement.num_devices} "
+            "placed devices"
+        )
+    num_engines = placement.num_devices // devices_per_engine
+    envs = []
+    for engine in range(num_engines):
+        bundles = placement.bundles[engine * devices_per_engine:(engine + 1) * devices_per_engine]
+        if len({bundle.node_id for bundle in bundles}) > 1:
+            per_node = dict(Counter(f"{bundle.node_ip}/{bundle.node_id[:8]}" for bundle in placement.bundles))
+            raise ValueError(
+                f"engine {engine} would span nodes: rollout_num_devices_per_engine={devices_per_engine} must divide "
+                f"the devices placed on each node (here, by node IP/id: {per_node})"
+            )
+        env = {**base_env, ENGINE_RANK_ENV: str(engine), NUM_ENGINES_ENV: str(num_engines)}
+        if bundles[0].local_device is not None:
+            devices = [bundle.local_device for bundle in bundles]
+            # SGLang places tensor-parallel rank r on base_gpu_id + r: the devices must be consecutive.
+            if devices != list(range(devices[0], devices[0] + len(devices))):
+                raise ValueError(
+                    f"engine {engine} got devices {devices} on node {bundles[0].node_ip}, not consecutive; "
+                    "SGLang needs consecutive devices per engine (another job may hold the ones between)"
+                )
+            env[LOCAL_DEVICE_ENV] = str(devices[0])
+            env[ENGINE_DEVICES_ENV] = ",".join(map(str, devices))
+        envs.append(env)
+    return envs
+
+
+def create_training_actors(actor_class, placement: Placement, share: float = 0.4, env: dict | None = None,
+                           memory_saver_on: bool = False, args: tuple = (), kwargs: dict | None = None) -> ActorGroup:
+    """One actor per bundle: rank i on bundle i, with torch.distributed's variables."""
+    envs = training_envs(placement, _base_env(placement, env, memory_saver_on))
+    return ActorGroup(actor_class, placement, list(range(placement.num_devices)), share, envs, args, kwargs)
+
+
+def create_engine_actors(actor_class, placement: Placement, devices_per_engine: int, share: float = 0.2,
+                         env: dict | None = None, memory_saver_on: bool = False, args: tuple = (),
+                         kwargs: dict | None = None) -> ActorGroup:
+    """One actor per group of `devices_per_engine` bundles, on the first bundle of its group."""
+    envs = engine_envs(placement, devices_per_engine, _base_env(placement, env, memory_saver_on))
+    positions = list(range(0, placement.num_devices, devices_per_engine))
+    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs)

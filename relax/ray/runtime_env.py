@@ -1,0 +1,81 @@
+"""The environment every relax worker process gets: one rule, used by `relax submit` for the job and by
+the driver for each actor it creates.
+
+A Ray actor is a process forked by its node's raylet, which was started long before the run: a variable
+exported in the shell that submits (or starts) a run reaches actors only through a runtime_env. The rule:
+
+    the platform's default worker environment
+    < every variable of the calling environment with a prefix workers read (WORKER_ENV_PREFIXES,
+      WORKER_ENV_NAMES), except the visible-devices variables
+    < the variables the user names (`--env NAME` takes its value from the calling environment,
+      `--env NAME=VALUE` sets it)
+
+Later entries win. Ray merges env_vars per variable: a job's env_vars reach its driver and every actor
+the driver creates, and an actor's own env_vars override single variables on top of them.
+"""
+
+import re
+from collections.abc import Iterable, Mapping
+
+# Prefixes of the variables SGLang, Megatron/MindSpeed, torch, the collective libraries and relax read.
+WORKER_ENV_PREFIXES = (
+    "RELAX_",
+    "SGLANG_",
+    "TORCH_",
+    "PYTORCH_",
+    "NCCL_",
+    "CUDA_",
+    "HCCL_",
+    "ASCEND_",
+    "MINDSPEED_",
+    "GLOO_",
+    "TRITON_",
+)
+# Whole names read by the same programs that share no prefix.
+WORKER_ENV_NAMES = ("TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "OMP_NUM_THREADS")
+# Never forwarded by prefix: Ray gives each actor its devices on its own node, and a login shell's
+# CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES would point every worker at the same devices.
+# Naming one with --env still forwards it.
+_NOT_FORWARDED_SUFFIX = "_VISIBLE_DEVICES"
+
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of `environ` that workers read, by prefix or name (visible-devices variables excluded)."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if (name.startswith(WORKER_ENV_PREFIXES) or name in WORKER_ENV_NAMES)
+        and not name.endswith(_NOT_FORWARDED_SUFFIX)
+    }
+
+
+def parse_env_specs(specs: Iterable[str], environ: Mapping[str, str]) -> dict[str, str]:
+    """`NAME=VALUE` sets NAME; a bare `NAME` takes its value from `environ` and must be set there."""
+    named = {}
+    for spec in specs:
+        name, has_value, value = spec.partition("=")
+        if not _NAME.match(name):
+            raise ValueError(f"--env {spec!r}: {name!r} is not a variable name; write NAME or NAME=VALUE")
+        if not has_value:
+            if name not in environ:
+                raise ValueError(
+                    f"--env {name}: {name} is not set in this shell; export it first or write --env {name}=VALUE"
+                )
+            value = environ[name]
+        named[name] = value
+    return named
+
+
+def worker_env_vars(
+    platform,
+    environ: Mapping[str, str],
+    named: Mapping[str, str] | None = None,
+    memory_saver_on: bool = False,
+) -> dict[str, str]:
+    """Environment of a worker: platform defaults < forwarded variables of `environ` < `named`."""
+    env = {name: str(value) for name, value in platform.worker_env(memory_saver_on).items()}
+    env.update(forwarded_env(environ))
+    env.update(named or {})
+    return env
