@@ -56,30 +56,30 @@ def _gdn_decode_kernel(
     num_rows, qkvz_row_stride, ba_row_stride, conv_slot_stride, state_slot_stride,
     scale, norm_eps,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BVF: tl.constexpr, BW: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
     INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
 ):
     """One work item = one token row x one key head with its R = HV // HK value heads.
 
     A key head's q/k conv channels are read and rewritten by exactly one work item, so the in-place conv-state
-    update cannot race with another program still reading the old window.
+    update cannot race with another program still reading the old window. A value head's output is kept as
+    [BT, BV] (tile, row in tile; BT = NT rounded up to a power of two) so the gated norm needs no second pass.
     """
     R: tl.constexpr = HV // HK
-    NT: tl.constexpr = (V + BV - 1) // BV  # value tiles per head
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
-    offs_o = tl.arange(0, R * BVF)  # the R heads' outputs, head after head, each padded to BVF
-    offs_h = tl.arange(0, R)
-    offs_vf = tl.arange(0, BVF)
-    mask_out = (offs_h[:, None] < R) & (offs_vf[None, :] < V)
+    tiles = tl.arange(0, BT)
+    offs_head = tiles[:, None] * BV + tl.arange(0, BV)[None, :]  # [BT, BV] positions within a value head
+    mask_head = (tiles[:, None] < NT) & (offs_head < V)
     for item in range(tl.program_id(0), num_rows * HK, tl.num_programs(0)):
         row = item // HK
         hk = item % HK
         slot = tl.load(slot_ptr + row).to(tl.int64)
-        out_row = out_ptr + row * HV * V + hk * R * V
+        out_group = out_ptr + row * HV * V + hk * R * V
         if slot < 0:  # padding row: no state touched, zero output
-            tl.store(out_row + offs_h[:, None] * V + offs_vf[None, :],
-                     tl.zeros([R, BVF], dtype=out_ptr.dtype.element_ty), mask=mask_out)
+            for j in tl.static_range(R):
+                tl.store(out_group + j * V + offs_head, tl.zeros([BT, BV], dtype=out_ptr.dtype.element_ty),
+                         mask=mask_head)
         else:
             qkvz_row = qkvz_ptr + row * qkvz_row_stride
             ba_row = ba_ptr + row * ba_row_stride
@@ -105,37 +105,33 @@ def _gdn_decode_kernel(
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
 
-            o = tl.zeros([R * BVF], dtype=tl.float32)
-            for it in range(R * NT):
-                j = it // NT  # value head within the group
+            for j in tl.static_range(R):  # the value heads sharing this key head
                 h = hk * R + j
-                offs_v = (it % NT) * BV + tl.arange(0, BV)
-                mask_v = offs_v < V
                 x = tl.load(a_in + j).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
                 softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
                 decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
                 beta = tl.sigmoid(tl.load(b_in + j).to(tl.float32))
-                v = _causal_conv_silu(v_in + j * V + offs_v, conv_state, conv_weight_ptr, conv_bias_ptr,
-                                      2 * HK * K + h * V + offs_v, mask_v, W, BW, HAS_CONV_BIAS)
-                # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
-                tile = state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K + offs_k[None, :]
-                tile_mask = mask_v[:, None] & mask_k[None, :]
-                s = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float32) * decay
-                delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
-                s += delta[:, None] * k[None, :]
-                tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
-                o_tile = tl.sum(s * q[None, :], axis=1)
-                # Place the tile's outputs at j * BVF + offs_v of the group's output vector.
-                o += tl.sum(tl.where(offs_o[None, :] == (j * BVF + offs_v)[:, None], o_tile[:, None], 0.0), axis=0)
-
-            # Gated RMSNorm per value head: o / rms(o) * weight * silu(z).
-            o2 = tl.reshape(o, [R, BVF])
-            rstd = tl.rsqrt(tl.sum(o2 * o2, axis=1) / V + norm_eps)
-            z = tl.load(z_in + offs_h[:, None] * V + offs_vf[None, :], mask=mask_out, other=0.0).to(tl.float32)
-            weight = tl.load(norm_weight_ptr + offs_vf, mask=offs_vf < V, other=0.0).to(tl.float32)
-            y = o2 * rstd[:, None] * weight[None, :] * z * tl.sigmoid(z)
-            tl.store(out_row + offs_h[:, None] * V + offs_vf[None, :], y.to(out_ptr.dtype.element_ty),
-                     mask=mask_out)
+                o = tl.zeros([BT, BV], dtype=tl.float32)
+                for t in range(NT):
+                    offs_v = t * BV + tl.arange(0, BV)
+                    mask_v = offs_v < V
+                    v = _causal_conv_silu(v_in + j * V + offs_v, conv_state, conv_weight_ptr, conv_bias_ptr,
+                                          2 * HK * K + h * V + offs_v, mask_v, W, BW, HAS_CONV_BIAS)
+                    # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
+                    tile = (state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K
+                            + offs_k[None, :])
+                    tile_mask = mask_v[:, None] & mask_k[None, :]
+                    s = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float32) * decay
+                    delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
+                    s += delta[:, None] * k[None, :]
+                    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
+                    o = tl.where(tiles[:, None] == t, tl.sum(s * q[None, :], axis=1)[None, :], o)
+                # Gated RMSNorm of the head: o / rms(o) * weight * silu(z).
+                rstd = tl.rsqrt(tl.sum(o * o) / V + norm_eps)
+                z = tl.load(z_in + j * V + offs_head, mask=mask_head, other=0.0).to(tl.float32)
+                weight = tl.load(norm_weight_ptr + offs_head, mask=mask_head, other=0.0).to(tl.float32)
+                y = o * rstd * weight * z * tl.sigmoid(z)
+                tl.store(out_group + j * V + offs_head, y.to(out_ptr.dtype.element_ty), mask=mask_head)
 
 
 def _check(condition: bool, message: str):
@@ -170,8 +166,8 @@ def gdn_decode(
     """
     num_v_heads = A_log.shape[0]
     _check(layout in QKVZ_LAYOUTS, f"layout={layout!r}: use one of {QKVZ_LAYOUTS}")
-    _check(num_v_heads % num_k_heads == 0 and (num_v_heads // num_k_heads) & (num_v_heads // num_k_heads - 1) == 0,
-           f"num_v_heads ({num_v_heads}) must be num_k_heads ({num_k_heads}) times a power of two")
+    _check(num_v_heads % num_k_heads == 0,
+           f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
     rows = mixed_qkvz.shape[0]
     conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
     width = conv_weight.shape[-1]
@@ -188,6 +184,9 @@ def gdn_decode(
            f"state_pool must be [num_slots, {num_v_heads}, {head_v_dim}, {head_k_dim}] (the [V, K] pool layout), "
            f"got {tuple(state_pool.shape)}")
     _check(slot_indices.shape == (rows,), f"slot_indices must be [{rows}], got {tuple(slot_indices.shape)}")
+    _check(block_v > 0 and block_v & (block_v - 1) == 0, f"block_v={block_v} must be a power of two")
+    block_v = min(block_v, triton.next_power_of_2(head_v_dim))
+    num_tiles = triton.cdiv(head_v_dim, block_v)
     out = mixed_qkvz.new_empty(rows, num_v_heads, head_v_dim)
     grid = (max(1, min(rows * num_k_heads, launch.num_programs)),)
     _gdn_decode_kernel[grid](
@@ -196,8 +195,8 @@ def gdn_decode(
         rows, mixed_qkvz.stride(0), mixed_ba.stride(0), conv_state_pool.stride(0), state_pool.stride(0),
         head_k_dim ** -0.5, norm_eps,
         HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, W=width,
-        BK=triton.next_power_of_2(head_k_dim), BV=min(block_v, triton.next_power_of_2(head_v_dim)),
-        BVF=triton.next_power_of_2(head_v_dim), BW=triton.next_power_of_2(width),
+        BK=triton.next_power_of_2(head_k_dim), BV=block_v, NT=num_tiles, BT=triton.next_power_of_2(num_tiles),
+        BW=triton.next_power_of_2(width),
         INTERLEAVED=layout == "interleaved", HAS_CONV_BIAS=conv_bias is not None,
         **launch.options,
     )

@@ -1,0 +1,69 @@
+"""relax.kernels on a CUDA GPU: the fused decode kernel vs the torch reference, and the torch chunked forward vs
+flash-linear-attention's own chunk kernel. Skipped where there is no GPU (or, for the fla check, no fla)."""
+
+import pytest
+import torch
+
+from relax.kernels import gdn_reference as ref
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HK, HV, K, V, WIDTH = 16, 32, 128, 128, 4  # Qwen3.5-9B's linear-attention layers
+
+
+def cuda_launch():
+    from relax.kernels.gdn_triton import TritonLaunch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return TritonLaunch(num_programs=sms * 16, options=dict(num_warps=4, num_stages=2))
+
+
+def decode_case(layout, dtype, rows=6, slots=9):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    conv_dim = 2 * HK * K + HV * V
+
+    def randn(*shape, scale=1.0, dtype=dtype):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+    return dict(
+        mixed_qkvz=randn(rows, conv_dim + HV * V), mixed_ba=randn(rows, 2 * HV),
+        conv_state_pool=randn(slots, conv_dim, WIDTH - 1), conv_weight=randn(conv_dim, WIDTH, scale=0.5),
+        conv_bias=randn(conv_dim), state_pool=randn(slots, HV, V, K, scale=0.05, dtype=torch.float32),
+        slot_indices=torch.tensor([7, 0, -1, 3, 8, 2][:rows], device="cuda"),
+        A_log=randn(HV, dtype=torch.float32), dt_bias=randn(HV, dtype=torch.float32),
+        norm_weight=randn(V, dtype=torch.float32), norm_eps=1e-6,
+        num_k_heads=HK, head_k_dim=K, head_v_dim=V, layout=layout,
+    )
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "interleaved"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_fused_decode_matches_reference(layout, dtype, tol):
+    from relax.kernels.gdn_triton import gdn_decode
+
+    case = decode_case(layout, dtype)
+    expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    out = gdn_decode(**case, launch=cuda_launch())
+    expected = ref.gdn_decode(**expected_case)
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=tol / 10, rtol=tol / 10)
+    torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
+
+
+def test_chunk_reference_matches_fla_chunk_kernel():
+    fla_gdr = pytest.importorskip("fla.ops.gated_delta_rule")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    batch, length, heads, v_heads, dim = 2, 200, 2, 4, 64
+    q = torch.randn(batch, length, heads, dim, device="cuda", generator=gen)
+    k = torch.randn(batch, length, heads, dim, device="cuda", generator=gen)
+    v = torch.randn(batch, length, v_heads, dim, device="cuda", generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(batch, length, v_heads, device="cuda", generator=gen))
+    beta = torch.rand(batch, length, v_heads, device="cuda", generator=gen)
+    h0 = torch.randn(batch, v_heads, dim, dim, device="cuda", generator=gen) * 0.1
+    o, s = ref.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+    fla_o, fla_s = fla_gdr.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    # fla's chunk kernel computes its matmuls in tf32 / bf16-accumulated blocks: looser than fp32.
+    torch.testing.assert_close(o, fla_o, atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(s, fla_s, atol=5e-3, rtol=5e-3)
