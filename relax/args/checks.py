@@ -40,9 +40,7 @@ def expert_parallel_fits(config, device):
     ep = tc.expert_model_parallel_size
     etp = tc.expert_tensor_parallel_size or tc.tensor_model_parallel_size
     if ep == 1:
-        return None
-    if not tc.num_moe_experts:
-        return f"--expert-model-parallel-size {ep} needs a MoE model (--num-experts, or an HF config with num_experts)"
+        return None  # (EP > 1 without experts: megatron-core's TransformerConfig refuses it already)
     if tc.num_moe_experts % ep:
         return f"--expert-model-parallel-size {ep} does not divide the {tc.num_moe_experts} experts (--num-experts)"
     product = ep * etp * tc.pipeline_model_parallel_size

@@ -1,0 +1,123 @@
+"""Cross-field rules: each one fires with a message naming the flags, and a consistent run passes them all."""
+
+import pytest
+
+from relax.args import parse_train_args
+from relax.args.checks import colocation_releases_memory
+from relax.args.device import DeviceFacts
+
+SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
+
+
+def parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_train_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+RULES = {
+    "required flags": (["--device", "cpu", "--dry-run", *SIZE], "missing --prompt-data, --reward-fn, --lr"),
+    "checkpoint required outside --dry-run": (
+        ["--lr", "1e-6", "--prompt-data", "p", "--reward-fn", "math", "--device", "cpu", *SIZE],
+        "missing --hf-checkpoint (only --dry-run may leave it out)",
+    ),
+    "TP x PP x CP vs devices": (
+        [*RUN, "--num-devices-per-node", "2", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 x --context-parallel-size 1 = 4 does not divide "
+        "the 2 devices (--num-nodes 1 x --num-devices-per-node 2)",
+    ),
+    "EP needs experts (megatron-core's own rule)": (
+        [*RUN, "--expert-model-parallel-size", "2"],
+        "megatron-core TransformerConfig rejects these flags: num_moe_experts must be non None to use expert-parallel",
+    ),
+    "EP divides experts": (
+        [*RUN, "--num-devices-per-node", "2", "--num-experts", "3", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"],
+        "--expert-model-parallel-size 2 does not divide the 3 experts",
+    ),
+    "EP x ETP x PP vs devices": (
+        [*RUN, "--num-devices-per-node", "2", "--num-experts", "4", "--expert-model-parallel-size", "4"],
+        "--expert-model-parallel-size 4 x expert tensor parallel 1 x --pipeline-model-parallel-size 1 = 4 does not divide the 2 devices",
+    ),
+    "rollout samples vs global batch": (
+        [*RUN, "--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
+        "--rollout-batch-size 3 x --n-samples-per-prompt 2 = 6 samples is not a multiple of --global-batch-size 4",
+    ),
+    "global batch vs micro batch x DP": (
+        [*RUN, "--num-devices-per-node", "2", "--rollout-batch-size", "6", "--n-samples-per-prompt", "1", "--micro-batch-size", "2"],
+        "--global-batch-size 6 is not a multiple of --micro-batch-size 2 x data-parallel size 2 = 4",
+    ),
+    "global batch vs DP with dynamic batches": (
+        [*RUN, "--num-devices-per-node", "4", "--rollout-batch-size", "6", "--n-samples-per-prompt", "1"]
+        + ["--use-dynamic-batch-size", "--max-tokens-per-device", "4096"],
+        "--global-batch-size 6 is not a multiple of data-parallel size 4 = 4",
+    ),
+    "engine TP divides devices": (
+        [*RUN, "--num-devices-per-node", "3", "--rollout-batch-size", "3", "--n-samples-per-prompt", "1"]
+        + ["--rollout-num-devices-per-engine", "2"],
+        "--rollout-num-devices-per-engine 2 does not divide the 3 devices",
+    ),
+    "eps clip order": ([*RUN, "--eps-clip", "0.2", "--eps-clip-high", "0.1"], "--eps-clip-high 0.1 is below --eps-clip 0.2"),
+    "KL loss needs a coefficient": ([*RUN, "--use-kl-loss"], "--use-kl-loss with --kl-coef 0 adds nothing"),
+    "debug modes exclusive": (
+        [*RUN, "--debug-rollout-only", "--debug-train-only", "--load-rollout-data", "d"],
+        "--debug-rollout-only and --debug-train-only exclude each other",
+    ),
+    "train-only needs saved rollouts": ([*RUN, "--debug-train-only"], "--debug-train-only needs --load-rollout-data"),
+    "dynamic batches need a token budget": ([*RUN, "--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-device"),
+    "token budget needs dynamic batches": (
+        [*RUN, "--max-tokens-per-device", "4096"],
+        "--max-tokens-per-device only applies with --use-dynamic-batch-size",
+    ),
+    "over-sampling needs dynamic sampling": (
+        [*RUN, "--over-sampling-batch-size", "64"],
+        "--over-sampling-batch-size only applies with --dynamic-sampling",
+    ),
+    "over-sampling at least the batch": (
+        [*RUN, "--dynamic-sampling", "--over-sampling-batch-size", "16"],
+        "--over-sampling-batch-size 16 is below --rollout-batch-size 32",
+    ),
+    "overlong buffer below max response": (
+        [*RUN, "--overlong-buffer-len", "1024"],
+        "--overlong-buffer-len 1024 must be below --rollout-max-response-len 1024",
+    ),
+    "save interval needs save": ([*RUN, "--save-interval", "10"], "--save-interval needs --save"),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_rule_fires_naming_the_flags(rule, capsys):
+    argv, message = RULES[rule]
+    assert message in parse_error(argv, capsys)
+
+
+def test_a_consistent_multi_device_run_passes():
+    argv = [*RUN, "--num-nodes", "2", "--num-devices-per-node", "4", "--tensor-model-parallel-size", "2"]
+    argv += ["--rollout-num-devices-per-engine", "4", "--rollout-batch-size", "16", "--n-samples-per-prompt", "4"]
+    argv += ["--global-batch-size", "32", "--micro-batch-size", "2", "--eps-clip-high", "0.28"]
+    config = parse_train_args(argv)
+    assert (config.relax.global_batch_size, config.relax.eps_clip_high) == (32, 0.28)
+
+
+def test_resolved_defaults():
+    config = parse_train_args(RUN)
+    assert config.relax.global_batch_size == 32 * 8  # one optimizer step per rollout
+    assert config.relax.eps_clip_high == config.relax.eps_clip
+    assert config.megatron.scheduler.lr_decay_iters == config.relax.num_steps
+
+
+def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
+    config = parse_train_args(RUN)
+    # A test double for a platform that must release memory to colocate but has no memory saver.
+    without_saver = DeviceFacts(name="gpu-without-saver", has_memory_saver=False, colocation_needs_release=True)
+    assert "--colocate on gpu-without-saver needs the rollout engine to release its memory" in colocation_releases_memory(config, without_saver)
+    assert colocation_releases_memory(config, DeviceFacts("cuda", True, True)) is None
+    assert colocation_releases_memory(config, DeviceFacts("cpu", False, False)) is None
+    config.relax.colocate = False
+    assert colocation_releases_memory(config, without_saver) is None
+
+
+@pytest.mark.parametrize("bad", [["--reward-fn", "mod:"], ["--reward-fn", "no spaces"], ["--rollout-batch-size", "0"]])
+def test_bad_values_exit_2(bad, capsys):
+    assert "error: argument" in parse_error([*RUN, *bad], capsys)

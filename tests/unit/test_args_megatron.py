@@ -1,0 +1,155 @@
+"""Megatron flags land in real megatron-core config objects; the HF config supplies the architecture."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from relax.args import build_parser, parse_train_args
+from relax.args.megatron import field_flags
+
+RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
+SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+def parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_train_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_config_objects_are_megatron_cores_own():
+    m = parse_train_args([*RUN, *SIZE]).megatron
+    assert type(m.transformer) is TransformerConfig
+    assert type(m.optimizer) is OptimizerConfig
+    assert type(m.ddp) is DistributedDataParallelConfig
+    assert (m.transformer.num_layers, m.transformer.hidden_size, m.transformer.num_attention_heads) == (2, 64, 4)
+
+
+def test_flags_of_every_kind_reach_the_config_objects():
+    argv = [*RUN, *SIZE, "--num-devices-per-node", "4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
+    argv += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # int; bool
+    argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]  # Literal
+    argv += ["--recompute-modules", "core_attn", "mlp"]  # list[str]
+    argv += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"]
+    argv += ["--moe-aux-loss-coeff", "0.01"]  # float | list[float], one value
+    argv += ["--attention-backend", "local"]  # Enum
+    argv += ["--no-attention-softmax-in-fp32", "--disable-bias-linear", "--norm-epsilon", "1e-6", "--normalization", "RMSNorm"]
+    argv += ["--swiglu", "--group-query-attention", "--num-query-groups", "2", "--qk-layernorm", "--bf16"]
+    argv += ["--weight-decay", "0.1", "--clip-grad", "0.5", "--adam-beta1", "0.8", "--adam-beta2", "0.95", "--min-lr", "1e-7"]
+    argv += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--accumulate-allreduce-grads-in-fp32"]
+    m = parse_train_args(argv).megatron
+    tc, opt, ddp = m.transformer, m.optimizer, m.ddp
+    assert (tc.tensor_model_parallel_size, tc.sequence_parallel) == (2, True)
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
+    assert tc.recompute_modules == ["core_attn", "mlp"]
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_token_dispatcher_type) == (4, 2, "alltoall")
+    assert tc.moe_aux_loss_coeff == 0.01
+    assert tc.attention_backend is AttnBackend.local
+    assert tc.attention_softmax_in_fp32 is False and tc.add_bias_linear is False
+    assert (tc.layernorm_epsilon, tc.normalization, tc.qk_layernorm) == (1e-6, "RMSNorm", True)
+    assert tc.gated_linear_unit is True and tc.activation_func is F.silu and m.model.swiglu
+    assert tc.num_query_groups == 2
+    assert tc.bf16 and tc.params_dtype is torch.bfloat16 and tc.pipeline_dtype is torch.bfloat16
+    assert opt.bf16 and opt.params_dtype is torch.bfloat16
+    assert (opt.lr, opt.min_lr, opt.weight_decay, opt.clip_grad, opt.adam_beta1, opt.adam_beta2) == (1e-6, 1e-7, 0.1, 0.5, 0.8, 0.95)
+    assert opt.use_distributed_optimizer and ddp.use_distributed_optimizer  # one flag, both dataclasses
+    assert ddp.overlap_grad_reduce and ddp.grad_reduce_in_fp32
+
+
+def test_list_union_takes_several_values_and_tuple_takes_its_length():
+    argv = [*RUN, *SIZE, "--moe-aux-loss-coeff", "0.01", "0.02", "--window-size", "8", "0"]
+    tc = parse_train_args(argv).megatron.transformer
+    assert tc.moe_aux_loss_coeff == [0.01, 0.02] and tc.window_size == (8, 0)
+    # int | list[int]: one value is a period (megatron-core expands it per layer), several are the layers
+    assert parse_train_args([*RUN, *SIZE, "--no-rope-freq", "2"]).megatron.transformer.no_rope_freq == [0, 1]
+    assert parse_train_args([*RUN, *SIZE, "--no-rope-freq", "1", "0"]).megatron.transformer.no_rope_freq == [1, 0]
+
+
+def test_flags_not_given_keep_megatron_cores_defaults():
+    m = parse_train_args([*RUN, *SIZE]).megatron
+    assert m.transformer.add_bias_linear is True and m.transformer.params_dtype is torch.float32
+    assert (m.optimizer.weight_decay, m.optimizer.adam_beta2, m.optimizer.use_distributed_optimizer) == (0.01, 0.999, False)
+    assert m.ddp.overlap_grad_reduce is False
+
+
+def test_model_and_schedule_settings():
+    argv = [*RUN, *SIZE, "--vocab-size", "1000", "--tensor-model-parallel-size", "1", "--untie-embeddings-and-output-weights"]
+    argv += ["--rotary-base", "1000000", "--lr-decay-style", "cosine", "--lr-warmup-iters", "5", "--num-steps", "50"]
+    m = parse_train_args(argv).megatron
+    assert (m.model.vocab_size, m.model.padded_vocab_size) == (1000, 1024)
+    assert m.model.untie_embeddings_and_output_weights and m.model.rotary_base == 1e6
+    assert (m.scheduler.lr_decay_style, m.scheduler.lr_warmup_iters, m.scheduler.lr_decay_iters) == ("cosine", 5, 50)
+
+
+def test_uncliable_fields_are_not_flags_and_say_so():
+    kwargs_by_field, _, skipped = field_flags()
+    for name in ("params_dtype", "pipeline_dtype", "init_method", "activation_func", "timers", "_cpu_offloading_context"):
+        assert name in skipped and name not in kwargs_by_field
+    assert "params_dtype" in build_parser().format_help()  # listed in the Megatron group's description
+    assert "--params-dtype" not in {o for a in build_parser()._actions for o in a.option_strings}
+
+
+def write_hf_config(tmp_path, **overrides):
+    config = dict(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=True,
+    )
+    config.update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_architecture_comes_from_the_hf_checkpoint(tmp_path):
+    m = parse_train_args([*RUN, "--hf-checkpoint", write_hf_config(tmp_path)]).megatron
+    tc = m.transformer
+    assert (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size, tc.num_attention_heads) == (3, 64, 128, 4)
+    assert (tc.num_query_groups, tc.kv_channels, tc.layernorm_epsilon, tc.normalization) == (2, 16, 1e-6, "RMSNorm")
+    assert (m.model.vocab_size, m.model.max_position_embeddings, m.model.rotary_base) == (300, 512, 1e6)
+    assert m.model.untie_embeddings_and_output_weights is False
+
+
+def test_text_config_of_a_multimodal_checkpoint_is_used(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(text_config=dict(num_hidden_layers=5, hidden_size=32, num_attention_heads=2))))
+    assert parse_train_args([*RUN, "--hf-checkpoint", str(tmp_path)]).megatron.transformer.num_layers == 5
+
+
+def test_a_flag_may_override_a_non_shape_setting_of_the_checkpoint(tmp_path):
+    tc = parse_train_args([*RUN, "--hf-checkpoint", write_hf_config(tmp_path), "--norm-epsilon", "1e-5"]).megatron.transformer
+    assert tc.layernorm_epsilon == 1e-5
+
+
+def test_a_shape_flag_must_agree_with_the_checkpoint(tmp_path, capsys):
+    err = parse_error([*RUN, "--hf-checkpoint", write_hf_config(tmp_path), "--hidden-size", "128"], capsys)
+    assert "--hidden-size 128 disagrees with" in err and "config.json (64)" in err
+
+
+def test_missing_model_size_names_the_flags(capsys):
+    err = parse_error([*RUN, "--num-layers", "2"], capsys)
+    assert "give --hidden-size, --num-attention-heads" in err and "--hf-checkpoint" in err
+
+
+def test_megatron_rejection_is_reported(capsys):
+    argv = [*RUN, *SIZE, "--num-devices-per-node", "8", "--tensor-model-parallel-size", "8"]
+    assert "megatron-core TransformerConfig rejects these flags: num_attention_heads (4) must be a multiple" in parse_error(argv, capsys)
+
+
+def test_megatron_typo_suggests_the_flag(capsys):
+    err = parse_error([*RUN, *SIZE, "--tensor-model-paralel-size", "2"], capsys)
+    assert "did you mean --tensor-model-parallel-size" in err
+
+
+def test_bf16_and_fp16_exclude_each_other(capsys):
+    assert "--bf16 and --fp16 are exclusive" in parse_error([*RUN, *SIZE, "--bf16", "--fp16"], capsys)
+
+
+def test_num_query_groups_needs_group_query_attention(capsys):
+    err = parse_error([*RUN, *SIZE, "--num-query-groups", "2"], capsys)
+    assert "--num-query-groups needs --group-query-attention" in err
