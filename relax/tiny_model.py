@@ -121,3 +121,18 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
     ).save_pretrained(out_dir)
     (out_dir / "relax_tiny_model.json").write_text(json.dumps({"family": family, "seed": seed}))
     return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny random HF checkpoint with its tokenizer.")
+    parser.add_argument("--family", default="qwen3", choices=sorted(FAMILIES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="directory to write (created if missing)")
+    args = parser.parse_args(argv)
+    print(build_tiny_model(args.out, args.family, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The tiny colocated run on CPU: a random ~80k-parameter Qwen3-style model (built here, no download)
+# learns a synthetic task with a verifiable reward through the real loop (SGLang engine, Megatron
+# actor, local Ray) on 2 CPU cores.
+#   EXP_DIR         where the model, data and run outputs go (default: runs/tiny-cpu in the repository)
+#   RELAX_DRY_RUN=1 stop after `relax train --dry-run` (CI checks every run-*.sh this way)
+# Extra arguments are passed to `relax train` and override the flags below.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+EXP_DIR="${EXP_DIR:-$repo/runs/tiny-cpu}"
+python="${RELAX_PYTHON:-$repo/.venv/bin/python}"
+
+model_dir="$EXP_DIR/model"
+data="$EXP_DIR/data/copy_digit.jsonl"
+[[ -f "$model_dir/config.json" ]] || "$python" -m relax.tiny_model --family qwen3 --out "$model_dir" >/dev/null
+[[ -f "$data" ]] || "$python" -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out "$data" >/dev/null
+
+args=(
+    --device cpu
+    --hf-checkpoint "$model_dir"
+    --prompt-data "$data" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
+    --reward-fn copy_digit
+    --num-steps 30
+    --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-temperature 1.0
+    --global-batch-size 64 --micro-batch-size 16
+    --advantage-estimator grpo
+    --lr 1e-3 --weight-decay 0.0 --clip-grad 1.0
+    --num-nodes 1 --num-devices-per-node 1
+    --output-dir "$EXP_DIR/output"
+)
+if [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then
+    args+=(--dry-run)
+fi
+exec "$python" -m relax.cli train "${args[@]}" "$@"
