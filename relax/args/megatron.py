@@ -80,12 +80,16 @@ SCHEDULER_FLAGS = {
     "lr_warmup_init": dict(type=float, default=0.0, help="LR at the start of warmup (default: %(default)s)."),
 }
 # Megatron-LM spellings of dataclass fields that differ from the field name: (flag, field, const).
-# const None: the flag takes a value like the field's own flag; otherwise it stores const.
+# const None: another name for the field's own flag (takes the same value); otherwise the flag stores const.
 MEGATRON_LM_SPELLINGS = [
     ("--norm-epsilon", "layernorm_epsilon", None),
     ("--num-experts", "num_moe_experts", None),
     ("--disable-bias-linear", "add_bias_linear", False),
     ("--accumulate-allreduce-grads-in-fp32", "grad_reduce_in_fp32", True),
+    ("--recompute-activations", "recompute_granularity", "selective"),
+    ("--no-rope-fusion", "apply_rope_fusion", False),
+    ("--no-bias-swiglu-fusion", "bias_activation_fusion", False),
+    ("--no-bias-gelu-fusion", "bias_activation_fusion", False),
 ]
 
 # What an HF config.json says about the architecture: HF key -> Megatron name. The first set defines
@@ -182,21 +186,25 @@ def _default_text(field: str, owners: list) -> str:
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> None:
     kwargs_by_field, owners, skipped = field_flags()
-    spellings = {field: flag for flag, field, const in MEGATRON_LM_SPELLINGS if const is None or isinstance(const, bool) and const}
+    aliases = {field: flag for flag, field, const in MEGATRON_LM_SPELLINGS if const is None}
     group = parser.add_argument_group(
         "Megatron (megatron-core TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)",
         "Generated from the dataclass fields. Not flags (no command-line form): " + ", ".join(skipped) + ".",
     )
     for field, kwargs in kwargs_by_field.items():
         kwargs = {k: v for k, v in kwargs.items() if k not in ("one_value_is_scalar", "as_tuple")}
-        options = [_flag(field)] + ([spellings[field]] if field in spellings else [])
+        options = [_flag(field)] + ([aliases[field]] if field in aliases else [])
+        if "choices" not in kwargs and "action" not in kwargs:
+            kwargs.setdefault("metavar", field.upper())
         group.add_argument(*options, dest=f"{PREFIX}_{field}", default=None, help=_default_text(field, owners[field]), **kwargs)
     for flag, field, const in MEGATRON_LM_SPELLINGS:
-        if const is False:
-            group.add_argument(flag, dest=f"{PREFIX}_{field}", action="store_const", const=False, help=f"Megatron-LM's spelling of --no-{_flag(field)[2:]}.")
+        if const is not None:
+            help = f"Megatron-LM's spelling of {_flag(field)} {const}."
+            group.add_argument(flag, dest=f"{PREFIX}_{field}", action="store_const", const=const, help=help)
     group = parser.add_argument_group("Megatron model (GPTModel) and LR schedule")
     for name, kwargs in {**MODEL_FLAGS, **SCHEDULER_FLAGS}.items():
-        group.add_argument(_flag(name), dest=f"{PREFIX}_{name}", **kwargs)
+        metavar = {} if "choices" in kwargs or "action" in kwargs else {"metavar": name.upper()}
+        group.add_argument(_flag(name), dest=f"{PREFIX}_{name}", **metavar, **kwargs)
 
 
 def given_values(namespace: argparse.Namespace) -> dict:

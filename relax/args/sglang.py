@@ -86,6 +86,8 @@ def add_sglang_args(parser: argparse.ArgumentParser) -> None:
         clone.option_strings = options
         clone.dest = f"{PREFIX}_{action.dest}"
         clone.required = False
+        if clone.metavar is None and clone.choices is None:  # show SGLang's name, not the prefixed dest
+            clone.metavar = action.dest.upper()
         if getattr(clone, "new_flag", None):  # deprecation warnings name the replacement flag
             clone.new_flag = prefixed(clone.new_flag)
         group._add_action(clone)

@@ -12,6 +12,8 @@ import difflib
 class StrictArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args, redirects: dict[str, str] | None = None, **kwargs):
         """redirects: unknown flag -> the sentence to say instead of a guess (e.g. flags relax manages)."""
+        # The full usage line would list every flag (about a thousand); help and errors show a short one.
+        kwargs.setdefault("usage", "%(prog)s [flag ...]   (see `%(prog)s --help`)")
         super().__init__(*args, allow_abbrev=False, **kwargs)
         self.redirects = dict(redirects or {})
 
@@ -45,10 +47,6 @@ class StrictArgumentParser(argparse.ArgumentParser):
         if not guesses:
             return f"unknown flag {flag} (`relax train --help` lists every flag)"
         return f"unknown flag {flag}: did you mean {' or '.join(guesses)}?"
-
-    def print_usage(self, file=None):
-        # The full usage line would list every flag (about a thousand); errors show the short form.
-        self._print_message(f"usage: {self.prog} [flags]   (`{self.prog} --help` lists every flag)\n", file)
 
 
 def _without_namespace(option: str) -> str:

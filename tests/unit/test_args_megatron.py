@@ -63,6 +63,13 @@ def test_flags_of_every_kind_reach_the_config_objects():
     assert ddp.overlap_grad_reduce and ddp.grad_reduce_in_fp32
 
 
+def test_megatron_lm_spellings_that_store_a_value():
+    argv = [*RUN, *SIZE, "--recompute-activations", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--bias-dropout-fusion"]
+    tc = parse_train_args(argv).megatron.transformer
+    assert tc.recompute_granularity == "selective"
+    assert tc.apply_rope_fusion is False and tc.bias_activation_fusion is False and tc.bias_dropout_fusion is True
+
+
 def test_list_union_takes_several_values_and_tuple_takes_its_length():
     argv = [*RUN, *SIZE, "--moe-aux-loss-coeff", "0.01", "0.02", "--window-size", "8", "0"]
     tc = parse_train_args(argv).megatron.transformer
