@@ -10,6 +10,13 @@ Megatron or SGLang is imported. Never write `if device == "npu"` outside this pa
     platform.prepare_megatron()        # before `import megatron.core`
     platform.prepare_sglang()          # before `import sglang`
     torch.distributed.init_process_group(platform.dist_backend, ...)
+
+`platform_facts(name)` returns the same record without checking that this machine has the device, for
+code that only reads facts (argument checks and `--dry-run` of a GPU/NPU script on a CPU machine).
+
+Verification: the CPU record runs real megatron-core and SGLang in tests/e2e; the CUDA record's
+selection logic is unit-tested here and its execution only on a lent GPU (tests/gpu); the NPU record's
+selection and environment logic are unit-tested, NPU EXECUTION IS UNVERIFIED (no NPU was available).
 """
 
 import os
@@ -23,14 +30,15 @@ DEVICE_ENV = "RELAX_DEVICE"  # overrides "auto" detection; workers inherit it, s
 
 @dataclass(frozen=True)
 class Platform:
-    name: str  # "cpu" | "cuda" | "npu"; also the torch device type
-    device_module: Any  # torch.cuda, torch.npu, or the CPU stand-in with the same calls
+    name: str  # "cpu" | "cuda" | "npu"; also the torch device type and SGLang's ServerArgs.device
     dist_backend: str  # torch.distributed backend: gloo | nccl | hccl
     visible_devices_env: Optional[str]  # CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES; None on CPU
     ray_resource: Optional[str]  # "GPU" / "NPU"; None on CPU (placement bundles ask for CPUs only)
-    # Module that pauses and resumes tagged device memory (SGLang's --enable-memory-saver, the actor's
-    # sleep/wake). None means memory is never handed back: on CPU release/resume are no-ops.
+    # Module that pauses and resumes tagged device memory (SGLang's enable_memory_saver, the actor's
+    # sleep/wake). None: memory is never handed back (on CPU, release/resume are no-ops).
     memory_saver: Optional[str]
+    # Must the engine release its memory for training to fit beside it? Not where memory is host memory.
+    colocation_needs_release: bool
     # How a trainer hands tensors to an engine process on the same node: "ipc" (device IPC handles,
     # zero-copy) or "shared_memory" (CPU tensors in /dev/shm).
     same_node_transport: str
@@ -40,8 +48,11 @@ class Platform:
     destroy_process_group_delay_s: float
     # ServerArgs field overrides the engine wrapper applies on this platform (before the user's flags).
     sglang_server_defaults: Mapping[str, Any]
+    _load_device_module: Callable[[], Any] = field(repr=False)
+    _unavailable_reason: Callable[[], Optional[str]] = field(repr=False)
     _worker_env: Callable[[bool], dict] = field(repr=False)
-    _prepare_megatron: Callable[[], None] = field(repr=False)
+    _check_worker_env: Callable[[Mapping[str, str], bool], None] = field(repr=False)
+    _prepare_megatron: Callable[[Mapping[str, Any]], None] = field(repr=False)
     _prepare_sglang: Callable[[], None] = field(repr=False)
 
     @property
@@ -52,10 +63,20 @@ class Platform:
     def has_memory_saver(self) -> bool:
         return self.memory_saver is not None
 
+    @property
+    def device_module(self):
+        """torch.cuda, torch.npu, or the CPU stand-in with the same calls (device_count, set_device, ...)."""
+        return self._load_device_module()
+
+    def unavailable_reason(self) -> Optional[str]:
+        """Why this machine cannot compute on this platform, or None when it can."""
+        return self._unavailable_reason()
+
     def worker_env(self, memory_saver_on: bool = False) -> dict:
         """Environment variables every worker process (Ray actor) of this platform starts with.
 
-        Values are defaults: the caller merges them under the user's own environment, which wins.
+        Values are defaults: the caller merges the user's own environment over them, then passes the
+        result through `check_worker_env`.
         """
         if memory_saver_on and not self.has_memory_saver:
             raise ValueError(
@@ -63,9 +84,18 @@ class Platform:
             )
         return dict(self._worker_env(memory_saver_on))
 
-    def prepare_megatron(self) -> None:
-        """Everything that must happen before megatron.core is imported. Idempotent."""
-        self._prepare_megatron()
+    def check_worker_env(self, env: Mapping[str, str], memory_saver_on: bool = False) -> None:
+        """Raise ValueError, naming the variable and the fix, if a worker's final environment contradicts
+        what this platform needs (e.g. expandable segments beside a memory saver)."""
+        self._check_worker_env(env, memory_saver_on)
+
+    def prepare_megatron(self, feature_args: Optional[Mapping[str, Any]] = None) -> None:
+        """Everything that must happen before megatron.core is imported. Idempotent.
+
+        feature_args: options of the platform's Megatron adaptation layer (on NPU, MindSpeed's feature
+        arguments by dest name, e.g. {"use_fused_rmsnorm": True}); platforms without one refuse them.
+        """
+        self._prepare_megatron(dict(feature_args or {}))
 
     def prepare_sglang(self) -> None:
         """Everything that must happen before sglang is imported. Idempotent."""
@@ -94,10 +124,8 @@ def detect_platform_name(
 
     The probes are injectable so the order can be tested on a machine without accelerators.
     """
-    from relax.platform import cuda, npu
-
-    npu_available = npu_available or npu.is_available
-    cuda_available = cuda_available or cuda.is_available
+    npu_available = npu_available or (lambda: platform_facts("npu").unavailable_reason() is None)
+    cuda_available = cuda_available or (lambda: platform_facts("cuda").unavailable_reason() is None)
     if npu_available():
         return "npu"
     if cuda_available():
@@ -120,21 +148,41 @@ def resolve_platform_name(name: str = "auto", environ: Optional[Mapping[str, str
     return name
 
 
-_PLATFORMS: dict = {}
+def platform_facts(name: str) -> Platform:
+    """The record for a platform name, whether or not this machine has the device. Read facts from it;
+    compute through `get_platform`, which checks the device is there."""
+    if name not in PLATFORM_NAMES:
+        raise ValueError(f"unknown device {name!r}: choose one of {', '.join(PLATFORM_NAMES)}")
+    from relax.platform import cpu, cuda, npu
+
+    return {"cpu": cpu.PLATFORM, "cuda": cuda.PLATFORM, "npu": npu.PLATFORM}[name]
 
 
-def get_platform(name: str = "auto") -> "Platform":
-    """The record for `name` ("auto", "cpu", "cuda", "npu"). An explicit name whose device is not
-    usable here fails with a RuntimeError saying what is missing."""
-    name = resolve_platform_name(name)
-    if name not in _PLATFORMS:
-        from relax.platform import cpu, cuda, npu
-
-        builders = {"cpu": cpu.build_platform, "cuda": cuda.build_platform, "npu": npu.build_platform}
-        _PLATFORMS[name] = builders[name]()
-    return _PLATFORMS[name]
+def get_platform(name: str = "auto") -> Platform:
+    """The record for `name` ("auto", "cpu", "cuda", "npu"), checked usable here: an explicit name whose
+    device this machine lacks fails with a RuntimeError saying what is missing."""
+    platform = platform_facts(resolve_platform_name(name))
+    reason = platform.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"device {platform.name!r} was asked for, but {reason}; or pass --device cpu")
+    return platform
 
 
 def frozen(mapping: Mapping) -> Mapping:
     """A read-only view, for the mapping fields of a frozen record."""
     return MappingProxyType(dict(mapping))
+
+
+def refuse_feature_args(platform_name: str, feature_args: Mapping[str, Any]) -> None:
+    """For platforms whose Megatron runs without an adaptation layer."""
+    if feature_args:
+        raise ValueError(
+            f"Megatron feature arguments {sorted(feature_args)} are for the NPU's adaptation layer "
+            f"(MindSpeed); the {platform_name!r} platform has none: remove them"
+        )
+
+
+def alloc_conf_has_expandable_segments(alloc_conf: str) -> bool:
+    """Whether a PYTORCH_{CUDA,NPU}_ALLOC_CONF value turns expandable segments on."""
+    options = dict(item.split(":", 1) for item in alloc_conf.replace(" ", "").split(",") if ":" in item)
+    return options.get("expandable_segments", "False").lower() in ("true", "1")

@@ -6,7 +6,7 @@ tests/e2e/test_platform_megatron.py and tests/e2e/test_platform_sglang.py.
 
 import torch
 
-from relax.platform import Platform, frozen
+from relax.platform import Platform, frozen, refuse_feature_args
 
 
 class CpuDeviceModule:
@@ -61,6 +61,23 @@ def _worker_env(memory_saver_on: bool) -> dict:
     return {}
 
 
+def _check_worker_env(env, memory_saver_on: bool) -> None:
+    """Any environment works on the CPU."""
+
+
+def _prepare_megatron(feature_args) -> None:
+    refuse_feature_args("cpu", feature_args)
+    from relax.platform.cpu_megatron import prepare_megatron
+
+    prepare_megatron()
+
+
+def _prepare_sglang() -> None:
+    from relax.platform.cpu_sglang import prepare_sglang
+
+    prepare_sglang()
+
+
 # ServerArgs overrides that make SGLang 0.5.23's engine run on a CPU (FACTS.md, "SGLang 0.5.23 on CPU").
 SGLANG_SERVER_DEFAULTS = {
     "device": "cpu",
@@ -73,24 +90,23 @@ SGLANG_SERVER_DEFAULTS = {
     "dtype": "float32",
 }
 
-
-def build_platform() -> Platform:
-    from relax.platform import cpu_megatron, cpu_sglang
-
-    return Platform(
-        name="cpu",
-        device_module=CpuDeviceModule,
-        dist_backend="gloo",
-        visible_devices_env=None,
-        ray_resource=None,
-        memory_saver=None,
-        same_node_transport="shared_memory",
-        # torch's default (file_descriptor) fails between Ray actors ("AuthenticationError: digest sent
-        # was rejected") and crashes SGLang's scheduler; file_system names /dev/shm files instead.
-        sharing_strategy="file_system",
-        destroy_process_group_delay_s=0.0,
-        sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
-        _worker_env=_worker_env,
-        _prepare_megatron=cpu_megatron.prepare_megatron,
-        _prepare_sglang=cpu_sglang.prepare_sglang,
-    )
+PLATFORM = Platform(
+    name="cpu",
+    dist_backend="gloo",
+    visible_devices_env=None,
+    ray_resource=None,
+    memory_saver=None,
+    colocation_needs_release=False,  # the engine and the trainer share host memory
+    same_node_transport="shared_memory",
+    # torch's default (file_descriptor) fails between Ray actors ("AuthenticationError: digest sent
+    # was rejected") and crashes SGLang's scheduler; file_system names /dev/shm files instead.
+    sharing_strategy="file_system",
+    destroy_process_group_delay_s=0.0,
+    sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
+    _load_device_module=lambda: CpuDeviceModule,
+    _unavailable_reason=lambda: None,
+    _worker_env=_worker_env,
+    _check_worker_env=_check_worker_env,
+    _prepare_megatron=_prepare_megatron,
+    _prepare_sglang=_prepare_sglang,
+)

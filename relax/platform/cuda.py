@@ -1,54 +1,76 @@
 """NVIDIA GPUs: NCCL, CUDA_VISIBLE_DEVICES, Ray "GPU" bundles, torch_memory_saver, CUDA IPC handles.
 
 Megatron and SGLang are CUDA-native, so nothing has to happen before they are imported.
-The record's selection logic is tested on CPU (tests/unit/test_platform.py); running on a GPU is
-exercised by tests/gpu only.
+The record's selection and environment logic is unit-tested on CPU (tests/unit/test_platform.py);
+running on a GPU is exercised by tests/gpu only.
 """
 
-from relax.platform import Platform, frozen
+from typing import Optional
+
+from relax.platform import Platform, alloc_conf_has_expandable_segments, frozen, refuse_feature_args
+
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
-def is_available() -> bool:
+def _unavailable_reason() -> Optional[str]:
     import torch
 
-    return torch.cuda.is_available()
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is not a CUDA build"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device (check the driver and CUDA_VISIBLE_DEVICES)"
+    return None
 
 
 def _worker_env(memory_saver_on: bool) -> dict:
     return {
-        # Let NCCL errors surface as exceptions instead of hangs, and let the actor abort a stuck
-        # collective when the engine or a peer dies (torch's name since 2.2).
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        # Megatron schedules tensor-parallel communication (sequence parallelism, overlapped
+        # all-gathers) assuming kernels reach the GPU in issue order: one hardware queue.
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     }
 
 
-def _nothing_to_prepare() -> None:
-    """megatron-core and SGLang target CUDA as they are."""
+def _check_worker_env(env, memory_saver_on: bool) -> None:
+    # torch_memory_saver refuses to start beside expandable segments (it needs fixed allocations that it
+    # can unmap and map again); fail before the workers start rather than inside them.
+    if memory_saver_on and alloc_conf_has_expandable_segments(env.get(ALLOC_CONF_ENV, "")):
+        raise ValueError(
+            f"{ALLOC_CONF_ENV}={env[ALLOC_CONF_ENV]!r} turns on expandable segments, which torch_memory_saver "
+            "cannot work with: drop expandable_segments from it, or turn the memory saver off"
+        )
 
 
-def build_platform() -> Platform:
+def _prepare_megatron(feature_args) -> None:
+    refuse_feature_args("cuda", feature_args)  # megatron-core targets CUDA as it is
+
+
+def _prepare_sglang() -> None:
+    """SGLang targets CUDA as it is."""
+
+
+def _device_module():
     import torch
 
-    if not is_available():
-        raise RuntimeError(
-            "device 'cuda' was asked for, but torch sees no CUDA device "
-            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
-            "run on a GPU machine with a CUDA build of torch, or pass --device cpu"
-        )
-    return Platform(
-        name="cuda",
-        device_module=torch.cuda,
-        dist_backend="nccl",
-        visible_devices_env="CUDA_VISIBLE_DEVICES",
-        ray_resource="GPU",
-        memory_saver="torch_memory_saver",
-        same_node_transport="ipc",
-        sharing_strategy=None,
-        # Tearing down NCCL communicators is asynchronous: new groups created at once on the same GPUs
-        # can collide with the old ones' teardown (slime and verl sleep after destroy for this reason).
-        destroy_process_group_delay_s=3.0,
-        sglang_server_defaults=frozen({"device": "cuda"}),
-        _worker_env=_worker_env,
-        _prepare_megatron=_nothing_to_prepare,
-        _prepare_sglang=_nothing_to_prepare,
-    )
+    return torch.cuda
+
+
+PLATFORM = Platform(
+    name="cuda",
+    dist_backend="nccl",
+    visible_devices_env="CUDA_VISIBLE_DEVICES",
+    ray_resource="GPU",
+    memory_saver="torch_memory_saver",
+    colocation_needs_release=True,
+    same_node_transport="ipc",
+    sharing_strategy=None,
+    # NCCL tears communicators down asynchronously: groups created at once on the same GPUs can race with
+    # the old ones' teardown. 3 s is a conservative pause, not a measured one.
+    destroy_process_group_delay_s=3.0,
+    sglang_server_defaults=frozen({"device": "cuda"}),
+    _load_device_module=_device_module,
+    _unavailable_reason=_unavailable_reason,
+    _worker_env=_worker_env,
+    _check_worker_env=_check_worker_env,
+    _prepare_megatron=_prepare_megatron,
+    _prepare_sglang=_prepare_sglang,
+)

@@ -1,5 +1,6 @@
 """relax.platform: selection of the platform and the facts each record holds (no accelerator needed)."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -7,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from relax.platform import DEVICE_ENV, get_platform, resolve_platform_name
+from relax.platform import DEVICE_ENV, get_platform, platform_facts, resolve_platform_name
 from relax.platform.cpu import CpuDeviceModule
 
 
@@ -40,11 +41,65 @@ def test_unknown_device_names_fail_with_the_choices(name, environ, message):
     assert "auto, cpu, cuda, npu" in str(error.value)
 
 
-def test_explicit_cuda_without_a_gpu_fails_clearly():
+def test_explicit_devices_this_machine_lacks_fail_clearly():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    with pytest.raises(RuntimeError, match="torch sees no CUDA device.*--device cpu"):
+    with pytest.raises(RuntimeError, match="device 'cuda' was asked for, but torch .*--device cpu"):
         get_platform("cuda")
+    with pytest.raises(RuntimeError, match="device 'npu' was asked for, but torch_npu does not import"):
+        get_platform("npu")
+
+
+@pytest.mark.parametrize(
+    "name, backend, visible, resource, saver, transport, delay",
+    [
+        ("cpu", "gloo", None, None, None, "shared_memory", 0),
+        ("cuda", "nccl", "CUDA_VISIBLE_DEVICES", "GPU", "torch_memory_saver", "ipc", 3),
+        ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU", "torch_memory_saver", "ipc", 0),
+    ],
+)
+def test_facts_are_readable_without_the_device(name, backend, visible, resource, saver, transport, delay):
+    platform = platform_facts(name)
+    assert (platform.name, platform.dist_backend, platform.visible_devices_env) == (name, backend, visible)
+    assert (platform.ray_resource, platform.memory_saver, platform.same_node_transport) == (resource, saver, transport)
+    assert platform.colocation_needs_release == (saver is not None)
+    assert platform.destroy_process_group_delay_s == delay
+    assert platform.sglang_server_defaults["device"] == name
+    with pytest.raises(ValueError, match="unknown device 'gpu'"):
+        platform_facts("gpu")
+
+
+def test_npu_worker_env_keeps_expandable_segments_away_from_the_memory_saver():
+    npu = platform_facts("npu")
+    without_saver, with_saver = npu.worker_env(memory_saver_on=False), npu.worker_env(memory_saver_on=True)
+    for env in (without_saver, with_saver):
+        assert env["HCCL_HOST_SOCKET_PORT_RANGE"] == env["HCCL_NPU_SOCKET_PORT_RANGE"] == "auto"
+        assert int(env["HCCL_CONNECT_TIMEOUT"]) >= 1800 and int(env["HCCL_EXEC_TIMEOUT"]) >= 1800
+        assert env["TASK_QUEUE_ENABLE"] == "2" and env["CPU_AFFINITY_CONF"] == "1"
+        assert all(isinstance(value, str) for value in env.values())
+    assert without_saver["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_NPU_ALLOC_CONF" not in with_saver
+    npu.check_worker_env(without_saver, memory_saver_on=False)
+    npu.check_worker_env(with_saver, memory_saver_on=True)
+    # The user's environment wins over the defaults, so the final one is checked again.
+    user = {**with_saver, "PYTORCH_NPU_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}
+    with pytest.raises(ValueError, match="PYTORCH_NPU_ALLOC_CONF=.*drop expandable_segments"):
+        npu.check_worker_env(user, memory_saver_on=True)
+    npu.check_worker_env({**with_saver, "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}, True)
+
+
+def test_cuda_worker_env_and_its_check():
+    cuda = platform_facts("cuda")
+    assert cuda.worker_env(memory_saver_on=True) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF.*torch_memory_saver"):
+        cuda.check_worker_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, memory_saver_on=True)
+    cuda.check_worker_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, memory_saver_on=False)
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda"])
+def test_platforms_without_an_adaptation_layer_refuse_megatron_feature_args(name):
+    with pytest.raises(ValueError, match="use_fused_rmsnorm.*remove them"):
+        platform_facts(name).prepare_megatron({"use_fused_rmsnorm": True})
 
 
 def test_cpu_record():
@@ -114,3 +169,47 @@ def test_megatron_redirections_stay_inside_megatron_core():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert "CPU RNG state changed" not in result.stderr
+
+
+def test_npu_preparation_order_with_stand_in_torch_npu_and_mindspeed(tmp_path):
+    """relax's own NPU logic, run against stand-ins for torch_npu and MindSpeed (neither runs here):
+    torch_npu first, MindSpeed's adaptor with Ray's argv hidden, feature args through repatch once."""
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("import import_log\nimport_log.events.append('torch_npu')\n")
+    (tmp_path / "mindspeed").mkdir()
+    (tmp_path / "mindspeed" / "__init__.py").write_text("")
+    (tmp_path / "mindspeed" / "megatron_adaptor.py").write_text(
+        "import sys, import_log\n"
+        "import_log.events.append(('adaptor', list(sys.argv)))\n"
+        "def repatch(args):\n    import_log.events.append(('repatch', args))\n"
+    )
+    (tmp_path / "megatron").mkdir()  # a stand-in, to import "megatron" too early without the real one's cost
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    (tmp_path / "import_log.py").write_text("events = []\n")
+    script = textwrap.dedent(
+        """
+        import sys
+        import import_log
+        from relax.platform import platform_facts
+
+        npu = platform_facts("npu")
+        sys.argv = ["default_worker.py", "--node-ip-address=10.0.0.1"]
+        npu.prepare_megatron({"use_fused_rmsnorm": True})
+        npu.prepare_megatron({"use_fused_rmsnorm": True})  # idempotent
+        assert sys.argv == ["default_worker.py", "--node-ip-address=10.0.0.1"], sys.argv
+        assert import_log.events == [
+            "torch_npu", ("adaptor", ["default_worker.py"]), ("repatch", {"use_fused_rmsnorm": True})
+        ], import_log.events
+        npu.prepare_megatron({"use_fused_rmsnorm": False})  # new feature args are applied
+        assert import_log.events[-1] == ("repatch", {"use_fused_rmsnorm": False}), import_log.events
+        print("ok")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+    late = "import megatron\nfrom relax.platform import platform_facts\nplatform_facts('npu').prepare_megatron()\n"
+    result = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, timeout=60, env=env)
+    assert "megatron was imported before MindSpeed patched it" in result.stderr
