@@ -14,7 +14,7 @@ import ray
 
 from relax.ray.placement import create_placement, create_training_actors
 
-REPORT_PREFIX = "relax-envcheck: "  # the line of output that carries the JSON report
+REPORT_PREFIX = "relax-envcheck report: "  # the line of output that carries the JSON report
 
 
 class EnvReporter:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             out.write(text)
     absent = missing(report)
     if absent:
-        print("relax-envcheck: missing " + ", ".join(absent), file=sys.stderr)
+        print("relax-envcheck missing: " + ", ".join(absent), file=sys.stderr)
         return 1
     return 0
 

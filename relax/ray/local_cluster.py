@@ -125,25 +125,38 @@ class LocalCluster:
         for process in psutil.process_iter(["cmdline"]):
             if any(marker in part for part in process.info["cmdline"] or ()):
                 found.setdefault(process.pid, process)
-        return [process for process in found.values() if process.is_running() and process.status() != psutil.STATUS_ZOMBIE]
+        return [process for process in found.values() if _alive(process)]
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 3.0) -> None:
         """End every process of this cluster (SIGTERM, then SIGKILL after grace_s) and remove its temp dir."""
         processes = self.processes()
         for process in processes:
+            _signal(process, signal.SIGTERM)
+        for node in self._nodes:  # our own children: wait() reaps them
             try:
-                process.send_signal(signal.SIGTERM)
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(processes, timeout=grace_s)
+                node.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                node.kill()
+                node.wait()
+        own = {node.pid for node in self._nodes}
+        _, alive = psutil.wait_procs([process for process in processes if process.pid not in own], timeout=grace_s)
         for process in alive:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
+            _signal(process, signal.SIGKILL)
         psutil.wait_procs(alive, timeout=grace_s)
-        for node in self._nodes:
-            node.wait(timeout=grace_s)
         self._nodes.clear()
         # Ray removes nothing on its own; a leftover ray_current_cluster would redirect later ray.init()s.
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _signal(process: psutil.Process, signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except psutil.NoSuchProcess:
+        pass

@@ -254,11 +254,10 @@ class ActorGroup:
 
 
 def _base_env(placement: Placement, env: dict | None, memory_saver_on: bool) -> dict[str, str]:
-    """The worker environment of this driver's run, Ray's NOSET switch, and the caller's variables."""
+    """The worker environment of this driver's run with the caller's variables, and Ray's NOSET switch."""
     return {
-        **worker_env_vars(placement.platform, os.environ, memory_saver_on=memory_saver_on),
+        **worker_env_vars(placement.platform, os.environ, named=env, memory_saver_on=memory_saver_on),
         **noset_visible_devices_env(placement.platform),
-        **(env or {}),
     }
 
 

@@ -1,17 +1,20 @@
 """The environment every relax worker process gets: one rule, used by `relax submit` for the job and by
-the driver for each actor it creates.
+the driver for each actor it places.
 
 A Ray actor is a process forked by its node's raylet, which was started long before the run: a variable
 exported in the shell that submits (or starts) a run reaches actors only through a runtime_env. The rule:
 
-    the platform's default worker environment
-    < every variable of the calling environment with a prefix workers read (WORKER_ENV_PREFIXES,
-      WORKER_ENV_NAMES), except the visible-devices variables
-    < the variables the user names (`--env NAME` takes its value from the calling environment,
-      `--env NAME=VALUE` sets it)
+    job_env_vars:     every variable of the calling environment with a prefix workers read
+                      (WORKER_ENV_PREFIXES, WORKER_ENV_NAMES), except the visible-devices variables
+                      < the variables the user names (`--env NAME` takes its value from the calling
+                      environment, `--env NAME=VALUE` sets it)
+    worker_env_vars:  the platform's default worker environment < job_env_vars; checked by the platform
 
-Later entries win. Ray merges env_vars per variable: a job's env_vars reach its driver and every actor
-the driver creates, and an actor's own env_vars override single variables on top of them.
+Later entries win. `relax submit` gives the job job_env_vars of the submitting shell; Ray hands a job's
+env_vars to its driver and to every actor the driver creates. The driver then gives each actor it places
+worker_env_vars of its own environment (which holds the job's variables): the platform defaults are
+applied there and only there, because they depend on the run (the memory saver) and on the cluster's
+platform, which the submitting machine may not have. Ray merges env_vars per variable, the actor's winning.
 """
 
 import re
@@ -68,14 +71,20 @@ def parse_env_specs(specs: Iterable[str], environ: Mapping[str, str]) -> dict[st
     return named
 
 
+def job_env_vars(environ: Mapping[str, str], named: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What the user's environment gives every process of a job: forwarded variables < `named`."""
+    return {**forwarded_env(environ), **(named or {})}
+
+
 def worker_env_vars(
     platform,
     environ: Mapping[str, str],
     named: Mapping[str, str] | None = None,
     memory_saver_on: bool = False,
 ) -> dict[str, str]:
-    """Environment of a worker: platform defaults < forwarded variables of `environ` < `named`."""
+    """Environment of a device worker: platform defaults < job_env_vars(environ, named), checked by the
+    platform (a ValueError names a variable that contradicts it, e.g. expandable segments with a memory saver)."""
     env = {name: str(value) for name, value in platform.worker_env(memory_saver_on).items()}
-    env.update(forwarded_env(environ))
-    env.update(named or {})
+    env.update(job_env_vars(environ, named))
+    platform.check_worker_env(env, memory_saver_on)
     return env

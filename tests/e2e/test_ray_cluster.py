@@ -1,0 +1,184 @@
+"""relax.ray on a real two-node Ray cluster on this machine (two raylets with their own node ids), started once.
+
+Both nodes declare 2 GPUs to Ray (no GPU is needed for that: Ray only counts them), the second with the
+raylet's CUDA_VISIBLE_DEVICES=2,3 as on a node where devices 0 and 1 are taken, so Ray's physical ids differ
+from the logical ones there. Each node also has a custom resource naming it. The same cluster then takes a
+job from `relax submit` (through scripts/submit.sh) whose variables exist only in the submitting shell.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from relax.platform import platform_facts
+from relax.ray.envcheck import REPORT_PREFIX, EnvReporter
+from relax.ray.local_cluster import CLUSTER_ENV, LocalCluster
+from relax.ray.placement import (
+    ENGINE_DEVICES_ENV,
+    ENGINE_RANK_ENV,
+    LOCAL_DEVICE_ENV,
+    NUM_ENGINES_ENV,
+    create_engine_actors,
+    create_placement,
+    create_training_actors,
+    engine_envs,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+WATCHED = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+           LOCAL_DEVICE_ENV, ENGINE_RANK_ENV, NUM_ENGINES_ENV, ENGINE_DEVICES_ENV,
+           "RELAX_TEST_CALLER_VAR"]
+
+
+class Cluster:
+    def __init__(self, local: LocalCluster, node_names: dict[str, str]):
+        self.local = local
+        self.node_names = node_names  # node id -> the custom resource naming it
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    # The raylets start without the variables the submit test exports: only the submitting shell has them.
+    saved = {name: os.environ.get(name) for name in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)
+    local = LocalCluster()
+    try:
+        local.start_head(num_cpus=4, num_gpus=2, resources={"relax_test_node_a": 1})
+        local.add_node(num_cpus=4, num_gpus=2, resources={"relax_test_node_b": 1}, env={"CUDA_VISIBLE_DEVICES": "2,3"})
+        ray.init(address=local.address)
+        node_names = {}
+        for node in ray.nodes():
+            (name,) = [resource for resource in node["Resources"] if resource.startswith("relax_test_node_")]
+            node_names[node["NodeID"]] = name
+        yield Cluster(local, node_names)
+    finally:
+        ray.shutdown()
+        local.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    assert local.processes() == [], "Ray processes of the test cluster were left running"
+
+
+def test_two_cpu_devices_colocate_two_ranks_and_one_engine(cluster):
+    placement = create_placement(platform_facts("cpu"), num_devices=2, strategy="STRICT_PACK")
+    ranks = create_training_actors(EnvReporter, placement, env={"RELAX_TEST_CALLER_VAR": "ranks"})
+    engines = create_engine_actors(EnvReporter, placement, devices_per_engine=2, env={"RELAX_TEST_CALLER_VAR": "engine"})
+    try:
+        assert placement.bundle_resources == {"CPU": 1}
+        assert [bundle.device_id for bundle in placement.bundles] == [None, None]
+        rank_reports = ray.get(ranks.call("report", WATCHED))
+        (engine_report,) = ray.get(engines.call("report", WATCHED))
+        node = placement.bundles[0].node_id
+        for rank, report in enumerate(rank_reports):
+            assert report["node_id"] == node
+            assert report["env"] == {
+                **dict.fromkeys(WATCHED),
+                "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": placement.master_addr, "MASTER_PORT": str(placement.master_port),
+                "RELAX_TEST_CALLER_VAR": "ranks",
+            }
+        assert engine_report["node_id"] == node
+        assert engine_report["env"] == {
+            **dict.fromkeys(WATCHED), ENGINE_RANK_ENV: "0", NUM_ENGINES_ENV: "1", "RELAX_TEST_CALLER_VAR": "engine",
+        }
+        # 0.4 (rank) + 0.2 (engine) of bundle 0 and 0.4 of bundle 1 are taken: 1.0 CPU of the 2 reserved.
+        group_cpus = {name: amount for name, amount in ray.available_resources().items()
+                      if name.startswith("CPU_group_") and placement.group.id.hex() in name}
+        assert sorted(group_cpus.values()) == pytest.approx([0.4, 0.6, 1.0])
+    finally:
+        engines.kill()
+        ranks.kill()
+        placement.remove()
+
+
+def test_devices_on_two_nodes_ordered_by_node_then_device(cluster):
+    # The CUDA record (its facts only: nothing here computes on a GPU); Ray hands out its counted GPUs.
+    gpu_platform = platform_facts("cuda")
+    placement = create_placement(gpu_platform, num_devices=4)
+    ranks = create_training_actors(EnvReporter, placement)
+    engines = create_engine_actors(EnvReporter, placement, devices_per_engine=2)
+    watched = WATCHED + ["CUDA_VISIBLE_DEVICES"]
+    try:
+        bundles = placement.bundles
+        nodes = placement.node_ids()
+        assert len(nodes) == 2 and nodes == sorted(nodes)
+        assert [bundle.node_id for bundle in bundles] == [nodes[0], nodes[0], nodes[1], nodes[1]]
+        physical = {name: [] for name in cluster.node_names.values()}
+        for bundle in bundles:
+            physical[cluster.node_names[bundle.node_id]].append(bundle.device_id)
+        assert physical == {"relax_test_node_a": ["0", "1"], "relax_test_node_b": ["2", "3"]}
+        assert [bundle.local_device for bundle in bundles] == [0, 1, 0, 1]
+        assert placement.master_addr == bundles[0].node_ip
+
+        raylet_visible = {"relax_test_node_a": None, "relax_test_node_b": "2,3"}
+        for rank, (bundle, report) in enumerate(zip(bundles, ray.get(ranks.call("report", watched)))):
+            assert report["node_id"] == bundle.node_id
+            assert report["accelerator_ids"] == {"GPU": [bundle.device_id]}
+            env = report["env"]
+            assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), "4", str(rank % 2))
+            assert env[LOCAL_DEVICE_ENV] == str(bundle.local_device)
+            # Ray was told not to narrow CUDA_VISIBLE_DEVICES: the actor sees the raylet's list.
+            assert env["CUDA_VISIBLE_DEVICES"] == raylet_visible[cluster.node_names[bundle.node_id]]
+
+        engine_reports = ray.get(engines.call("report", watched))
+        for engine, report in enumerate(engine_reports):
+            first = bundles[2 * engine]
+            assert report["node_id"] == first.node_id
+            assert report["accelerator_ids"] == {"GPU": [first.device_id]}
+            assert report["env"][ENGINE_RANK_ENV] == str(engine)
+            assert report["env"][NUM_ENGINES_ENV] == "2"
+            assert report["env"][ENGINE_DEVICES_ENV] == "0,1"
+            assert report["env"][LOCAL_DEVICE_ENV] == "0"
+
+        with pytest.raises(ValueError, match="engine 0 would span nodes"):
+            engine_envs(placement, devices_per_engine=4, base_env={})
+    finally:
+        engines.kill()
+        ranks.kill()
+        placement.remove()
+
+
+def test_submit_forwards_the_submitting_shell_to_driver_and_actors(cluster, tmp_path):
+    working_dir = tmp_path / "work"
+    working_dir.mkdir()
+    report_path = tmp_path / "report.json"
+    shell = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
+    shell.update(cluster.local.client_env, RELAX_PYTHON=sys.executable, RELAX_DEVICE="cpu",
+                 RELAX_TEST_EXPORTED="from-the-shell", SGLANG_TEST_EXPORTED="sglang-prefixed",
+                 MY_TEST_NAMED="named-from-shell")
+    names = ["RELAX_TEST_EXPORTED", "SGLANG_TEST_EXPORTED", "MY_TEST_NAMED", "MY_TEST_SET"]
+    envcheck = shlex.join([sys.executable, "-m", "relax.ray.envcheck", *names, "--output", str(report_path)])
+    # envcheck exits 1 when a variable is missing anywhere; the job's own exit 3 then shows that it passed
+    # and that the job's exit code comes back through relax submit.
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "submit.sh"), "--address", cluster.local.dashboard_url,
+         "--env", "MY_TEST_NAMED", "--env", "MY_TEST_SET=set-on-the-command-line", "--working-dir", str(working_dir),
+         "--", "bash", "-c", f"{envcheck} && exit 3"],
+        env=shell, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "FAILED (exit 3)" in result.stderr
+    streamed = [line for line in result.stdout.splitlines() if line.startswith(REPORT_PREFIX)]
+    assert len(streamed) == 1, result.stdout  # the job's logs were streamed back
+    report = json.loads(report_path.read_text())
+    assert json.loads(streamed[0][len(REPORT_PREFIX):]) == report
+
+    processes = [report["driver"], report["plain_actor"], *report["placed_ranks"]]
+    assert len({entry["pid"] for entry in processes}) == 3  # the driver, a plain actor, a placed rank
+    for entry in processes:
+        assert entry["env"] == {
+            "RELAX_TEST_EXPORTED": "from-the-shell",
+            "SGLANG_TEST_EXPORTED": "sglang-prefixed",
+            "MY_TEST_NAMED": "named-from-shell",
+            "MY_TEST_SET": "set-on-the-command-line",
+        }

@@ -1,0 +1,91 @@
+"""relax.ray.placement: bundle order and the variables each placed actor gets (no Ray cluster needed)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from relax.ray.placement import (
+    ENGINE_DEVICES_ENV,
+    LOCAL_DEVICE_ENV,
+    Bundle,
+    Placement,
+    _resource_options,
+    bundle_resources_for,
+    bundle_sort_key,
+    engine_envs,
+    local_device_index,
+    noset_visible_devices_env,
+    training_envs,
+)
+
+NPU = SimpleNamespace(ray_resource="NPU", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES")
+CPU = SimpleNamespace(ray_resource=None, visible_devices_env=None)
+
+
+def bundle(index, ip, node, device=None, local=None):
+    return Bundle(index=index, node_id=node, node_ip=ip, device_id=device, local_device=local)
+
+
+def placement(platform, bundles):
+    return Placement(platform=platform, group=None, bundle_resources={}, bundles=bundles,
+                     master_addr=bundles[0].node_ip, master_port=29500)
+
+
+def test_bundles_sort_by_node_address_numerically_then_node_id_then_device_numerically():
+    unsorted = [
+        bundle(0, "10.0.0.10", "a", "0"), bundle(1, "10.0.0.9", "z", "10"), bundle(2, "10.0.0.9", "z", "2"),
+        bundle(3, "10.0.0.9", "b", "1"), bundle(4, "node-x.local", "c", "0"), bundle(5, "10.0.0.9", "b", "0"),
+    ]
+    order = [b.index for b in sorted(unsorted, key=bundle_sort_key)]
+    assert order == [5, 3, 2, 1, 0, 4]
+
+
+def test_cpu_bundles_keep_their_index_order_within_a_node():
+    unsorted = [bundle(0, "10.0.0.2", "n2"), bundle(1, "10.0.0.1", "n1"), bundle(2, "10.0.0.2", "n2")]
+    assert [b.index for b in sorted(unsorted, key=bundle_sort_key)] == [1, 0, 2]
+
+
+def test_bundle_resources_and_ray_options_per_platform():
+    assert bundle_resources_for(NPU, 2) == {"NPU": 1, "CPU": 2}
+    assert bundle_resources_for(CPU, 3) == {"CPU": 3}
+    assert _resource_options({"NPU": 0.4, "CPU": 0.8}) == {"num_cpus": 0.8, "num_gpus": 0, "resources": {"NPU": 0.4}}
+    assert _resource_options({"GPU": 0.2, "CPU": 0.2}) == {"num_cpus": 0.2, "num_gpus": 0.2}
+    assert noset_visible_devices_env(NPU) == {"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1"}
+    assert noset_visible_devices_env(CPU) == {}
+
+
+def test_training_ranks_get_torch_distributed_variables_and_their_logical_device():
+    placed = placement(NPU, [bundle(3, "10.0.0.1", "a", "4", 0), bundle(0, "10.0.0.1", "a", "5", 1),
+                             bundle(1, "10.0.0.2", "b", "0", 0), bundle(2, "10.0.0.2", "b", "1", 1)])
+    envs = training_envs(placed, {"BASE": "1"})
+    assert envs[2] == {"BASE": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "2",
+                       "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", LOCAL_DEVICE_ENV: "0"}
+    assert [(env["RANK"], env["LOCAL_RANK"], env[LOCAL_DEVICE_ENV]) for env in envs] == [
+        ("0", "0", "0"), ("1", "1", "1"), ("2", "0", "0"), ("3", "1", "1")]
+    assert local_device_index(envs[1]) == 1 and local_device_index({}) == 0
+
+
+def test_cpu_ranks_and_engines_get_no_device_variables():
+    placed = placement(CPU, [bundle(0, "10.0.0.1", "a"), bundle(1, "10.0.0.1", "a")])
+    assert LOCAL_DEVICE_ENV not in training_envs(placed, {})[1]
+    (engine,) = engine_envs(placed, 2, {})
+    assert engine == {"RELAX_ENGINE_RANK": "0", "RELAX_NUM_ENGINES": "1"}
+
+
+def test_engines_take_consecutive_devices_of_one_node():
+    placed = placement(NPU, [bundle(i, "10.0.0.1", "a", str(i + 2), i) for i in range(4)])
+    envs = engine_envs(placed, 2, {})
+    assert [(env["RELAX_ENGINE_RANK"], env[LOCAL_DEVICE_ENV], env[ENGINE_DEVICES_ENV]) for env in envs] == [
+        ("0", "0", "0,1"), ("1", "2", "2,3")]
+
+
+def test_engine_layouts_that_cannot_work_are_refused_with_the_reason():
+    two_nodes = placement(NPU, [bundle(0, "10.0.0.1", "a", "0", 0), bundle(1, "10.0.0.1", "a", "1", 1),
+                                bundle(2, "10.0.0.2", "b", "0", 0), bundle(3, "10.0.0.2", "b", "1", 1)])
+    with pytest.raises(ValueError, match="must divide the 4 placed devices"):
+        engine_envs(two_nodes, 3, {})
+    with pytest.raises(ValueError, match="engine 0 would span nodes"):
+        engine_envs(two_nodes, 4, {})
+    gap = placement(NPU, [bundle(0, "10.0.0.1", "a", "0", 0), bundle(1, "10.0.0.1", "a", "2", 2)])
+    with pytest.raises(ValueError, match=r"engine 0 got devices \[0, 2\] on node 10.0.0.1, not consecutive"):
+        engine_envs(gap, 2, {})
