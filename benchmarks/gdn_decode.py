@@ -9,13 +9,14 @@ replays (how SGLang runs decode), with triton.testing.do_bench flushing L2 befor
                l2norm fused in, as fla 0.6.0 offers) -> rms_norm_gated. fla has no slot-indexed state, so it
                gets the batch's states as one [B, Hv, K, V] tensor (no gather/scatter: in its favour).
 
-Roofline: the recurrent state read once and written once per token, B * Hv * K * V * 4 B * 2, at 4.8 TB/s.
+Roofline: the recurrent state read once and written once per token, B * Hv * K * V * 4 B * 2, at 4.8 TB/s
+(the run also prints the measured device-to-device copy bandwidth, the practical ceiling). fla's recurrent
+kernel is also timed alone, and the outputs of both sides are compared from identical float32 inputs.
 
-    python benchmarks/gdn_decode.py --batch-sizes 1 64 256
+    python benchmarks/gdn_decode.py --batch-sizes 1 64 256 --sweep
 """
 
 import argparse
-import itertools
 
 import torch
 import triton
@@ -28,10 +29,10 @@ CONV_DIM = 2 * HK * K + HV * V
 HBM_BYTES_PER_S = 4.8e12
 
 
-def make_inputs(batch, device, seed=0):
+def make_inputs(batch, device, seed=0, dtype=torch.bfloat16):
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+    def randn(*shape, scale=1.0, dtype=dtype):
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
 
     state = randn(batch, HV, K, V, scale=0.05, dtype=torch.float32)  # HF/fla layout [B, Hv, K, V]
@@ -51,14 +52,16 @@ def make_inputs(batch, device, seed=0):
         # fla's batch-ordered state: its conv cache keeps W columns (the first one unread)
         fla_conv_cache=ref.conv_state_to_hf(conv_state).contiguous(),
         fla_state=state,
+        tickets=torch.zeros(batch * HK, dtype=torch.int32, device=device),
     )
 
 
-def fused_step(inputs, launch, block_v):
+def fused_step(inputs, settings):
+    block_v, value_splits, launch = settings
     return gdn_decode(inputs["mixed_qkvz"], inputs["mixed_ba"], inputs["conv_state_pool"], inputs["conv_weight"],
                       inputs["conv_bias"], inputs["state_pool"], inputs["slot_indices"], inputs["A_log"],
                       inputs["dt_bias"], inputs["norm_weight"], inputs["norm_eps"], HK, K, V, "contiguous",
-                      launch, block_v)
+                      launch, block_v, value_splits, inputs["tickets"])
 
 
 def fla_chain_step(inputs):
@@ -99,68 +102,94 @@ def roofline_fraction(batch, microseconds):
     return state_bytes / (microseconds * 1e-6) / HBM_BYTES_PER_S
 
 
-def check_against_fla(batch, launch, block_v):
-    """Max |fused - fla chain| of the outputs and of the new states, from identical starting states."""
-    inputs = make_inputs(batch, "cuda", seed=1)
-    out = fused_step(inputs, launch, block_v)
+def check_against_fla(batch, settings):
+    """Max |fused - fla chain| of the outputs and of the new states, from identical float32 inputs and states
+    (in bf16 the two differ by where they round: fla stores the conv output and o in bf16, relax keeps fp32)."""
+    inputs = make_inputs(batch, "cuda", seed=1, dtype=torch.float32)
+    out = fused_step(inputs, settings)
     fla_out, fla_state = fla_chain_step(inputs)
     new_state = ref.state_from_pool_layout(inputs["state_pool"][inputs["slot_indices"]])
     return (out.float() - fla_out.float()).abs().max().item(), (new_state - fla_state).abs().max().item()
 
 
-def cuda_launch(programs_per_sm, num_warps, num_stages):
+def cuda_launch(programs_per_sm, num_warps):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return TritonLaunch(num_programs=sms * programs_per_sm, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return TritonLaunch(num_programs=sms * programs_per_sm, options=dict(num_warps=num_warps, num_stages=2))
+
+
+def fla_recurrent_step(inputs):
+    """fla's recurrent kernel alone, on contiguous q/k/v (FACTS.md's 61% figure was this kernel)."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule(
+        inputs["q"], inputs["k"], inputs["v"], g=inputs["a"], beta=inputs["b"], initial_state=inputs["fla_state"],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=inputs["A_log"],
+        dt_bias=inputs["dt_bias"], use_beta_sigmoid_in_kernel=True)
+
+
+def copy_bandwidth_bytes_per_s():
+    """Device-to-device copy of 2 GiB: the practical ceiling beside the datasheet's 4.8 TB/s."""
+    src = torch.empty(2**29, dtype=torch.float32, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median") * 1e-3
+    return 2 * src.numel() * 4 / seconds
+
+
+# (block_v, value_splits, num_warps, programs per SM)
+DEFAULT_SETTINGS = (64, 1, 4, 16)
+SWEEP = [(64, 1, 4, 16), (64, 1, 4, 4), (64, 1, 8, 16), (64, 2, 4, 16), (32, 1, 4, 16), (32, 2, 4, 16),
+         (32, 4, 4, 16), (32, 4, 4, 4)]
+
+
+def describe(settings):
+    block_v, splits, warps, per_sm = settings
+    return f"block_v={block_v} value_splits={splits} num_warps={warps} programs/SM={per_sm}"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--sweep", action="store_true", help="time a few launch settings and use the fastest")
+    parser.add_argument("--sweep", action="store_true",
+                        help="time the SWEEP settings at every batch size and report the fastest per batch size")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-
-    # (block_v, num_warps, num_stages, programs per SM); the first is the default.
-    configs = [(32, 4, 2, 16)]
-    if args.sweep:
-        configs += [(c[0], c[1], c[2], c[3]) for c in itertools.product([16, 32, 64], [4, 8], [2, 3], [8, 32])
-                    if c != configs[0]]
-    best = configs[0]
-    if len(configs) > 1:
-        # Every batch size is timed; the settings are picked by the total over batch sizes >= 64 (bandwidth-bound).
-        inputs = {b: make_inputs(b, "cuda") for b in args.batch_sizes}
-        picked_by = [b for b in args.batch_sizes if b >= 64] or args.batch_sizes
-        totals = {}
-        for block_v, warps, stages, per_sm in configs:
-            launch = cuda_launch(per_sm, warps, stages)
-            times = {b: graph_time_us(lambda: fused_step(inputs[b], launch, block_v)) for b in args.batch_sizes}
-            totals[(block_v, warps, stages, per_sm)] = sum(times[b] for b in picked_by)
-            print(f"sweep block_v={block_v} num_warps={warps} num_stages={stages} programs/SM={per_sm}: "
-                  + ", ".join(f"B={b} {t:.1f} us" for b, t in times.items()), flush=True)
-        best = min(totals, key=totals.get)
-        del inputs
-    block_v, warps, stages, per_sm = best
-    launch = cuda_launch(per_sm, warps, stages)
-    print(f"fused kernel settings: block_v={block_v} num_warps={warps} num_stages={stages} "
-          f"grid <= {launch.num_programs} programs ({per_sm} per SM)")
+    copy_bw = copy_bandwidth_bytes_per_s()
+    print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s ({copy_bw / HBM_BYTES_PER_S:.0%} of 4.8 TB/s)")
 
     rows = []
     for batch in args.batch_sizes:
-        out_diff, state_diff = check_against_fla(batch, launch, block_v)
+        out_diff, state_diff = check_against_fla(batch, (64, 2, cuda_launch(16, 4)))
         inputs = make_inputs(batch, "cuda")
-        fused_us = graph_time_us(lambda: fused_step(inputs, launch, block_v))
+        times = {}
+        for settings in (SWEEP if args.sweep else [DEFAULT_SETTINGS]):
+            block_v, splits, warps, per_sm = settings
+            step_settings = (block_v, splits, cuda_launch(per_sm, warps))
+            times[settings] = graph_time_us(lambda: fused_step(inputs, step_settings))
+            print(f"B={batch} fused {describe(settings)}: {times[settings]:.1f} us", flush=True)
+        best = min(times, key=times.get)
         fla_us = graph_time_us(lambda: fla_chain_step(inputs))
-        rows.append((batch, fused_us, fla_us, fla_us / fused_us, roofline_fraction(batch, fused_us),
-                     roofline_fraction(batch, fla_us), out_diff, state_diff))
+        b, a = inputs["mixed_ba"].split([HV, HV], dim=-1)
+        q, k, v = inputs["mixed_qkvz"][:, :CONV_DIM].split([HK * K, HK * K, HV * V], dim=-1)
+        inputs.update(q=q.reshape(batch, 1, HK, K).contiguous(), k=k.reshape(batch, 1, HK, K).contiguous(),
+                      v=v.reshape(batch, 1, HV, V).contiguous(), a=a.reshape(batch, 1, HV).contiguous(),
+                      b=b.reshape(batch, 1, HV).contiguous())
+        recurrent_us = graph_time_us(lambda: fla_recurrent_step(inputs))
+        rows.append((batch, times[DEFAULT_SETTINGS], times[best], best, fla_us, recurrent_us, out_diff, state_diff))
         del inputs
         torch.cuda.empty_cache()
 
-    print("\n| batch | fused (us) | fla chain (us) | speedup | fused % of roofline | fla chain % of roofline "
-          "| max abs diff out / state |")
-    print("|---|---|---|---|---|---|---|")
-    for batch, fused_us, fla_us, speedup, fused_frac, fla_frac, out_diff, state_diff in rows:
-        print(f"| {batch} | {fused_us:.1f} | {fla_us:.1f} | {speedup:.2f}x | {fused_frac:.0%} | {fla_frac:.0%} "
-              f"| {out_diff:.1e} / {state_diff:.1e} |")
+    def frac(batch, us):
+        return f"{roofline_fraction(batch, us):.0%}"
+
+    print(f"\ndefault settings: {describe(DEFAULT_SETTINGS)}")
+    print("\n| batch | fused, default (us) | fused, fastest (us) | fastest settings | fla chain (us) "
+          "| speedup (fastest) | fused % of roofline | fla chain % | fla recurrent kernel alone (us, %) "
+          "| max abs diff vs fla, fp32: out / state |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for batch, default_us, best_us, best, fla_us, recurrent_us, out_diff, state_diff in rows:
+        print(f"| {batch} | {default_us:.1f} | {best_us:.1f} | {describe(best)} | {fla_us:.1f} "
+              f"| {fla_us / best_us:.2f}x | {frac(batch, best_us)} | {frac(batch, fla_us)} "
+              f"| {recurrent_us:.1f}, {frac(batch, recurrent_us)} | {out_diff:.1e} / {state_diff:.1e} |")
 
 
 if __name__ == "__main__":

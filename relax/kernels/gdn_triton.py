@@ -26,60 +26,76 @@ class TritonLaunch:
 
 
 @triton.jit
-def _causal_conv_silu(x_ptr, state_ptr, weight_ptr, bias_ptr, channels, mask, W: tl.constexpr,
-                      BW: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """silu(causal conv) of one new input per channel; shifts the channels' window [W-1] in the state.
+def _conv_window(x_ptr, state_ptr, channels, mask, W: tl.constexpr, BW: tl.constexpr):
+    """[C, BW] float32: each channel's W-1 stored inputs (oldest first) then its new input; taps >= W are zero.
 
-    x_ptr points at each channel's new input; state_ptr at the slot's [conv_dim, W-1] state. Returns fp32.
+    x_ptr points at each channel's new input, state_ptr at the slot's [conv_dim, W-1] conv state.
     """
     taps = tl.arange(0, BW)
-    from_state = mask[:, None] & (taps[None, :] < W - 1)
-    window = tl.load(state_ptr + channels[:, None] * (W - 1) + taps[None, :], mask=from_state, other=0.0)
+    window = tl.load(state_ptr + channels[:, None] * (W - 1) + taps[None, :],
+                     mask=mask[:, None] & (taps[None, :] < W - 1), other=0.0)
     x = tl.load(x_ptr, mask=mask, other=0.0)
-    window = tl.where(taps[None, :] == W - 1, x[:, None], window).to(tl.float32)
+    return tl.where(taps[None, :] == W - 1, x[:, None], window).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(window, weight_ptr, bias_ptr, channels, mask, W: tl.constexpr, BW: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """silu(sum over taps of window * weight + bias) per channel, float32."""
+    taps = tl.arange(0, BW)
     weight = tl.load(weight_ptr + channels[:, None] * W + taps[None, :], mask=mask[:, None] & (taps[None, :] < W),
                      other=0.0).to(tl.float32)
     y = tl.sum(window * weight, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + channels, mask=mask, other=0.0).to(tl.float32)
-    # The window minus its oldest input is the new state: tap t moves to t-1.
-    shifted = mask[:, None] & (taps[None, :] >= 1) & (taps[None, :] < W)
-    tl.store(state_ptr + channels[:, None] * (W - 1) + taps[None, :] - 1,
-             window.to(state_ptr.dtype.element_ty), mask=shifted)
     return y * tl.sigmoid(y)
+
+
+@triton.jit
+def _store_shifted_window(window, state_ptr, channels, mask, W: tl.constexpr, BW: tl.constexpr):
+    """The window minus its oldest input becomes the new conv state: tap t is stored at t - 1."""
+    taps = tl.arange(0, BW)
+    tl.store(state_ptr + channels[:, None] * (W - 1) + taps[None, :] - 1, window.to(state_ptr.dtype.element_ty),
+             mask=mask[:, None] & (taps[None, :] >= 1) & (taps[None, :] < W))
 
 
 @triton.jit
 def _gdn_decode_kernel(
     qkvz_ptr, ba_ptr, conv_state_ptr, conv_weight_ptr, conv_bias_ptr, state_ptr, slot_ptr,
-    A_log_ptr, dt_bias_ptr, norm_weight_ptr, out_ptr,
+    A_log_ptr, dt_bias_ptr, norm_weight_ptr, out_ptr, ticket_ptr,
     num_rows, qkvz_row_stride, ba_row_stride, conv_slot_stride, state_slot_stride,
     scale, norm_eps,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
-    INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+    SPLITS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
 ):
-    """One work item = one token row x one key head with its R = HV // HK value heads.
+    """One work item = one token row x one key head x one part: a value head of the group and every SPLITS-th
+    [BV, K] tile of its state (R * SPLITS parts per key head, R = HV // HK).
 
-    A key head's q/k conv channels are read and rewritten by exactly one work item, so the in-place conv-state
-    update cannot race with another program still reading the old window. A value head's output is kept as
-    [BT, BV] (tile, row in tile; BT = NT rounded up to a power of two) so the gated norm needs no second pass.
+    Parts of a key-head group share the q/k conv channels and each head's RMS norm. Every part reads the old
+    q/k window, updates its own tiles, stores its un-normalised outputs, then takes an arrival ticket; the last
+    part to arrive (all others have read and stored by then) writes the shifted q/k window, applies the gated
+    RMSNorm to the group's outputs and resets the ticket to zero for the next call.
     """
     R: tl.constexpr = HV // HK
+    P: tl.constexpr = R * SPLITS
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
     tiles = tl.arange(0, BT)
     offs_head = tiles[:, None] * BV + tl.arange(0, BV)[None, :]  # [BT, BV] positions within a value head
     mask_head = (tiles[:, None] < NT) & (offs_head < V)
-    for item in range(tl.program_id(0), num_rows * HK, tl.num_programs(0)):
-        row = item // HK
-        hk = item % HK
+    for item in range(tl.program_id(0), num_rows * HK * P, tl.num_programs(0)):
+        row = item // (HK * P)
+        hk = (item // P) % HK
+        j = (item % P) // SPLITS  # value head within the group
+        split = item % SPLITS
+        h = hk * R + j
         slot = tl.load(slot_ptr + row).to(tl.int64)
-        out_group = out_ptr + row * HV * V + hk * R * V
+        out_head = out_ptr + (row * HV + h) * V
         if slot < 0:  # padding row: no state touched, zero output
-            for j in tl.static_range(R):
-                tl.store(out_group + j * V + offs_head, tl.zeros([BT, BV], dtype=out_ptr.dtype.element_ty),
-                         mask=mask_head)
+            for t in range(split, NT, SPLITS):
+                offs_v = t * BV + tl.arange(0, BV)
+                tl.store(out_head + offs_v, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=offs_v < V)
         else:
             qkvz_row = qkvz_ptr + row * qkvz_row_stride
             ba_row = ba_ptr + row * ba_row_stride
@@ -98,40 +114,49 @@ def _gdn_decode_kernel(
                 b_in = ba_row + hk * R
                 a_in = ba_row + HV + hk * R
             conv_state = conv_state_ptr + slot * conv_slot_stride
-            q = _causal_conv_silu(q_in + offs_k, conv_state, conv_weight_ptr, conv_bias_ptr, hk * K + offs_k,
-                                  mask_k, W, BW, HAS_CONV_BIAS)
-            k = _causal_conv_silu(k_in + offs_k, conv_state, conv_weight_ptr, conv_bias_ptr,
-                                  HK * K + hk * K + offs_k, mask_k, W, BW, HAS_CONV_BIAS)
+            q_channels = hk * K + offs_k
+            k_channels = HK * K + hk * K + offs_k
+            q_window = _conv_window(q_in + offs_k, conv_state, q_channels, mask_k, W, BW)
+            k_window = _conv_window(k_in + offs_k, conv_state, k_channels, mask_k, W, BW)
+            q = _conv_silu(q_window, conv_weight_ptr, conv_bias_ptr, q_channels, mask_k, W, BW, HAS_CONV_BIAS)
+            k = _conv_silu(k_window, conv_weight_ptr, conv_bias_ptr, k_channels, mask_k, W, BW, HAS_CONV_BIAS)
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
 
-            for j in tl.static_range(R):  # the value heads sharing this key head
-                h = hk * R + j
-                x = tl.load(a_in + j).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-                softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-                decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
-                beta = tl.sigmoid(tl.load(b_in + j).to(tl.float32))
-                o = tl.zeros([BT, BV], dtype=tl.float32)
-                for t in range(NT):
-                    offs_v = t * BV + tl.arange(0, BV)
-                    mask_v = offs_v < V
-                    v = _causal_conv_silu(v_in + j * V + offs_v, conv_state, conv_weight_ptr, conv_bias_ptr,
-                                          2 * HK * K + h * V + offs_v, mask_v, W, BW, HAS_CONV_BIAS)
-                    # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
-                    tile = (state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K
-                            + offs_k[None, :])
-                    tile_mask = mask_v[:, None] & mask_k[None, :]
-                    s = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float32) * decay
-                    delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
-                    s += delta[:, None] * k[None, :]
-                    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
-                    o = tl.where(tiles[:, None] == t, tl.sum(s * q[None, :], axis=1)[None, :], o)
-                # Gated RMSNorm of the head: o / rms(o) * weight * silu(z).
-                rstd = tl.rsqrt(tl.sum(o * o) / V + norm_eps)
-                z = tl.load(z_in + j * V + offs_head, mask=mask_head, other=0.0).to(tl.float32)
+            x = tl.load(a_in + j).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+            softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+            decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
+            beta = tl.sigmoid(tl.load(b_in + j).to(tl.float32))
+            for t in range(split, NT, SPLITS):
+                offs_v = t * BV + tl.arange(0, BV)
+                mask_v = offs_v < V
+                v_channels = 2 * HK * K + h * V + offs_v  # owned by this part alone: updated right away
+                v_window = _conv_window(v_in + j * V + offs_v, conv_state, v_channels, mask_v, W, BW)
+                v = _conv_silu(v_window, conv_weight_ptr, conv_bias_ptr, v_channels, mask_v, W, BW, HAS_CONV_BIAS)
+                _store_shifted_window(v_window, conv_state, v_channels, mask_v, W, BW)
+                # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
+                tile = state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K + offs_k[None, :]
+                tile_mask = mask_v[:, None] & mask_k[None, :]
+                s = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float32) * decay
+                delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
+                s += delta[:, None] * k[None, :]
+                tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
+                tl.store(out_head + offs_v, tl.sum(s * q[None, :], axis=1).to(out_ptr.dtype.element_ty), mask=mask_v)
+
+            tl.debug_barrier()  # all of this program's reads and stores come before its ticket
+            ticket = tl.atomic_add(ticket_ptr + row * HK + hk, 1, sem="acq_rel")
+            if ticket == P - 1:  # last part of the group to arrive
+                _store_shifted_window(q_window, conv_state, q_channels, mask_k, W, BW)
+                _store_shifted_window(k_window, conv_state, k_channels, mask_k, W, BW)
                 weight = tl.load(norm_weight_ptr + offs_head, mask=mask_head, other=0.0).to(tl.float32)
-                y = o * rstd * weight * z * tl.sigmoid(z)
-                tl.store(out_group + j * V + offs_head, y.to(out_ptr.dtype.element_ty), mask=mask_head)
+                for jj in tl.static_range(R):  # gated RMSNorm of each head: o / rms(o) * weight * silu(z)
+                    out_jj = out_ptr + (row * HV + hk * R + jj) * V
+                    o = tl.load(out_jj + offs_head, mask=mask_head, other=0.0).to(tl.float32)
+                    rstd = tl.rsqrt(tl.sum(o * o) / V + norm_eps)
+                    z = tl.load(z_in + jj * V + offs_head, mask=mask_head, other=0.0).to(tl.float32)
+                    y = o * rstd * weight * z * tl.sigmoid(z)
+                    tl.store(out_jj + offs_head, y.to(out_ptr.dtype.element_ty), mask=mask_head)
+                tl.store(ticket_ptr + row * HK + hk, 0)
 
 
 def _check(condition: bool, message: str):
@@ -156,13 +181,18 @@ def gdn_decode(
     head_v_dim: int,
     layout: str,
     launch: TritonLaunch,
-    block_v: int = 32,
+    block_v: int = 64,
+    value_splits: int = 1,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused GDN decode step; same arguments and result as gdn_reference.gdn_decode, plus the launch record.
 
     One kernel: QKVZBA split, conv1d state update + silu, q/k l2norm, gating, delta-rule update of the pooled
     state [num_slots, Hv, V, K] and gated RMSNorm; both pools are updated in place. Returns [N, Hv, V].
     block_v: value rows of the state streamed per step (the on-chip tile is block_v x K).
+    value_splits: programs sharing one value head's tiles (more parallelism for small batches).
+    tickets: int32 zeros, at least N * num_k_heads; the kernel leaves them zero, so one buffer serves every call
+        (and CUDA-graph replays). Allocated per call when None.
     """
     num_v_heads = A_log.shape[0]
     _check(layout in QKVZ_LAYOUTS, f"layout={layout!r}: use one of {QKVZ_LAYOUTS}")
@@ -187,16 +217,24 @@ def gdn_decode(
     _check(block_v > 0 and block_v & (block_v - 1) == 0, f"block_v={block_v} must be a power of two")
     block_v = min(block_v, triton.next_power_of_2(head_v_dim))
     num_tiles = triton.cdiv(head_v_dim, block_v)
+    _check(1 <= value_splits <= num_tiles,
+           f"value_splits={value_splits} must be between 1 and the {num_tiles} tiles of block_v={block_v}")
+    if tickets is None:
+        tickets = torch.zeros(rows * num_k_heads, dtype=torch.int32, device=mixed_qkvz.device)
+    _check(tickets.dtype == torch.int32 and tickets.numel() >= rows * num_k_heads,
+           f"tickets must be int32 with at least {rows * num_k_heads} elements, got {tickets.dtype} "
+           f"x {tickets.numel()}")
     out = mixed_qkvz.new_empty(rows, num_v_heads, head_v_dim)
-    grid = (max(1, min(rows * num_k_heads, launch.num_programs)),)
+    parts = num_v_heads // num_k_heads * value_splits
+    grid = (max(1, min(rows * num_k_heads * parts, launch.num_programs)),)
     _gdn_decode_kernel[grid](
         mixed_qkvz, mixed_ba, conv_state_pool, conv_weight, conv_bias, state_pool, slot_indices,
-        A_log, dt_bias, norm_weight, out,
+        A_log, dt_bias, norm_weight, out, tickets,
         rows, mixed_qkvz.stride(0), mixed_ba.stride(0), conv_state_pool.stride(0), state_pool.stride(0),
         head_k_dim ** -0.5, norm_eps,
         HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, W=width,
         BK=triton.next_power_of_2(head_k_dim), BV=block_v, NT=num_tiles, BT=triton.next_power_of_2(num_tiles),
-        BW=triton.next_power_of_2(width),
+        BW=triton.next_power_of_2(width), SPLITS=value_splits,
         INTERLEAVED=layout == "interleaved", HAS_CONV_BIAS=conv_bias is not None,
         **launch.options,
     )

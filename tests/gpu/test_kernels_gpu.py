@@ -43,11 +43,31 @@ def test_fused_decode_matches_reference(layout, dtype, tol):
 
     case = decode_case(layout, dtype)
     expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
-    out = gdn_decode(**case, launch=cuda_launch())
+    out = gdn_decode(**case, launch=cuda_launch(), value_splits=2)
     expected = ref.gdn_decode(**expected_case)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=tol / 10, rtol=tol / 10)
     torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
+
+
+@pytest.mark.parametrize("block_v,value_splits", [(64, 1), (64, 2), (32, 4)])
+def test_fused_decode_many_rows_and_steps(block_v, value_splits):
+    """256 rows x 16 key heads of concurrently finishing groups, three steps in a row on one ticket buffer:
+    a race between a group's parts would show up as a mismatch here."""
+    from relax.kernels.gdn_triton import gdn_decode
+
+    case = decode_case("contiguous", torch.float32, rows=256, slots=300)
+    case["slot_indices"] = torch.randperm(300, device="cuda")[:256]
+    expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    tickets = torch.zeros(256 * HK, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        out = gdn_decode(**case, launch=cuda_launch(), block_v=block_v, value_splits=value_splits,
+                         tickets=tickets)
+        expected = ref.gdn_decode(**expected_case)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
+    assert int(tickets.abs().sum()) == 0
 
 
 def test_chunk_reference_matches_fla_chunk_kernel():
