@@ -7,9 +7,13 @@ spawns (they inherit the environment, so everything here goes through os.environ
    (sglang/srt/platforms/__init__.py, utils/common.py); without it the model build reaches
    `from vllm._custom_ops import rotary_embedding` and fails.
 2. relax/platform/cpu_stand_ins first on PYTHONPATH (and sys.path), which holds
-   - `sgl_kernel`: PyPI's sgl-kernel is CUDA-only, and the CPU path imports its CPU ops at module level
-     (mem_cache/allocation.py: assign_req_to_token_pool_cpu, called for every batch). The ops are
-     implemented in torch in relax/platform/sgl_kernel_cpu_ops.py; unimplemented ones raise when called.
+   - `sgl_kernel`: PyPI's sgl-kernel is CUDA-only (no CPU ops, no sdist), and with the CPU engine switch
+     SGLang imports CPU ops from it at module level. Measured for tiny Qwen2/Qwen3 generation: the engine
+     imports assign_req_to_token_pool_cpu (mem_cache/allocation.py; called on its speculative-decoding
+     allocation path), copy_all_layer_kv_cache_cpu and six speculative-decoding ops
+     (assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu, build_tree_kernel_efficient_cpu,
+     fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu, verify_tree_greedy_cpu), and calls none of them.
+     relax/platform/sgl_kernel_cpu_ops.py implements ops in torch; any other op raises when called.
    - `torchvision`: a placeholder, because PyPI's torchvision does not import beside the CPU torch and
      SGLang's engine import reaches it through its multimodal configs.
 

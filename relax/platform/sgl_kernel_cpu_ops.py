@@ -37,7 +37,10 @@ def register_cpu_op(name: str, function: Callable, submodule: str = "", schema: 
 
 
 def missing_op(qualified_name: str) -> Callable:
-    """What the stand-in serves for an op nobody implemented: fails when called, naming the op."""
+    """What the stand-in serves for an op nobody implemented: fails when called, naming the op.
+    Dunder names are never ops: they raise AttributeError, as on any module."""
+    if qualified_name.rpartition(".")[2].startswith("__"):
+        raise AttributeError(qualified_name)
 
     def not_implemented(*args, **kwargs):
         raise NotImplementedError(
