@@ -38,6 +38,7 @@ LOCAL_DEVICE_ENV = "RELAX_LOCAL_DEVICE"  # logical index of the actor's (first) 
 ENGINE_RANK_ENV = "RELAX_ENGINE_RANK"
 NUM_ENGINES_ENV = "RELAX_NUM_ENGINES"
 ENGINE_DEVICES_ENV = "RELAX_ENGINE_DEVICES"  # logical indices of all of an engine's devices, comma-separated
+_PER_ACTOR_ENV = (LOCAL_DEVICE_ENV, ENGINE_RANK_ENV, NUM_ENGINES_ENV, ENGINE_DEVICES_ENV)
 
 # What a probe takes of its bundle: enough to be given the bundle's device, little enough to fit beside
 # anything (Ray counts resources in units of 1e-4).
@@ -217,10 +218,12 @@ def _resource_options(resources: dict[str, float]) -> dict:
 
 class ActorGroup:
     """Ray actors of one class: actor i on bundle `placement.bundles[positions[i]]`, taking `share` of each
-    resource of that bundle, with environment `envs[i]` (on top of the job's). All get the same init args."""
+    resource of that bundle, with environment `envs[i]` (on top of the job's). All get the same init args;
+    `ray_options` go to Ray's .options() as they are (e.g. max_concurrency)."""
 
     def __init__(self, actor_class, placement: Placement, positions: list[int], share: float,
-                 envs: list[dict[str, str]], args: tuple = (), kwargs: dict | None = None):
+                 envs: list[dict[str, str]], args: tuple = (), kwargs: dict | None = None,
+                 ray_options: dict | None = None):
         if len(positions) != len(envs):
             raise ValueError(f"ActorGroup: {len(positions)} bundle positions but {len(envs)} environments")
         if not 0 < share <= 1:
@@ -233,6 +236,7 @@ class ActorGroup:
         self.actors = [
             remote_class.options(
                 **options,
+                **(ray_options or {}),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=placement.group, placement_group_bundle_index=bundle.index
                 ),
@@ -254,11 +258,13 @@ class ActorGroup:
 
 
 def _base_env(placement: Placement, env: dict | None, memory_saver_on: bool) -> dict[str, str]:
-    """The worker environment of this driver's run with the caller's variables, and Ray's NOSET switch."""
-    return {
-        **worker_env_vars(placement.platform, os.environ, named=env, memory_saver_on=memory_saver_on),
-        **noset_visible_devices_env(placement.platform),
-    }
+    """The worker environment of this driver's run with the caller's variables, and Ray's NOSET switch.
+
+    Per-actor variables are dropped: a driver that is itself a placed actor must not hand its own on."""
+    base = worker_env_vars(placement.platform, os.environ, named=env, memory_saver_on=memory_saver_on)
+    for name in _PER_ACTOR_ENV:
+        base.pop(name, None)
+    return {**base, **noset_visible_devices_env(placement.platform)}
 
 
 def training_envs(placement: Placement, base_env: dict[str, str]) -> list[dict[str, str]]:
@@ -313,16 +319,18 @@ def engine_envs(placement: Placement, devices_per_engine: int, base_env: dict[st
 
 
 def create_training_actors(actor_class, placement: Placement, share: float = 0.4, env: dict | None = None,
-                           memory_saver_on: bool = False, args: tuple = (), kwargs: dict | None = None) -> ActorGroup:
+                           memory_saver_on: bool = False, args: tuple = (), kwargs: dict | None = None,
+                           ray_options: dict | None = None) -> ActorGroup:
     """One actor per bundle: rank i on bundle i, with torch.distributed's variables."""
     envs = training_envs(placement, _base_env(placement, env, memory_saver_on))
-    return ActorGroup(actor_class, placement, list(range(placement.num_devices)), share, envs, args, kwargs)
+    positions = list(range(placement.num_devices))
+    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options)
 
 
 def create_engine_actors(actor_class, placement: Placement, devices_per_engine: int, share: float = 0.2,
                          env: dict | None = None, memory_saver_on: bool = False, args: tuple = (),
-                         kwargs: dict | None = None) -> ActorGroup:
+                         kwargs: dict | None = None, ray_options: dict | None = None) -> ActorGroup:
     """One actor per group of `devices_per_engine` bundles, on the first bundle of its group."""
     envs = engine_envs(placement, devices_per_engine, _base_env(placement, env, memory_saver_on))
     positions = list(range(0, placement.num_devices, devices_per_engine))
-    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs)
+    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options)

@@ -1,5 +1,6 @@
 """relax.ray.placement: bundle order and the variables each placed actor gets (no Ray cluster needed)."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +10,7 @@ from relax.ray.placement import (
     LOCAL_DEVICE_ENV,
     Bundle,
     Placement,
+    _base_env,
     _resource_options,
     bundle_resources_for,
     bundle_sort_key,
@@ -17,9 +19,17 @@ from relax.ray.placement import (
     noset_visible_devices_env,
     training_envs,
 )
+from relax.ray.runtime_env import forwarded_env
 
-NPU = SimpleNamespace(ray_resource="NPU", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES")
-CPU = SimpleNamespace(ray_resource=None, visible_devices_env=None)
+def fake_platform(ray_resource, visible_devices_env):
+    """Stands in for a relax.platform record: the Ray facts and the worker-environment calls."""
+    return SimpleNamespace(ray_resource=ray_resource, visible_devices_env=visible_devices_env,
+                           worker_env=lambda memory_saver_on: {"PLATFORM_DEFAULT": "1"},
+                           check_worker_env=lambda env, memory_saver_on: None)
+
+
+NPU = fake_platform("NPU", "ASCEND_RT_VISIBLE_DEVICES")
+CPU = fake_platform(None, None)
 
 
 def bundle(index, ip, node, device=None, local=None):
@@ -89,3 +99,16 @@ def test_engine_layouts_that_cannot_work_are_refused_with_the_reason():
     gap = placement(NPU, [bundle(0, "10.0.0.1", "a", "0", 0), bundle(1, "10.0.0.1", "a", "2", 2)])
     with pytest.raises(ValueError, match=r"engine 0 got devices \[0, 2\] on node 10.0.0.1, not consecutive"):
         engine_envs(gap, 2, {})
+
+
+def test_placed_actors_get_the_run_environment_but_not_the_creators_own_placement(monkeypatch):
+    for name in forwarded_env(os.environ):  # only the variables set here
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "600")
+    monkeypatch.setenv(LOCAL_DEVICE_ENV, "5")  # as inside an actor that was itself placed
+    monkeypatch.setenv("RELAX_ENGINE_RANK", "3")
+    placed = placement(NPU, [bundle(0, "10.0.0.1", "a", "0", 0)])
+    assert _base_env(placed, {"MINE": "x"}, memory_saver_on=False) == {
+        "PLATFORM_DEFAULT": "1", "HCCL_EXEC_TIMEOUT": "600", "MINE": "x",
+        "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1",
+    }
