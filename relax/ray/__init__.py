@@ -1,1 +1,12 @@
-"""Ray: placement groups, actor groups, the workers' runtime_env, and job submission."""
+"""Ray: placement groups, actor groups, the workers' runtime_env, and job submission.
+
+    placement.py      create_placement (device bundles ordered by node and device), ActorGroup,
+                      create_training_actors (one rank per bundle), create_engine_actors (one per
+                      tensor-parallel group of bundles), the variables each placed actor gets
+    runtime_env.py    the one rule for which variables reach workers (used by `relax submit` and placement)
+    envcheck.py       `python -m relax.ray.envcheck NAME...`: which of them reach a run's processes
+    local_cluster.py  a Ray cluster of one or more nodes on this machine, for tests and the CPU demo
+
+`relax submit` (relax/submit.py) wraps Ray's Jobs API with runtime_env.job_env_vars.
+This package's modules import ray; relax.ray itself imports nothing, so `relax submit --help` stays fast.
+"""

@@ -69,3 +69,4 @@ def test_the_npu_record_refuses_expandable_segments_beside_the_memory_saver():
     assert "expandable_segments" not in env.get("PYTORCH_NPU_ALLOC_CONF", "")
     with pytest.raises(ValueError, match="PYTORCH_NPU_ALLOC_CONF"):
         worker_env_vars(npu, {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}, memory_saver_on=True)
+
