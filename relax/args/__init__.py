@@ -91,15 +91,16 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
 
 def format_config(config: TrainConfig) -> str:
     """The resolved configuration, one `name = value` line per field; `*` marks a value that is not the default."""
-    parser_defaults = build_parser()
-    sections = [("relax", [(k, v, parser_defaults.get_default(k)) for k, v in sorted(vars(config.relax).items())])]
+    parser = build_parser()
+    relax_dests = [a.dest for a in parser._actions if a.dest in vars(config.relax)]  # in --help's order
+    sections = [("relax", [(k, getattr(config.relax, k), parser.get_default(k)) for k in relax_dests])]
     sections.append((f"sglang ({_class_path(config.sglang)})", _struct_rows(config.sglang)))
     m = config.megatron
     for name in ("transformer", "optimizer", "ddp"):
         obj = getattr(m, name)
         sections.append((f"megatron.{name} ({_class_path(obj)})", _dataclass_rows(obj)))
     for name, title in (("model", "GPTModel settings"), ("scheduler", "LR schedule")):
-        rows = [(k, v, parser_defaults.get_default(f"megatron_{k}")) for k, v in vars(getattr(m, name)).items()]
+        rows = [(k, v, parser.get_default(f"megatron_{k}")) for k, v in vars(getattr(m, name)).items()]
         sections.append((f"megatron.{name} ({title})", rows))
     lines = []
     for title, rows in sections:

@@ -27,6 +27,7 @@ import functools
 import json
 import types
 import typing
+import warnings
 from pathlib import Path
 
 PREFIX = "megatron"
@@ -35,8 +36,6 @@ PREFIX = "megatron"
 @functools.cache
 def config_classes() -> dict:
     """The megatron-core dataclasses that become flags, in the order that decides a shared field's type."""
-    import warnings
-
     with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed": true, and not news here
         warnings.simplefilter("ignore", UserWarning)
         from megatron.core.distributed import DistributedDataParallelConfig
@@ -63,7 +62,7 @@ MODEL_FLAGS = {
     "seq_length": dict(type=int, default=4096, help="Longest training sequence, prompt + response (default: %(default)s)."),
     "position_embedding_type": dict(choices=["learned_absolute", "rope", "mrope", "none"], default="rope", help="(default: %(default)s)"),
     "rotary_base": dict(type=float, help="RoPE base (default: the HF config's rope_theta, else 10000)."),
-    "rotary_percent": dict(type=float, default=1.0, help="Fraction of each head's dims that are rotated (default: %(default)s)."),
+    "rotary_percent": dict(type=float, help="Fraction of each head's dims that are rotated (default: the HF config's partial_rotary_factor, else 1.0)."),
     "untie_embeddings_and_output_weights": dict(
         action="store_const", const=True, help="Separate input embedding and output layer (default: the HF config's tie_word_embeddings)."
     ),
@@ -104,40 +103,58 @@ HF_SHAPE_KEYS = {
     "vocab_size": "vocab_size",
     "num_experts": "num_moe_experts",
     "moe_intermediate_size": "moe_ffn_hidden_size",
+    "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): same names on both sides.
+    "linear_conv_kernel_dim": "linear_conv_kernel_dim",
+    "linear_key_head_dim": "linear_key_head_dim",
+    "linear_value_head_dim": "linear_value_head_dim",
+    "linear_num_key_heads": "linear_num_key_heads",
+    "linear_num_value_heads": "linear_num_value_heads",
 }
 HF_OVERRIDABLE_KEYS = {
     "rms_norm_eps": "layernorm_epsilon",
     "max_position_embeddings": "max_position_embeddings",
     "num_experts_per_tok": "moe_router_topk",
+    "partial_rotary_factor": "rotary_percent",
 }
 REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
 
 
-def _cli_kwargs(annotation) -> dict | None:
-    """argparse keyword arguments for a field's annotation, or None when it has no CLI form."""
+class CliForm(typing.NamedTuple):
+    kwargs: dict  # for add_argument
+    convert: typing.Callable | None = None  # applied to the parsed value before it reaches the dataclass
+
+
+def _cli_form(annotation) -> CliForm | None:
+    """How a field's annotation is written on the command line, or None when it cannot be."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         members = [a for a in args if a is not type(None)]
         if len(members) == 1:
-            return _cli_kwargs(members[0])
+            return _cli_form(members[0])
         scalars = [m for m in members if m in (int, float, str)]
         lists = [m for m in members if typing.get_origin(m) in (list, typing.List)]
         if len(scalars) == 1 and len(lists) == len(members) - 1 and all(typing.get_args(m) == (scalars[0],) for m in lists):
-            return {"nargs": "+", "type": scalars[0], "one_value_is_scalar": True}
-        return {"type": str} if str in members else None
+            return CliForm({"nargs": "+", "type": scalars[0]}, _scalar_if_one)
+        return CliForm({"type": str}) if str in members else None
     if annotation is bool:
-        return {"action": argparse.BooleanOptionalAction}
+        return CliForm({"action": argparse.BooleanOptionalAction})
     if annotation in (int, float, str):
-        return {"type": annotation}
+        return CliForm({"type": annotation})
     if origin is typing.Literal:
-        return {"type": type(args[0]), "choices": list(args)}
+        return CliForm({"type": type(args[0]), "choices": list(args)})
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return {"type": _enum_by_name(annotation), "choices": list(annotation), "metavar": "{" + ",".join(annotation.__members__) + "}"}
+        metavar = "{" + ",".join(annotation.__members__) + "}"
+        return CliForm({"type": _enum_by_name(annotation), "choices": list(annotation), "metavar": metavar})
     if origin in (list, typing.List) and len(args) == 1 and args[0] in (int, float, str):
-        return {"nargs": "+", "type": args[0]}
+        return CliForm({"nargs": "+", "type": args[0]})
     if origin in (tuple, typing.Tuple) and args and all(a in (int, float, str) for a in args) and len(set(args)) == 1:
-        return {"nargs": len(args), "type": args[0], "as_tuple": True}
+        return CliForm({"nargs": len(args), "type": args[0]}, tuple)
     return None
+
+
+def _scalar_if_one(values: list):
+    return values[0] if len(values) == 1 else values
 
 
 def _enum_by_name(enum_class):
@@ -157,22 +174,22 @@ def _flag(field: str) -> str:
 
 @functools.cache
 def field_flags() -> tuple[dict, dict, list]:
-    """(field -> argparse kwargs, field -> the classes that have it, [fields that are not flags])."""
-    kwargs_by_field, owners, skipped = {}, {}, []
+    """(field -> CliForm, field -> the classes that have it, [fields that are not flags])."""
+    forms, owners, skipped = {}, {}, []
     for cls in config_classes().values():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if not f.init:
                 continue
             owners.setdefault(f.name, []).append(cls)
-            if f.name in kwargs_by_field or f.name in skipped:
+            if f.name in forms or f.name in skipped:
                 continue
-            kwargs = None if f.name.startswith("_") else _cli_kwargs(hints[f.name])
-            if kwargs is None:
+            form = None if f.name.startswith("_") else _cli_form(hints[f.name])
+            if form is None:
                 skipped.append(f.name)
             else:
-                kwargs_by_field[f.name] = kwargs
-    return kwargs_by_field, owners, skipped
+                forms[f.name] = form
+    return forms, owners, skipped
 
 
 def _default_text(field: str, owners: list) -> str:
@@ -181,18 +198,18 @@ def _default_text(field: str, owners: list) -> str:
         f = next(f for f in dataclasses.fields(cls) if f.name == field)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         parts.append(f"{cls.__name__}.{field}, default {default!r}")
-    return "; ".join(parts)
+    return "; ".join(parts).replace("%", "%%")  # argparse %-formats help
 
 
 def add_megatron_args(parser: argparse.ArgumentParser) -> None:
-    kwargs_by_field, owners, skipped = field_flags()
+    forms, owners, skipped = field_flags()
     aliases = {field: flag for flag, field, const in MEGATRON_LM_SPELLINGS if const is None}
     group = parser.add_argument_group(
         "Megatron (megatron-core TransformerConfig, OptimizerConfig, DistributedDataParallelConfig)",
         "Generated from the dataclass fields. Not flags (no command-line form): " + ", ".join(skipped) + ".",
     )
-    for field, kwargs in kwargs_by_field.items():
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("one_value_is_scalar", "as_tuple")}
+    for field, form in forms.items():
+        kwargs = dict(form.kwargs)
         options = [_flag(field)] + ([aliases[field]] if field in aliases else [])
         if "choices" not in kwargs and "action" not in kwargs:
             kwargs.setdefault("metavar", field.upper())
@@ -209,19 +226,17 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
 
 def given_values(namespace: argparse.Namespace) -> dict:
     """The Megatron flags' values by unprefixed name; dataclass fields that were not given are left out."""
-    kwargs_by_field, _, _ = field_flags()
+    forms, _, _ = field_flags()
     values = {}
     for dest, value in vars(namespace).items():
         if not dest.startswith(PREFIX + "_"):
             continue
         name = dest[len(PREFIX) + 1 :]
-        if name in kwargs_by_field:
+        if name in forms:
             if value is None:
                 continue
-            if kwargs_by_field[name].get("one_value_is_scalar") and len(value) == 1:
-                value = value[0]
-            if kwargs_by_field[name].get("as_tuple"):
-                value = tuple(value)
+            if forms[name].convert is not None:
+                value = forms[name].convert(value)
         values[name] = value
     return values
 
@@ -293,7 +308,11 @@ def build_megatron_config(values: dict, num_steps: int, error) -> MegatronConfig
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         kwargs = {n: v for n, v in {**values, **derived}.items() if n in names}
         try:
-            built[key] = cls(**kwargs)
+            with warnings.catch_warnings():
+                if "cuda_graph_scope" not in values:
+                    # TransformerConfig warns about its own default ("full"), which it then replaces.
+                    warnings.filterwarnings("ignore", message="full scope is deprecated")
+                built[key] = cls(**kwargs)
         except (ValueError, AssertionError, TypeError) as exc:
             error(f"megatron-core {cls.__name__} rejects these flags: {exc}")
     model = argparse.Namespace(**{name: values.get(name) for name in MODEL_FLAGS})
@@ -302,6 +321,8 @@ def build_megatron_config(values: dict, num_steps: int, error) -> MegatronConfig
     model.group_query_attention = bool(model.group_query_attention)
     if model.rotary_base is None:
         model.rotary_base = 10000.0
+    if model.rotary_percent is None:
+        model.rotary_percent = 1.0
     if model.max_position_embeddings is None:
         model.max_position_embeddings = model.seq_length
     model.padded_vocab_size = None

@@ -96,9 +96,9 @@ def test_model_and_schedule_settings():
 
 
 def test_uncliable_fields_are_not_flags_and_say_so():
-    kwargs_by_field, _, skipped = field_flags()
+    forms, _, skipped = field_flags()
     for name in ("params_dtype", "pipeline_dtype", "init_method", "activation_func", "timers", "_cpu_offloading_context"):
-        assert name in skipped and name not in kwargs_by_field
+        assert name in skipped and name not in forms
     assert "params_dtype" in build_parser().format_help()  # listed in the Megatron group's description
     assert "--params-dtype" not in {o for a in build_parser()._actions for o in a.option_strings}
 
@@ -121,6 +121,19 @@ def test_architecture_comes_from_the_hf_checkpoint(tmp_path):
     assert (tc.num_query_groups, tc.kv_channels, tc.layernorm_epsilon, tc.normalization) == (2, 16, 1e-6, "RMSNorm")
     assert (m.model.vocab_size, m.model.max_position_embeddings, m.model.rotary_base) == (300, 512, 1e6)
     assert m.model.untie_embeddings_and_output_weights is False
+
+
+def test_moe_and_gated_deltanet_sizes_come_from_the_hf_checkpoint(tmp_path):
+    hybrid = dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=24,
+        linear_conv_kernel_dim=3, partial_rotary_factor=0.25,
+    )
+    m = parse_train_args([*RUN, "--hf-checkpoint", write_hf_config(tmp_path, **hybrid)]).megatron
+    tc = m.transformer
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size, tc.moe_shared_expert_intermediate_size) == (4, 2, 32, 48)
+    assert (tc.linear_num_key_heads, tc.linear_num_value_heads, tc.linear_key_head_dim, tc.linear_value_head_dim) == (4, 8, 16, 24)
+    assert tc.linear_conv_kernel_dim == 3 and m.model.rotary_percent == 0.25
 
 
 def test_text_config_of_a_multimodal_checkpoint_is_used(tmp_path):
