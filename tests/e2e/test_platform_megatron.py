@@ -1,5 +1,5 @@
 """megatron-core 0.16.1 trains on the CPU platform: a real GPTModel (local spec) under Megatron DDP, its
-optimizer (plain and distributed) and forward_backward_no_pipelining, on gloo with world size 2."""
+optimizer (plain and distributed) and its schedules (no pipelining; 1F1B with PP=2), on gloo, world size 2."""
 
 import os
 import socket
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-VOCAB, SEQ, MICRO_BATCH, STEPS = 64, 16, 2, 3
+VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES, STEPS = 64, 16, 2, 2, 3
 
 
 def _free_port() -> int:
@@ -17,8 +17,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(tensor_parallel: int, distributed_optimizer: bool):
-    """Builds a tiny GPT, takes STEPS optimizer steps; returns (losses, flat parameters, grad norms)."""
+def _train(tensor_parallel: int = 1, pipeline_parallel: int = 1, distributed_optimizer: bool = False):
+    """Builds a tiny GPT, takes STEPS optimizer steps; returns (losses, flat parameters, grad norms).
+    Losses are the mean over micro-batches per step, on the last pipeline stage only."""
     from megatron.core import parallel_state, tensor_parallel as mtp
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -28,7 +29,9 @@ def _train(tensor_parallel: int, distributed_optimizer: bool):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
     mtp.model_parallel_cuda_manual_seed(1234)
     config = TransformerConfig(
         num_layers=2,
@@ -42,6 +45,7 @@ def _train(tensor_parallel: int, distributed_optimizer: bool):
         hidden_dropout=0.1,  # dropout draws from the redirected RNG tracker
         attention_dropout=0.0,
         params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
     )
     model = GPTModel(
         config=config,
@@ -49,6 +53,8 @@ def _train(tensor_parallel: int, distributed_optimizer: bool):
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
@@ -80,16 +86,17 @@ def _train(tensor_parallel: int, distributed_optimizer: bool):
         optimizer.zero_grad()
         result = get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter([None]),
+            data_iterator=iter([None] * MICRO_BATCHES),
             model=[model],
-            num_microbatches=1,
+            num_microbatches=MICRO_BATCHES,
             seq_length=SEQ,
             micro_batch_size=MICRO_BATCH,
             forward_only=False,
         )
         update_successful, grad_norm, _ = optimizer.step()
         assert update_successful
-        losses.append(result[0]["loss"].item())
+        if result:  # the last pipeline stage
+            losses.append(sum(r["loss"].item() for r in result) / len(result))
         grad_norms.append(grad_norm)
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
     parallel_state.destroy_model_parallel()
@@ -105,9 +112,10 @@ def _worker(rank: int, world_size: int, port: int, results):
     torch.distributed.init_process_group(platform.dist_backend, rank=rank, world_size=world_size)
     try:
         results[rank] = {
-            "dp": _train(tensor_parallel=1, distributed_optimizer=False),
-            "dp_distopt": _train(tensor_parallel=1, distributed_optimizer=True),
-            "tp": _train(tensor_parallel=2, distributed_optimizer=False),
+            "dp": _train(),
+            "dp_distopt": _train(distributed_optimizer=True),
+            "tp": _train(tensor_parallel=2),
+            "pp": _train(pipeline_parallel=2),
         }
     finally:
         torch.distributed.destroy_process_group()
@@ -140,3 +148,11 @@ def test_tensor_parallel_ranks_agree_on_the_loss(results):
     (losses0, params0, _), (losses1, params1, _) = results[0]["tp"], results[1]["tp"]
     assert losses0 == losses1 and losses0[-1] < losses0[0]
     assert not torch.equal(params0, params1), "each tensor-parallel rank should hold its own shards"
+
+
+def test_pipeline_stages_train_through_point_to_point_on_gloo(results):
+    (first_losses, first_params, first_norms), (last_losses, last_params, last_norms) = results[0]["pp"], results[1]["pp"]
+    assert first_losses == [] and len(last_losses) == STEPS and last_losses[-1] < last_losses[0]
+    # The grad norm is reduced over both stages, so the first stage received gradients from the last.
+    assert first_norms == last_norms and all(n > 0 for n in first_norms)
+    assert first_params.numel() != last_params.numel(), "each stage should hold its own layers"
