@@ -37,6 +37,26 @@ WATCHED = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"
            "RELAX_TEST_CALLER_VAR"]
 
 
+class RankProbe(EnvReporter):
+    """A training rank that also joins torch.distributed from the variables its placement gave it."""
+
+    def all_reduce_rank(self, backend: str) -> float:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group(backend)  # env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+        try:
+            value = torch.tensor([float(dist.get_rank() + 1)])
+            dist.all_reduce(value)
+            return value.item()
+        finally:
+            dist.destroy_process_group()
+
+
+# Workers cannot import this test module: Ray ships RankProbe by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
 class Cluster:
     def __init__(self, local: LocalCluster, node_names: dict[str, str]):
         self.local = local
@@ -70,8 +90,9 @@ def cluster():
 
 
 def test_two_cpu_devices_colocate_two_ranks_and_one_engine(cluster):
-    placement = create_placement(platform_facts("cpu"), num_devices=2, strategy="STRICT_PACK")
-    ranks = create_training_actors(EnvReporter, placement, env={"RELAX_TEST_CALLER_VAR": "ranks"})
+    cpu = platform_facts("cpu")
+    placement = create_placement(cpu, num_devices=2, strategy="STRICT_PACK")
+    ranks = create_training_actors(RankProbe, placement, env={"RELAX_TEST_CALLER_VAR": "ranks"})
     engines = create_engine_actors(EnvReporter, placement, devices_per_engine=2, env={"RELAX_TEST_CALLER_VAR": "engine"})
     try:
         assert placement.bundle_resources == {"CPU": 1}
@@ -95,6 +116,8 @@ def test_two_cpu_devices_colocate_two_ranks_and_one_engine(cluster):
         group_cpus = {name: amount for name, amount in ray.available_resources().items()
                       if name.startswith("CPU_group_") and placement.group.id.hex() in name}
         assert sorted(group_cpus.values()) == pytest.approx([0.4, 0.6, 1.0])
+        # The variables are all torch.distributed needs: the two ranks form a group and reduce 1 + 2.
+        assert ray.get(ranks.call("all_reduce_rank", cpu.dist_backend)) == [3.0, 3.0]
     finally:
         engines.kill()
         ranks.kill()
