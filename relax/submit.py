@@ -15,6 +15,7 @@ import asyncio
 import os
 import shlex
 import sys
+import time
 
 from relax.ray.runtime_env import WORKER_ENV_NAMES, WORKER_ENV_PREFIXES, job_env_vars, parse_env_specs
 
@@ -83,8 +84,6 @@ async def _stream_logs(client, job_id: str) -> None:
 
 
 def _wait(client, job_id: str) -> int:
-    import time
-
     from ray.job_submission import JobStatus
 
     try:

@@ -28,6 +28,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from relax.platform import Platform
 from relax.ray.runtime_env import worker_env_vars
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -68,7 +69,7 @@ class Bundle:
 
 @dataclass
 class Placement:
-    platform: object
+    platform: Platform
     group: PlacementGroup
     bundle_resources: dict[str, float]
     bundles: list[Bundle]  # ordered by node (IP, then node id), then device
