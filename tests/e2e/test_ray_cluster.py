@@ -130,7 +130,8 @@ def test_devices_on_two_nodes_ordered_by_node_then_device(cluster):
     placement = create_placement(gpu_platform, num_devices=4)
     ranks = create_training_actors(EnvReporter, placement)
     engines = create_engine_actors(EnvReporter, placement, devices_per_engine=2)
-    watched = WATCHED + ["CUDA_VISIBLE_DEVICES"]
+    defaults = gpu_platform.worker_env()  # the platform's worker defaults reach every placed actor
+    watched = WATCHED + ["CUDA_VISIBLE_DEVICES", *defaults]
     try:
         bundles = placement.bundles
         nodes = placement.node_ids()
@@ -148,6 +149,7 @@ def test_devices_on_two_nodes_ordered_by_node_then_device(cluster):
             assert report["node_id"] == bundle.node_id
             assert report["accelerator_ids"] == {"GPU": [bundle.device_id]}
             env = report["env"]
+            assert {name: env[name] for name in defaults} == defaults
             assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), "4", str(rank % 2))
             assert env[LOCAL_DEVICE_ENV] == str(bundle.local_device)
             # Ray was told not to narrow CUDA_VISIBLE_DEVICES: the actor sees the raylet's list.
@@ -158,6 +160,7 @@ def test_devices_on_two_nodes_ordered_by_node_then_device(cluster):
             first = bundles[2 * engine]
             assert report["node_id"] == first.node_id
             assert report["accelerator_ids"] == {"GPU": [first.device_id]}
+            assert {name: report["env"][name] for name in defaults} == defaults
             assert report["env"][ENGINE_RANK_ENV] == str(engine)
             assert report["env"][NUM_ENGINES_ENV] == "2"
             assert report["env"][ENGINE_DEVICES_ENV] == "0,1"
