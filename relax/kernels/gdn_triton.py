@@ -60,6 +60,15 @@ def _store_shifted_window(window, state_ptr, channels, mask, W: tl.constexpr, BW
 
 
 @triton.jit
+def _gated_norm_store(o, z_ptr, weight, out_ptr, offs_head, mask_head, V: tl.constexpr, norm_eps):
+    """Store o / rms(o) * weight * silu(z) for one value head; o, weight, offsets: [BT, BV]."""
+    rstd = tl.rsqrt(tl.sum(o * o) / V + norm_eps)
+    z = tl.load(z_ptr + offs_head, mask=mask_head, other=0.0).to(tl.float32)
+    y = o * rstd * weight * z * tl.sigmoid(z)
+    tl.store(out_ptr + offs_head, y.to(out_ptr.dtype.element_ty), mask=mask_head)
+
+
+@triton.jit
 def _gdn_decode_kernel(
     qkvz_ptr, ba_ptr, conv_state_ptr, conv_weight_ptr, conv_bias_ptr, state_ptr, slot_ptr,
     A_log_ptr, dt_bias_ptr, norm_weight_ptr, out_ptr, ticket_ptr,
@@ -67,35 +76,38 @@ def _gdn_decode_kernel(
     scale, norm_eps,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
-    SPLITS: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+    P: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
 ):
-    """One work item = one token row x one key head x one part: a value head of the group and every SPLITS-th
-    [BV, K] tile of its state (R * SPLITS parts per key head, R = HV // HK).
+    """One work item = one token row x one key head x one of its P parts (R = HV // HK value heads share the
+    key head's q/k conv channels).
 
-    Parts of a key-head group share the q/k conv channels and each head's RMS norm. Every part reads the old
-    q/k window, updates its own tiles, stores its un-normalised outputs, then takes an arrival ticket; the last
+    P == 1: the part is the whole group, every value head and tile; it updates the q/k conv window itself.
+    P == R * SPLITS: a part is one value head and every SPLITS-th [BV, K] state tile of it. Every part reads the
+    old q/k window, updates its tiles, stores its un-normalised outputs, then takes an arrival ticket; the last
     part to arrive (all others have read and stored by then) writes the shifted q/k window, applies the gated
     RMSNorm to the group's outputs and resets the ticket to zero for the next call.
+    A head's output is accumulated as [BT, BV] (tile, row in tile; BT = NT rounded up to a power of two).
     """
     R: tl.constexpr = HV // HK
-    P: tl.constexpr = R * SPLITS
+    HEADS: tl.constexpr = R if P == 1 else 1  # value heads per part
+    SPLITS: tl.constexpr = 1 if P == 1 else P // R  # parts per value head
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
     tiles = tl.arange(0, BT)
     offs_head = tiles[:, None] * BV + tl.arange(0, BV)[None, :]  # [BT, BV] positions within a value head
     mask_head = (tiles[:, None] < NT) & (offs_head < V)
+    norm_weight = tl.load(norm_weight_ptr + offs_head, mask=mask_head, other=0.0).to(tl.float32)
     for item in range(tl.program_id(0), num_rows * HK * P, tl.num_programs(0)):
         row = item // (HK * P)
         hk = (item // P) % HK
-        j = (item % P) // SPLITS  # value head within the group
+        first_head = (item % P) // SPLITS  # within the group
         split = item % SPLITS
-        h = hk * R + j
+        owned = mask_head & (tiles % SPLITS == split)[:, None]  # this part's tiles of each of its heads
         slot = tl.load(slot_ptr + row).to(tl.int64)
-        out_head = out_ptr + (row * HV + h) * V
         if slot < 0:  # padding row: no state touched, zero output
-            for t in range(split, NT, SPLITS):
-                offs_v = t * BV + tl.arange(0, BV)
-                tl.store(out_head + offs_v, tl.zeros([BV], dtype=out_ptr.dtype.element_ty), mask=offs_v < V)
+            for jj in tl.static_range(HEADS):
+                out_head = out_ptr + (row * HV + hk * R + first_head + jj) * V
+                tl.store(out_head + offs_head, tl.zeros([BT, BV], dtype=out_ptr.dtype.element_ty), mask=owned)
         else:
             qkvz_row = qkvz_ptr + row * qkvz_row_stride
             ba_row = ba_ptr + row * ba_row_stride
@@ -123,40 +135,51 @@ def _gdn_decode_kernel(
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
 
-            x = tl.load(a_in + j).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-            softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-            decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
-            beta = tl.sigmoid(tl.load(b_in + j).to(tl.float32))
-            for t in range(split, NT, SPLITS):
-                offs_v = t * BV + tl.arange(0, BV)
-                mask_v = offs_v < V
-                v_channels = 2 * HK * K + h * V + offs_v  # owned by this part alone: updated right away
-                v_window = _conv_window(v_in + j * V + offs_v, conv_state, v_channels, mask_v, W, BW)
-                v = _conv_silu(v_window, conv_weight_ptr, conv_bias_ptr, v_channels, mask_v, W, BW, HAS_CONV_BIAS)
-                _store_shifted_window(v_window, conv_state, v_channels, mask_v, W, BW)
-                # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
-                tile = state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K + offs_k[None, :]
-                tile_mask = mask_v[:, None] & mask_k[None, :]
-                s = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float32) * decay
-                delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
-                s += delta[:, None] * k[None, :]
-                tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
-                tl.store(out_head + offs_v, tl.sum(s * q[None, :], axis=1).to(out_ptr.dtype.element_ty), mask=mask_v)
+            for jj in tl.static_range(HEADS):
+                j = first_head + jj
+                h = hk * R + j
+                x = tl.load(a_in + j).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+                softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
+                decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
+                beta = tl.sigmoid(tl.load(b_in + j).to(tl.float32))
+                o = tl.zeros([BT, BV], dtype=tl.float32)
+                for t in range(split, NT, SPLITS):
+                    offs_v = t * BV + tl.arange(0, BV)
+                    mask_v = offs_v < V
+                    v_channels = 2 * HK * K + h * V + offs_v  # owned by this part alone: updated right away
+                    v_window = _conv_window(v_in + j * V + offs_v, conv_state, v_channels, mask_v, W, BW)
+                    v = _conv_silu(v_window, conv_weight_ptr, conv_bias_ptr, v_channels, mask_v, W, BW,
+                                   HAS_CONV_BIAS)
+                    _store_shifted_window(v_window, conv_state, v_channels, mask_v, W, BW)
+                    # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
+                    tile = state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K + offs_k[None, :]
+                    tile_mask = mask_v[:, None] & mask_k[None, :]
+                    s = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float32) * decay
+                    delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
+                    s += delta[:, None] * k[None, :]
+                    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
+                    o = tl.where(tiles[:, None] == t, tl.sum(s * q[None, :], axis=1)[None, :], o)
+                out_head = out_ptr + (row * HV + h) * V
+                if P == 1:
+                    _gated_norm_store(o, z_in + j * V, norm_weight, out_head, offs_head, mask_head, V, norm_eps)
+                else:  # un-normalised, for the group's last part
+                    tl.store(out_head + offs_head, o.to(out_ptr.dtype.element_ty), mask=owned)
 
-            tl.debug_barrier()  # all of this program's reads and stores come before its ticket
-            ticket = tl.atomic_add(ticket_ptr + row * HK + hk, 1, sem="acq_rel")
-            if ticket == P - 1:  # last part of the group to arrive
+            if P == 1:
                 _store_shifted_window(q_window, conv_state, q_channels, mask_k, W, BW)
                 _store_shifted_window(k_window, conv_state, k_channels, mask_k, W, BW)
-                weight = tl.load(norm_weight_ptr + offs_head, mask=mask_head, other=0.0).to(tl.float32)
-                for jj in tl.static_range(R):  # gated RMSNorm of each head: o / rms(o) * weight * silu(z)
-                    out_jj = out_ptr + (row * HV + hk * R + jj) * V
-                    o = tl.load(out_jj + offs_head, mask=mask_head, other=0.0).to(tl.float32)
-                    rstd = tl.rsqrt(tl.sum(o * o) / V + norm_eps)
-                    z = tl.load(z_in + jj * V + offs_head, mask=mask_head, other=0.0).to(tl.float32)
-                    y = o * rstd * weight * z * tl.sigmoid(z)
-                    tl.store(out_jj + offs_head, y.to(out_ptr.dtype.element_ty), mask=mask_head)
-                tl.store(ticket_ptr + row * HK + hk, 0)
+            else:
+                tl.debug_barrier()  # all of this program's reads and stores come before its ticket
+                ticket = tl.atomic_add(ticket_ptr + row * HK + hk, 1, sem="acq_rel")
+                if ticket == P - 1:  # the group's last part to arrive
+                    _store_shifted_window(q_window, conv_state, q_channels, mask_k, W, BW)
+                    _store_shifted_window(k_window, conv_state, k_channels, mask_k, W, BW)
+                    for head in tl.static_range(R):
+                        out_group_head = out_ptr + (row * HV + hk * R + head) * V
+                        o_raw = tl.load(out_group_head + offs_head, mask=mask_head, other=0.0).to(tl.float32)
+                        _gated_norm_store(o_raw, z_in + head * V, norm_weight, out_group_head, offs_head, mask_head,
+                                          V, norm_eps)
+                    tl.store(ticket_ptr + row * HK + hk, 0)
 
 
 def _check(condition: bool, message: str):
@@ -182,7 +205,7 @@ def gdn_decode(
     layout: str,
     launch: TritonLaunch,
     block_v: int = 64,
-    value_splits: int = 1,
+    programs_per_group: int = 1,
     tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fused GDN decode step; same arguments and result as gdn_reference.gdn_decode, plus the launch record.
@@ -190,9 +213,12 @@ def gdn_decode(
     One kernel: QKVZBA split, conv1d state update + silu, q/k l2norm, gating, delta-rule update of the pooled
     state [num_slots, Hv, V, K] and gated RMSNorm; both pools are updated in place. Returns [N, Hv, V].
     block_v: value rows of the state streamed per step (the on-chip tile is block_v x K).
-    value_splits: programs sharing one value head's tiles (more parallelism for small batches).
-    tickets: int32 zeros, at least N * num_k_heads; the kernel leaves them zero, so one buffer serves every call
-        (and CUDA-graph replays). Allocated per call when None.
+    programs_per_group: programs sharing one key head's group of Hv // H value heads. 1: one program does the
+        whole group (fastest when there are enough rows to fill the device). A multiple of Hv // H: each program
+        takes one value head and every (programs_per_group // (Hv // H))-th state tile of it, for parallelism
+        at small batch; the last to finish applies the norm, counted with `tickets`.
+    tickets: int32 zeros, at least N * num_k_heads, used when programs_per_group > 1; the kernel leaves them
+        zero, so one buffer serves every call (and CUDA-graph replays). Allocated per call when None.
     """
     num_v_heads = A_log.shape[0]
     _check(layout in QKVZ_LAYOUTS, f"layout={layout!r}: use one of {QKVZ_LAYOUTS}")
@@ -217,16 +243,17 @@ def gdn_decode(
     _check(block_v > 0 and block_v & (block_v - 1) == 0, f"block_v={block_v} must be a power of two")
     block_v = min(block_v, triton.next_power_of_2(head_v_dim))
     num_tiles = triton.cdiv(head_v_dim, block_v)
-    _check(1 <= value_splits <= num_tiles,
-           f"value_splits={value_splits} must be between 1 and the {num_tiles} tiles of block_v={block_v}")
-    if tickets is None:
+    ratio = num_v_heads // num_k_heads
+    _check(programs_per_group == 1 or (programs_per_group % ratio == 0 and programs_per_group // ratio <= num_tiles),
+           f"programs_per_group={programs_per_group} must be 1 or a multiple of Hv // H = {ratio} of at most "
+           f"{ratio * num_tiles} (the value tiles of block_v={block_v})")
+    if programs_per_group > 1 and tickets is None:
         tickets = torch.zeros(rows * num_k_heads, dtype=torch.int32, device=mixed_qkvz.device)
-    _check(tickets.dtype == torch.int32 and tickets.numel() >= rows * num_k_heads,
+    _check(programs_per_group == 1 or (tickets.dtype == torch.int32 and tickets.numel() >= rows * num_k_heads),
            f"tickets must be int32 with at least {rows * num_k_heads} elements, got {tickets.dtype} "
            f"x {tickets.numel()}")
     out = mixed_qkvz.new_empty(rows, num_v_heads, head_v_dim)
-    parts = num_v_heads // num_k_heads * value_splits
-    grid = (max(1, min(rows * num_k_heads * parts, launch.num_programs)),)
+    grid = (max(1, min(rows * num_k_heads * programs_per_group, launch.num_programs)),)
     _gdn_decode_kernel[grid](
         mixed_qkvz, mixed_ba, conv_state_pool, conv_weight, conv_bias, state_pool, slot_indices,
         A_log, dt_bias, norm_weight, out, tickets,
@@ -234,7 +261,7 @@ def gdn_decode(
         head_k_dim ** -0.5, norm_eps,
         HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, W=width,
         BK=triton.next_power_of_2(head_k_dim), BV=block_v, NT=num_tiles, BT=triton.next_power_of_2(num_tiles),
-        BW=triton.next_power_of_2(width), SPLITS=value_splits,
+        BW=triton.next_power_of_2(width), P=programs_per_group,
         INTERLEAVED=layout == "interleaved", HAS_CONV_BIAS=conv_bias is not None,
         **launch.options,
     )

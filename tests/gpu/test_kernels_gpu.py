@@ -43,15 +43,15 @@ def test_fused_decode_matches_reference(layout, dtype, tol):
 
     case = decode_case(layout, dtype)
     expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
-    out = gdn_decode(**case, launch=cuda_launch(), value_splits=2)
+    out = gdn_decode(**case, launch=cuda_launch(), programs_per_group=4)
     expected = ref.gdn_decode(**expected_case)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=tol / 10, rtol=tol / 10)
     torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
 
 
-@pytest.mark.parametrize("block_v,value_splits", [(64, 1), (64, 2), (32, 4)])
-def test_fused_decode_many_rows_and_steps(block_v, value_splits):
+@pytest.mark.parametrize("block_v,programs_per_group", [(64, 1), (64, 4), (32, 8)])
+def test_fused_decode_many_rows_and_steps(block_v, programs_per_group):
     """256 rows x 16 key heads of concurrently finishing groups, three steps in a row on one ticket buffer:
     a race between a group's parts would show up as a mismatch here."""
     from relax.kernels.gdn_triton import gdn_decode
@@ -61,7 +61,7 @@ def test_fused_decode_many_rows_and_steps(block_v, value_splits):
     expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     tickets = torch.zeros(256 * HK, dtype=torch.int32, device="cuda")
     for _ in range(3):
-        out = gdn_decode(**case, launch=cuda_launch(), block_v=block_v, value_splits=value_splits,
+        out = gdn_decode(**case, launch=cuda_launch(), block_v=block_v, programs_per_group=programs_per_group,
                          tickets=tickets)
         expected = ref.gdn_decode(**expected_case)
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)

@@ -34,13 +34,14 @@ def decode_case(layout, num_rows=3, hk=2, hv=4, dk=16, dv=12, width=4, bias=True
 def check_fused_decode(layout, bias, block_v, hv):
     from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
 
-    # A grid smaller than the work (programs loop over items), and value heads split over several programs.
-    for num_programs, value_splits in ((1, 1), (4, 2)):
+    # A grid smaller than the work (programs loop over items); a key-head group in one program, and spread over
+    # programs (one value head and every other value tile each).
+    for num_programs, programs_per_group in ((1, 1), (4, 1), (4, 2 * (hv // 2))):
         case = decode_case(layout, hv=hv, bias=bias)
         expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
         tickets = torch.zeros(8, dtype=torch.int32)
         out = gdn_decode(**case, launch=TritonLaunch(num_programs=num_programs), block_v=block_v,
-                         value_splits=value_splits, tickets=tickets)
+                         programs_per_group=programs_per_group, tickets=tickets)
         expected = ref.gdn_decode(**expected_case)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=1e-5, rtol=1e-5)
