@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 
 from relax.args.checks import check_config
-from relax.args.device import resolve_device
+from relax.args.device import prepare_sglang_import, resolve_device
 from relax.args.megatron import (
     MegatronConfig,
     add_megatron_args,
@@ -22,7 +22,7 @@ from relax.args.megatron import (
     given_values,
     resolve_architecture,
 )
-from relax.args.relax_flags import add_relax_args
+from relax.args.relax_flags import DEVICE_CHOICES, add_relax_args
 from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, redirects
 from relax.args.strict import StrictArgumentParser
 
@@ -39,6 +39,12 @@ class TrainConfig:
 
 
 def build_parser() -> StrictArgumentParser:
+    """The `relax train` parser (this imports SGLang, after preparing this machine's platform for it)."""
+    prepare_sglang_import("auto")
+    return _parser()
+
+
+def _parser() -> StrictArgumentParser:
     parser = StrictArgumentParser(
         prog="relax train",
         description="Colocated RL post-training. relax's flags, then SGLang's (--sglang-*), then Megatron's.",
@@ -51,11 +57,17 @@ def build_parser() -> StrictArgumentParser:
 
 
 def parse_train_args(argv: list[str]) -> TrainConfig:
-    parser = build_parser()
-    argv = expand_sglang_config(list(argv), parser.error)
+    argv = list(argv)
+    # The device decides how SGLang must be prepared before its flags can be imported: read it first.
+    device_only = argparse.ArgumentParser(prog="relax train", add_help=False, allow_abbrev=False)
+    device_only.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
+    device = resolve_device(device_only.parse_known_args(argv)[0].device)
+    prepare_sglang_import(device.name)
+
+    parser = _parser()
+    argv = expand_sglang_config(argv, parser.error)
     namespace = parser.parse_args(argv)
     relax = argparse.Namespace(**{k: v for k, v in vars(namespace).items() if not k.startswith(_NAMESPACED)})
-    device = resolve_device(relax.device)
     relax.device = device.name
     _fill_relax_defaults(relax)
 
@@ -91,7 +103,7 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
 
 def format_config(config: TrainConfig) -> str:
     """The resolved configuration, one `name = value` line per field; `*` marks a value that is not the default."""
-    parser = build_parser()
+    parser = _parser()  # SGLang is imported already: parsing made this config
     relax_dests = [a.dest for a in parser._actions if a.dest in vars(config.relax)]  # in --help's order
     sections = [("relax", [(k, getattr(config.relax, k), parser.get_default(k)) for k in relax_dests])]
     sections.append((f"sglang ({_class_path(config.sglang)})", _struct_rows(config.sglang)))

@@ -8,7 +8,7 @@ relax.platform as facts readable without the device; then `resolve_device` reads
 
 from typing import NamedTuple
 
-from relax.platform import resolve_platform_name
+from relax.platform import get_platform, resolve_platform_name
 
 # Per platform: (can the rollout engine release and resume its memory: SGLang's memory saver, i.e.
 # torch_memory_saver; must it, for training to fit beside it). Host memory is shared, so the CPU need not.
@@ -28,3 +28,20 @@ def resolve_device(requested: str) -> DeviceFacts:
     name = resolve_platform_name(requested)
     has_memory_saver, colocation_needs_release = _MEMORY_FACTS[name]
     return DeviceFacts(name, has_memory_saver, colocation_needs_release)
+
+
+def prepare_sglang_import(requested: str) -> None:
+    """Run the platform's step that must come before the first `import sglang` in this process.
+
+    Parsing imports SGLang's ServerArgs, and SGLang decides its device at import (is_cpu() is cached,
+    the CPU engine needs SGLANG_USE_CPU_ENGINE=1 first; relax.platform.cpu_sglang). The requested platform
+    is prepared when this machine has it; otherwise (a dry run of a GPU/NPU script on a CPU machine) the
+    machine's own platform is, since that is where this process would run SGLang.
+    """
+    for name in (requested, "auto"):
+        try:
+            platform = get_platform(name)
+        except RuntimeError:  # that device is not on this machine
+            continue
+        platform.prepare_sglang()
+        return

@@ -7,6 +7,7 @@ the parsed namespace is split into the three configuration objects.
 import argparse
 
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
+DEVICE_CHOICES = ["auto", "cpu", "cuda", "npu"]
 
 
 def _positive_int(text: str) -> int:
@@ -135,7 +136,7 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("relax: device")
     g.add_argument(
         "--device",
-        choices=["auto", "cpu", "cuda", "npu"],
+        choices=DEVICE_CHOICES,
         default="auto",
         help="Platform; auto picks npu, then cuda, then cpu (default: %(default)s).",
     )

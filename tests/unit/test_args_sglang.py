@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from relax.args import build_parser, parse_train_args
+from relax.args.device import prepare_sglang_import
 from relax.args.sglang import MANAGED_BY_RELAX, sglang_actions
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
@@ -27,6 +28,7 @@ def checkpoint(tmp_path):
 def sglang_own_parse():
     """SGLang's own path, prepare_server_args: its parser, its --config merger, its from_cli_args.
     It reconfigures root logging (basicConfig(force=True)); put it back afterwards."""
+    prepare_sglang_import("cpu")  # as relax does before SGLang is first imported in a process
     from sglang.srt.server_args import prepare_server_args
 
     root = logging.getLogger()
@@ -197,3 +199,14 @@ def test_help_lists_the_namespaces():
     assert "Megatron (megatron-core TransformerConfig" in text and "--tensor-model-parallel-size" in text
     assert "relax: rollout" in text
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+def test_parsing_prepares_sglang_before_importing_it():
+    import os
+    import sys
+
+    from relax.platform import get_platform
+
+    parse_train_args([*BASE, "--dry-run"])
+    assert "sglang" in sys.modules and os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+    get_platform("cpu").prepare_sglang()  # raises if sglang had been imported unprepared
