@@ -127,22 +127,21 @@ class LocalCluster:
                 found.setdefault(process.pid, process)
         return [process for process in found.values() if _alive(process)]
 
-    def stop(self, grace_s: float = 3.0) -> None:
-        """End every process of this cluster (SIGTERM, then SIGKILL after grace_s) and remove its temp dir."""
-        processes = self.processes()
-        for process in processes:
-            _signal(process, signal.SIGTERM)
-        for node in self._nodes:  # our own children: wait() reaps them
-            try:
-                node.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                node.kill()
-                node.wait()
-        own = {node.pid for node in self._nodes}
-        _, alive = psutil.wait_procs([process for process in processes if process.pid not in own], timeout=grace_s)
-        for process in alive:
-            _signal(process, signal.SIGKILL)
-        psutil.wait_procs(alive, timeout=grace_s)
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Kill every process of this cluster and remove its temporary directory.
+
+        SIGKILL at once: a throwaway cluster has nothing to save, and Ray's daemons take many seconds over
+        SIGTERM. Repeated until none is left, for workers a raylet was starting meanwhile."""
+        deadline = time.monotonic() + wait_s
+        while processes := self.processes():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"LocalCluster.stop: processes left: {[process.pid for process in processes]}")
+            for process in processes:
+                _signal(process, signal.SIGKILL)
+            for node in self._nodes:  # our own children: wait() reaps them
+                if node.pid in {process.pid for process in processes}:
+                    node.wait()
+            psutil.wait_procs(processes, timeout=1)
         self._nodes.clear()
         # Ray removes nothing on its own; a leftover ray_current_cluster would redirect later ray.init()s.
         shutil.rmtree(self.temp_dir, ignore_errors=True)
