@@ -4,11 +4,17 @@ Modules
 - gdn_reference: readable float32 torch for every op (the definition; differentiable, so the chunked forward
   trains on CPU through autograd). Layouts and their conversions are documented at its top.
 - gdn_triton: the fused decode kernel (split + conv update + l2norm + gating + delta rule + gated norm, one
-  launch over the slot-indexed pools), portable to triton-ascend. Launch settings come from a TritonLaunch.
+  launch over the slot-indexed pools) and Triton versions of the conv update, gating and gated norm, written to
+  triton-ascend's porting rules. Launch settings come from a TritonLaunch record.
 - sglang_cpu_ops: functions with the semantics of the sgl_kernel CPU ops SGLang 0.5.23 calls for GDN models.
 
+Pools (decode): recurrent state [num_slots, Hv, V, K] (SGLang's layout; HF / fla hand states around as
+[.., Hv, K, V]: gdn_reference.state_to_pool_layout / state_from_pool_layout), conv state [num_slots, conv_dim,
+W-1] (HF's cache keeps W columns: conv_state_from_hf / conv_state_to_hf). A negative slot marks a padding row:
+skipped, zero output.
+
 Stand-ins for the libraries Megatron-core 0.16.1's GatedDeltaNet imports (megatron/core/ssm/gated_delta_net.py):
-    fla.ops.gated_delta_rule.chunk_gated_delta_rule -> gdn_reference.chunk_gated_delta_rule
+    fla.ops.gated_delta_rule.chunk_gated_delta_rule -> gdn_reference.chunk_gated_delta_rule (backward by autograd)
     fla.modules.l2norm.l2norm                        -> gdn_reference.l2norm
     causal_conv1d.causal_conv1d_fn                   -> gdn_reference.causal_conv1d
     fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule -> gdn_reference.recurrent_gated_delta_rule

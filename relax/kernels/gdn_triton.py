@@ -1,11 +1,16 @@
-"""Triton kernels for GDN decode; each has its torch reference in gdn_reference (same name, same arguments).
+"""Triton kernels for GDN decode; each has its torch reference in gdn_reference (same name, same arguments,
+plus the launch record): gdn_decode (the fused step), causal_conv1d_update, gdn_gating, gated_rms_norm.
 
 Written to triton-ascend's porting rules so one source runs on NVIDIA GPUs and Ascend NPUs:
 - every launch is a 1-D grid of at most `launch.num_programs` programs (the device's core count, or cores times
   resident programs on a GPU), each looping over work items with a stride of the grid size;
 - launch keywords such as num_warps / num_stages come only from `launch.options` (empty on NPU), never from here;
-- on-chip buffers are bounded: the recurrent state is streamed in [block_v, K] tiles, never a whole [V, K] head.
-The per-device values live in relax.platform; tests and benchmarks build a TritonLaunch themselves.
+- on-chip buffers are bounded: the recurrent state is streamed in [block_v, K] tiles, never a whole [V, K] head;
+- the only cross-program hand-off (gdn_decode with programs_per_group > 1) is an int32 atomic_add with
+  sem="acq_rel" after a debug_barrier, both in triton-ascend's supported set.
+The per-device values belong in relax.platform; tests and benchmarks build a TritonLaunch themselves.
+On an H200 (docs/benchmarks.md, "GDN decode (H200)"): num_warps=4, num_stages=2, 16 programs per SM, block_v=64;
+programs_per_group=1 from batch 64 up, and block_v=32 with programs_per_group=8 at batch 1.
 """
 
 from dataclasses import dataclass, field
@@ -182,6 +187,64 @@ def _gdn_decode_kernel(
                     tl.store(ticket_ptr + row * HK + hk, 0)
 
 
+@triton.jit
+def _causal_conv1d_update_kernel(x_ptr, conv_state_ptr, weight_ptr, bias_ptr, slot_ptr, y_ptr, num_rows, dim,
+                                 x_row_stride, conv_slot_stride, W: tl.constexpr, BD: tl.constexpr,
+                                 BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
+    """One work item = one row x BD channels (channels never share state, so blocks are independent)."""
+    blocks = tl.cdiv(dim, BD)
+    for item in range(tl.program_id(0), num_rows * blocks, tl.num_programs(0)):
+        row = item // blocks
+        channels = (item % blocks) * BD + tl.arange(0, BD)
+        mask = channels < dim
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if slot < 0:  # padding row: no state touched, zero output
+            tl.store(y_ptr + row * dim + channels, tl.zeros([BD], dtype=y_ptr.dtype.element_ty), mask=mask)
+        else:
+            state = conv_state_ptr + slot * conv_slot_stride
+            window = _conv_window(x_ptr + row * x_row_stride + channels, state, channels, mask, W, BW)
+            taps = tl.arange(0, BW)
+            weight = tl.load(weight_ptr + channels[:, None] * W + taps[None, :],
+                             mask=mask[:, None] & (taps[None, :] < W), other=0.0).to(tl.float32)
+            y = tl.sum(window * weight, axis=1)
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + channels, mask=mask, other=0.0).to(tl.float32)
+            if SILU:
+                y = y * tl.sigmoid(y)
+            _store_shifted_window(window, state, channels, mask, W, BW)
+            tl.store(y_ptr + row * dim + channels, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gdn_gating_kernel(A_log_ptr, a_ptr, b_ptr, dt_bias_ptr, g_ptr, beta_ptr, num_rows, heads, a_row_stride,
+                       b_row_stride, softplus_beta, softplus_threshold, BH: tl.constexpr):
+    """One work item = one row of heads: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
+    offs = tl.arange(0, BH)
+    mask = offs < heads
+    A = tl.exp(tl.load(A_log_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        x = (tl.load(a_ptr + row * a_row_stride + offs, mask=mask, other=0.0).to(tl.float32) + dt_bias)
+        scaled = softplus_beta * x
+        softplus = tl.where(scaled <= softplus_threshold, tl.log(1.0 + tl.exp(scaled)) / softplus_beta, x)
+        tl.store(g_ptr + row * heads + offs, -A * softplus, mask=mask)
+        b = tl.load(b_ptr + row * b_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(beta_ptr + row * heads + offs, tl.sigmoid(b), mask=mask)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, weight_ptr, out_ptr, num_rows, dim, eps, BD: tl.constexpr):
+    """One work item = one row: x / rms(x) * weight * silu(z), float32 inside."""
+    offs = tl.arange(0, BD)
+    mask = offs < dim
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        x = tl.load(x_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
+        y = x * tl.rsqrt(tl.sum(x * x) / dim + eps) * weight * z * tl.sigmoid(z)
+        tl.store(out_ptr + row * dim + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _check(condition: bool, message: str):
     if not condition:
         raise ValueError(message)
@@ -265,4 +328,49 @@ def gdn_decode(
         INTERLEAVED=layout == "interleaved", HAS_CONV_BIAS=conv_bias is not None,
         **launch.options,
     )
+    return out
+
+
+def causal_conv1d_update(x, conv_state_pool, weight, bias, activation, slot_indices, launch: TritonLaunch,
+                         block_channels: int = 256):
+    """Triton gdn_reference.causal_conv1d_update: x [N, D] (rows may be strided), pool [num_slots, D, W-1]."""
+    _check(activation in (None, "silu", "swish"), f"activation={activation!r}: use None, 'silu' or 'swish'")
+    rows, dim = x.shape
+    width = weight.shape[-1]
+    _check(x.stride(1) == 1, f"x must have contiguous rows, got strides {x.stride()}")
+    _check(weight.shape == (dim, width) and weight.is_contiguous(), f"weight must be a contiguous [{dim}, W]")
+    _check(conv_state_pool.shape[1:] == (dim, width - 1) and conv_state_pool[0].is_contiguous(),
+           f"conv_state_pool must be [num_slots, {dim}, {width - 1}], got {tuple(conv_state_pool.shape)}")
+    _check(slot_indices.shape == (rows,), f"slot_indices must be [{rows}], got {tuple(slot_indices.shape)}")
+    y = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
+    blocks = triton.cdiv(dim, block_channels)
+    _causal_conv1d_update_kernel[(max(1, min(rows * blocks, launch.num_programs)),)](
+        x, conv_state_pool, weight, bias, slot_indices, y, rows, dim, x.stride(0), conv_state_pool.stride(0),
+        W=width, BD=block_channels, BW=triton.next_power_of_2(width), HAS_BIAS=bias is not None,
+        SILU=activation is not None, **launch.options)
+    return y
+
+
+def gdn_gating(A_log, a, b, dt_bias, launch: TritonLaunch, softplus_beta=1.0, softplus_threshold=20.0):
+    """Triton gdn_reference.gdn_gating for a, b [N, Hv] (rows may be strided): float32 (g, beta) [N, Hv]."""
+    rows, heads = a.shape
+    _check(b.shape == a.shape and a.stride(1) == 1 and b.stride(1) == 1,
+           f"a and b must both be [N, Hv] with contiguous rows, got {tuple(a.shape)} and {tuple(b.shape)}")
+    g = torch.empty(rows, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    _gdn_gating_kernel[(max(1, min(rows, launch.num_programs)),)](
+        A_log, a, b, dt_bias, g, beta, rows, heads, a.stride(0), b.stride(0), softplus_beta, softplus_threshold,
+        BH=triton.next_power_of_2(heads), **launch.options)
+    return g, beta
+
+
+def gated_rms_norm(x, z, weight, eps, launch: TritonLaunch):
+    """Triton gdn_reference.gated_rms_norm over the last dim of contiguous x and z (same shape)."""
+    _check(x.shape == z.shape and x.is_contiguous() and z.is_contiguous(),
+           f"x and z must be contiguous and of one shape, got {tuple(x.shape)} and {tuple(z.shape)}")
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    rows = x.numel() // dim
+    _gated_rms_norm_kernel[(max(1, min(rows, launch.num_programs)),)](
+        x, z, weight, out, rows, dim, eps, BD=triton.next_power_of_2(dim), **launch.options)
     return out

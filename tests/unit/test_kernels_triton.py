@@ -49,6 +49,34 @@ def check_fused_decode(layout, bias, block_v, hv):
         assert torch.equal(tickets, torch.zeros(8, dtype=torch.int32)), "tickets must be left at zero"
 
 
+def check_simple_ops():
+    from relax.kernels import gdn_triton
+    from relax.kernels.gdn_triton import TritonLaunch
+
+    launch = TritonLaunch(num_programs=3)
+    gen = torch.Generator().manual_seed(1)
+    dim, width = 40, 4
+    x = torch.randn(4, dim + 8, generator=gen)[:, :dim]  # strided rows, as a slice of a projection
+    weight, bias = torch.randn(dim, width, generator=gen), torch.randn(dim, generator=gen)
+    pool = torch.randn(6, dim, width - 1, generator=gen)
+    expected_pool = pool.clone()
+    slots = torch.tensor([5, -1, 0, 2])
+    y = gdn_triton.causal_conv1d_update(x, pool, weight, bias, "silu", slots, launch, block_channels=16)
+    expected = ref.causal_conv1d_update(x, expected_pool, weight, bias, "silu", slots)
+    torch.testing.assert_close(y, expected)
+    torch.testing.assert_close(pool, expected_pool)
+
+    A_log, dt_bias = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    ab = torch.randn(5, 12, generator=gen) * 15  # crosses softplus's threshold
+    g, beta = gdn_triton.gdn_gating(A_log, ab[:, 6:], ab[:, :6], dt_bias, launch)
+    g_ref, beta_ref = ref.gdn_gating(A_log, ab[:, 6:], ab[:, :6], dt_bias)
+    torch.testing.assert_close(g, g_ref)
+    torch.testing.assert_close(beta, beta_ref)
+
+    x, z, w = torch.randn(3, 4, 12, generator=gen), torch.randn(3, 4, 12, generator=gen), torch.randn(12)
+    torch.testing.assert_close(gdn_triton.gated_rms_norm(x, z, w, 1e-6, launch), ref.gated_rms_norm(x, z, w, 1e-6))
+
+
 def run_interpreted(check, *args):
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
             f"import {__name__.rsplit('.', 1)[-1]} as t; t.{check}(*{args!r})")
@@ -61,6 +89,10 @@ def run_interpreted(check, *args):
 @pytest.mark.parametrize("layout,bias,block_v,hv", [("contiguous", True, 4, 4), ("interleaved", False, 8, 6)])
 def test_fused_decode_matches_reference_interpreted(layout, bias, block_v, hv):
     run_interpreted("check_fused_decode", layout, bias, block_v, hv)
+
+
+def test_conv_update_gating_and_gated_norm_match_references_interpreted():
+    run_interpreted("check_simple_ops")
 
 
 def test_fused_decode_rejects_a_pool_in_hf_layout():
