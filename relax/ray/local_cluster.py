@@ -1,9 +1,11 @@
 """A Ray cluster of one or more nodes on this machine, for tests and the CPU demo.
 
-Every node is a `ray start --block` process of its own, bound to 127.0.0.1 on ports chosen free, with its
-own temporary directory, usage stats off and token authentication off. It is torn down by ending exactly
-the processes it started (never `ray stop`, which ends every Ray process of the machine, other users'
-clusters included).
+Every node is a `ray start --block` process of its own on ports chosen free, with the cluster's own
+temporary directory, usage stats off and token authentication off; the dashboard (Jobs API) listens on
+127.0.0.1. The nodes register under the machine's address: on Linux Ray replaces --node-ip-address
+127.0.0.1 by it (services.resolve_ip_for_localhost), so the option is not passed. The cluster is torn down
+by killing exactly the processes it started (never `ray stop`, which ends every Ray process of the
+machine, other users' clusters included).
 
     with LocalCluster() as cluster:
         cluster.start_head(num_cpus=2)
@@ -84,7 +86,7 @@ class LocalCluster:
     def _start_node(self, name, role_args, num_cpus, num_gpus, resources, env) -> None:
         command = [
             str(Path(sys.executable).with_name("ray")), "start", "--block", *role_args,
-            "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+            "--disable-usage-stats",
             f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources or {})}",
             # Ports every node would otherwise take at fixed defaults (clashing with a second node here, or
             # with someone else's cluster on this machine).
