@@ -52,6 +52,7 @@ class Platform:
     _unavailable_reason: Callable[[], Optional[str]] = field(repr=False)
     _worker_env: Callable[[bool], dict] = field(repr=False)
     _check_worker_env: Callable[[Mapping[str, str], bool], None] = field(repr=False)
+    _load_memory_saver: Callable[[], Any] = field(repr=False)
     _prepare_megatron: Callable[[Mapping[str, Any]], None] = field(repr=False)
     _prepare_sglang: Callable[[], None] = field(repr=False)
 
@@ -71,6 +72,13 @@ class Platform:
     def unavailable_reason(self) -> Optional[str]:
         """Why this machine cannot compute on this platform, or None when it can."""
         return self._unavailable_reason()
+
+    def load_memory_saver(self):
+        """What releases and resumes this process's tagged device memory (the training actor's sleep and
+        wake): torch_memory_saver's singleton, set up for this platform, with `region(tag)` around
+        allocations, `pause(tag)` and `resume(tag)`; where there is none, a stand-in whose calls do nothing.
+        (SGLang's engine manages its own, through ServerArgs.enable_memory_saver.)"""
+        return self._load_memory_saver()
 
     def worker_env(self, memory_saver_on: bool = False) -> dict:
         """Environment variables every worker process (Ray actor) of this platform starts with.

@@ -4,6 +4,8 @@ Verified on this CPU stack (torch 2.13.0+cpu, megatron-core 0.16.1, sglang 0.5.2
 tests/e2e/test_platform_megatron.py and tests/e2e/test_platform_sglang.py.
 """
 
+from contextlib import contextmanager
+
 import torch
 
 from relax.platform import Platform, frozen, refuse_feature_args
@@ -47,6 +49,25 @@ class CpuDeviceModule:
     set_rng_state = staticmethod(torch.set_rng_state)
     manual_seed = staticmethod(torch.manual_seed)
     manual_seed_all = staticmethod(torch.manual_seed)
+
+
+class NoMemorySaver:
+    """Stands in for torch_memory_saver where memory is never handed back: every call does nothing."""
+
+    enabled = False
+
+    @staticmethod
+    @contextmanager
+    def region(tag: str, enable_cpu_backup: bool = False):
+        yield
+
+    @staticmethod
+    def pause(tag: str = None) -> None:
+        pass
+
+    @staticmethod
+    def resume(tag: str = None) -> None:
+        pass
 
 
 def _as_cpu_index_device(device) -> torch.device:
@@ -107,6 +128,7 @@ PLATFORM = Platform(
     _unavailable_reason=lambda: None,
     _worker_env=_worker_env,
     _check_worker_env=_check_worker_env,
+    _load_memory_saver=lambda: NoMemorySaver,
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
 )

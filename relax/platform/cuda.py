@@ -40,6 +40,17 @@ def _check_worker_env(env, memory_saver_on: bool) -> None:
         )
 
 
+def _load_memory_saver():
+    import torch_memory_saver
+
+    saver = torch_memory_saver.torch_memory_saver
+    # The default "preload" hook mode asserts unless the process was started with the library in
+    # LD_PRELOAD; "torch" (a pluggable allocator) needs nothing at start. Measured on an H200
+    # (torch 2.11, torch-memory-saver 0.0.10): pausing a 1 GiB region freed 1.00 GiB, resume took it back.
+    saver.hook_mode = "torch"
+    return saver
+
+
 def _prepare_megatron(feature_args) -> None:
     refuse_feature_args("cuda", feature_args)  # megatron-core targets CUDA as it is
 
@@ -71,6 +82,7 @@ PLATFORM = Platform(
     _unavailable_reason=_unavailable_reason,
     _worker_env=_worker_env,
     _check_worker_env=_check_worker_env,
+    _load_memory_saver=_load_memory_saver,
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
 )

@@ -80,6 +80,12 @@ def _check_worker_env(env: Mapping[str, str], memory_saver_on: bool) -> None:
         )
 
 
+def _load_memory_saver():
+    import torch_memory_saver  # sgl-kernel-npu's Ascend build; its default hook mode is "torch"
+
+    return torch_memory_saver.torch_memory_saver
+
+
 _applied_feature_args: Optional[dict] = None
 
 
@@ -131,6 +137,7 @@ PLATFORM = Platform(
     _unavailable_reason=_unavailable_reason,
     _worker_env=_worker_env,
     _check_worker_env=_check_worker_env,
+    _load_memory_saver=_load_memory_saver,
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
 )

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import torch
@@ -94,6 +95,24 @@ def test_cuda_worker_env_and_its_check():
     with pytest.raises(ValueError, match="PYTORCH_CUDA_ALLOC_CONF.*torch_memory_saver"):
         cuda.check_worker_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, memory_saver_on=True)
     cuda.check_worker_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, memory_saver_on=False)
+
+
+def test_cpu_memory_saver_does_nothing():
+    saver = platform_facts("cpu").load_memory_saver()
+    assert not saver.enabled
+    with saver.region("weights"):
+        kept = torch.ones(3)
+    saver.pause("weights")
+    saver.resume("weights")
+    assert torch.equal(kept, torch.ones(3))
+
+
+def test_cuda_memory_saver_is_torch_memory_saver_in_torch_hook_mode(monkeypatch):
+    # A stand-in for torch_memory_saver (not installable without CUDA); the real one was run on an H200.
+    singleton = types.SimpleNamespace(hook_mode="preload")
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", types.SimpleNamespace(torch_memory_saver=singleton))
+    assert platform_facts("cuda").load_memory_saver() is singleton
+    assert singleton.hook_mode == "torch"
 
 
 @pytest.mark.parametrize("name", ["cpu", "cuda"])
