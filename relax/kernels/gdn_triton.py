@@ -275,6 +275,7 @@ def gdn_decode(
 
     One kernel: QKVZBA split, conv1d state update + silu, q/k l2norm, gating, delta-rule update of the pooled
     state [num_slots, Hv, V, K] and gated RMSNorm; both pools are updated in place. Returns [N, Hv, V].
+    Rows must name distinct slots (rows run concurrently); a negative slot marks a padding row.
     block_v: value rows of the state streamed per step (the on-chip tile is block_v x K).
     programs_per_group: programs sharing one key head's group of Hv // H value heads. 1: one program does the
         whole group (fastest when there are enough rows to fill the device). A multiple of Hv // H: each program

@@ -34,9 +34,9 @@ def decode_case(layout, num_rows=3, hk=2, hv=4, dk=16, dv=12, width=4, bias=True
 def check_fused_decode(layout, bias, block_v, hv):
     from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
 
-    # A grid smaller than the work (programs loop over items); a key-head group in one program, and spread over
-    # programs (one value head and every other value tile each).
-    for num_programs, programs_per_group in ((1, 1), (4, 1), (4, 2 * (hv // 2))):
+    # 3 rows x 2 key heads on 4 programs, so programs loop over items; a key-head group in one program, and
+    # spread over programs (one value head and every other value tile each).
+    for num_programs, programs_per_group in ((4, 1), (4, 2 * (hv // 2))):
         case = decode_case(layout, hv=hv, bias=bias)
         expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
         tickets = torch.zeros(8, dtype=torch.int32)
