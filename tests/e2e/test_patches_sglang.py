@@ -1,0 +1,126 @@
+"""The sglang patch set does what its messages say, run against SGLang 0.5.23's own code on the CPU.
+
+A copy of the installed sglang (symbolic links, with the files the set touches copied for real) is
+patched with `relax patches apply`; a subprocess imports it ahead of site-packages. The unpatched release
+runs the same check to show the reason for the patch.
+"""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from relax import patches
+
+REPO = Path(__file__).resolve().parents[2]
+
+CHECK = textwrap.dedent(
+    """
+    import os, sys, types
+    from types import SimpleNamespace
+
+    from relax.platform import get_platform
+
+    get_platform("cpu").prepare_sglang()
+    import torch
+    from sglang.srt.model_executor.model_runner_components import weight_updater as wu
+
+    assert wu.__file__.startswith(sys.argv[1]), wu.__file__
+    # SGLang's runtime context, normally set up by its scheduler: no weight cache, one TP rank.
+    wu.get_model = lambda: SimpleNamespace(weight_cache_mode="off")
+    wu.get_parallel = lambda: SimpleNamespace(tp_rank=0)
+
+
+    class GatedDeltaNetLike(torch.nn.Module):
+        # what the Ascend GDN backend reads: conv1d.weight [dim, 1, width] and its [dim, width] view
+        def __init__(self):
+            super().__init__()
+            self.conv1d = torch.nn.Module()
+            self.conv1d.weight = torch.nn.Parameter(torch.randn(8, 1, 4), requires_grad=False)
+            self.conv_weights = self.conv1d.weight.view(8, 4)
+
+
+    model = torch.nn.Module()
+    model.layer = GatedDeltaNetLike()
+    # the copy ascend_gdn_backend._get_conv_weights_t caches on the layer at the first forward
+    model.layer._conv_weights_t = model.layer.conv_weights.transpose(0, 1).contiguous()
+    cached_ptr = model.layer._conv_weights_t.data_ptr()
+    updater = wu.WeightUpdater(
+        tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={}, get_model=lambda: model,
+        update_model_fields=None, recapture_cuda_graph=None, get_model_runner=None,
+    )
+    new = torch.randn(8, 1, 4)
+    ok, message = updater.update_weights_from_tensor([("layer.conv1d.weight", new)], load_format="direct")
+    assert ok, message
+    assert torch.equal(model.layer.conv1d.weight, new), "the weight itself was not loaded"
+    print("CONV_CACHE_FRESH", torch.equal(model.layer._conv_weights_t, new.view(8, 4).t()))
+    print("CONV_CACHE_SAME_STORAGE", model.layer._conv_weights_t.data_ptr() == cached_ptr)
+
+    # init_npu_backend's two torch_npu settings, with a stand-in torch_npu that records them
+    seen = {}
+    torch_npu = types.ModuleType("torch_npu")
+    torch_npu.npu = SimpleNamespace(config=SimpleNamespace(), set_compile_mode=lambda jit_compile: seen.update(jit=jit_compile))
+    sys.modules.update({"torch_npu": torch_npu, "torch_npu.contrib": types.ModuleType("torch_npu.contrib"),
+                        "torch_npu.contrib.transfer_to_npu": types.ModuleType("torch_npu.contrib.transfer_to_npu")})
+    from sglang.srt.hardware_backend.npu import utils as npu_utils
+
+    npu_utils._is_npu = True
+    for env in ({}, {"SGLANG_NPU_ALLOW_INTERNAL_FORMAT": "0", "SGLANG_NPU_JIT_COMPILE": "1"}):
+        os.environ.update(env)
+        npu_utils.init_npu_backend.__wrapped__()
+        print("NPU_SWITCHES", sorted(env.items()), torch_npu.npu.config.allow_internal_format, seen["jit"])
+    """
+)
+
+
+def _link_copy_of_installed_sglang(root: Path) -> Path:
+    installed = Path(importlib.util.find_spec("sglang").origin).parent
+    subprocess.run(["cp", "-as", str(installed), str(root / "sglang")], check=True)
+    return root
+
+
+def _run_check(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    script = tmp_path / "check_sglang_patches.py"
+    script.write_text(CHECK)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_NPU_") and k != "RELAX_DEVICE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO)])
+    return subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def patched(tmp_path_factory):
+    upstream = patches.load_manifest()["sglang"]
+    root = _link_copy_of_installed_sglang(tmp_path_factory.mktemp("site"))
+    for patch in upstream.series:  # git apply writes files, not through links: make the touched ones real
+        for hunk in patches.parse_hunks(patch.read_text()):
+            target = root / Path(*Path(hunk.path).parts[upstream.strip - 1 :])
+            if target.is_symlink():
+                source = target.resolve()
+                target.unlink()
+                shutil.copy2(source, target)
+    patches.apply(upstream, root)
+    assert set(patches.patch_states(upstream, root).values()) == {"applied"}
+    done = _run_check(root, tmp_path_factory.mktemp("run"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def test_conv_weight_copy_is_refreshed_in_place_after_update_weights_from_tensor(patched):
+    assert "CONV_CACHE_FRESH True" in patched
+    assert "CONV_CACHE_SAME_STORAGE True" in patched  # captured NPU graphs keep seeing it
+
+
+def test_npu_switches_default_to_todays_behaviour_and_follow_the_variables(patched):
+    assert "NPU_SWITCHES [] True False" in patched
+    assert "NPU_SWITCHES [('SGLANG_NPU_ALLOW_INTERNAL_FORMAT', '0'), ('SGLANG_NPU_JIT_COMPILE', '1')] False True" in patched
+
+
+def test_the_unpatched_release_serves_a_stale_conv_weight(tmp_path):
+    site_packages = Path(importlib.util.find_spec("sglang").origin).parents[1]
+    done = _run_check(site_packages, tmp_path)
+    assert "CONV_CACHE_FRESH False" in done.stdout, done.stdout + done.stderr[-3000:]
