@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray.job_submission import JobSubmissionClient
 
+    if args.address:
+        # Ray's client takes RAY_API_SERVER_ADDRESS or RAY_ADDRESS over its own argument; --address wins here.
+        for name in ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS"):
+            os.environ.pop(name, None)
     try:
         client = JobSubmissionClient(args.address)
     except ConnectionError as error:

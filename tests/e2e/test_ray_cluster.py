@@ -179,7 +179,8 @@ def test_submit_forwards_the_submitting_shell_to_driver_and_actors(cluster, tmp_
     working_dir.mkdir()
     report_path = tmp_path / "report.json"
     shell = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
-    shell.update(cluster.local.client_env, RELAX_PYTHON=sys.executable, RELAX_DEVICE="cpu",
+    # A stale RAY_ADDRESS in the shell (nothing listens there) must not override --address.
+    shell.update(cluster.local.client_env, RAY_ADDRESS="127.0.0.1:1", RELAX_PYTHON=sys.executable, RELAX_DEVICE="cpu",
                  RELAX_TEST_EXPORTED="from-the-shell", SGLANG_TEST_EXPORTED="sglang-prefixed",
                  MY_TEST_NAMED="named-from-shell")
     names = ["RELAX_TEST_EXPORTED", "SGLANG_TEST_EXPORTED", "MY_TEST_NAMED", "MY_TEST_SET"]
