@@ -18,7 +18,6 @@ This module needs only git and the standard library: it runs before torch is ins
 """
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import re
@@ -412,19 +411,6 @@ def apply(upstream: Upstream, root: Path, out=None) -> None:
                 f"{upstream.name}: {_rel(patch)} does not apply to the copy under {root}:\n{result.stderr.strip()}"
             )
         print(f"{upstream.name}: applied {patch.name}", file=out)
-    _drop_stale_bytecode(upstream, root)
-
-
-def _drop_stale_bytecode(upstream: Upstream, root: Path) -> None:
-    # Patched sources are newer than their .pyc files, which Python would notice anyway; removing the
-    # caches of the patched files keeps a read-only or clock-skewed install from running old code.
-    for patch in upstream.series:
-        for hunk_path in {h.path for h in parse_hunks(patch.read_text(), patch.name)}:
-            relative = Path(*Path(hunk_path).parts[upstream.strip - 1 :])
-            cache = root / relative.parent / "__pycache__"
-            for pyc in cache.glob(f"{relative.stem}.*.pyc") if cache.is_dir() else []:
-                with contextlib.suppress(OSError):
-                    pyc.unlink()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

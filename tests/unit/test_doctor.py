@@ -140,3 +140,9 @@ def test_doctor_runs_on_this_cpu_machine_and_reports_it():
 def test_an_unusable_platform_is_a_blocker_with_exit_1(capsys):
     assert doctor.main(["--device", "npu", "--no-ray"]) == 1
     assert "BLOCKER platform: torch_npu does not import" in capsys.readouterr().out
+
+
+def test_no_ray_cluster_is_reported_without_starting_one(tmp_path):
+    resources, note = doctor.ray_cluster_resources({"RAY_TMPDIR": str(tmp_path)})
+    assert resources is None and note.startswith("no cluster running")
+    assert doctor.check_ray(resources, note, "NPU", 16)[0].status == INFO

@@ -4,6 +4,7 @@ Applying each series to its pinned upstream (which downloads from PyPI) is tests
 """
 
 import importlib.util
+import io
 import runpy
 import shutil
 import subprocess
@@ -169,3 +170,19 @@ def test_git_am_series_script_applies_in_order_and_skips_an_empty_set(tmp_path):
     assert (upstream_repo / "a.txt").read_text() == "one\ntwo\nthree\n"
     empty = subprocess.run(["bash", script, "empty", upstream_repo, tmp_path / "patches"], capture_output=True, text=True)
     assert empty.returncode == 0 and "no patches for empty" in empty.stdout
+
+
+def test_check_of_an_upstream_not_on_pypi_checks_form_and_says_it_did_not_apply(tmp_path):
+    manifest = tmp_path / "manifest.toml"
+    manifest.write_text('[upstream.npu-thing]\nrepository = "https://example.invalid/npu-thing"\nref = "v1"\npath_prefix = "python"\n')
+    (tmp_path / "npu-thing").mkdir()
+    shutil.copy(patches.load_manifest()["sglang"].series[0], tmp_path / "npu-thing" / "0001-a.patch")
+    upstream = patches.load_manifest(manifest)["npu-thing"]
+    out = io.StringIO()
+    assert patches.check([upstream], out=out) == []
+    assert "npu-thing v1: 1 patch(es) well formed; NOT applied here" in out.getvalue()
+
+    broken = tmp_path / "npu-thing" / "0002-b.patch"
+    broken.write_text(_real_patch_text().replace("@@ -376,7 +377,10 @@", "@@ -376,7 +377,11 @@"))
+    failures = patches.check([upstream], out=io.StringIO())
+    assert len(failures) == 1 and "0002-b.patch: python/sglang/srt/managers/scheduler_components/weight_updater.py: hunk #2" in failures[0]
