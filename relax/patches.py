@@ -301,7 +301,9 @@ def apply_series_with_git_am(upstream: Upstream, repo: Path) -> None:
 def _rejected_hunks(repo: Path, patch: Path) -> list[str]:
     """Which hunks of `patch` fail on the repository's current tree, as 'file: hunk #n (@@ ... @@): why'."""
     hunks = parse_hunks(patch.read_text(), _rel(patch))
-    result = _git(repo, "apply", "--check", "--verbose", "--reject", str(patch), check=False)
+    # A real apply with --reject (on the scratch tree, which is thrown away) reports every hunk: --check
+    # would stop at the first failure.
+    result = _git(repo, "apply", "--verbose", "--reject", str(patch), check=False)
     messages = []
     missing = re.findall(r"error: (\S+): (does not exist in index|No such file or directory)", result.stderr)
     for path, _ in missing:
@@ -312,13 +314,13 @@ def _rejected_hunks(repo: Path, patch: Path) -> list[str]:
         match = re.match(r"^(?:Checking patch|Applying patch) (\S+)", line)
         if match:
             current = match.group(1)
-        match = re.match(r"^(?:error: while searching for:|Rejected hunk #(\d+))", line)
-        if match and match.group(1) and current:
+        match = re.match(r"^Rejected hunk #(\d+)\.", line)
+        if match and current:
             number = int(match.group(1))
             hunk = next((h for h in hunks if h.path == current and h.number == number), None)
             messages.append(f"{_name(hunk) if hunk else f'{current}: hunk #{number}'}: does not apply")
     if not messages:
-        # git apply --check stops at the first failing hunk without numbering it: find it by position.
+        # a failure git reports only by position ("patch failed: FILE:LINE"): find the hunk by its line
         match = re.search(r"error: patch failed: (\S+):(\d+)", result.stderr)
         if match:
             path, line = match.group(1), int(match.group(2))
