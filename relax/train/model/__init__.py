@@ -100,7 +100,7 @@ def build_gpt_model(hf: dict, config, pre_process: bool | None = None, post_proc
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
     )
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=hf["vocab_size"],
@@ -113,6 +113,22 @@ def build_gpt_model(hf: dict, config, pre_process: bool | None = None, post_proc
         rotary_percent=1.0,
         rotary_base=_rope_theta(hf),
     )
+    _mark_tensor_parallel_parameters(model, hf)
+    return model
+
+
+def _mark_tensor_parallel_parameters(model, hf: dict) -> None:
+    """Set megatron's TP attributes (tensor_model_parallel, partition_dim, partition_stride) from the family's
+    layouts. megatron-core sets them only while it initialises weights; with perform_initialization=False
+    (weights come from the checkpoint anyway) they stay unset, every TP rank but the first then counts as a
+    duplicate, and the gradient norm (so clipping) leaves out their shards."""
+    from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
+
+    mapping = _Mapping(model, hf)
+    for name, param in mapping.model.named_parameters():
+        kind = mapping.place(name).rule.kind
+        if kind != "replicated" and not hasattr(param, "tensor_model_parallel"):  # biases always have them
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=1 if kind == "row" else 0, stride=1)
 
 
 def _define_te_general_gemm_without_te() -> None:

@@ -1,0 +1,295 @@
+"""The training actor: a megatron-core GPTModel with DDP, Megatron's optimizer and LR schedule.
+
+    actor = MegatronActor(hf_dir, transformer_config, optimizer_config, ddp_config, ActorSettings(...))
+    old = actor.compute_logprobs(batch)                      # per sample, response tokens
+    ref = actor.compute_logprobs(batch, reference=True)      # frozen initial weights
+    metrics = actor.train_step(batch_with_advantages_and_logprobs)
+
+Every method is collective over all ranks of the actor. Each data-parallel rank passes its own samples;
+the ranks of one data-parallel replica (its TP and PP ranks) pass the same samples. Results come back on
+every rank: logprobs for this rank's samples, metrics for the whole batch (all DP ranks).
+
+The configuration is megatron-core's own objects (TransformerConfig with the parallel sizes,
+OptimizerConfig, DistributedDataParallelConfig; relax.args builds them) plus ActorSettings for what
+Megatron has no field for. The architecture fields of the TransformerConfig come from the HF config.json.
+torch.distributed must be initialised (platform backend) before the actor is built; the actor creates
+megatron's model-parallel groups itself.
+"""
+
+import dataclasses
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches
+from relax.train.losses import LossSettings, aggregation_denominator, policy_loss
+from relax.train.model import build_gpt_model, load_hf_weights, read_hf_config, transformer_config, unwrap
+
+
+@dataclasses.dataclass
+class ActorSettings:
+    """What the actor needs beyond megatron-core's config objects."""
+
+    loss: LossSettings = dataclasses.field(default_factory=LossSettings)
+    micro_batch_size: int = 1  # samples per micro-batch (one padded row each) without a token budget
+    max_tokens_per_micro_batch: int | None = None  # dynamic batch size: pack samples up to this many tokens
+    temperature: float = 1.0  # logits are divided by it, as the rollout engine sampled
+    seed: int = 1234
+    keep_reference: bool = True  # keep a host copy of the initial weights for reference logprobs
+    # OptimizerParamScheduler; lr, min_lr and weight decay come from the OptimizerConfig
+    lr_warmup_steps: int = 0
+    lr_decay_steps: int = 1  # steps over which lr goes from lr to min_lr ("constant" ignores it)
+    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+    """log p(label) and (optionally) the entropy per position, from logits [..., vocab / TP] whose vocab is
+    split across the tensor-parallel ranks. Differentiable; sums over the vocab all-reduce across TP."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    logits = logits.float()
+    local_vocab = logits.shape[-1]
+    vocab_start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
+    logits_max = logits.detach().max(dim=-1).values
+    torch.distributed.all_reduce(
+        logits_max, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+    )
+    shifted = logits - logits_max.unsqueeze(-1)
+    log_z = reduce_from_tensor_model_parallel_region(shifted.exp().sum(-1)).log()
+    local_labels = labels - vocab_start
+    in_shard = (local_labels >= 0) & (local_labels < local_vocab)
+    label_logit = shifted.gather(-1, local_labels.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
+    logprobs = reduce_from_tensor_model_parallel_region(label_logit * in_shard) - log_z
+    if not with_entropy:
+        return logprobs, None
+    probs = torch.exp(shifted - log_z.unsqueeze(-1))
+    entropy = log_z - reduce_from_tensor_model_parallel_region((probs * shifted).sum(-1))
+    return logprobs, entropy
+
+
+class MegatronActor:
+    def __init__(self, hf_dir, transformer, optimizer, ddp, settings: ActorSettings | None = None):
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.module import Float16Module
+
+        self.settings = settings or ActorSettings()
+        if self.settings.loss.aggregation == "seq_mean_token_sum_norm" and self.settings.loss.norm_length is None:
+            raise ValueError(
+                "aggregation seq_mean_token_sum_norm needs LossSettings.norm_length (e.g. the longest allowed "
+                "response) so every data-parallel rank divides by the same length"
+            )
+        self.hf_dir = Path(hf_dir)
+        self.hf = read_hf_config(hf_dir)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=transformer.tensor_model_parallel_size,
+            pipeline_model_parallel_size=transformer.pipeline_model_parallel_size,
+            context_parallel_size=transformer.context_parallel_size,
+            expert_model_parallel_size=transformer.expert_model_parallel_size,
+            expert_tensor_parallel_size=transformer.expert_tensor_parallel_size,
+        )
+        if transformer.context_parallel_size != 1:
+            raise ValueError("context parallelism is not supported by the actor yet (context_parallel_size=1)")
+        model_parallel_cuda_manual_seed(self.settings.seed)
+        self.config = transformer_config(self.hf, transformer)
+        model = build_gpt_model(self.hf, self.config)
+        load_hf_weights(model, hf_dir)
+        if self.config.fp16 or self.config.bf16:
+            model = Float16Module(self.config, model)
+        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp, module=model)
+        self.optimizer = get_megatron_optimizer(optimizer, [self.model])
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if self.settings.lr_warmup_steps else optimizer.lr,
+            max_lr=optimizer.lr,
+            min_lr=optimizer.min_lr or 0.0,
+            lr_warmup_steps=self.settings.lr_warmup_steps,
+            lr_decay_steps=max(self.settings.lr_decay_steps, self.settings.lr_warmup_steps + 1),
+            lr_decay_style=self.settings.lr_decay_style,
+            start_wd=optimizer.weight_decay,
+            end_wd=optimizer.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
+        # The schedule reduces DP gradients through this hook; without it they are never all-reduced.
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.reference_weights = self._host_copy() if self.settings.keep_reference else None
+
+    # --- weights -------------------------------------------------------------------------------------
+    def _host_copy(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters copied to host memory."""
+        return {name: p.detach().to("cpu", copy=True) for name, p in unwrap(self.model).named_parameters()}
+
+    def _copy_into_model(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, param in unwrap(self.model).named_parameters():
+                param.copy_(weights[name])
+
+    # --- forward ---------------------------------------------------------------------------------------
+    def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
+        return make_micro_batches(
+            batch,
+            self.settings.micro_batch_size,
+            self.settings.max_tokens_per_micro_batch,
+            pad_token_id=self.hf.get("pad_token_id") or 0,
+            # Pipeline stages exchange activations of the one shape the schedule is given.
+            uniform_shape=self.config.pipeline_model_parallel_size > 1,
+        )
+
+    def _token_logprobs(self, output: torch.Tensor, micro_batch: MicroBatch, with_entropy: bool):
+        """Per sample: response-token logprobs (and entropies) from the model output [rows, seq, vocab/TP]."""
+        labels = torch.roll(micro_batch.tokens, shifts=-1, dims=1)  # the last position's label is never read
+        logprobs, entropy = vocab_parallel_logprobs(output / self.settings.temperature, labels, with_entropy)
+        return (
+            micro_batch.response_values(logprobs),
+            micro_batch.response_values(entropy) if with_entropy else None,
+        )
+
+    def _run(self, micro_batches: list[MicroBatch], loss_func, forward_only: bool) -> list[dict]:
+        """Megatron's forward(-backward) schedule over the micro-batches; the last stage's loss outputs."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            micro_batch = next(data_iterator)
+            output = model(micro_batch.tokens, micro_batch.position_ids, micro_batch.attention_mask)
+            return output, partial(loss_func, micro_batch)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(micro_batches),
+            model=[self.model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
+            micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+            forward_only=forward_only,
+        )
+
+    def _from_last_stage(self, value):
+        """`value` of the last pipeline stage, on every stage."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return value
+        holder = [value]
+        torch.distributed.broadcast_object_list(
+            holder,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return holder[0]
+
+    @torch.no_grad()
+    def compute_logprobs(
+        self, batch: RolloutBatch, reference: bool = False, with_entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Response-token logprobs of every sample (with entropies when asked) under the current weights,
+        or the initial ones (reference=True: swapped in from the host copy for this call only)."""
+        if reference and self.reference_weights is None:
+            raise ValueError("reference logprobs need ActorSettings.keep_reference=True")
+        micro_batches = self._micro_batches(batch)
+
+        def loss_func(micro_batch, output):
+            logprobs, entropy = self._token_logprobs(output, micro_batch, with_entropy)
+            return torch.zeros(()), {"indices": micro_batch.sample_indices, "logprobs": logprobs, "entropy": entropy}
+
+        actor_weights = None
+        if reference:
+            actor_weights = self._host_copy()
+            self._copy_into_model(self.reference_weights)
+        self.model.eval()
+        try:
+            outputs = self._run(micro_batches, loss_func, forward_only=True)
+        finally:
+            if actor_weights is not None:
+                self._copy_into_model(actor_weights)
+        outputs = self._from_last_stage(outputs)
+        logprobs, entropy = [None] * len(batch), [None] * len(batch)
+        for output in outputs:
+            for k, index in enumerate(output["indices"]):
+                logprobs[index] = output["logprobs"][k]
+                if with_entropy:
+                    entropy[index] = output["entropy"][k]
+        return (logprobs, entropy) if with_entropy else logprobs
+
+    # --- train -----------------------------------------------------------------------------------------
+    def _batch_denominators(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole batch's (over all DP ranks) aggregation denominator and response-token count."""
+        from megatron.core import parallel_state
+
+        loss = self.settings.loss
+        mask = torch.zeros(len(batch), max(batch.response_lengths))
+        for i, length in enumerate(batch.response_lengths):
+            mask[i, :length] = 1
+        totals = torch.stack(
+            [aggregation_denominator(mask, loss.aggregation, loss.norm_length).float(), mask.sum()]
+        )
+        torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        return totals[0], totals[1]
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on the batch. Returns the whole batch's loss, pg_loss, clip_fraction, ppo_kl,
+        kl (with ref_logprobs), entropy, and grad_norm, lr, update_successful."""
+        from megatron.core import parallel_state
+
+        if batch.advantages is None:
+            raise ValueError("train_step needs advantages for every sample (relax.train.advantages)")
+        loss_settings = self.settings.loss
+        with_entropy = loss_settings.entropy_coef != 0.0
+        denominator, num_tokens = self._batch_denominators(batch)
+        micro_batches = self._micro_batches(batch)
+        # The schedule divides each micro-batch loss by their number and DDP averages gradients over DP;
+        # each micro-batch's loss here is its share of the whole batch's, so undo both.
+        loss_scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
+
+        def padded(values: list[torch.Tensor]) -> torch.Tensor:
+            return torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+
+        def loss_func(micro_batch, output):
+            logprobs, entropy = self._token_logprobs(output, micro_batch, with_entropy)
+            pick = micro_batch.sample_indices
+            logprobs = padded(logprobs)
+            mask = padded([torch.ones(batch.response_lengths[i]) for i in pick])
+            old = padded([batch.old_logprobs[i] for i in pick]) if batch.old_logprobs else logprobs.detach()
+            ref = padded([batch.ref_logprobs[i] for i in pick]) if batch.ref_logprobs else None
+            loss, metrics = policy_loss(
+                loss_settings,
+                logprobs,
+                old,
+                padded([batch.advantages[i] for i in pick]),
+                mask,
+                ref_logprobs=ref,
+                entropy=padded(entropy) if with_entropy else None,
+                denominator=denominator,
+                num_tokens=num_tokens,
+            )
+            return loss * loss_scale, metrics
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(micro_batches, loss_func, forward_only=False)
+        lr = self.optimizer.param_groups[0]["lr"]  # the one this step uses; the scheduler moves it after
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=1)
+
+        metrics = None
+        if parallel_state.is_pipeline_last_stage():
+            keys = sorted(outputs[0])
+            sums = torch.stack([sum(output[key] for output in outputs) for key in keys])
+            torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+            metrics = {key: value.item() for key, value in zip(keys, sums)}
+        metrics = self._from_last_stage(metrics)
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=lr,
+            update_successful=bool(update_successful),
+        )
+        return metrics

@@ -1,0 +1,132 @@
+"""Rollout samples as the actor consumes them, and how they are cut into Megatron micro-batches.
+
+A sample is one prompt + response token sequence; only response tokens are scored and trained. Per
+response token it may carry an advantage, the old policy's logprob and the reference policy's logprob.
+
+Micro-batches are formed in rollout order. Without a token budget, `micro_batch_size` samples make one
+micro-batch, one padded row each. With a token budget (dynamic batch size), consecutive samples are
+packed into one row while the row stays within the budget; a row holds several sequences separated by a
+block-diagonal causal mask, and each sequence's positions start at 0, so packing changes no logit.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """This data-parallel rank's samples. Lists are per sample; tensors are 1-D over response tokens."""
+
+    tokens: list[torch.Tensor]  # prompt + response token ids
+    response_lengths: list[int]
+    advantages: list[torch.Tensor] | None = None
+    old_logprobs: list[torch.Tensor] | None = None
+    ref_logprobs: list[torch.Tensor] | None = None
+
+    def __post_init__(self):
+        self.tokens = [torch.as_tensor(t, dtype=torch.long) for t in self.tokens]
+        if len(self.response_lengths) != len(self.tokens):
+            raise ValueError(f"{len(self.response_lengths)} response lengths for {len(self.tokens)} samples")
+        for i, (tokens, length) in enumerate(zip(self.tokens, self.response_lengths)):
+            if tokens.dim() != 1 or not 1 <= length < tokens.numel():
+                raise ValueError(
+                    f"sample {i}: response length {length} must be >= 1 and leave at least one prompt token "
+                    f"in its {tokens.numel()} tokens"
+                )
+        for name in ("advantages", "old_logprobs", "ref_logprobs"):
+            values = getattr(self, name)
+            if values is None:
+                continue
+            if len(values) != len(self.tokens):
+                raise ValueError(f"{name}: {len(values)} entries for {len(self.tokens)} samples")
+            values = [torch.as_tensor(v, dtype=torch.float32) for v in values]
+            for i, (value, length) in enumerate(zip(values, self.response_lengths)):
+                if value.shape != (length,):
+                    raise ValueError(f"{name}[{i}] has shape {tuple(value.shape)}, expected ({length},) response tokens")
+            setattr(self, name, values)
+
+    def __len__(self):
+        return len(self.tokens)
+
+
+@dataclass
+class MicroBatch:
+    """Model inputs for some samples, and where each sample's response tokens sit in them."""
+
+    tokens: torch.Tensor  # [rows, seq]
+    position_ids: torch.Tensor  # [rows, seq]
+    attention_mask: torch.Tensor  # [rows, 1, seq, seq] bool, True = masked out
+    sample_indices: list[int]  # into the RolloutBatch
+    # per sample: (row, first logit position, response length); the logit at position p predicts token p + 1
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def response_values(self, per_position: torch.Tensor) -> list[torch.Tensor]:
+        """Each sample's response-token slice of a per-position tensor [rows, seq]."""
+        return [per_position[row, start : start + length] for row, start, length in self.spans]
+
+
+def _rows(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None) -> list[list[list[int]]]:
+    """Micro-batches as lists of rows, each row a list of sample indices."""
+    if max_tokens is None:
+        indices = list(range(len(batch)))
+        return [[[i] for i in indices[s : s + micro_batch_size]] for s in range(0, len(batch), micro_batch_size)]
+    micro_batches, row, row_tokens = [], [], 0
+    for i, tokens in enumerate(batch.tokens):
+        if tokens.numel() > max_tokens:
+            raise ValueError(
+                f"sample {i} has {tokens.numel()} tokens, more than max_tokens_per_micro_batch={max_tokens}: "
+                "raise the budget to at least the longest prompt + response"
+            )
+        if row and row_tokens + tokens.numel() > max_tokens:
+            micro_batches.append([row])
+            row, row_tokens = [], 0
+        row.append(i)
+        row_tokens += tokens.numel()
+    if row:
+        micro_batches.append([row])
+    return micro_batches
+
+
+def make_micro_batches(
+    batch: RolloutBatch,
+    micro_batch_size: int,
+    max_tokens: int | None = None,
+    pad_token_id: int = 0,
+    uniform_shape: bool = False,
+) -> list[MicroBatch]:
+    """Cut `batch` into micro-batches (see module doc). uniform_shape pads every micro-batch to the same
+    [rows, seq] (pipeline stages exchange activations of one fixed shape)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    all_rows = _rows(batch, micro_batch_size, max_tokens)
+
+    def row_length(row):
+        return sum(batch.tokens[i].numel() for i in row)
+
+    uniform_rows = max(len(rows) for rows in all_rows)
+    uniform_seq = max(row_length(row) for rows in all_rows for row in rows)
+    micro_batches = []
+    for rows in all_rows:
+        seq = uniform_seq if uniform_shape else max(row_length(row) for row in rows)
+        num_rows = uniform_rows if uniform_shape else len(rows)
+        tokens = torch.full((num_rows, seq), pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros((num_rows, seq), dtype=torch.long)
+        # Padding attends to itself only, so no softmax row is empty; its outputs are never read.
+        allowed = torch.eye(seq, dtype=torch.bool).repeat(num_rows, 1, 1)
+        sample_indices, spans = [], []
+        for r, row in enumerate(rows):
+            offset = 0
+            for i in row:
+                n = batch.tokens[i].numel()
+                tokens[r, offset : offset + n] = batch.tokens[i]
+                position_ids[r, offset : offset + n] = torch.arange(n)
+                allowed[r, offset : offset + n, offset : offset + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                response_length = batch.response_lengths[i]
+                sample_indices.append(i)
+                spans.append((r, offset + n - response_length - 1, response_length))
+                offset += n
+        micro_batches.append(
+            MicroBatch(tokens, position_ids, ~allowed.unsqueeze(1), sample_indices, spans)
+        )
+    return micro_batches
