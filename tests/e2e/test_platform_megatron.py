@@ -151,7 +151,8 @@ def test_tensor_parallel_ranks_agree_on_the_loss(results):
 
 
 def test_pipeline_stages_train_through_point_to_point_on_gloo(results):
-    (first_losses, first_params, first_norms), (last_losses, last_params, last_norms) = results[0]["pp"], results[1]["pp"]
+    first_losses, first_params, first_norms = results[0]["pp"]
+    last_losses, last_params, last_norms = results[1]["pp"]
     assert first_losses == [] and len(last_losses) == STEPS and last_losses[-1] < last_losses[0]
     # The grad norm is reduced over both stages, so the first stage received gradients from the last.
     assert first_norms == last_norms and all(n > 0 for n in first_norms)

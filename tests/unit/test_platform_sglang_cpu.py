@@ -51,6 +51,7 @@ def test_stand_ins_serve_registered_ops_and_name_the_missing_ones():
         import sgl_kernel
         from sgl_kernel import assign_req_to_token_pool_cpu, copy_all_layer_kv_cache_cpu
         from sgl_kernel.mamba import relax_test_conv_cpu
+        assert sgl_kernel.mamba.relax_test_conv_cpu is relax_test_conv_cpu
         assert not hasattr(sgl_kernel, "__all__")  # dunders are not ops
         assert torch.equal(torch.ops.sgl_kernel.relax_test_double_cpu(torch.ones(2)), torch.full((2,), 2.0))
         try:

@@ -21,12 +21,15 @@ def _make_module(qualified_name: str) -> types.ModuleType:
         module.__path__ = []
         module.__getattr__ = lambda name: missing_op(f"{qualified_name}.{name}")
         sys.modules[qualified_name] = module
+        parent, _, child = qualified_name.rpartition(".")
+        setattr(sys.modules[parent], child, module)  # so that sgl_kernel.mamba.name works as well
     return module
 
 
 _torch_library = torch.library.Library("sgl_kernel", "FRAGMENT")  # kept alive: it owns the definitions
 for _op in CPU_OPS.values():
-    setattr(_make_module(f"{__name__}.{_op.submodule}") if _op.submodule else sys.modules[__name__], _op.name, _op.function)
+    _home = _make_module(f"{__name__}.{_op.submodule}") if _op.submodule else sys.modules[__name__]
+    setattr(_home, _op.name, _op.function)
     if _op.schema is not None:
         _torch_library.define(_op.name + _op.schema)
         _torch_library.impl(_op.name, _op.function, "CPU")
