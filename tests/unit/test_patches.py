@@ -1,6 +1,6 @@
 """relax/patches.py and patches/: the manifest, the series' form, and in-place apply on copies.
 
-Applying each series to its pinned upstream (which downloads from PyPI) is tests/e2e/test_patches.py.
+Applying each series to its pinned upstream (which downloads from PyPI) is tests/e2e/test_patches_check.py.
 """
 
 import importlib.util
