@@ -351,3 +351,47 @@ def test_parallel_layouts_train_like_dp2(ranks, hf_dirs, dp2_run, settings):
             # Adam moves a weight by about lr per step where the gradient is near zero, whatever its size,
             # so a rounding-level gradient difference can move a few weights by up to steps * lr.
             assert difference.max() <= 3 * 1e-3 and difference.mean() <= 1e-5, (name, difference.max(), difference.mean())
+
+
+# --- weight export for sync --------------------------------------------------------------------------
+
+
+def _buckets(hf_dir: str, tp: int, ep: int, bucket_bytes: int) -> dict:
+    import relax.train.model as model_module
+    from relax.sync.export import weight_buckets
+    from safetensors.torch import load_file
+
+    model, hf = _megatron_model(hf_dir, tp, ep)
+    gathered = []
+    original_all_gather = model_module._all_gather
+
+    def counting_all_gather(tensor, size, group):
+        gathered.append(tensor.shape)
+        return original_all_gather(tensor, size, group)
+
+    model_module._all_gather = counting_all_gather
+    try:
+        buckets = weight_buckets(model, hf, bucket_bytes, dtype=torch.bfloat16)
+        first = next(buckets)
+        gathered_for_first = len(gathered)
+        all_buckets = [first, *buckets]
+    finally:
+        model_module._all_gather = original_all_gather
+    on_disk = load_file(os.path.join(hf_dir, "model.safetensors"))
+    exported = [item for bucket in all_buckets for item in bucket]
+    sizes = [sum(t.numel() * t.element_size() for _, t in bucket) for bucket in all_buckets]
+    return {
+        "num_buckets": len(all_buckets),
+        "within_limit": all(size <= bucket_bytes or len(b) == 1 for size, b in zip(sizes, all_buckets)),
+        "names_once": sorted(name for name, _ in exported) == sorted(on_disk),
+        "equal": all(t.dtype == torch.bfloat16 and torch.equal(t, on_disk[n].to(torch.bfloat16)) for n, t in exported),
+        "lazy": gathered_for_first < len(gathered) / 2,
+    }
+
+
+@pytest.mark.parametrize("tp, ep", [(2, 1), (1, 2)])
+def test_weight_buckets_are_bounded_complete_and_lazy(ranks, hf_dirs, tp, ep):
+    for result in ranks.run(_buckets, hf_dirs["qwen3_moe"], tp, ep, 8 * 1024):
+        assert result["num_buckets"] > 3 and result["within_limit"], result
+        assert result["names_once"] and result["equal"], result
+        assert result["lazy"], result
