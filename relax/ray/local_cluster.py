@@ -32,6 +32,7 @@ import psutil
 CLUSTER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 _STARTED_LINE = "Ray runtime started"
+_START_ATTEMPTS = 3
 
 
 def free_port() -> int:
@@ -42,7 +43,7 @@ def free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, start_timeout_s: float = 60.0):
+    def __init__(self, start_timeout_s: float = 90.0):
         # A short path: Ray puts unix sockets under it and their paths are limited to 107 bytes.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="relax-ray-"))
         self.start_timeout_s = start_timeout_s
@@ -65,25 +66,44 @@ class LocalCluster:
                    env: dict[str, str] | None = None) -> None:
         if self._nodes:
             raise RuntimeError("LocalCluster.start_head: the head is already started")
-        gcs_port, dashboard_port = free_port(), free_port()
-        self._start_node(
-            "head",
-            ["--head", f"--port={gcs_port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={free_port()}",
-             f"--temp-dir={self.temp_dir}"],
-            num_cpus, num_gpus, resources, env,
-        )
-        self.address = f"127.0.0.1:{gcs_port}"
-        self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+
+        def head_args():  # fresh ports for each attempt
+            gcs_port, dashboard_port = free_port(), free_port()
+            self.address = f"127.0.0.1:{gcs_port}"
+            self.dashboard_url = f"http://127.0.0.1:{dashboard_port}"
+            return ["--head", f"--port={gcs_port}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dashboard_port}", f"--ray-client-server-port={free_port()}",
+                    f"--temp-dir={self.temp_dir}"]
+
+        self._start_node("head", head_args, num_cpus, num_gpus, resources, env)
 
     def add_node(self, num_cpus: int, num_gpus: int | None = None, resources: dict | None = None,
                  env: dict[str, str] | None = None) -> None:
         """Another raylet joining the head: a node of its own (own node id and resources) on this machine."""
         if self.address is None:
             raise RuntimeError("LocalCluster.add_node: call start_head first")
-        self._start_node(f"node{len(self._nodes)}", [f"--address={self.address}"], num_cpus, num_gpus, resources, env)
+        self._start_node(f"node{len(self._nodes)}", lambda: [f"--address={self.address}"],
+                         num_cpus, num_gpus, resources, env)
 
     def _start_node(self, name, role_args, num_cpus, num_gpus, resources, env) -> None:
+        """Start a node, again on fresh ports when it fails: on a loaded machine the raylet can miss the
+        30 s Ray gives it to register (node.py: "The current node timed out during startup")."""
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            log_path = self.temp_dir / f"{name}-{attempt}.log"
+            process = self._launch(role_args(), num_cpus, num_gpus, resources, env, log_path)
+            deadline = time.monotonic() + self.start_timeout_s
+            while process.poll() is None and time.monotonic() < deadline:
+                if _STARTED_LINE in log_path.read_text():
+                    self._nodes.append(process)
+                    return
+                time.sleep(0.2)
+            _kill_tree(process)
+        output = log_path.read_text()
+        self.stop()
+        raise RuntimeError(f"LocalCluster: `ray start` of {name} failed {_START_ATTEMPTS} times; last output:\n"
+                           f"{output[-4000:]}")
+
+    def _launch(self, role_args, num_cpus, num_gpus, resources, env, log_path) -> subprocess.Popen:
         command = [
             str(Path(sys.executable).with_name("ray")), "start", "--block", *role_args,
             "--disable-usage-stats",
@@ -97,20 +117,11 @@ class LocalCluster:
         ]
         if num_gpus is not None:
             command.append(f"--num-gpus={num_gpus}")
-        log_path = self.temp_dir / f"{name}.log"
         with open(log_path, "w") as log:
-            process = subprocess.Popen(
+            return subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **CLUSTER_ENV, **(env or {})}, start_new_session=True,
             )
-        self._nodes.append(process)
-        deadline = time.monotonic() + self.start_timeout_s
-        while _STARTED_LINE not in log_path.read_text():
-            if process.poll() is not None or time.monotonic() > deadline:
-                output = log_path.read_text()
-                self.stop()
-                raise RuntimeError(f"LocalCluster: `ray start` of {name} did not come up:\n{output[-4000:]}")
-            time.sleep(0.2)
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of this cluster: the `ray start` processes, their descendants, and any process
@@ -147,6 +158,19 @@ class LocalCluster:
         self._nodes.clear()
         # Ray removes nothing on its own; a leftover ray_current_cluster would redirect later ray.init()s.
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """Kill a `ray start` process that did not come up, and everything it started."""
+    try:
+        tree = [psutil.Process(process.pid)]
+        tree += tree[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for member in tree:
+        _signal(member, signal.SIGKILL)
+    process.wait()
+    psutil.wait_procs(tree, timeout=5)
 
 
 def _alive(process: psutil.Process) -> bool:

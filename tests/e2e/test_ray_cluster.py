@@ -75,6 +75,8 @@ def cluster():
         ray.init(address=local.address)
         node_names = {}
         for node in ray.nodes():
+            if not node["Alive"]:  # a start attempt that timed out on a loaded machine
+                continue
             (name,) = [resource for resource in node["Resources"] if resource.startswith("relax_test_node_")]
             node_names[node["NodeID"]] = name
         yield Cluster(local, node_names)
