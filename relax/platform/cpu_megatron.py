@@ -10,7 +10,8 @@ only for megatron-core's own code:
    optimizer/clip_grads.py), `torch.tensor(..., device='cuda')` (optimizer/optimizer.py).
    Each megatron.core module's global `torch` is swapped, right after the module is executed, for a
    view of torch whose `cuda` is the CPU stand-in and whose tensor factories map a CUDA device to the
-   CPU. torch itself, and every other package, is untouched.
+   CPU (is_available() keeps torch's answer: megatron asks it only before GPU-only extras). torch
+   itself, and every other package, is untouched.
 2. The RNG tracker (tensor_parallel/random.py: `model_parallel_cuda_manual_seed`, `CudaRNGStatesTracker`
    and `checkpoint`): its two module functions `_get_cuda_rng_state` / `_set_cuda_rng_state` are replaced
    by ones on the CPU generator, which stands in for the device generator. Forking the tracker therefore
@@ -98,6 +99,9 @@ def _build_torch_view() -> types.ModuleType:
     for name in dir(CpuDeviceModule):
         if not name.startswith("_"):
             setattr(cuda_view, name, getattr(CpuDeviceModule, name))
+    # megatron-core asks is_available() only before GPU-only extras (utils.StragglerDetector's CUDA events,
+    # empty_cache in activation offloading): there are none here, so its answer stays torch's (False).
+    cuda_view.is_available = torch.cuda.is_available
     # Anything the stand-in lacks (FloatTensor types, nvtx, streams) is torch.cuda's own: it either works
     # without a GPU or fails loudly at the call, naming what megatron reached for.
     cuda_view.__getattr__ = lambda name: getattr(torch.cuda, name)
