@@ -14,7 +14,6 @@ from pathlib import Path
 import msgspec
 
 from relax.args.checks import check_config
-from relax.args.device import prepare_sglang_import, resolve_device
 from relax.args.megatron import (
     MegatronConfig,
     add_megatron_args,
@@ -23,8 +22,9 @@ from relax.args.megatron import (
     resolve_architecture,
 )
 from relax.args.relax_flags import DEVICE_CHOICES, add_relax_args
-from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, redirects
+from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
 from relax.args.strict import StrictArgumentParser
+from relax.platform import platform_facts, resolve_platform_name
 
 __all__ = ["TrainConfig", "MegatronConfig", "build_parser", "parse_train_args", "format_config"]
 
@@ -40,7 +40,7 @@ class TrainConfig:
 
 def build_parser() -> StrictArgumentParser:
     """The `relax train` parser (this imports SGLang, after preparing this machine's platform for it)."""
-    prepare_sglang_import("auto")
+    prepare_import("auto")
     return _parser()
 
 
@@ -61,14 +61,16 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     # The device decides how SGLang must be prepared before its flags can be imported: read it first.
     device_only = argparse.ArgumentParser(prog="relax train", add_help=False, allow_abbrev=False)
     device_only.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
-    device = resolve_device(device_only.parse_known_args(argv)[0].device)
-    prepare_sglang_import(device.name)
+    # An explicit name is taken as given (a GPU run script can be dry-run on a CPU machine); only auto
+    # looks at the machine. The record's facts are readable without the device.
+    platform = platform_facts(resolve_platform_name(device_only.parse_known_args(argv)[0].device))
+    prepare_import(platform.name)
 
     parser = _parser()
     argv = expand_sglang_config(argv, parser.error)
     namespace = parser.parse_args(argv)
     relax = argparse.Namespace(**{k: v for k, v in vars(namespace).items() if not k.startswith(_NAMESPACED)})
-    relax.device = device.name
+    relax.device = platform.name
     _fill_relax_defaults(relax)
 
     checkpoint = relax.hf_checkpoint
@@ -82,12 +84,12 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
         managed=dict(
             model_path=checkpoint,
             tp_size=relax.rollout_num_devices_per_engine,
-            device=device.name,
-            enable_memory_saver=relax.colocate and device.has_memory_saver,
+            device=platform.name,
+            enable_memory_saver=relax.colocate and platform.has_memory_saver,
         ),
     )
     config = TrainConfig(relax=relax, sglang=sglang, megatron=megatron)
-    problems = check_config(config, device)
+    problems = check_config(config, platform)
     if problems:
         parser.error("\n".join(problems))
     return config

@@ -1,6 +1,7 @@
-"""Rules that involve more than one flag. Each returns the problem in words naming the flags, or None."""
+"""Rules that involve more than one flag. Each returns the problem in words naming the flags, or None.
 
-from relax.args.device import DeviceFacts
+Each rule takes the TrainConfig and the relax.platform record of the run's device.
+"""
 
 
 def world_size(relax) -> int:
@@ -12,7 +13,7 @@ def data_parallel_size(config) -> int:
     return world_size(config.relax) // (tc.tensor_model_parallel_size * tc.pipeline_model_parallel_size * tc.context_parallel_size)
 
 
-def required_flags(config, device):
+def required_flags(config, platform):
     r = config.relax
     needed = []
     if r.hf_checkpoint is None and not r.dry_run:
@@ -24,7 +25,7 @@ def required_flags(config, device):
     return f"missing {', '.join(needed)}" if needed else None
 
 
-def model_parallel_fits_devices(config, device):
+def model_parallel_fits_devices(config, platform):
     tc, r = config.megatron.transformer, config.relax
     product = tc.tensor_model_parallel_size * tc.pipeline_model_parallel_size * tc.context_parallel_size
     if world_size(r) % product:
@@ -35,7 +36,7 @@ def model_parallel_fits_devices(config, device):
         )
 
 
-def expert_parallel_fits(config, device):
+def expert_parallel_fits(config, platform):
     tc, r = config.megatron.transformer, config.relax
     ep = tc.expert_model_parallel_size
     etp = tc.expert_tensor_parallel_size or tc.tensor_model_parallel_size
@@ -51,7 +52,7 @@ def expert_parallel_fits(config, device):
         )
 
 
-def rollout_fills_global_batches(config, device):
+def rollout_fills_global_batches(config, platform):
     r = config.relax
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     if samples % r.global_batch_size:
@@ -61,7 +62,7 @@ def rollout_fills_global_batches(config, device):
         )
 
 
-def global_batch_splits_over_data_parallel(config, device):
+def global_batch_splits_over_data_parallel(config, platform):
     r = config.relax
     dp = data_parallel_size(config)
     if dp == 0:
@@ -72,7 +73,7 @@ def global_batch_splits_over_data_parallel(config, device):
         return f"--global-batch-size {r.global_batch_size} is not a multiple of {what} = {per_step}"
 
 
-def engine_fits_devices(config, device):
+def engine_fits_devices(config, platform):
     r = config.relax
     if world_size(r) % r.rollout_num_devices_per_engine:
         return (
@@ -81,26 +82,26 @@ def engine_fits_devices(config, device):
         )
 
 
-def colocation_releases_memory(config, device: DeviceFacts):
-    if config.relax.colocate and device.colocation_needs_release and not device.has_memory_saver:
+def colocation_releases_memory(config, platform):
+    if config.relax.colocate and platform.colocation_needs_release and not platform.has_memory_saver:
         return (
-            f"--colocate on {device.name} needs the rollout engine to release its memory (SGLang's memory saver), "
+            f"--colocate on {platform.name} needs the rollout engine to release its memory (SGLang's memory saver), "
             f"which this platform lacks: use --no-colocate"
         )
 
 
-def clip_range_ordered(config, device):
+def clip_range_ordered(config, platform):
     r = config.relax
     if r.eps_clip_high < r.eps_clip:
         return f"--eps-clip-high {r.eps_clip_high} is below --eps-clip {r.eps_clip}"
 
 
-def kl_loss_has_weight(config, device):
+def kl_loss_has_weight(config, platform):
     if config.relax.use_kl_loss and config.relax.kl_coef <= 0:
         return "--use-kl-loss with --kl-coef 0 adds nothing: give --kl-coef > 0 or drop --use-kl-loss"
 
 
-def debug_modes_consistent(config, device):
+def debug_modes_consistent(config, platform):
     r = config.relax
     if r.debug_rollout_only and r.debug_train_only:
         return "--debug-rollout-only and --debug-train-only exclude each other"
@@ -108,7 +109,7 @@ def debug_modes_consistent(config, device):
         return "--debug-train-only needs --load-rollout-data (saved by --save-rollout-data)"
 
 
-def batching_flags_consistent(config, device):
+def batching_flags_consistent(config, platform):
     r = config.relax
     if r.use_dynamic_batch_size and not r.max_tokens_per_device:
         return "--use-dynamic-batch-size needs --max-tokens-per-device"
@@ -116,7 +117,7 @@ def batching_flags_consistent(config, device):
         return "--max-tokens-per-device only applies with --use-dynamic-batch-size"
 
 
-def sampling_flags_consistent(config, device):
+def sampling_flags_consistent(config, platform):
     r = config.relax
     if r.over_sampling_batch_size is not None:
         if not r.dynamic_sampling:
@@ -127,7 +128,7 @@ def sampling_flags_consistent(config, device):
         return f"--overlong-buffer-len {r.overlong_buffer_len} must be below --rollout-max-response-len {r.rollout_max_response_len}"
 
 
-def checkpoint_flags_consistent(config, device):
+def checkpoint_flags_consistent(config, platform):
     if config.relax.save_interval is not None and not config.relax.save:
         return "--save-interval needs --save"
 
@@ -149,6 +150,6 @@ RULES = [
 ]
 
 
-def check_config(config, device: DeviceFacts) -> list[str]:
+def check_config(config, platform) -> list[str]:
     """Every rule's problem, in order; empty when the configuration is consistent."""
-    return [problem for rule in RULES if (problem := rule(config, device))]
+    return [problem for rule in RULES if (problem := rule(config, platform))]

@@ -30,6 +30,25 @@ MANAGED_BY_RELAX = {
 }
 
 
+def prepare_import(requested_device: str) -> None:
+    """Run the platform's step that must come before the first `import sglang` in this process.
+
+    Parsing imports SGLang's ServerArgs, and SGLang decides its device at import (is_cpu() is cached; the
+    CPU engine needs SGLANG_USE_CPU_ENGINE=1 first: relax.platform.cpu_sglang). The requested platform is
+    prepared when this machine has it; otherwise (a dry run of a GPU/NPU script on a CPU machine) this
+    machine's own platform is, since that is where this process would run SGLang.
+    """
+    from relax.platform import get_platform
+
+    for name in (requested_device, "auto"):
+        try:
+            platform = get_platform(name)
+        except RuntimeError:  # that device is not on this machine
+            continue
+        platform.prepare_sglang()
+        return
+
+
 def prefixed(option: str) -> str:
     if option.startswith("--no-"):
         return f"--no-{PREFIX}-{option[5:]}"

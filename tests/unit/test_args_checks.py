@@ -3,8 +3,10 @@
 import pytest
 
 from relax.args import parse_train_args
+from types import SimpleNamespace
+
 from relax.args.checks import colocation_releases_memory
-from relax.args.device import DeviceFacts
+from relax.platform import platform_facts
 
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
@@ -110,10 +112,10 @@ def test_resolved_defaults():
 def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
     config = parse_train_args(RUN)
     # A test double for a platform that must release memory to colocate but has no memory saver.
-    without_saver = DeviceFacts(name="gpu-without-saver", has_memory_saver=False, colocation_needs_release=True)
+    without_saver = SimpleNamespace(name="gpu-without-saver", has_memory_saver=False, colocation_needs_release=True)
     assert "--colocate on gpu-without-saver needs the rollout engine to release its memory" in colocation_releases_memory(config, without_saver)
-    assert colocation_releases_memory(config, DeviceFacts("cuda", True, True)) is None
-    assert colocation_releases_memory(config, DeviceFacts("cpu", False, False)) is None
+    for name in ("cpu", "cuda", "npu"):  # the real records all allow colocation
+        assert colocation_releases_memory(config, platform_facts(name)) is None
     config.relax.colocate = False
     assert colocation_releases_memory(config, without_saver) is None
 

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from relax.args import build_parser, parse_train_args
-from relax.args.device import prepare_sglang_import
+from relax.args.sglang import prepare_import
 from relax.args.sglang import MANAGED_BY_RELAX, sglang_actions
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
@@ -28,7 +28,7 @@ def checkpoint(tmp_path):
 def sglang_own_parse():
     """SGLang's own path, prepare_server_args: its parser, its --config merger, its from_cli_args.
     It reconfigures root logging (basicConfig(force=True)); put it back afterwards."""
-    prepare_sglang_import("cpu")  # as relax does before SGLang is first imported in a process
+    prepare_import("cpu")  # as relax does before SGLang is first imported in a process
     from sglang.srt.server_args import prepare_server_args
 
     root = logging.getLogger()
