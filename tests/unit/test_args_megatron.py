@@ -173,3 +173,8 @@ def test_bf16_and_fp16_exclude_each_other(capsys):
 def test_num_query_groups_needs_group_query_attention(capsys):
     err = parse_error([*RUN, *SIZE, "--num-query-groups", "2"], capsys)
     assert "--num-query-groups needs --group-query-attention" in err
+
+
+def test_a_real_run_needs_a_checkpoint_directory(tmp_path, capsys):
+    argv = ["--lr", "1e-6", "--prompt-data", "p", "--reward-fn", "math", "--device", "cpu", "--hf-checkpoint", str(tmp_path)]
+    assert f"--hf-checkpoint {tmp_path}: no config.json there" in parse_error(argv, capsys)
