@@ -17,7 +17,8 @@ setup(
     description="Colocated RL post-training for LLMs: Megatron-core training and SGLang rollout on the same devices",
     python_requires=">=3.11",
     packages=find_packages(include=["relax", "relax.*"]),
-    package_data={"relax": ["py.typed"]},
+    # The CPU stand-in modules (sgl_kernel, torchvision) are put on PYTHONPATH as files, not imported.
+    package_data={"relax": ["platform/cpu_stand_ins/*/*.py"]},
     install_requires=[],
     extras_require={
         "cpu": pins["CPU_STACK"],
