@@ -25,6 +25,7 @@ import torch
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches
 from relax.train.losses import LossSettings, aggregation_denominator, policy_loss
 from relax.train.model import build_gpt_model, load_hf_weights, read_hf_config, transformer_config, unwrap
+from relax.train.offload import HostCopies
 
 
 @dataclasses.dataclass
@@ -70,7 +71,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, with_ent
 
 
 class MegatronActor:
-    def __init__(self, hf_dir, transformer, optimizer, ddp, settings: ActorSettings | None = None):
+    def __init__(self, hf_dir, transformer, optimizer, ddp, settings: ActorSettings | None = None, platform=None):
         from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
@@ -78,7 +79,11 @@ class MegatronActor:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from megatron.core.transformer.module import Float16Module
 
+        from relax.platform import get_platform
+
         self.settings = settings or ActorSettings()
+        self.platform = platform or get_platform()
+        self.device = self.platform.current_device()
         if self.settings.loss.aggregation == "seq_mean_token_sum_norm" and self.settings.loss.norm_length is None:
             raise ValueError(
                 "aggregation seq_mean_token_sum_norm needs LossSettings.norm_length (e.g. the longest allowed "
@@ -121,6 +126,54 @@ class MegatronActor:
         self.config.no_sync_func = self.model.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.reference_weights = self._host_copy() if self.settings.keep_reference else None
+        self._asleep: HostCopies | None = None
+
+    # --- sleep and wake --------------------------------------------------------------------------------
+    def _optimizers(self):
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
+    def _training_state_tensors(self):
+        """Every tensor of the training state: parameters, their grads, DDP's flat buffers, the optimizer's
+        main parameters and state (Adam's moments appear after the first step)."""
+        for param in self.model.parameters():
+            yield param
+            if getattr(param, "main_grad", None) is not None:
+                yield param.main_grad
+        for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]:
+            if buffer.param_data is not None:
+                yield buffer.param_data
+            yield buffer.grad_data
+        for optimizer in self._optimizers():
+            for group in optimizer.optimizer.param_groups:
+                for param in group["params"]:
+                    yield param
+                    if param.grad is not None:
+                        yield param.grad
+            for state in optimizer.optimizer.state.values():
+                yield from (value for value in state.values() if torch.is_tensor(value))
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep is not None
+
+    def sleep(self) -> None:
+        """Hand the device memory of weights, grads and optimizer state back (copied to host memory)."""
+        if self.asleep:
+            raise RuntimeError("the actor is already asleep")
+        copies = HostCopies(self._training_state_tensors(), self.platform.device_type)
+        copies.release()
+        self._asleep = copies
+
+    def wake(self) -> None:
+        """Bring weights, grads and optimizer state back onto the device, byte for byte."""
+        if not self.asleep:
+            raise RuntimeError("the actor is not asleep")
+        self._asleep.restore()
+        self._asleep = None
+
+    def _check_awake(self) -> None:
+        if self.asleep:
+            raise RuntimeError("the actor is asleep: call wake() first")
 
     # --- weights -------------------------------------------------------------------------------------
     def _host_copy(self) -> dict[str, torch.Tensor]:
@@ -157,7 +210,7 @@ class MegatronActor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            micro_batch = next(data_iterator)
+            micro_batch = next(data_iterator).to(self.device)
             output = model(micro_batch.tokens, micro_batch.position_ids, micro_batch.attention_mask)
             return output, partial(loss_func, micro_batch)
 
@@ -191,13 +244,20 @@ class MegatronActor:
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Response-token logprobs of every sample (with entropies when asked) under the current weights,
         or the initial ones (reference=True: swapped in from the host copy for this call only)."""
+        self._check_awake()
         if reference and self.reference_weights is None:
             raise ValueError("reference logprobs need ActorSettings.keep_reference=True")
         micro_batches = self._micro_batches(batch)
 
         def loss_func(micro_batch, output):
             logprobs, entropy = self._token_logprobs(output, micro_batch, with_entropy)
-            return torch.zeros(()), {"indices": micro_batch.sample_indices, "logprobs": logprobs, "entropy": entropy}
+            logprobs = [values.cpu() for values in logprobs]
+            entropy = [values.cpu() for values in entropy] if with_entropy else None
+            return torch.zeros((), device=output.device), {
+                "indices": micro_batch.sample_indices,
+                "logprobs": logprobs,
+                "entropy": entropy,
+            }
 
         actor_weights = None
         if reference:
@@ -230,6 +290,7 @@ class MegatronActor:
         totals = torch.stack(
             [aggregation_denominator(mask, loss.aggregation, loss.norm_length).float(), mask.sum()]
         )
+        totals = totals.to(self.device)
         torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         return totals[0], totals[1]
 
@@ -238,6 +299,7 @@ class MegatronActor:
         kl (with ref_logprobs), entropy, and grad_norm, lr, update_successful."""
         from megatron.core import parallel_state
 
+        self._check_awake()
         if batch.advantages is None:
             raise ValueError("train_step needs advantages for every sample (relax.train.advantages)")
         loss_settings = self.settings.loss
@@ -249,7 +311,7 @@ class MegatronActor:
         loss_scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
 
         def padded(values: list[torch.Tensor]) -> torch.Tensor:
-            return torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+            return torch.nn.utils.rnn.pad_sequence(values, batch_first=True).to(self.device)
 
         def loss_func(micro_batch, output):
             logprobs, entropy = self._token_logprobs(output, micro_batch, with_entropy)

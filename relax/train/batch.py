@@ -61,6 +61,15 @@ class MicroBatch:
     # per sample: (row, first logit position, response length); the logit at position p predicts token p + 1
     spans: list[tuple[int, int, int]] = field(default_factory=list)
 
+    def to(self, device) -> "MicroBatch":
+        return MicroBatch(
+            self.tokens.to(device),
+            self.position_ids.to(device),
+            self.attention_mask.to(device),
+            self.sample_indices,
+            self.spans,
+        )
+
     def response_values(self, per_position: torch.Tensor) -> list[torch.Tensor]:
         """Each sample's response-token slice of a per-position tensor [rows, seq]."""
         return [per_position[row, start : start + length] for row, start, length in self.spans]

@@ -276,7 +276,24 @@ def test_actor_logprobs_and_entropy_equal_hf(ranks, hf_dirs, settings):
         assert result["samples"] > 0
 
 
-def _train(hf_dir: str, settings: dict, steps: int = 3) -> dict:
+def _training_state(actor) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in actor._training_state_tensors()]
+
+
+def _sleep_and_wake(actor) -> dict:
+    before = _training_state(actor)
+    actor.sleep()
+    device_bytes_asleep = sum(t.untyped_storage().nbytes() for t in actor._training_state_tensors())
+    actor.wake()
+    after = _training_state(actor)
+    return {
+        "bytes_before": sum(t.untyped_storage().nbytes() for t in before),
+        "bytes_asleep": device_bytes_asleep,
+        "identical": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)),
+    }
+
+
+def _train(hf_dir: str, settings: dict, steps: int = 3, sleep_between_steps: bool = False) -> dict:
     """Metrics of `steps` train steps on the shared samples, this rank's exported weights after them, and
     checks of the reference and old-policy logprobs."""
     from megatron.core import parallel_state
@@ -288,7 +305,11 @@ def _train(hf_dir: str, settings: dict, steps: int = 3) -> dict:
     initial = actor.compute_logprobs(batch)
     batch.old_logprobs = initial
     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True)
-    metrics = [actor.train_step(batch) for _ in range(steps)]
+    metrics, sleep_checks = [], []
+    for _ in range(steps):
+        metrics.append(actor.train_step(batch))
+        if sleep_between_steps:
+            sleep_checks.append(_sleep_and_wake(actor))
     reference_after = actor.compute_logprobs(batch, reference=True)
     current_after = actor.compute_logprobs(batch)
     return {
@@ -296,6 +317,7 @@ def _train(hf_dir: str, settings: dict, steps: int = 3) -> dict:
         "weights": dict(export_hf_weights(actor.model, actor.hf)),
         "reference_unchanged": all(torch.equal(a, b) for a, b in zip(initial, reference_after)),
         "policy_moved": max((a - b).abs().max().item() for a, b in zip(initial, current_after)),
+        "sleep_checks": sleep_checks,
     }
 
 
@@ -395,3 +417,17 @@ def test_weight_buckets_are_bounded_complete_and_lazy(ranks, hf_dirs, tp, ep):
         assert result["num_buckets"] > 3 and result["within_limit"], result
         assert result["names_once"] and result["equal"], result
         assert result["lazy"], result
+
+
+# --- sleep and wake ----------------------------------------------------------------------------------
+
+
+def test_sleep_and_wake_between_steps_changes_nothing(ranks, hf_dirs, dp2_run):
+    """The DP=2 run again, asleep between steps: the training state is released (0 bytes) and comes back
+    bit-identical, and metrics and final weights equal the run that never slept exactly."""
+    run = ranks.run(_train, hf_dirs["qwen3"], dict(micro_batch_size=2), 3, True)
+    for rank_result, baseline in zip(run, dp2_run):
+        for check in rank_result["sleep_checks"]:
+            assert check["bytes_before"] > 0 and check["bytes_asleep"] == 0 and check["identical"], check
+        assert rank_result["metrics"] == baseline["metrics"]
+        assert all(torch.equal(rank_result["weights"][k], baseline["weights"][k]) for k in baseline["weights"])
