@@ -111,6 +111,8 @@ MINDSPEED = "e4772499f7eb9fa9a68919dd1eaddef00e915b2d"  # head of Ascend/MindSpe
 MEGATRON_BRIDGE = "0.3.1"  # optional (INSTALL_BRIDGES=1): the last release for Python 3.11
 FASTOKENS = "0.3.5"
 CUDA_BASE_IMAGE = "python:3.11-slim-bookworm"  # CUDA comes with torch's wheels; the driver from the host
+# What relax itself imports that the NPU image's upstreams do not bring (installed before relax, --no-deps).
+NPU_IMAGE_EXTRAS = ["datasets", "math-verify==0.9.0"]
 
 
 def _lookup(name: str) -> str:

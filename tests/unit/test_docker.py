@@ -188,6 +188,7 @@ def test_npu_install_order(npu):
         r"pip install --no-deps -e /opt/relax",
     ]
     positions = [_command_index(text, pattern) for pattern in order]
+    assert "python3 /opt/relax/relax/pins.py npu-image-extras > /tmp/relax-extras.txt" in text
     assert positions == sorted(positions), "install steps out of order"
     assert [i.keyword for i in npu][-2:] == ["ENTRYPOINT", "CMD"]
 
