@@ -272,13 +272,19 @@ def installed_versions(names=DISTRIBUTIONS) -> dict:
     return versions
 
 
+# Where a CANN toolkit records its version ("version=9.0.0" / "Version=9.0.0"), in the order tried. The
+# names are those seen in CANN installs and Ascend build scripts; not checked on a CANN 9.0.0 install.
+CANN_VERSION_FILES = ("*/ascend_toolkit_install.info", "runtime/version.info", "compiler/version.info")
+
+
 def cann_version(environ: Mapping[str, str]) -> Optional[str]:
-    """The CANN toolkit version from its install record (ascend_toolkit_install.info), if any."""
-    home = environ.get("ASCEND_TOOLKIT_HOME") or environ.get("ASCEND_HOME_PATH") or "/usr/local/Ascend/ascend-toolkit/latest"
-    for info in sorted(Path(home).glob("*/ascend_toolkit_install.info")) if Path(home).is_dir() else []:
-        match = re.search(r"^version=(\S+)", info.read_text(errors="replace"), re.M)
-        if match:
-            return match.group(1)
+    """The CANN toolkit version from its install records, if any."""
+    home = Path(environ.get("ASCEND_TOOLKIT_HOME") or environ.get("ASCEND_HOME_PATH") or "/usr/local/Ascend/ascend-toolkit/latest")
+    for pattern in CANN_VERSION_FILES:
+        for info in sorted(home.glob(pattern)) if home.is_dir() else []:
+            match = re.search(r"^version=(\S+)", info.read_text(errors="replace"), re.M | re.I)
+            if match:
+                return match.group(1)
     return None
 
 

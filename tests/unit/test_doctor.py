@@ -146,3 +146,13 @@ def test_no_ray_cluster_is_reported_without_starting_one(tmp_path):
     resources, note = doctor.ray_cluster_resources({"RAY_TMPDIR": str(tmp_path)})
     assert resources is None and note.startswith("no cluster running")
     assert doctor.check_ray(resources, note, "NPU", 16)[0].status == INFO
+
+
+def test_cann_version_is_read_from_the_toolkit_records(tmp_path):
+    assert doctor.cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) is None
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "version.info").write_text("Version=9.0.0\nversion_dir=9.0.0\n")
+    assert doctor.cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) == "9.0.0"
+    (tmp_path / "aarch64-linux").mkdir()
+    (tmp_path / "aarch64-linux" / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=9.0.0.alpha1\n")
+    assert doctor.cann_version({"ASCEND_HOME_PATH": str(tmp_path)}) == "9.0.0.alpha1"
