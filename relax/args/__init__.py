@@ -1,10 +1,10 @@
 """One parser, three namespaces: relax's own flags, SGLang's ServerArgs, Megatron's config dataclasses.
 
-    config = parse_train_args(argv)   # exits 2 with a message on bad input, like argparse
-    config.relax                      # argparse.Namespace of relax's flags (resolved defaults filled in)
-    config.sglang                     # sglang.srt.server_args.ServerArgs
-    config.megatron                   # MegatronConfig: TransformerConfig, OptimizerConfig, DDP config, ...
-    print(format_config(config))      # what --dry-run prints
+config = parse_train_args(argv)   # exits 2 with a message on bad input, like argparse
+config.relax                      # argparse.Namespace of relax's flags (resolved defaults filled in)
+config.sglang                     # sglang.srt.server_args.ServerArgs
+config.megatron                   # MegatronConfig: TransformerConfig, OptimizerConfig, DDP config, ...
+print(format_config(config))      # what --dry-run prints
 """
 
 import argparse
@@ -63,7 +63,10 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     device_only.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     # An explicit name is taken as given (a GPU run script can be dry-run on a CPU machine); only auto
     # looks at the machine. The record's facts are readable without the device.
-    platform = platform_facts(resolve_platform_name(device_only.parse_known_args(argv)[0].device))
+    try:
+        platform = platform_facts(resolve_platform_name(device_only.parse_known_args(argv)[0].device))
+    except ValueError as exc:  # RELAX_DEVICE names no platform
+        device_only.error(str(exc))
     prepare_import(platform.name)
 
     parser = _parser()
@@ -148,6 +151,10 @@ def _struct_rows(record) -> list:
 def _dataclass_rows(obj) -> list:
     rows = []
     for f in dataclasses.fields(obj):
-        default = f.default if f.default is not dataclasses.MISSING else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )
         rows.append((f.name, getattr(obj, f.name), default))
     return rows

@@ -10,7 +10,9 @@ def world_size(relax) -> int:
 
 def data_parallel_size(config) -> int:
     tc = config.megatron.transformer
-    return world_size(config.relax) // (tc.tensor_model_parallel_size * tc.pipeline_model_parallel_size * tc.context_parallel_size)
+    return world_size(config.relax) // (
+        tc.tensor_model_parallel_size * tc.pipeline_model_parallel_size * tc.context_parallel_size
+    )
 
 
 def required_flags(config, platform):
@@ -19,7 +21,9 @@ def required_flags(config, platform):
     if r.hf_checkpoint is None and not r.dry_run:
         needed.append("--hf-checkpoint (only --dry-run may leave it out)")
     if not r.debug_train_only:
-        needed += [flag for flag, value in (("--prompt-data", r.prompt_data), ("--reward-fn", r.reward_fn)) if value is None]
+        needed += [
+            flag for flag, value in (("--prompt-data", r.prompt_data), ("--reward-fn", r.reward_fn)) if value is None
+        ]
     if not r.debug_rollout_only and config.megatron.optimizer.lr is None:
         needed.append("--lr")
     return f"missing {', '.join(needed)}" if needed else None
@@ -32,7 +36,8 @@ def model_parallel_fits_devices(config, platform):
         return (
             f"--tensor-model-parallel-size {tc.tensor_model_parallel_size} x --pipeline-model-parallel-size "
             f"{tc.pipeline_model_parallel_size} x --context-parallel-size {tc.context_parallel_size} = {product} "
-            f"does not divide the {world_size(r)} devices (--num-nodes {r.num_nodes} x --num-devices-per-node {r.num_devices_per_node})"
+            f"does not divide the {world_size(r)} devices "
+            f"(--num-nodes {r.num_nodes} x --num-devices-per-node {r.num_devices_per_node})"
         )
 
 
@@ -57,7 +62,8 @@ def rollout_fills_global_batches(config, platform):
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     if samples % r.global_batch_size:
         return (
-            f"--rollout-batch-size {r.rollout_batch_size} x --n-samples-per-prompt {r.n_samples_per_prompt} = {samples} "
+            f"--rollout-batch-size {r.rollout_batch_size} x --n-samples-per-prompt {r.n_samples_per_prompt} "
+            f"= {samples} "
             f"samples is not a multiple of --global-batch-size {r.global_batch_size}"
         )
 
@@ -69,7 +75,11 @@ def global_batch_splits_over_data_parallel(config, platform):
         return None  # model_parallel_fits_devices reports it
     per_step = dp if r.use_dynamic_batch_size else r.micro_batch_size * dp
     if r.global_batch_size % per_step:
-        what = f"data-parallel size {dp}" if r.use_dynamic_batch_size else f"--micro-batch-size {r.micro_batch_size} x data-parallel size {dp}"
+        what = (
+            f"data-parallel size {dp}"
+            if r.use_dynamic_batch_size
+            else f"--micro-batch-size {r.micro_batch_size} x data-parallel size {dp}"
+        )
         return f"--global-batch-size {r.global_batch_size} is not a multiple of {what} = {per_step}"
 
 
@@ -77,7 +87,8 @@ def engine_fits_devices(config, platform):
     r = config.relax
     if world_size(r) % r.rollout_num_devices_per_engine:
         return (
-            f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} does not divide the {world_size(r)} devices "
+            f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} "
+            f"does not divide the {world_size(r)} devices "
             f"(--num-nodes {r.num_nodes} x --num-devices-per-node {r.num_devices_per_node})"
         )
 
@@ -123,9 +134,15 @@ def sampling_flags_consistent(config, platform):
         if not r.dynamic_sampling:
             return "--over-sampling-batch-size only applies with --dynamic-sampling"
         if r.over_sampling_batch_size < r.rollout_batch_size:
-            return f"--over-sampling-batch-size {r.over_sampling_batch_size} is below --rollout-batch-size {r.rollout_batch_size}"
+            return (
+                f"--over-sampling-batch-size {r.over_sampling_batch_size} "
+                f"is below --rollout-batch-size {r.rollout_batch_size}"
+            )
     if r.overlong_buffer_len is not None and r.overlong_buffer_len >= r.rollout_max_response_len:
-        return f"--overlong-buffer-len {r.overlong_buffer_len} must be below --rollout-max-response-len {r.rollout_max_response_len}"
+        return (
+            f"--overlong-buffer-len {r.overlong_buffer_len} "
+            f"must be below --rollout-max-response-len {r.rollout_max_response_len}"
+        )
 
 
 def checkpoint_flags_consistent(config, platform):

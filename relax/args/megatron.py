@@ -57,25 +57,47 @@ class MegatronConfig:
 # from the HF checkpoint's config.json, else as the help says.
 MODEL_FLAGS = {
     "vocab_size": dict(type=int, help="Vocabulary size (default: the HF config's vocab_size)."),
-    "make_vocab_size_divisible_by": dict(type=int, default=128, help="Pad the vocabulary to a multiple of this x TP (default: %(default)s)."),
-    "max_position_embeddings": dict(type=int, help="Maximum positions (default: the HF config's, else --seq-length)."),
-    "seq_length": dict(type=int, default=4096, help="Longest training sequence, prompt + response (default: %(default)s)."),
-    "position_embedding_type": dict(choices=["learned_absolute", "rope", "mrope", "none"], default="rope", help="(default: %(default)s)"),
-    "rotary_base": dict(type=float, help="RoPE base (default: the HF config's rope_theta, else 10000)."),
-    "rotary_percent": dict(type=float, help="Fraction of each head's dims that are rotated (default: the HF config's partial_rotary_factor, else 1.0)."),
-    "untie_embeddings_and_output_weights": dict(
-        action="store_const", const=True, help="Separate input embedding and output layer (default: the HF config's tie_word_embeddings)."
+    "make_vocab_size_divisible_by": dict(
+        type=int, default=128, help="Pad the vocabulary to a multiple of this x TP (default: %(default)s)."
     ),
-    "swiglu": dict(action="store_const", const=True, help="Gated linear unit with SiLU (sets gated_linear_unit and activation_func)."),
-    "group_query_attention": dict(action="store_const", const=True, help="Use --num-query-groups (Megatron-LM ignores it otherwise)."),
+    "max_position_embeddings": dict(type=int, help="Maximum positions (default: the HF config's, else --seq-length)."),
+    "seq_length": dict(
+        type=int, default=4096, help="Longest training sequence, prompt + response (default: %(default)s)."
+    ),
+    "position_embedding_type": dict(
+        choices=["learned_absolute", "rope", "mrope", "none"], default="rope", help="(default: %(default)s)"
+    ),
+    "rotary_base": dict(type=float, help="RoPE base (default: the HF config's rope_theta, else 10000)."),
+    "rotary_percent": dict(
+        type=float,
+        help="Fraction of each head's dims that are rotated "
+        "(default: the HF config's partial_rotary_factor, else 1.0).",
+    ),
+    "untie_embeddings_and_output_weights": dict(
+        action="store_const",
+        const=True,
+        help="Separate input embedding and output layer (default: the HF config's tie_word_embeddings).",
+    ),
+    "swiglu": dict(
+        action="store_const",
+        const=True,
+        help="Gated linear unit with SiLU (sets gated_linear_unit and activation_func).",
+    ),
+    "group_query_attention": dict(
+        action="store_const", const=True, help="Use --num-query-groups (Megatron-LM ignores it otherwise)."
+    ),
 }
 SCHEDULER_FLAGS = {
     "lr_decay_style": dict(
-        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="constant", help="(default: %(default)s)"
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        default="constant",
+        help="(default: %(default)s)",
     ),
     "lr_decay_iters": dict(type=int, help="Steps over which the LR decays (default: --num-steps)."),
     "lr_warmup_iters": dict(type=int, default=0, help="Linear warmup steps (default: %(default)s)."),
-    "lr_warmup_fraction": dict(type=float, help="Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."),
+    "lr_warmup_fraction": dict(
+        type=float, help="Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."
+    ),
     "lr_warmup_init": dict(type=float, default=0.0, help="LR at the start of warmup (default: %(default)s)."),
 }
 # Megatron-LM spellings of dataclass fields that differ from the field name: (flag, field, const).
@@ -134,7 +156,11 @@ def _cli_form(annotation) -> CliForm | None:
             return _cli_form(members[0])
         scalars = [m for m in members if m in (int, float, str)]
         lists = [m for m in members if typing.get_origin(m) in (list, typing.List)]
-        if len(scalars) == 1 and len(lists) == len(members) - 1 and all(typing.get_args(m) == (scalars[0],) for m in lists):
+        if (
+            len(scalars) == 1
+            and len(lists) == len(members) - 1
+            and all(typing.get_args(m) == (scalars[0],) for m in lists)
+        ):
             return CliForm({"nargs": "+", "type": scalars[0]}, _scalar_if_one)
         return CliForm({"type": str}) if str in members else None
     if annotation is bool:
@@ -162,7 +188,9 @@ def _enum_by_name(enum_class):
         try:
             return enum_class[text]
         except KeyError:
-            raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(enum_class.__members__)})") from None
+            raise argparse.ArgumentTypeError(
+                f"invalid choice {text!r} (choose from {', '.join(enum_class.__members__)})"
+            ) from None
 
     parse.__name__ = enum_class.__name__
     return parse
@@ -213,7 +241,9 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
         options = [_flag(field)] + ([aliases[field]] if field in aliases else [])
         if "choices" not in kwargs and "action" not in kwargs:
             kwargs.setdefault("metavar", field.upper())
-        group.add_argument(*options, dest=f"{PREFIX}_{field}", default=None, help=_default_text(field, owners[field]), **kwargs)
+        group.add_argument(
+            *options, dest=f"{PREFIX}_{field}", default=None, help=_default_text(field, owners[field]), **kwargs
+        )
     for flag, field, const in MEGATRON_LM_SPELLINGS:
         if const is not None:
             help = f"Megatron-LM's spelling of {_flag(field)} {const}."
@@ -251,7 +281,11 @@ def read_hf_architecture(checkpoint: str) -> dict:
         return {}
     config = json.loads(path.read_text())
     config = config.get("text_config", config)
-    found = {name: config[key] for key, name in {**HF_SHAPE_KEYS, **HF_OVERRIDABLE_KEYS}.items() if config.get(key) is not None}
+    found = {
+        name: config[key]
+        for key, name in {**HF_SHAPE_KEYS, **HF_OVERRIDABLE_KEYS}.items()
+        if config.get(key) is not None
+    }
     if "num_query_groups" in found:
         found["group_query_attention"] = True
     if "rms_norm_eps" in config:

@@ -31,27 +31,55 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-data", metavar="PATH", help="Prompt dataset (.jsonl or .parquet). Required for a run.")
     g.add_argument("--input-key", default="prompt", help="Column holding the prompt (default: %(default)s).")
     g.add_argument("--label-key", default="label", help="Column holding the reference answer (default: %(default)s).")
-    g.add_argument("--metadata-key", default="metadata", help="Column passed to the reward function as-is (default: %(default)s).")
-    g.add_argument("--apply-chat-template", action="store_true", help="Wrap each prompt in the tokenizer's chat template.")
+    g.add_argument(
+        "--metadata-key", default="metadata", help="Column passed to the reward function as-is (default: %(default)s)."
+    )
+    g.add_argument(
+        "--apply-chat-template", action="store_true", help="Wrap each prompt in the tokenizer's chat template."
+    )
     g.add_argument("--rollout-shuffle", action="store_true", help="Shuffle prompts each epoch (seeded by --seed).")
-    g.add_argument("--max-prompt-length", type=_positive_int, help="Drop prompts longer than this many tokens (default: no limit).")
-    g.add_argument("--skip-bad-rows", action="store_true", help="Skip rows that lack --input-key instead of failing on them.")
+    g.add_argument(
+        "--max-prompt-length", type=_positive_int, help="Drop prompts longer than this many tokens (default: no limit)."
+    )
+    g.add_argument(
+        "--skip-bad-rows", action="store_true", help="Skip rows that lack --input-key instead of failing on them."
+    )
 
     g = parser.add_argument_group("relax: rollout")
-    g.add_argument("--rollout-batch-size", type=_positive_int, default=32, help="Prompts per step (default: %(default)s).")
-    g.add_argument("--n-samples-per-prompt", type=_positive_int, default=8, help="Responses sampled per prompt (default: %(default)s).")
-    g.add_argument("--rollout-max-response-len", type=_positive_int, default=1024, help="Max new tokens per response (default: %(default)s).")
-    g.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature (default: %(default)s).")
+    g.add_argument(
+        "--rollout-batch-size", type=_positive_int, default=32, help="Prompts per step (default: %(default)s)."
+    )
+    g.add_argument(
+        "--n-samples-per-prompt",
+        type=_positive_int,
+        default=8,
+        help="Responses sampled per prompt (default: %(default)s).",
+    )
+    g.add_argument(
+        "--rollout-max-response-len",
+        type=_positive_int,
+        default=1024,
+        help="Max new tokens per response (default: %(default)s).",
+    )
+    g.add_argument(
+        "--rollout-temperature", type=float, default=1.0, help="Sampling temperature (default: %(default)s)."
+    )
     g.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling p (default: %(default)s).")
     g.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k sampling, -1 for off (default: %(default)s).")
-    g.add_argument("--rollout-stop-token-ids", type=int, nargs="+", metavar="ID", help="Extra token ids that end a response.")
+    g.add_argument(
+        "--rollout-stop-token-ids", type=int, nargs="+", metavar="ID", help="Extra token ids that end a response."
+    )
     g.add_argument(
         "--rollout-num-devices-per-engine",
         type=_positive_int,
         default=1,
         help="Devices per SGLang engine, i.e. its tensor-parallel size (default: %(default)s).",
     )
-    g.add_argument("--dynamic-sampling", action="store_true", help="Drop prompt groups whose rewards are all equal (DAPO) and refill.")
+    g.add_argument(
+        "--dynamic-sampling",
+        action="store_true",
+        help="Drop prompt groups whose rewards are all equal (DAPO) and refill.",
+    )
     g.add_argument(
         "--over-sampling-batch-size",
         type=_positive_int,
@@ -60,9 +88,12 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--overlong-buffer-len",
         type=_positive_int,
-        help="DAPO overlong shaping: responses longer than --rollout-max-response-len minus this are penalised (default: off).",
+        help="DAPO overlong shaping: responses longer than --rollout-max-response-len minus this are penalised "
+        "(default: off).",
     )
-    g.add_argument("--overlong-penalty-factor", type=float, default=1.0, help="Largest overlong penalty (default: %(default)s).")
+    g.add_argument(
+        "--overlong-penalty-factor", type=float, default=1.0, help="Largest overlong penalty (default: %(default)s)."
+    )
 
     g = parser.add_argument_group("relax: reward")
     g.add_argument("--reward-fn", type=_reward_fn, help=f"Reward function: {BUILTIN_REWARD_HINT}. Required for a run.")
@@ -76,15 +107,27 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip, lower side (default: %(default)s).")
     g.add_argument("--eps-clip-high", type=float, help="PPO ratio clip, upper side (default: --eps-clip).")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="KL coefficient against the reference model (default: %(default)s: no reference model).")
-    g.add_argument("--kl-loss-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator (default: %(default)s).")
-    g.add_argument("--use-kl-loss", action="store_true", help="Put the KL term in the loss (else it is subtracted from the reward).")
+    g.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="KL coefficient against the reference model (default: %(default)s: no reference model).",
+    )
+    g.add_argument(
+        "--kl-loss-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator (default: %(default)s)."
+    )
+    g.add_argument(
+        "--use-kl-loss",
+        action="store_true",
+        help="Put the KL term in the loss (else it is subtracted from the reward).",
+    )
     g.add_argument("--entropy-coef", type=float, default=0.0, help="Entropy bonus coefficient (default: %(default)s).")
     g.add_argument(
         "--loss-aggregation",
         choices=["token", "sequence"],
         default="token",
-        help="Average the loss over all tokens of the batch, or per sequence then over sequences (default: %(default)s).",
+        help="Average the loss over all tokens of the batch, or per sequence then over sequences "
+        "(default: %(default)s).",
     )
     g.add_argument(
         "--normalize-advantages-by-std",
@@ -94,20 +137,34 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     )
 
     g = parser.add_argument_group("relax: training")
-    g.add_argument("--num-steps", type=_positive_int, default=100, help="RL steps (rollout + train) to run (default: %(default)s).")
+    g.add_argument(
+        "--num-steps", type=_positive_int, default=100, help="RL steps (rollout + train) to run (default: %(default)s)."
+    )
     g.add_argument(
         "--global-batch-size",
         type=_positive_int,
-        help="Samples per optimizer step (default: --rollout-batch-size x --n-samples-per-prompt, one step per rollout).",
+        help="Samples per optimizer step "
+        "(default: --rollout-batch-size x --n-samples-per-prompt, one step per rollout).",
     )
-    g.add_argument("--micro-batch-size", type=_positive_int, default=1, help="Samples per forward/backward (default: %(default)s).")
-    g.add_argument("--use-dynamic-batch-size", action="store_true", help="Pack micro-batches up to --max-tokens-per-device tokens.")
+    g.add_argument(
+        "--micro-batch-size", type=_positive_int, default=1, help="Samples per forward/backward (default: %(default)s)."
+    )
+    g.add_argument(
+        "--use-dynamic-batch-size", action="store_true", help="Pack micro-batches up to --max-tokens-per-device tokens."
+    )
     g.add_argument("--max-tokens-per-device", type=_positive_int, help="Token budget of a packed micro-batch.")
-    g.add_argument("--seed", type=int, default=1234, help="Seed for data order, sampling and Megatron init (default: %(default)s).")
+    g.add_argument(
+        "--seed", type=int, default=1234, help="Seed for data order, sampling and Megatron init (default: %(default)s)."
+    )
 
     g = parser.add_argument_group("relax: resources and colocation")
     g.add_argument("--num-nodes", type=_positive_int, default=1, help="Nodes (default: %(default)s).")
-    g.add_argument("--num-devices-per-node", type=_positive_int, default=1, help="Accelerators (or CPU workers) per node (default: %(default)s).")
+    g.add_argument(
+        "--num-devices-per-node",
+        type=_positive_int,
+        default=1,
+        help="Accelerators (or CPU workers) per node (default: %(default)s).",
+    )
     g.add_argument(
         "--colocate",
         action=argparse.BooleanOptionalAction,
@@ -122,8 +179,14 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     )
 
     g = parser.add_argument_group("relax: checkpoints")
-    g.add_argument("--hf-checkpoint", metavar="DIR", help="HF model directory: the engine's weights and the model architecture. Required for a run.")
-    g.add_argument("--load", metavar="DIR", help="Megatron checkpoint to resume from (default: start from --hf-checkpoint).")
+    g.add_argument(
+        "--hf-checkpoint",
+        metavar="DIR",
+        help="HF model directory: the engine's weights and the model architecture. Required for a run.",
+    )
+    g.add_argument(
+        "--load", metavar="DIR", help="Megatron checkpoint to resume from (default: start from --hf-checkpoint)."
+    )
     g.add_argument("--save", metavar="DIR", help="Where to write Megatron checkpoints (default: no checkpoints).")
     g.add_argument("--save-interval", type=_positive_int, help="Save every N steps (needs --save).")
 
@@ -131,7 +194,9 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-dir", default="outputs", help="Logs, metrics and rollout dumps (default: %(default)s).")
     g.add_argument("--use-wandb", action="store_true", help="Log metrics to Weights & Biases.")
     g.add_argument("--wandb-project", default="relax", help="W&B project (default: %(default)s).")
-    g.add_argument("--log-interval", type=_positive_int, default=1, help="Log metrics every N steps (default: %(default)s).")
+    g.add_argument(
+        "--log-interval", type=_positive_int, default=1, help="Log metrics every N steps (default: %(default)s)."
+    )
 
     g = parser.add_argument_group("relax: device")
     g.add_argument(
@@ -143,7 +208,11 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("relax: debug")
     g.add_argument("--debug-rollout-only", action="store_true", help="Run rollouts only; no training actor.")
-    g.add_argument("--debug-train-only", action="store_true", help="Train on --load-rollout-data only; no rollout engine.")
+    g.add_argument(
+        "--debug-train-only", action="store_true", help="Train on --load-rollout-data only; no rollout engine."
+    )
     g.add_argument("--save-rollout-data", metavar="PATH", help="Save each step's rollout batch under this path.")
     g.add_argument("--load-rollout-data", metavar="PATH", help="Train on rollout batches saved by --save-rollout-data.")
-    g.add_argument("--dry-run", action="store_true", help="Validate every flag, print the resolved configuration and exit.")
+    g.add_argument(
+        "--dry-run", action="store_true", help="Validate every flag, print the resolved configuration and exit."
+    )

@@ -96,7 +96,11 @@ def add_sglang_args(parser: argparse.ArgumentParser) -> None:
         if action.dest in MANAGED_BY_RELAX:
             instead = MANAGED_BY_RELAX[action.dest]
             group.add_argument(
-                *options, action=ManagedBySglangRefused, dest=f"{PREFIX}_{action.dest}", instead=instead, help=f"Set by relax: {instead}."
+                *options,
+                action=ManagedBySglangRefused,
+                dest=f"{PREFIX}_{action.dest}",
+                instead=instead,
+                help=f"Set by relax: {instead}.",
             )
             continue
         # A copy of SGLang's own action object keeps its class, type, nargs, choices, default and help; only
@@ -114,7 +118,9 @@ def add_sglang_args(parser: argparse.ArgumentParser) -> None:
 
 def redirects() -> dict[str, str]:
     """Unprefixed spellings of the managed flags -> what to use instead (for unknown-flag messages)."""
-    return {o: MANAGED_BY_RELAX[a.dest] for a in sglang_actions() if a.dest in MANAGED_BY_RELAX for o in a.option_strings}
+    return {
+        o: MANAGED_BY_RELAX[a.dest] for a in sglang_actions() if a.dest in MANAGED_BY_RELAX for o in a.option_strings
+    }
 
 
 def expand_sglang_config(argv: list[str], error) -> list[str]:

@@ -22,25 +22,52 @@ def sections(output: str) -> dict[str, dict[str, str]]:
 
 def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps(dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300))
+        json.dumps(
+            dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+        )
     )
     argv = ["train", "--dry-run", "--device", "cpu", "--hf-checkpoint", str(tmp_path), "--lr", "2e-6"]
-    argv += ["--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
+    argv += [
+        "--prompt-data",
+        "prompts.jsonl",
+        "--reward-fn",
+        "math",
+        "--rollout-batch-size",
+        "4",
+        "--n-samples-per-prompt",
+        "2",
+    ]
     argv += ["--num-devices-per-node", "2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
-    argv += ["--sglang-mem-fraction-static", "0.05", "--sglang-attention-backend", "torch_native", "--no-sglang-enable-tf32-matmul"]
+    argv += [
+        "--sglang-mem-fraction-static",
+        "0.05",
+        "--sglang-attention-backend",
+        "torch_native",
+        "--no-sglang-enable-tf32-matmul",
+    ]
     result = subprocess.run([str(RELAX), *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     s = sections(result.stdout)
-    assert set(s) == {"relax", "sglang", "megatron.transformer", "megatron.optimizer", "megatron.ddp", "megatron.model", "megatron.scheduler"}
+    assert set(s) == {
+        "relax",
+        "sglang",
+        "megatron.transformer",
+        "megatron.optimizer",
+        "megatron.ddp",
+        "megatron.model",
+        "megatron.scheduler",
+    }
     assert s["relax"]["rollout_batch_size"] == "4" and s["relax"]["device"] == "'cpu'"
     assert s["sglang"]["mem_fraction_static"] == "0.05" and s["sglang"]["attention_backend"] == "'torch_native'"
     assert s["sglang"]["enable_tf32_matmul"] == "False" and s["sglang"]["model_path"] == repr(str(tmp_path))
     assert s["megatron.transformer"]["tensor_model_parallel_size"] == "2"
     assert s["megatron.transformer"]["num_query_groups"] == "2"  # from the checkpoint's config.json
     assert s["megatron.optimizer"]["lr"] == "2e-06"
-    assert s["megatron.optimizer"]["use_distributed_optimizer"] == "True" and s["megatron.ddp"]["use_distributed_optimizer"] == "True"
+    assert (
+        s["megatron.optimizer"]["use_distributed_optimizer"] == "True"
+        and s["megatron.ddp"]["use_distributed_optimizer"] == "True"
+    )
     assert s["megatron.model"]["padded_vocab_size"] == "512"  # 300 padded to a multiple of 128 x TP 2
     for name in ("mem_fraction_static", "tensor_model_parallel_size", "lr"):
         assert name not in s["relax"]  # nothing leaks into relax's own namespace
     assert "tensor_model_parallel_size" not in s["sglang"]
-

@@ -1,10 +1,10 @@
 """Cross-field rules: each one fires with a message naming the flags, and a consistent run passes them all."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from relax.args import parse_train_args
-from types import SimpleNamespace
-
 from relax.args.checks import colocation_releases_memory
 from relax.platform import platform_facts
 
@@ -26,8 +26,17 @@ RULES = {
         "missing --hf-checkpoint (only --dry-run may leave it out)",
     ),
     "TP x PP x CP vs devices": (
-        [*RUN, "--num-devices-per-node", "2", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-        "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 x --context-parallel-size 1 = 4 does not divide "
+        [
+            *RUN,
+            "--num-devices-per-node",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+        ],
+        "--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 x --context-parallel-size 1 = 4 "
+        "does not divide "
         "the 2 devices (--num-nodes 1 x --num-devices-per-node 2)",
     ),
     "EP needs experts (megatron-core's own rule)": (
@@ -35,19 +44,40 @@ RULES = {
         "megatron-core TransformerConfig rejects these flags: num_moe_experts must be non None to use expert-parallel",
     ),
     "EP divides experts": (
-        [*RUN, "--num-devices-per-node", "2", "--num-experts", "3", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"],
+        [
+            *RUN,
+            "--num-devices-per-node",
+            "2",
+            "--num-experts",
+            "3",
+            "--moe-router-topk",
+            "2",
+            "--expert-model-parallel-size",
+            "2",
+        ],
         "--expert-model-parallel-size 2 does not divide the 3 experts",
     ),
     "EP x ETP x PP vs devices": (
         [*RUN, "--num-devices-per-node", "2", "--num-experts", "4", "--expert-model-parallel-size", "4"],
-        "--expert-model-parallel-size 4 x expert tensor parallel 1 x --pipeline-model-parallel-size 1 = 4 does not divide the 2 devices",
+        "--expert-model-parallel-size 4 x expert tensor parallel 1 x --pipeline-model-parallel-size 1 = 4 "
+        "does not divide the 2 devices",
     ),
     "rollout samples vs global batch": (
         [*RUN, "--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
         "--rollout-batch-size 3 x --n-samples-per-prompt 2 = 6 samples is not a multiple of --global-batch-size 4",
     ),
     "global batch vs micro batch x DP": (
-        [*RUN, "--num-devices-per-node", "2", "--rollout-batch-size", "6", "--n-samples-per-prompt", "1", "--micro-batch-size", "2"],
+        [
+            *RUN,
+            "--num-devices-per-node",
+            "2",
+            "--rollout-batch-size",
+            "6",
+            "--n-samples-per-prompt",
+            "1",
+            "--micro-batch-size",
+            "2",
+        ],
         "--global-batch-size 6 is not a multiple of --micro-batch-size 2 x data-parallel size 2 = 4",
     ),
     "global batch vs DP with dynamic batches": (
@@ -60,14 +90,20 @@ RULES = {
         + ["--rollout-num-devices-per-engine", "2"],
         "--rollout-num-devices-per-engine 2 does not divide the 3 devices",
     ),
-    "eps clip order": ([*RUN, "--eps-clip", "0.2", "--eps-clip-high", "0.1"], "--eps-clip-high 0.1 is below --eps-clip 0.2"),
+    "eps clip order": (
+        [*RUN, "--eps-clip", "0.2", "--eps-clip-high", "0.1"],
+        "--eps-clip-high 0.1 is below --eps-clip 0.2",
+    ),
     "KL loss needs a coefficient": ([*RUN, "--use-kl-loss"], "--use-kl-loss with --kl-coef 0 adds nothing"),
     "debug modes exclusive": (
         [*RUN, "--debug-rollout-only", "--debug-train-only", "--load-rollout-data", "d"],
         "--debug-rollout-only and --debug-train-only exclude each other",
     ),
     "train-only needs saved rollouts": ([*RUN, "--debug-train-only"], "--debug-train-only needs --load-rollout-data"),
-    "dynamic batches need a token budget": ([*RUN, "--use-dynamic-batch-size"], "--use-dynamic-batch-size needs --max-tokens-per-device"),
+    "dynamic batches need a token budget": (
+        [*RUN, "--use-dynamic-batch-size"],
+        "--use-dynamic-batch-size needs --max-tokens-per-device",
+    ),
     "token budget needs dynamic batches": (
         [*RUN, "--max-tokens-per-device", "4096"],
         "--max-tokens-per-device only applies with --use-dynamic-batch-size",
@@ -113,7 +149,10 @@ def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
     config = parse_train_args(RUN)
     # A test double for a platform that must release memory to colocate but has no memory saver.
     without_saver = SimpleNamespace(name="gpu-without-saver", has_memory_saver=False, colocation_needs_release=True)
-    assert "--colocate on gpu-without-saver needs the rollout engine to release its memory" in colocation_releases_memory(config, without_saver)
+    assert (
+        "--colocate on gpu-without-saver needs the rollout engine to release its memory"
+        in colocation_releases_memory(config, without_saver)
+    )
     for name in ("cpu", "cuda", "npu"):  # the real records all allow colocation
         assert colocation_releases_memory(config, platform_facts(name)) is None
     config.relax.colocate = False
@@ -123,3 +162,9 @@ def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
 @pytest.mark.parametrize("bad", [["--reward-fn", "mod:"], ["--reward-fn", "no spaces"], ["--rollout-batch-size", "0"]])
 def test_bad_values_exit_2(bad, capsys):
     assert "error: argument" in parse_error([*RUN, *bad], capsys)
+
+
+def test_bad_relax_device_environment_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("RELAX_DEVICE", "tpu")
+    argv = ["--lr", "1e-6", "--prompt-data", "p", "--reward-fn", "math", "--dry-run", *SIZE]  # --device auto
+    assert "unknown RELAX_DEVICE='tpu'" in parse_error(argv, capsys)

@@ -35,14 +35,39 @@ def test_config_objects_are_megatron_cores_own():
 def test_flags_of_every_kind_reach_the_config_objects():
     argv = [*RUN, *SIZE, "--num-devices-per-node", "4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
     argv += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # int; bool
-    argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]  # Literal
+    argv += [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+    ]  # Literal
     argv += ["--recompute-modules", "core_attn", "mlp"]  # list[str]
     argv += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"]
     argv += ["--moe-aux-loss-coeff", "0.01"]  # float | list[float], one value
     argv += ["--attention-backend", "local"]  # Enum
-    argv += ["--no-attention-softmax-in-fp32", "--disable-bias-linear", "--norm-epsilon", "1e-6", "--normalization", "RMSNorm"]
+    argv += [
+        "--no-attention-softmax-in-fp32",
+        "--disable-bias-linear",
+        "--norm-epsilon",
+        "1e-6",
+        "--normalization",
+        "RMSNorm",
+    ]
     argv += ["--swiglu", "--group-query-attention", "--num-query-groups", "2", "--qk-layernorm", "--bf16"]
-    argv += ["--weight-decay", "0.1", "--clip-grad", "0.5", "--adam-beta1", "0.8", "--adam-beta2", "0.95", "--min-lr", "1e-7"]
+    argv += [
+        "--weight-decay",
+        "0.1",
+        "--clip-grad",
+        "0.5",
+        "--adam-beta1",
+        "0.8",
+        "--adam-beta2",
+        "0.95",
+        "--min-lr",
+        "1e-7",
+    ]
     argv += ["--use-distributed-optimizer", "--overlap-grad-reduce", "--accumulate-allreduce-grads-in-fp32"]
     m = parse_train_args(argv).megatron
     tc, opt, ddp = m.transformer, m.optimizer, m.ddp
@@ -58,13 +83,27 @@ def test_flags_of_every_kind_reach_the_config_objects():
     assert tc.num_query_groups == 2
     assert tc.bf16 and tc.params_dtype is torch.bfloat16 and tc.pipeline_dtype is torch.bfloat16
     assert opt.bf16 and opt.params_dtype is torch.bfloat16
-    assert (opt.lr, opt.min_lr, opt.weight_decay, opt.clip_grad, opt.adam_beta1, opt.adam_beta2) == (1e-6, 1e-7, 0.1, 0.5, 0.8, 0.95)
+    assert (opt.lr, opt.min_lr, opt.weight_decay, opt.clip_grad, opt.adam_beta1, opt.adam_beta2) == (
+        1e-6,
+        1e-7,
+        0.1,
+        0.5,
+        0.8,
+        0.95,
+    )
     assert opt.use_distributed_optimizer and ddp.use_distributed_optimizer  # one flag, both dataclasses
     assert ddp.overlap_grad_reduce and ddp.grad_reduce_in_fp32
 
 
 def test_megatron_lm_spellings_that_store_a_value():
-    argv = [*RUN, *SIZE, "--recompute-activations", "--no-rope-fusion", "--no-bias-swiglu-fusion", "--bias-dropout-fusion"]
+    argv = [
+        *RUN,
+        *SIZE,
+        "--recompute-activations",
+        "--no-rope-fusion",
+        "--no-bias-swiglu-fusion",
+        "--bias-dropout-fusion",
+    ]
     tc = parse_train_args(argv).megatron.transformer
     assert tc.recompute_granularity == "selective"
     assert tc.apply_rope_fusion is False and tc.bias_activation_fusion is False and tc.bias_dropout_fusion is True
@@ -82,12 +121,24 @@ def test_list_union_takes_several_values_and_tuple_takes_its_length():
 def test_flags_not_given_keep_megatron_cores_defaults():
     m = parse_train_args([*RUN, *SIZE]).megatron
     assert m.transformer.add_bias_linear is True and m.transformer.params_dtype is torch.float32
-    assert (m.optimizer.weight_decay, m.optimizer.adam_beta2, m.optimizer.use_distributed_optimizer) == (0.01, 0.999, False)
+    assert (m.optimizer.weight_decay, m.optimizer.adam_beta2, m.optimizer.use_distributed_optimizer) == (
+        0.01,
+        0.999,
+        False,
+    )
     assert m.ddp.overlap_grad_reduce is False
 
 
 def test_model_and_schedule_settings():
-    argv = [*RUN, *SIZE, "--vocab-size", "1000", "--tensor-model-parallel-size", "1", "--untie-embeddings-and-output-weights"]
+    argv = [
+        *RUN,
+        *SIZE,
+        "--vocab-size",
+        "1000",
+        "--tensor-model-parallel-size",
+        "1",
+        "--untie-embeddings-and-output-weights",
+    ]
     argv += ["--rotary-base", "1000000", "--lr-decay-style", "cosine", "--lr-warmup-iters", "5", "--num-steps", "50"]
     m = parse_train_args(argv).megatron
     assert (m.model.vocab_size, m.model.padded_vocab_size) == (1000, 1024)
@@ -97,7 +148,14 @@ def test_model_and_schedule_settings():
 
 def test_uncliable_fields_are_not_flags_and_say_so():
     forms, _, skipped = field_flags()
-    for name in ("params_dtype", "pipeline_dtype", "init_method", "activation_func", "timers", "_cpu_offloading_context"):
+    for name in (
+        "params_dtype",
+        "pipeline_dtype",
+        "init_method",
+        "activation_func",
+        "timers",
+        "_cpu_offloading_context",
+    ):
         assert name in skipped and name not in forms
     assert "params_dtype" in build_parser().format_help()  # listed in the Megatron group's description
     assert "--params-dtype" not in {o for a in build_parser()._actions for o in a.option_strings}
@@ -105,8 +163,16 @@ def test_uncliable_fields_are_not_flags_and_say_so():
 
 def write_hf_config(tmp_path, **overrides):
     config = dict(
-        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6,
+        num_hidden_layers=3,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
         tie_word_embeddings=True,
     )
     config.update(overrides)
@@ -125,24 +191,45 @@ def test_architecture_comes_from_the_hf_checkpoint(tmp_path):
 
 def test_moe_and_gated_deltanet_sizes_come_from_the_hf_checkpoint(tmp_path):
     hybrid = dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=24,
-        linear_conv_kernel_dim=3, partial_rotary_factor=0.25,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=3,
+        partial_rotary_factor=0.25,
     )
     m = parse_train_args([*RUN, "--hf-checkpoint", write_hf_config(tmp_path, **hybrid)]).megatron
     tc = m.transformer
-    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size, tc.moe_shared_expert_intermediate_size) == (4, 2, 32, 48)
-    assert (tc.linear_num_key_heads, tc.linear_num_value_heads, tc.linear_key_head_dim, tc.linear_value_head_dim) == (4, 8, 16, 24)
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size, tc.moe_shared_expert_intermediate_size) == (
+        4,
+        2,
+        32,
+        48,
+    )
+    assert (tc.linear_num_key_heads, tc.linear_num_value_heads, tc.linear_key_head_dim, tc.linear_value_head_dim) == (
+        4,
+        8,
+        16,
+        24,
+    )
     assert tc.linear_conv_kernel_dim == 3 and m.model.rotary_percent == 0.25
 
 
 def test_text_config_of_a_multimodal_checkpoint_is_used(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(dict(text_config=dict(num_hidden_layers=5, hidden_size=32, num_attention_heads=2))))
+    (tmp_path / "config.json").write_text(
+        json.dumps(dict(text_config=dict(num_hidden_layers=5, hidden_size=32, num_attention_heads=2)))
+    )
     assert parse_train_args([*RUN, "--hf-checkpoint", str(tmp_path)]).megatron.transformer.num_layers == 5
 
 
 def test_a_flag_may_override_a_non_shape_setting_of_the_checkpoint(tmp_path):
-    tc = parse_train_args([*RUN, "--hf-checkpoint", write_hf_config(tmp_path), "--norm-epsilon", "1e-5"]).megatron.transformer
+    tc = parse_train_args(
+        [*RUN, "--hf-checkpoint", write_hf_config(tmp_path), "--norm-epsilon", "1e-5"]
+    ).megatron.transformer
     assert tc.layernorm_epsilon == 1e-5
 
 
@@ -158,7 +245,10 @@ def test_missing_model_size_names_the_flags(capsys):
 
 def test_megatron_rejection_is_reported(capsys):
     argv = [*RUN, *SIZE, "--num-devices-per-node", "8", "--tensor-model-parallel-size", "8"]
-    assert "megatron-core TransformerConfig rejects these flags: num_attention_heads (4) must be a multiple" in parse_error(argv, capsys)
+    assert (
+        "megatron-core TransformerConfig rejects these flags: num_attention_heads (4) must be a multiple"
+        in parse_error(argv, capsys)
+    )
 
 
 def test_megatron_typo_suggests_the_flag(capsys):
@@ -176,5 +266,16 @@ def test_num_query_groups_needs_group_query_attention(capsys):
 
 
 def test_a_real_run_needs_a_checkpoint_directory(tmp_path, capsys):
-    argv = ["--lr", "1e-6", "--prompt-data", "p", "--reward-fn", "math", "--device", "cpu", "--hf-checkpoint", str(tmp_path)]
+    argv = [
+        "--lr",
+        "1e-6",
+        "--prompt-data",
+        "p",
+        "--reward-fn",
+        "math",
+        "--device",
+        "cpu",
+        "--hf-checkpoint",
+        str(tmp_path),
+    ]
     assert f"--hf-checkpoint {tmp_path}: no config.json there" in parse_error(argv, capsys)

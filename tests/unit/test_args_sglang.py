@@ -8,8 +8,7 @@ import msgspec
 import pytest
 
 from relax.args import build_parser, parse_train_args
-from relax.args.sglang import prepare_import
-from relax.args.sglang import MANAGED_BY_RELAX, sglang_actions
+from relax.args.sglang import MANAGED_BY_RELAX, prepare_import, sglang_actions
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--lr", "1e-6"]
@@ -19,7 +18,9 @@ BASE += ["--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "c
 @pytest.fixture
 def checkpoint(tmp_path):
     (tmp_path / "config.json").write_text(
-        json.dumps(dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, tie_word_embeddings=False))
+        json.dumps(
+            dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128, tie_word_embeddings=False)
+        )
     )
     return str(tmp_path)
 
@@ -61,12 +62,32 @@ CASES = {
         ["--sglang-fp8-gemm-backend", "triton", "--sglang-elastic-ep-join-mode", "scale"],
     ),
     "lists": (
-        ["--cuda-graph-bs-decode", "1", "2", "4", "--lora-target-modules", "q_proj", "v_proj", "--gc-threshold", "10", "5"],
+        [
+            "--cuda-graph-bs-decode",
+            "1",
+            "2",
+            "4",
+            "--lora-target-modules",
+            "q_proj",
+            "v_proj",
+            "--gc-threshold",
+            "10",
+            "5",
+        ],
         ["--sglang-cuda-graph-bs-decode", "1", "2", "4", "--sglang-lora-target-modules", "q_proj", "v_proj"]
         + ["--sglang-gc-threshold", "10", "5"],
     ),
     "choices and types": (
-        ["--attention-backend", "torch_native", "--dtype", "float32", "--mem-fraction-static", "0.05", "--max-running-requests", "8"],
+        [
+            "--attention-backend",
+            "torch_native",
+            "--dtype",
+            "float32",
+            "--mem-fraction-static",
+            "0.05",
+            "--max-running-requests",
+            "8",
+        ],
         ["--sglang-attention-backend", "torch_native", "--sglang-dtype", "float32"]
         + ["--sglang-mem-fraction-static", "0.05", "--sglang-max-running-requests", "8"],
     ),
@@ -95,7 +116,9 @@ def test_sglang_config_file_means_what_it_means_to_sglang(tmp_path, checkpoint, 
     )
     override = ["--mem-fraction-static", "0.2"]  # the command line wins over the file
     theirs = sglang_own_parse(["--model-path", checkpoint, "--device", "cpu", "--config", str(config), *override])
-    ours = parse_train_args([*BASE, "--hf-checkpoint", checkpoint, "--sglang-config", str(config), "--sglang-mem-fraction-static", "0.2"])
+    ours = parse_train_args(
+        [*BASE, "--hf-checkpoint", checkpoint, "--sglang-config", str(config), "--sglang-mem-fraction-static", "0.2"]
+    )
     assert ours.sglang.mem_fraction_static == 0.2 and ours.sglang.enable_hierarchical_cache
     assert_same_server_args(ours.sglang, theirs)
 
@@ -104,7 +127,9 @@ def test_every_sglang_flag_is_registered_with_the_prefix():
     ours = {o for a in build_parser()._actions for o in a.option_strings if "sglang-" in o}
     theirs = [o for a in sglang_actions() for o in a.option_strings]
     assert len(theirs) > 500
-    expected = {"--sglang-config"} | {f"--no-sglang-{o[5:]}" if o.startswith("--no-") else f"--sglang-{o[2:]}" for o in theirs}
+    expected = {"--sglang-config"} | {
+        f"--no-sglang-{o[5:]}" if o.startswith("--no-") else f"--sglang-{o[2:]}" for o in theirs
+    }
     assert ours == expected
 
 
@@ -182,7 +207,9 @@ def test_unprefixed_or_misspelt_sglang_flag_suggests_the_prefixed_one(flag, sugg
 
 
 def test_unprefixed_managed_flag_names_the_relax_flag(capsys):
-    assert "unknown flag --tp-size: use --rollout-num-devices-per-engine" in parse_error([*BASE, "--tp-size", "2"], capsys)
+    assert "unknown flag --tp-size: use --rollout-num-devices-per-engine" in parse_error(
+        [*BASE, "--tp-size", "2"], capsys
+    )
 
 
 def test_no_abbreviations(capsys):
@@ -195,7 +222,9 @@ def test_a_stray_value_is_an_error(capsys):
 
 def test_help_lists_the_namespaces():
     text = build_parser().format_help()
-    assert "SGLang engine" in text and "--sglang-mem-fraction-static" in text and "--no-sglang-enable-tf32-matmul" in text
+    assert (
+        "SGLang engine" in text and "--sglang-mem-fraction-static" in text and "--no-sglang-enable-tf32-matmul" in text
+    )
     assert "Megatron (megatron-core TransformerConfig" in text and "--tensor-model-parallel-size" in text
     assert "relax: rollout" in text
     assert isinstance(build_parser(), argparse.ArgumentParser)
