@@ -157,28 +157,27 @@ def parse_hunks(text: str, source: str = "patch") -> list[Hunk]:
                 raise PatchError(f"{source}: {path}: malformed hunk header {line!r}")
             file_state["hunks"] += 1
             hunk = Hunk(path=path, number=file_state["hunks"], header=line)
-            old_left = int(match.group(2) if match.group(2) is not None else 1)
-            new_left = int(match.group(4) if match.group(4) is not None else 1)
+            old_count = int(match.group(2) if match.group(2) is not None else 1)
+            new_count = int(match.group(4) if match.group(4) is not None else 1)
+            old_seen = new_seen = 0
             i += 1
-            while old_left > 0 or new_left > 0:
+            while old_seen < old_count or new_seen < new_count:
                 if i >= len(lines):
                     raise PatchError(f"{source}: {_name(hunk)}: the patch ends inside the hunk")
                 body = lines[i]
-                if body.startswith(" ") or body == "":
-                    old_left, new_left = old_left - 1, new_left - 1
+                if body.startswith(" ") or body == "":  # context ("" where an editor stripped the space)
+                    old_seen, new_seen = old_seen + 1, new_seen + 1
                 elif body.startswith("-"):
-                    old_left -= 1
+                    old_seen += 1
                 elif body.startswith("+"):
-                    new_left -= 1
-                elif body.startswith("\\"):
-                    pass  # "\ No newline at end of file"
-                else:
+                    new_seen += 1
+                elif not body.startswith("\\"):  # "\ No newline at end of file" counts for neither side
                     break
                 i += 1
-            if old_left != 0 or new_left != 0:
+            if (old_seen, new_seen) != (old_count, new_count):
                 raise PatchError(
                     f"{source}: {_name(hunk)}: its lines do not match the header's counts "
-                    f"({-old_left if old_left < 0 else old_left} old / {new_left} new lines off)"
+                    f"(header -{old_count} +{new_count}, body -{old_seen} +{new_seen})"
                 )
             hunks.append(hunk)
             continue
