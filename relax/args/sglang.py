@@ -70,7 +70,7 @@ def sglang_actions() -> list[argparse.Action]:
     return [a for a in sglang_parser()._actions if "--config" not in a.option_strings]
 
 
-class ManagedBySglangRefused(argparse.Action):
+class RefusedManagedFlag(argparse.Action):
     """A ServerArgs flag whose field relax fills itself: using it is an error naming the relax flag."""
 
     def __init__(self, option_strings, dest, instead, **kwargs):
@@ -97,18 +97,17 @@ def add_sglang_args(parser: argparse.ArgumentParser) -> None:
             instead = MANAGED_BY_RELAX[action.dest]
             group.add_argument(
                 *options,
-                action=ManagedBySglangRefused,
+                action=RefusedManagedFlag,
                 dest=f"{PREFIX}_{action.dest}",
                 instead=instead,
                 help=f"Set by relax: {instead}.",
             )
             continue
-        # A copy of SGLang's own action object keeps its class, type, nargs, choices, default and help; only
-        # the spellings and the dest change. argparse has no public way to add an existing action.
+        # A copy of SGLang's own action object keeps its class, type, nargs, choices, default, required and
+        # help; only the spellings and the dest change. argparse has no public way to add an existing action.
         clone = copy.copy(action)
         clone.option_strings = options
         clone.dest = f"{PREFIX}_{action.dest}"
-        clone.required = False
         if clone.metavar is None and clone.choices is None:  # show SGLang's name, not the prefixed dest
             clone.metavar = action.dest.upper()
         if getattr(clone, "new_flag", None):  # deprecation warnings name the replacement flag

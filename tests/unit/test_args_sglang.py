@@ -173,7 +173,7 @@ def test_managed_fields_are_refused_naming_the_relax_flag(flag, relax_flag, caps
 
 def test_every_managed_field_is_refused():
     parser = build_parser()
-    refused = {a.dest[len("sglang_") :] for a in parser._actions if type(a).__name__ == "ManagedBySglangRefused"}
+    refused = {a.dest[len("sglang_") :] for a in parser._actions if type(a).__name__ == "RefusedManagedFlag"}
     assert refused == set(MANAGED_BY_RELAX)
 
 
