@@ -4,7 +4,8 @@ It reports the platform and its device count; the versions of the device toolkit
 driver), torch / torch_npu, sglang, megatron-core and MindSpeed against relax/pins.py; whether the installed
 sglang and megatron-core carry relax's patch sets (patches/); environment settings that conflict with a
 colocated run (the platform's own rule from relax.platform, e.g. expandable segments beside a memory saver;
-HCCL port settings shared by the several processes on one device; visible-device variables); and the resources of a running Ray cluster.
+HCCL port settings shared by the several processes on one device; visible-device variables); and the
+resources of a running Ray cluster.
 
 Gathering facts (gather_facts) is separate from judging them: every check is a plain function of plain
 values, tested with a fake environment. The exit status is 1 when any row is a blocker.
@@ -59,7 +60,11 @@ EXACT = {"sglang", "megatron-core"}
 # itself and SGLang's patched paths (NPU backend, memory release on a device) are not reached.
 PATCHES_REQUIRED = {"cpu": False, "cuda": True, "npu": True}
 # The toolkit each platform needs, and the version expected of it.
-TOOLKIT = {"cpu": None, "cuda": ("NVIDIA driver", None), "npu": ("CANN", PINS["CANN_NPU_IMAGE"].split(":")[1].split("-")[0])}
+TOOLKIT = {
+    "cpu": None,
+    "cuda": ("NVIDIA driver", None),
+    "npu": ("CANN", PINS["CANN_NPU_IMAGE"].split(":")[1].split("-")[0]),
+}
 VISIBLE_DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
 HCCL_PORT_RANGE_VARIABLES = ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE")
 
@@ -100,14 +105,25 @@ class Facts:
 
 def check_platform(facts: Facts) -> list[Row]:
     if not facts.platform:
-        return [Row("platform", BLOCKER, facts.platform_error, "cpu, cuda or npu", "pass --device auto, cpu, cuda or npu")]
+        return [
+            Row("platform", BLOCKER, facts.platform_error, "cpu, cuda or npu", "pass --device auto, cpu, cuda or npu")
+        ]
     if facts.platform_error:
         return [Row("platform", BLOCKER, f"{facts.platform}: unusable here", ">= 1 device", facts.platform_error)]
     status = OK if facts.device_count > 0 else BLOCKER
     found = f"{facts.platform}, {facts.device_count} device(s), {facts.dist_backend}"
-    return [Row("platform", status, found, ">= 1 device",
-                "" if status == OK else f"no {facts.platform} device is visible: check the driver and "
-                f"{facts.visible_devices_env or 'the visible-device variable'}")]
+    return [
+        Row(
+            "platform",
+            status,
+            found,
+            ">= 1 device",
+            ""
+            if status == OK
+            else f"no {facts.platform} device is visible: check the driver and "
+            f"{facts.visible_devices_env or 'the visible-device variable'}",
+        )
+    ]
 
 
 def _public(version: str) -> str:
@@ -120,7 +136,9 @@ def check_versions(platform: str, versions: Mapping[str, Optional[str]]) -> list
     for name, want in expected.items():
         have = versions.get(name)
         if have is None:
-            rows.append(Row(name, BLOCKER, "not installed", want, INSTALL_HINTS.get(name, f"pip install {name}=={want}")))
+            rows.append(
+                Row(name, BLOCKER, "not installed", want, INSTALL_HINTS.get(name, f"pip install {name}=={want}"))
+            )
         elif _public(have) == want:
             rows.append(Row(name, OK, have, want))
         else:
@@ -135,8 +153,15 @@ def check_toolkit(platform: str, version: Optional[str]) -> list[Row]:
         return [Row("device toolkit", INFO, "none needed on the CPU")]
     name, want = toolkit
     if version is None:
-        return [Row(name, BLOCKER, "not found", want or "installed",
-                    f"install {name} (the image in docker/ has it) and load its environment")]
+        return [
+            Row(
+                name,
+                BLOCKER,
+                "not found",
+                want or "installed",
+                f"install {name} (the image in docker/ has it) and load its environment",
+            )
+        ]
     if want and not version.startswith(want):
         return [Row(name, WARN, version, want, f"relax is pinned and tested against {name} {want}")]
     return [Row(name, OK, version, want or "")]
@@ -156,13 +181,28 @@ def check_patches(platform: str, states: Mapping[str, object]) -> list[Row]:
         if not missing:
             rows.append(Row(f"patches {upstream}", OK, found, "all applied"))
         elif conflicts:
-            rows.append(Row(f"patches {upstream}", BLOCKER if required else WARN, found, "all applied",
-                            f"the installed {upstream} differs from the pinned release where {conflicts[0]} applies: "
-                            f"reinstall the pinned version, then `relax patches apply {upstream}`"))
+            rows.append(
+                Row(
+                    f"patches {upstream}",
+                    BLOCKER if required else WARN,
+                    found,
+                    "all applied",
+                    f"the installed {upstream} differs from the pinned release where {conflicts[0]} applies: "
+                    f"reinstall the pinned version, then `relax patches apply {upstream}`",
+                )
+            )
         else:
-            rows.append(Row(f"patches {upstream}", BLOCKER if required else INFO, found, "all applied",
-                            f"relax patches apply {upstream}" if required else
-                            "not needed on the CPU (relax.platform redirects what they fix)"))
+            rows.append(
+                Row(
+                    f"patches {upstream}",
+                    BLOCKER if required else INFO,
+                    found,
+                    "all applied",
+                    f"relax patches apply {upstream}"
+                    if required
+                    else "not needed on the CPU (relax.platform redirects what they fix)",
+                )
+            )
     return rows
 
 
@@ -190,20 +230,45 @@ def check_hccl_ports(environ: Mapping[str, str], dist_backend: str) -> list[Row]
             continue
         ports = _port_range(value)
         if ports is None:
-            rows.append(Row(variable, BLOCKER, value, "auto, or LOW-HIGH", f"set {variable}=auto or a range such as 60000-60099"))
+            rows.append(
+                Row(
+                    variable, BLOCKER, value, "auto, or LOW-HIGH", f"set {variable}=auto or a range such as 60000-60099"
+                )
+            )
         elif ports[1] - ports[0] + 1 < PROCESSES_PER_DEVICE:
-            rows.append(Row(variable, BLOCKER, value, f">= {PROCESSES_PER_DEVICE} ports",
-                            f"{PROCESSES_PER_DEVICE} processes share each NPU (training actor and SGLang engine) and "
-                            f"every one inherits this range: widen it, or set {variable}=auto"))
+            rows.append(
+                Row(
+                    variable,
+                    BLOCKER,
+                    value,
+                    f">= {PROCESSES_PER_DEVICE} ports",
+                    f"{PROCESSES_PER_DEVICE} processes share each NPU (training actor and SGLang engine) and "
+                    f"every one inherits this range: widen it, or set {variable}=auto",
+                )
+            )
         else:
-            rows.append(Row(variable, WARN, value, "auto",
-                            f"every process inherits the same range; {PROCESSES_PER_DEVICE} of them share each NPU. "
-                            f"Leave room for all of them, or set {variable}=auto"))
+            rows.append(
+                Row(
+                    variable,
+                    WARN,
+                    value,
+                    "auto",
+                    f"every process inherits the same range; {PROCESSES_PER_DEVICE} of them share each NPU. "
+                    f"Leave room for all of them, or set {variable}=auto",
+                )
+            )
     base = environ.get("HCCL_IF_BASE_PORT")
     if base is not None:
-        rows.append(Row("HCCL_IF_BASE_PORT", WARN, base, "unset",
-                        f"one base port for every process: the {PROCESSES_PER_DEVICE} processes on an NPU derive the "
-                        "same ports from it. Unset it unless each process gets its own"))
+        rows.append(
+            Row(
+                "HCCL_IF_BASE_PORT",
+                WARN,
+                base,
+                "unset",
+                f"one base port for every process: the {PROCESSES_PER_DEVICE} processes on an NPU derive the "
+                "same ports from it. Unset it unless each process gets its own",
+            )
+        )
     if rows and dist_backend != "hccl":
         rows = [Row(r.check, INFO, r.found, "", "HCCL is not used on this platform") for r in rows]
     return rows
@@ -216,15 +281,32 @@ def check_visible_devices(environ: Mapping[str, str], visible_devices_env: Optio
         if value is None:
             continue
         if variable != visible_devices_env:
-            rows.append(Row(variable, WARN if visible_devices_env else INFO, value, "unset",
-                            f"ignored on {platform}" + (f": select devices with {visible_devices_env}" if visible_devices_env else "")))
+            rows.append(
+                Row(
+                    variable,
+                    WARN if visible_devices_env else INFO,
+                    value,
+                    "unset",
+                    f"ignored on {platform}"
+                    + (f": select devices with {visible_devices_env}" if visible_devices_env else ""),
+                )
+            )
             continue
         ids = [part.strip() for part in value.split(",")]
         if not value.strip():
-            rows.append(Row(variable, BLOCKER, "(empty)", "device ids", f"an empty {variable} hides every device: unset it"))
+            rows.append(
+                Row(variable, BLOCKER, "(empty)", "device ids", f"an empty {variable} hides every device: unset it")
+            )
         elif not all(part.isdigit() for part in ids) or len(set(ids)) != len(ids):
-            rows.append(Row(variable, BLOCKER, value, "distinct device ids, e.g. 0,1,2,3",
-                            f"set {variable} to comma-separated distinct ids"))
+            rows.append(
+                Row(
+                    variable,
+                    BLOCKER,
+                    value,
+                    "distinct device ids, e.g. 0,1,2,3",
+                    f"set {variable} to comma-separated distinct ids",
+                )
+            )
         else:
             rows.append(Row(variable, OK, value, "", "Ray sets it per worker; relax keeps it as the job's device set"))
     return rows
@@ -232,12 +314,29 @@ def check_visible_devices(environ: Mapping[str, str], visible_devices_env: Optio
 
 def check_ray(resources: Optional[dict], note: str, ray_resource: Optional[str], device_count: int) -> list[Row]:
     if resources is None:
-        return [Row("ray cluster", INFO, note or "not looked at", "", "relax train starts a local Ray instance when none runs")]
-    summary = ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU", "NPU", "memory") or k == ray_resource)
+        return [
+            Row(
+                "ray cluster",
+                INFO,
+                note or "not looked at",
+                "",
+                "relax train starts a local Ray instance when none runs",
+            )
+        ]
+    summary = ", ".join(
+        f"{k}={v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU", "NPU", "memory") or k == ray_resource
+    )
     if ray_resource and resources.get(ray_resource, 0) < 1:
-        return [Row("ray cluster", BLOCKER, summary, f"{ray_resource} >= 1",
-                    f"the cluster offers no {ray_resource}: start Ray on the device nodes "
-                    f"(ray start ... --resources '{{\"{ray_resource}\": {device_count}}}' for NPUs)")]
+        return [
+            Row(
+                "ray cluster",
+                BLOCKER,
+                summary,
+                f"{ray_resource} >= 1",
+                f"the cluster offers no {ray_resource}: start Ray on the device nodes "
+                f"(ray start ... --resources '{{\"{ray_resource}\": {device_count}}}' for NPUs)",
+            )
+        ]
     return [Row("ray cluster", OK, summary)]
 
 
@@ -279,7 +378,11 @@ CANN_VERSION_FILES = ("*/ascend_toolkit_install.info", "runtime/version.info", "
 
 def cann_version(environ: Mapping[str, str]) -> Optional[str]:
     """The CANN toolkit version from its install records, if any."""
-    home = Path(environ.get("ASCEND_TOOLKIT_HOME") or environ.get("ASCEND_HOME_PATH") or "/usr/local/Ascend/ascend-toolkit/latest")
+    home = Path(
+        environ.get("ASCEND_TOOLKIT_HOME")
+        or environ.get("ASCEND_HOME_PATH")
+        or "/usr/local/Ascend/ascend-toolkit/latest"
+    )
     for pattern in CANN_VERSION_FILES:
         for info in sorted(home.glob(pattern)) if home.is_dir() else []:
             match = re.search(r"^version=(\S+)", info.read_text(errors="replace"), re.M | re.I)
@@ -291,8 +394,12 @@ def cann_version(environ: Mapping[str, str]) -> Optional[str]:
 def nvidia_driver_version() -> Optional[str]:
     if not shutil.which("nvidia-smi"):
         return None
-    done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     lines = done.stdout.split()
     return lines[0] if done.returncode == 0 and lines else None
 
@@ -373,7 +480,9 @@ def format_table(rows: list[Row]) -> str:
     header = ("CHECK", "STATUS", "FOUND", "EXPECTED")
     table = [header] + [(r.check, r.status, r.found, r.expected) for r in rows]
     widths = [min(max(len(line[i]) for line in table), 48) for i in range(3)]
-    lines = ["  ".join(cell.ljust(widths[i]) if i < 3 else cell for i, cell in enumerate(line)).rstrip() for line in table]
+    lines = [
+        "  ".join(cell.ljust(widths[i]) if i < 3 else cell for i, cell in enumerate(line)).rstrip() for line in table
+    ]
     fixes = [r for r in rows if r.fix and r.status != OK]
     if fixes:
         lines.append("")
@@ -387,8 +496,12 @@ def format_table(rows: list[Row]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="relax doctor", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "npu"],
-                        help="platform to check (auto: RELAX_DEVICE, else what this machine has)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda", "npu"],
+        help="platform to check (auto: RELAX_DEVICE, else what this machine has)",
+    )
     parser.add_argument("--no-ray", action="store_true", help="do not connect to a running Ray cluster")
     args = parser.parse_args(argv)
     rows = run_checks(gather_facts(args.device, look_at_ray=not args.no_ray))

@@ -29,7 +29,7 @@ import tomllib
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PATCHES_DIR = REPO_ROOT / "patches"
@@ -37,7 +37,14 @@ MANIFEST = PATCHES_DIR / "manifest.toml"
 CACHE_ENV = "RELAX_CACHE_DIR"
 
 # The identity `git am` records as committer in scratch repositories; authors come from the patches.
-_GIT_IDENTITY = ["-c", "user.name=relax patches", "-c", "user.email=patches@relax.invalid", "-c", "commit.gpgsign=false"]
+_GIT_IDENTITY = [
+    "-c",
+    "user.name=relax patches",
+    "-c",
+    "user.email=patches@relax.invalid",
+    "-c",
+    "commit.gpgsign=false",
+]
 
 
 class PatchError(Exception):
@@ -244,8 +251,19 @@ def fetch_wheel(upstream: Upstream) -> Path:
     found = sorted(dest.glob(pattern))
     if not found:
         dest.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:",
-                   "--dest", str(dest), f"{upstream.pypi}=={upstream.version}"]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--dest",
+            str(dest),
+            f"{upstream.pypi}=={upstream.version}",
+        ]
         result = subprocess.run(command, capture_output=True, text=True)
         found = sorted(dest.glob(pattern))
         if result.returncode != 0 or not found:
@@ -273,7 +291,9 @@ def build_scratch_repo(upstream: Upstream, wheel: Path, root: Path) -> Path:
                 shutil.copyfileobj(src, dst)
     _git(root, "init", "--quiet")
     _git(root, "add", "--all")
-    _git(root, *_GIT_IDENTITY, "commit", "--quiet", "--no-verify", "-m", f"{upstream.name} {upstream.version} from PyPI")
+    _git(
+        root, *_GIT_IDENTITY, "commit", "--quiet", "--no-verify", "-m", f"{upstream.name} {upstream.version} from PyPI"
+    )
     return root
 
 
@@ -347,7 +367,8 @@ def check(upstreams: list[Upstream], out=None) -> list[str]:
             if not upstream.pypi:
                 print(
                     f"{upstream.name} {upstream.ref}: {len(series)} patch(es) well formed; NOT applied here "
-                    f"({upstream.name} is not on PyPI: the Docker build applies them with git am to {upstream.repository})",
+                    f"({upstream.name} is not on PyPI: the Docker build applies them with git am "
+                    f"to {upstream.repository})",
                     file=out,
                 )
                 continue
@@ -355,7 +376,10 @@ def check(upstreams: list[Upstream], out=None) -> list[str]:
             with tempfile.TemporaryDirectory(prefix=f"relax-patches-{upstream.name}-") as scratch:
                 repo = build_scratch_repo(upstream, wheel, Path(scratch))
                 apply_series_with_git_am(upstream, repo)
-            print(f"{upstream.name} {upstream.version}: {len(series)} patch(es) apply with git am ({wheel.name})", file=out)
+            print(
+                f"{upstream.name} {upstream.version}: {len(series)} patch(es) apply with git am ({wheel.name})",
+                file=out,
+            )
         except PatchError as error:
             failures.append(str(error))
             print(f"FAILED {error}", file=out)
@@ -425,7 +449,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("upstreams", nargs="*", help="names from patches/manifest.toml (default: all)")
         if name in ("apply", "status"):
-            sub.add_argument("--target", type=Path, help="directory holding the package (default: where it is installed)")
+            sub.add_argument(
+                "--target", type=Path, help="directory holding the package (default: where it is installed)"
+            )
         sub.add_argument("--manifest", type=Path, default=MANIFEST, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     try:

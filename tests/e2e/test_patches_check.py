@@ -12,14 +12,15 @@ import sys
 import textwrap
 from pathlib import Path
 
-
 from relax import patches
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _relax(*args, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "relax.cli", *args], capture_output=True, text=True, cwd=REPO, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "relax.cli", *args], capture_output=True, text=True, cwd=REPO, **kwargs
+    )
 
 
 def test_check_applies_every_pypi_backed_set_with_git_am():
@@ -45,7 +46,9 @@ def test_check_fails_naming_the_patch_file_and_hunk(tmp_path):
     done = _relax("patches", "check", "megatron-core", "--manifest", str(copy / "manifest.toml"))
     assert done.returncode == 1
     assert f"FAILED megatron-core: {broken} does not apply to megatron-core" in done.stdout, done.stdout
-    assert re.search(r"megatron/core/optimizer/optimizer\.py: hunk #\d+ \(@@ -\d+,\d+ \+\d+,\d+ @@\): does not apply", done.stdout), done.stdout
+    assert re.search(
+        r"megatron/core/optimizer/optimizer\.py: hunk #\d+ \(@@ -\d+,\d+ \+\d+,\d+ @@\): does not apply", done.stdout
+    ), done.stdout
 
 
 TRAIN_ON_CPU = textwrap.dedent(
@@ -110,11 +113,13 @@ def test_megatron_core_set_lets_a_gpt_model_train_on_cpu_without_redirections(tm
             patches.apply(upstream, root)
         results[label] = subprocess.run(
             [sys.executable, str(script), str(root), _free_port()],
-            capture_output=True, text=True, timeout=300, env=dict(env, PYTHONPATH=str(root)),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=dict(env, PYTHONPATH=str(root)),
         )
     assert results["patched"].returncode == 0, results["patched"].stderr[-3000:]
     assert "LOSSES" in results["patched"].stdout
     # the reason the set exists: the same script fails on the unpatched release
     assert results["unpatched"].returncode != 0
     assert "Torch not compiled with CUDA enabled" in results["unpatched"].stderr
-

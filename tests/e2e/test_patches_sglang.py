@@ -64,7 +64,9 @@ CHECK = textwrap.dedent(
     # init_npu_backend's two torch_npu settings, with a stand-in torch_npu that records them
     seen = {}
     torch_npu = types.ModuleType("torch_npu")
-    torch_npu.npu = SimpleNamespace(config=SimpleNamespace(), set_compile_mode=lambda jit_compile: seen.update(jit=jit_compile))
+    torch_npu.npu = SimpleNamespace(
+        config=SimpleNamespace(), set_compile_mode=lambda jit_compile: seen.update(jit=jit_compile)
+    )
     sys.modules.update({"torch_npu": torch_npu, "torch_npu.contrib": types.ModuleType("torch_npu.contrib"),
                         "torch_npu.contrib.transfer_to_npu": types.ModuleType("torch_npu.contrib.transfer_to_npu")})
     from sglang.srt.hardware_backend.npu import utils as npu_utils
@@ -89,7 +91,9 @@ def _run_check(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     script.write_text(CHECK)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_NPU_") and k != "RELAX_DEVICE"}
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO)])
-    return subprocess.run([sys.executable, str(script), str(root)], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(script), str(root)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +121,10 @@ def test_conv_weight_copy_is_refreshed_in_place_after_update_weights_from_tensor
 
 def test_npu_switches_default_to_todays_behaviour_and_follow_the_variables(patched):
     assert "NPU_SWITCHES [] True False" in patched
-    assert "NPU_SWITCHES [('SGLANG_NPU_ALLOW_INTERNAL_FORMAT', '0'), ('SGLANG_NPU_JIT_COMPILE', '1')] False True" in patched
+    assert (
+        "NPU_SWITCHES [('SGLANG_NPU_ALLOW_INTERNAL_FORMAT', '0'), ('SGLANG_NPU_JIT_COMPILE', '1')] False True"
+        in patched
+    )
 
 
 def test_the_unpatched_release_serves_a_stale_conv_weight(tmp_path):

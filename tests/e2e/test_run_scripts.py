@@ -13,10 +13,17 @@ RUN_SCRIPTS = sorted((REPO / "scripts").glob("run-*.sh"))
 
 
 def _dry_run(script: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, RELAX_DRY_RUN="1", RELAX_PYTHON=sys.executable, EXP_DIR=str(tmp_path / "exp"),
-               OUTPUT_DIR=str(tmp_path / "out"))
+    env = dict(
+        os.environ,
+        RELAX_DRY_RUN="1",
+        RELAX_PYTHON=sys.executable,
+        EXP_DIR=str(tmp_path / "exp"),
+        OUTPUT_DIR=str(tmp_path / "out"),
+    )
     env.pop("RELAX_DEVICE", None)
-    return subprocess.run(["bash", str(script), *extra], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    return subprocess.run(
+        ["bash", str(script), *extra], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +46,13 @@ def test_run_script_passes_relax_train_dry_run(dry_runs, name):
 
 def test_npu_scripts_ask_for_the_npu_and_their_model_flags_reach_megatron(dry_runs):
     out = dry_runs["run-qwen3.5-35B-A3B-npu.sh"].stdout
-    for setting in ("device = 'npu'", "num_nodes = 2", "experimental_attention_variant = 'gated_delta_net'",
-                    "num_moe_experts = 256", "attention_backend = 'ascend'"):
+    for setting in (
+        "device = 'npu'",
+        "num_nodes = 2",
+        "experimental_attention_variant = 'gated_delta_net'",
+        "num_moe_experts = 256",
+        "attention_backend = 'ascend'",
+    ):
         assert setting in out, setting
 
 

@@ -143,8 +143,12 @@ def _command_index(text: str, pattern: str) -> int:
 
 def test_npu_clones_each_upstream_at_its_ref_and_patches_it_before_installing(npu, manifest):
     text = run_lines(npu)
-    refs = {"sglang": "SGLANG_REF", "sgl-kernel-npu": "SGL_KERNEL_NPU_REF", "megatron-core": "MEGATRON_LM_REF",
-            "mindspeed": "MINDSPEED_REF"}
+    refs = {
+        "sglang": "SGLANG_REF",
+        "sgl-kernel-npu": "SGL_KERNEL_NPU_REF",
+        "megatron-core": "MEGATRON_LM_REF",
+        "mindspeed": "MINDSPEED_REF",
+    }
     assert set(refs) == set(manifest), "a manifest upstream the image does not build"
     for name, upstream in manifest.items():
         steps = [i.arguments for i in npu if i.keyword == "RUN" and f"git-am-series {name} " in i.arguments]
@@ -155,7 +159,9 @@ def test_npu_clones_each_upstream_at_its_ref_and_patches_it_before_installing(np
         assert fetch < step.index(f"git-am-series {name} "), f"{name}: patched before it is fetched"
     # installed after patching (an install of the unpatched tree would ship without relax's fixes)
     assert _command_index(text, r"git-am-series sglang ") < _command_index(text, r"pip install -e \"/opt/sglang/python")
-    assert _command_index(text, r"git-am-series megatron-core ") < _command_index(text, r"pip install --no-deps -e /opt/Megatron-LM")
+    assert _command_index(text, r"git-am-series megatron-core ") < _command_index(
+        text, r"pip install --no-deps -e /opt/Megatron-LM"
+    )
     assert _command_index(text, r"git-am-series mindspeed ") < _command_index(text, r"pip install -e /opt/MindSpeed")
     assert _command_index(text, r"git-am-series sgl-kernel-npu ") < _command_index(text, r"build\.sh -a kernels")
     copies = [i.arguments for i in npu if i.keyword == "COPY"]

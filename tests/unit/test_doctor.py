@@ -20,10 +20,17 @@ def _versions(platform: str) -> dict:
 
 def _npu_facts(**changes) -> Facts:
     facts = Facts(
-        platform="npu", device_count=16, dist_backend="hccl", visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
-        ray_resource="NPU", memory_saver=True, versions=_versions("npu"), toolkit_version="9.0.0",
+        platform="npu",
+        device_count=16,
+        dist_backend="hccl",
+        visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
+        ray_resource="NPU",
+        memory_saver=True,
+        versions=_versions("npu"),
+        toolkit_version="9.0.0",
         patch_states={"sglang": {"0001-a.patch": "applied"}, "megatron-core": {"0001-b.patch": "applied"}},
-        environ={}, ray_resources={"CPU": 192.0, "NPU": 16.0, "memory": 1e12},
+        environ={},
+        ray_resources={"CPU": 192.0, "NPU": 16.0, "memory": 1e12},
     )
     return replace(facts, **changes)
 
@@ -35,8 +42,19 @@ def _by_check(rows) -> dict:
 def test_a_healthy_npu_node_has_no_blocker():
     rows = doctor.run_checks(_npu_facts())
     assert [r for r in rows if r.status in (BLOCKER, WARN)] == []
-    assert {"platform", "CANN", "torch", "torch-npu", "sglang", "megatron-core", "mindspeed", "triton-ascend",
-            "patches sglang", "patches megatron-core", "ray cluster"} <= set(_by_check(rows))
+    assert {
+        "platform",
+        "CANN",
+        "torch",
+        "torch-npu",
+        "sglang",
+        "megatron-core",
+        "mindspeed",
+        "triton-ascend",
+        "patches sglang",
+        "patches megatron-core",
+        "ray cluster",
+    } <= set(_by_check(rows))
 
 
 def test_expandable_segments_beside_the_memory_saver_are_a_blocker_by_the_platforms_rule():
@@ -59,7 +77,13 @@ def test_a_platform_this_machine_lacks_is_a_blocker_and_the_other_checks_still_r
 
 @pytest.mark.parametrize(
     "value, status",
-    [("auto", None), ("60000-60099", WARN), ("60000-60000", BLOCKER), ("60000:60099", BLOCKER), ("70000-70010", BLOCKER)],
+    [
+        ("auto", None),
+        ("60000-60099", WARN),
+        ("60000-60000", BLOCKER),
+        ("60000:60099", BLOCKER),
+        ("70000-70010", BLOCKER),
+    ],
 )
 def test_hccl_port_ranges_for_two_processes_per_device(value, status):
     rows = doctor.check_hccl_ports({"HCCL_HOST_SOCKET_PORT_RANGE": value}, "hccl")
@@ -76,16 +100,24 @@ def test_hccl_base_port_is_flagged_and_hccl_settings_are_only_info_off_npu():
 def test_visible_device_variables():
     check = doctor.check_visible_devices
     assert [r.status for r in check({"ASCEND_RT_VISIBLE_DEVICES": ""}, "ASCEND_RT_VISIBLE_DEVICES", "npu")] == [BLOCKER]
-    assert [r.status for r in check({"ASCEND_RT_VISIBLE_DEVICES": "0,1,1"}, "ASCEND_RT_VISIBLE_DEVICES", "npu")] == [BLOCKER]
-    assert [r.status for r in check({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, "ASCEND_RT_VISIBLE_DEVICES", "npu")] == [OK]
+    assert [r.status for r in check({"ASCEND_RT_VISIBLE_DEVICES": "0,1,1"}, "ASCEND_RT_VISIBLE_DEVICES", "npu")] == [
+        BLOCKER
+    ]
+    assert [r.status for r in check({"ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3"}, "ASCEND_RT_VISIBLE_DEVICES", "npu")] == [
+        OK
+    ]
     wrong = check({"CUDA_VISIBLE_DEVICES": "0"}, "ASCEND_RT_VISIBLE_DEVICES", "npu")
     assert [r.status for r in wrong] == [WARN] and "select devices with ASCEND_RT_VISIBLE_DEVICES" in wrong[0].fix
     assert [r.status for r in check({"CUDA_VISIBLE_DEVICES": "0"}, None, "cpu")] == [INFO]
 
 
 def test_versions_against_the_pins():
-    versions = _versions("npu") | {"sglang": None, "megatron-core": "0.15.0", "transformers": "5.1.0",
-                                   "torch": PINS["TORCH_NPU_TORCH"] + "+cpu"}
+    versions = _versions("npu") | {
+        "sglang": None,
+        "megatron-core": "0.15.0",
+        "transformers": "5.1.0",
+        "torch": PINS["TORCH_NPU_TORCH"] + "+cpu",
+    }
     rows = _by_check(doctor.check_versions("npu", versions))
     assert rows["sglang"].status == BLOCKER and rows["sglang"].found == "not installed"
     assert rows["megatron-core"].status == BLOCKER  # exact: flags, mappings and patches are made for the pin
@@ -117,7 +149,9 @@ def test_toolkit_and_ray_and_platform():
 
 
 def test_table_lists_each_fix_and_counts_blockers():
-    rows = doctor.run_checks(_npu_facts(environ={"ASCEND_RT_VISIBLE_DEVICES": ""}, versions=_versions("npu") | {"transformers": "5.0.0"}))
+    rows = doctor.run_checks(
+        _npu_facts(environ={"ASCEND_RT_VISIBLE_DEVICES": ""}, versions=_versions("npu") | {"transformers": "5.0.0"})
+    )
     table = doctor.format_table(rows)
     assert "BLOCKER ASCEND_RT_VISIBLE_DEVICES: an empty ASCEND_RT_VISIBLE_DEVICES hides every device: unset it" in table
     assert "warn transformers: pip install transformers==" in table
@@ -126,11 +160,20 @@ def test_table_lists_each_fix_and_counts_blockers():
 
 def test_doctor_runs_on_this_cpu_machine_and_reports_it():
     env = {"PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "RELAX_DEVICE": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "relax.cli", "doctor", "--no-ray"], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "relax.cli", "doctor", "--no-ray"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    lines = {line.split()[0] + (" " + line.split()[1] if line.startswith("patches") else ""): line
-             for line in done.stdout.splitlines() if line.strip()}
+    lines = {
+        line.split()[0] + (" " + line.split()[1] if line.startswith("patches") else ""): line
+        for line in done.stdout.splitlines()
+        if line.strip()
+    }
     assert lines["platform"].split()[1:3] == ["ok", "cpu,"]
     for name in ("torch", "sglang", "megatron-core", "ray", "patches sglang", "patches megatron-core", "ray"):
         assert name in lines, done.stdout
@@ -154,5 +197,7 @@ def test_cann_version_is_read_from_the_toolkit_records(tmp_path):
     (tmp_path / "runtime" / "version.info").write_text("Version=9.0.0\nversion_dir=9.0.0\n")
     assert doctor.cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) == "9.0.0"
     (tmp_path / "aarch64-linux").mkdir()
-    (tmp_path / "aarch64-linux" / "ascend_toolkit_install.info").write_text("package_name=Ascend-cann-toolkit\nversion=9.0.0.alpha1\n")
+    (tmp_path / "aarch64-linux" / "ascend_toolkit_install.info").write_text(
+        "package_name=Ascend-cann-toolkit\nversion=9.0.0.alpha1\n"
+    )
     assert doctor.cann_version({"ASCEND_HOME_PATH": str(tmp_path)}) == "9.0.0.alpha1"

@@ -44,7 +44,7 @@ def test_manifest_versions_and_refs_agree_with_pins(upstreams):
     # setup.py's extras come from the same pins
     assert f"sglang=={PINS['SGLANG']}" in PINS["CUDA_STACK"]
     assert f"megatron-core=={PINS['MEGATRON_CORE']}" in PINS["CPU_STACK"] + PINS["CUDA_STACK"]
-    assert "relax\" / \"pins.py\"" in (REPO / "setup.py").read_text()
+    assert 'relax" / "pins.py"' in (REPO / "setup.py").read_text()
 
 
 def test_first_real_sets_exist(upstreams):
@@ -158,7 +158,9 @@ def test_git_am_series_script_applies_in_order_and_skips_an_empty_set(tmp_path):
     subprocess.run([*git, "commit", "-qm", "base"], cwd=upstream_repo, check=True)
     for word in ("two", "three"):
         (upstream_repo / "a.txt").write_text((upstream_repo / "a.txt").read_text() + word + "\n")
-        subprocess.run([*git, "commit", "-qam", f"add {word}\n\nbecause a test needs it"], cwd=upstream_repo, check=True)
+        subprocess.run(
+            [*git, "commit", "-qam", f"add {word}\n\nbecause a test needs it"], cwd=upstream_repo, check=True
+        )
     series_dir = tmp_path / "patches" / "demo"
     subprocess.run(["git", "format-patch", "-q", "-o", str(series_dir), "HEAD~2"], cwd=upstream_repo, check=True)
     subprocess.run(["git", "reset", "-q", "--hard", "HEAD~2"], cwd=upstream_repo, check=True)
@@ -168,13 +170,17 @@ def test_git_am_series_script_applies_in_order_and_skips_an_empty_set(tmp_path):
     done = subprocess.run(["bash", script, "demo", upstream_repo, tmp_path / "patches"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (upstream_repo / "a.txt").read_text() == "one\ntwo\nthree\n"
-    empty = subprocess.run(["bash", script, "empty", upstream_repo, tmp_path / "patches"], capture_output=True, text=True)
+    empty = subprocess.run(
+        ["bash", script, "empty", upstream_repo, tmp_path / "patches"], capture_output=True, text=True
+    )
     assert empty.returncode == 0 and "no patches for empty" in empty.stdout
 
 
 def test_check_of_an_upstream_not_on_pypi_checks_form_and_says_it_did_not_apply(tmp_path):
     manifest = tmp_path / "manifest.toml"
-    manifest.write_text('[upstream.npu-thing]\nrepository = "https://example.invalid/npu-thing"\nref = "v1"\npath_prefix = "python"\n')
+    manifest.write_text(
+        '[upstream.npu-thing]\nrepository = "https://example.invalid/npu-thing"\nref = "v1"\npath_prefix = "python"\n'
+    )
     (tmp_path / "npu-thing").mkdir()
     shutil.copy(patches.load_manifest()["sglang"].series[0], tmp_path / "npu-thing" / "0001-a.patch")
     upstream = patches.load_manifest(manifest)["npu-thing"]
@@ -185,4 +191,7 @@ def test_check_of_an_upstream_not_on_pypi_checks_form_and_says_it_did_not_apply(
     broken = tmp_path / "npu-thing" / "0002-b.patch"
     broken.write_text(_real_patch_text().replace("@@ -376,7 +377,10 @@", "@@ -376,7 +377,11 @@"))
     failures = patches.check([upstream], out=io.StringIO())
-    assert len(failures) == 1 and "0002-b.patch: python/sglang/srt/managers/scheduler_components/weight_updater.py: hunk #2" in failures[0]
+    assert (
+        len(failures) == 1
+        and "0002-b.patch: python/sglang/srt/managers/scheduler_components/weight_updater.py: hunk #2" in failures[0]
+    )
