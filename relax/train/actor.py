@@ -26,6 +26,7 @@ from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches
 from relax.train.losses import LossSettings, aggregation_denominator, policy_loss
 from relax.train.model import build_gpt_model, load_hf_weights, read_hf_config, transformer_config, unwrap
 from relax.train.offload import HostCopies
+from relax.train.process_groups import ReloadableGroups
 
 
 @dataclasses.dataclass
@@ -42,6 +43,7 @@ class ActorSettings:
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 1  # steps over which lr goes from lr to min_lr ("constant" ignores it)
     lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
+    distributed_timeout_minutes: int = 30  # of the actor's process groups (megatron's default)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
@@ -72,13 +74,6 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, with_ent
 
 class MegatronActor:
     def __init__(self, hf_dir, transformer, optimizer, ddp, settings: ActorSettings | None = None, platform=None):
-        from megatron.core import parallel_state
-        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-        from megatron.core.transformer.module import Float16Module
-
         from relax.platform import get_platform
 
         self.settings = settings or ActorSettings()
@@ -91,19 +86,35 @@ class MegatronActor:
             )
         self.hf_dir = Path(hf_dir)
         self.hf = read_hf_config(hf_dir)
+        # Every group made while the actor builds itself can be destroyed on sleep and rebuilt on wake.
+        self.process_groups = ReloadableGroups(self.platform.destroy_process_group_delay_s)
+        with self.process_groups.recording():
+            self._build(transformer, optimizer, ddp)
+        self.reference_weights = self._host_copy() if self.settings.keep_reference else None
+        self._asleep: HostCopies | None = None
+
+    def _build(self, transformer, optimizer, ddp) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.transformer.module import Float16Module
+
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=transformer.tensor_model_parallel_size,
             pipeline_model_parallel_size=transformer.pipeline_model_parallel_size,
             context_parallel_size=transformer.context_parallel_size,
             expert_model_parallel_size=transformer.expert_model_parallel_size,
             expert_tensor_parallel_size=transformer.expert_tensor_parallel_size,
+            distributed_timeout_minutes=self.settings.distributed_timeout_minutes,
         )
         if transformer.context_parallel_size != 1:
             raise ValueError("context parallelism is not supported by the actor yet (context_parallel_size=1)")
         model_parallel_cuda_manual_seed(self.settings.seed)
         self.config = transformer_config(self.hf, transformer)
         model = build_gpt_model(self.hf, self.config)
-        load_hf_weights(model, hf_dir)
+        load_hf_weights(model, self.hf_dir)
         if self.config.fp16 or self.config.bf16:
             model = Float16Module(self.config, model)
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp, module=model)
@@ -125,8 +136,6 @@ class MegatronActor:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.model.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
-        self.reference_weights = self._host_copy() if self.settings.keep_reference else None
-        self._asleep: HostCopies | None = None
 
     # --- sleep and wake --------------------------------------------------------------------------------
     def _optimizers(self):
@@ -157,17 +166,21 @@ class MegatronActor:
         return self._asleep is not None
 
     def sleep(self) -> None:
-        """Hand the device memory of weights, grads and optimizer state back (copied to host memory)."""
+        """Hand back the device memory of weights, grads and optimizer state (copied to host memory) and
+        destroy the actor's process groups. Collective over the actor's ranks."""
         if self.asleep:
             raise RuntimeError("the actor is already asleep")
         copies = HostCopies(self._training_state_tensors(), self.platform.device_type)
         copies.release()
         self._asleep = copies
+        self.process_groups.destroy()
 
     def wake(self) -> None:
-        """Bring weights, grads and optimizer state back onto the device, byte for byte."""
+        """Rebuild the process groups as they were made, and bring weights, grads and optimizer state back
+        onto the device, byte for byte. Collective over the actor's ranks."""
         if not self.asleep:
             raise RuntimeError("the actor is not asleep")
+        self.process_groups.rebuild()
         self._asleep.restore()
         self._asleep = None
 

@@ -5,6 +5,7 @@ Every Megatron case runs on two spawned ranks sharing one gloo group, started on
 TP=1 runs as two data-parallel replicas; TP=2, PP=2 and EP=2 split the model across the two ranks.
 """
 
+import datetime
 import json
 import os
 import socket
@@ -280,16 +281,31 @@ def _training_state(actor) -> list[torch.Tensor]:
     return [t.detach().clone() for t in actor._training_state_tensors()]
 
 
+def _group_timeouts(actor) -> list:
+    return [group._get_backend(torch.device("cpu")).options._timeout for group in actor.process_groups.groups]
+
+
 def _sleep_and_wake(actor) -> dict:
+    from megatron.core import parallel_state
+
     before = _training_state(actor)
+    timeouts_before = _group_timeouts(actor)
     actor.sleep()
     device_bytes_asleep = sum(t.untyped_storage().nbytes() for t in actor._training_state_tensors())
+    try:
+        parallel_state.get_data_parallel_group().size()
+        group_usable_asleep = True
+    except RuntimeError:
+        group_usable_asleep = False
     actor.wake()
     after = _training_state(actor)
     return {
         "bytes_before": sum(t.untyped_storage().nbytes() for t in before),
         "bytes_asleep": device_bytes_asleep,
         "identical": len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after)),
+        "group_usable_asleep": group_usable_asleep,
+        "timeouts": (timeouts_before, _group_timeouts(actor)),
+        "num_groups": len(actor.process_groups.groups),
     }
 
 
@@ -424,10 +440,16 @@ def test_weight_buckets_are_bounded_complete_and_lazy(ranks, hf_dirs, tp, ep):
 
 def test_sleep_and_wake_between_steps_changes_nothing(ranks, hf_dirs, dp2_run):
     """The DP=2 run again, asleep between steps: the training state is released (0 bytes) and comes back
-    bit-identical, and metrics and final weights equal the run that never slept exactly."""
-    run = ranks.run(_train, hf_dirs["qwen3"], dict(micro_batch_size=2), 3, True)
+    bit-identical, the process groups are destroyed and come back with their timeout, and metrics and final
+    weights equal the run that never slept exactly."""
+    settings = dict(micro_batch_size=2, distributed_timeout_minutes=7)
+    run = ranks.run(_train, hf_dirs["qwen3"], settings, 3, True)
+    seven_minutes = datetime.timedelta(minutes=7)
     for rank_result, baseline in zip(run, dp2_run):
         for check in rank_result["sleep_checks"]:
             assert check["bytes_before"] > 0 and check["bytes_asleep"] == 0 and check["identical"], check
+            assert not check["group_usable_asleep"] and check["num_groups"] > 5, check
+            before, after = check["timeouts"]
+            assert before == after and seven_minutes in before, check
         assert rank_result["metrics"] == baseline["metrics"]
         assert all(torch.equal(rank_result["weights"][k], baseline["weights"][k]) for k in baseline["weights"])
