@@ -323,8 +323,10 @@ def check_ray(resources: Optional[dict], note: str, ray_resource: Optional[str],
                 "relax train starts a local Ray instance when none runs",
             )
         ]
+    counted = [k for k in ("CPU", "GPU", "NPU", ray_resource) if k and k in resources]
     summary = ", ".join(
-        f"{k}={v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU", "NPU", "memory") or k == ray_resource
+        [f"{k}={resources[k]:g}" for k in dict.fromkeys(counted)]
+        + [f"memory={resources.get('memory', 0) / 2**30:.0f} GiB"]
     )
     if ray_resource and resources.get(ray_resource, 0) < 1:
         return [

@@ -142,6 +142,8 @@ def test_toolkit_and_ray_and_platform():
     assert doctor.check_toolkit("npu", "8.5.0")[0].status == WARN
     assert doctor.check_toolkit("npu", cann)[0].status == OK
     assert doctor.check_ray({"CPU": 64.0}, "", "NPU", 8)[0].status == BLOCKER
+    healthy = doctor.check_ray({"CPU": 192.0, "NPU": 16.0, "memory": 2.0**40, "node:10.0.0.1": 1.0}, "", "NPU", 16)[0]
+    assert (healthy.status, healthy.found) == (OK, "CPU=192, NPU=16, memory=1024 GiB")
     assert doctor.check_ray(None, "no cluster running", "NPU", 8)[0].status == INFO
     assert doctor.check_platform(Facts(platform="", platform_error="unknown device 'tpu'"))[0].status == BLOCKER
     assert doctor.check_platform(_npu_facts(platform_error="no torch_npu"))[0].status == BLOCKER
