@@ -9,24 +9,58 @@ the `kind` of the relation. The kinds are the only layout knowledge relax needs 
 - "qkv":        HF q, k, v (weights or biases) fused as Megatron's linear_qkv: per query group, that
                 group's query heads then its key head then its value head; TP ranks hold whole groups.
 - "gate_up":    HF gate and up fused as linear_fc1: each TP rank holds [its gate slice; its up slice].
+- "gated_qkv":  like "qkv" with an attention output gate (Qwen3.5's full attention): HF q_proj holds per head
+                [query | gate]; Megatron's linear_qkv holds per query group its query heads, then their gates,
+                then its key head and its value head.
+- Segments(sizes): HF tensors concatenated along dim 0 whose pieces TP cuts one by one (GatedDeltaNet's in_proj
+                [q | k | v | z | b | a] and conv1d [q | k | v]): `sizes` gives, per HF tensor, the whole dim-0
+                sizes of its pieces; each TP rank holds its slice of every piece, in order.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-KINDS = ("replicated", "column", "row", "qkv", "gate_up")
+KINDS = ("replicated", "column", "row", "qkv", "gate_up", "gated_qkv")
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The kind of a parameter made of HF tensors concatenated along dim 0, TP cutting each piece (see above)."""
+
+    sizes: tuple[tuple[int, ...], ...]
+
+    def pieces(self) -> list[int]:
+        return [size for hf_tensor in self.sizes for size in hf_tensor]
+
+    def fuse(self, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(hf_tensors, dim=0)
+
+    def unfuse(self, whole: torch.Tensor) -> list[torch.Tensor]:
+        return list(whole.split([sum(hf_tensor) for hf_tensor in self.sizes], dim=0))
+
+    def tp_shard(self, whole: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        return torch.cat([piece.chunk(tp_size, dim=0)[tp_rank] for piece in whole.split(self.pieces(), dim=0)])
+
+    def tp_unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        local = [size // len(shards) for size in self.pieces()]
+        per_rank = [shard.split(local, dim=0) for shard in shards]
+        return torch.cat([rank_pieces[i] for i in range(len(local)) for rank_pieces in per_rank])
 
 
 @dataclass(frozen=True)
 class Rule:
-    kind: str
+    kind: str | Segments
     hf_names: tuple[str, ...]
 
     def __post_init__(self):
+        if isinstance(self.kind, Segments):
+            if len(self.hf_names) != len(self.kind.sizes):
+                raise ValueError(f"{self.kind} takes {len(self.kind.sizes)} HF tensors, got {self.hf_names}")
+            return
         if self.kind not in KINDS:
             raise ValueError(f"unknown layout kind {self.kind!r}; choose one of {KINDS}")
-        expected = {"qkv": 3, "gate_up": 2}.get(self.kind, 1)
+        expected = {"qkv": 3, "gate_up": 2, "gated_qkv": 3}.get(self.kind, 1)
         if len(self.hf_names) != expected:
             raise ValueError(f"a {self.kind!r} rule takes {expected} HF tensors, got {self.hf_names}")
 
@@ -46,6 +80,17 @@ class AttentionLayout:
 
 def fuse(kind: str, hf_tensors: list[torch.Tensor], attention: AttentionLayout) -> torch.Tensor:
     """The whole (TP=1) Megatron tensor from its HF tensors."""
+    if isinstance(kind, Segments):
+        return kind.fuse(hf_tensors)
+    if kind == "gated_qkv":
+        q_and_gate, k, v = hf_tensors
+        groups, head_dim = attention.num_query_groups, attention.head_dim
+        rest = k.shape[1:]
+        heads = q_and_gate.reshape(groups, attention.heads_per_group, 2, head_dim, *rest)
+        query, gate = (heads[:, :, i].reshape(groups, -1, *rest) for i in (0, 1))
+        return torch.cat([query, gate, k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)], dim=1).reshape(
+            -1, *rest
+        )
     if kind == "qkv":
         q, k, v = hf_tensors
         groups = attention.num_query_groups
@@ -60,6 +105,15 @@ def fuse(kind: str, hf_tensors: list[torch.Tensor], attention: AttentionLayout) 
 
 def unfuse(kind: str, megatron_tensor: torch.Tensor, attention: AttentionLayout) -> list[torch.Tensor]:
     """The HF tensors of a whole (TP=1) Megatron tensor; inverse of `fuse`."""
+    if isinstance(kind, Segments):
+        return kind.unfuse(megatron_tensor)
+    if kind == "gated_qkv":
+        groups, head_dim, per_group = attention.num_query_groups, attention.head_dim, attention.heads_per_group
+        rest = megatron_tensor.shape[1:]
+        grouped = megatron_tensor.reshape(groups, -1, *rest)
+        query, gate, k, v = grouped.split([per_group * head_dim, per_group * head_dim, head_dim, head_dim], dim=1)
+        query, gate = (t.reshape(groups, per_group, 1, head_dim, *rest) for t in (query, gate))
+        return [torch.cat([query, gate], dim=2).reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)]
     if kind == "qkv":
         groups, head_dim = attention.num_query_groups, attention.head_dim
         rest = megatron_tensor.shape[1:]
@@ -73,6 +127,8 @@ def unfuse(kind: str, megatron_tensor: torch.Tensor, attention: AttentionLayout)
 
 def tp_shard(kind: str, whole: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """TP rank `tp_rank`'s slice of a whole Megatron tensor."""
+    if isinstance(kind, Segments):
+        return kind.tp_shard(whole, tp_rank, tp_size)
     if kind == "replicated" or tp_size == 1:
         return whole
     if kind == "row":
@@ -80,11 +136,13 @@ def tp_shard(kind: str, whole: torch.Tensor, tp_rank: int, tp_size: int) -> torc
     if kind == "gate_up":
         gate, up = whole.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
-    return whole.chunk(tp_size, dim=0)[tp_rank]  # column, qkv (whole query groups per rank)
+    return whole.chunk(tp_size, dim=0)[tp_rank]  # column, qkv, gated_qkv (whole query groups per rank)
 
 
 def tp_unshard(kind: str, shards: list[torch.Tensor]) -> torch.Tensor:
     """The whole Megatron tensor from every TP rank's slice, in rank order; inverse of `tp_shard`."""
+    if isinstance(kind, Segments):
+        return kind.tp_unshard(shards)
     if kind == "replicated" or len(shards) == 1:
         return shards[0]
     if kind == "row":
