@@ -23,6 +23,11 @@ only for megatron-core's own code:
    only be patched globally, so the patch is scoped by caller: only a call made from a megatron.core
    module sees the CUDA type name or gets the CPU tensor back; everybody else gets torch's behaviour.
 
+4. GatedDeltaNet (ssm/gated_delta_net.py) imports flash-linear-attention's Triton chunk_gated_delta_rule and
+   l2norm, and refuses to build without them (HAVE_FLA). On the CPU that module's two names are bound to
+   relax.kernels.gdn_reference's torch functions (same signatures; backward by autograd) and HAVE_FLA set.
+   causal_conv1d_fn stays None: the module then runs its own nn.Conv1d path.
+
 Applied only by the CPU platform, in the process that calls `prepare_megatron()`; idempotent.
 """
 
@@ -38,6 +43,7 @@ from relax.platform.cpu import CpuDeviceModule
 
 _MEGATRON_PACKAGE = "megatron.core"
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
+_GDN_MODULE = "megatron.core.ssm.gated_delta_net"
 _RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
 _FACTORIES = (
     "arange",
@@ -131,6 +137,12 @@ def _redirect_module(module: types.ModuleType) -> None:
     if module.__name__ == _RNG_MODULE:
         module._get_cuda_rng_state = _cpu_rng_state
         module._set_cuda_rng_state = _set_cpu_rng_state
+    if module.__name__ == _GDN_MODULE and not module.HAVE_FLA:
+        from relax.kernels import gdn_reference
+
+        module.chunk_gated_delta_rule = gdn_reference.chunk_gated_delta_rule
+        module.l2norm = gdn_reference.l2norm
+        module.HAVE_FLA = True
 
 
 class _RedirectingFinder(importlib.abc.MetaPathFinder):
