@@ -22,10 +22,12 @@ from pathlib import Path
 
 import torch
 
-from relax.train.model import qwen2, qwen3, qwen3_moe
+from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
-FAMILIES = {model_type: module for module in (qwen2, qwen3, qwen3_moe) for model_type in module.MODEL_TYPES}
+FAMILIES = {
+    model_type: module for module in (qwen2, qwen3, qwen3_moe, qwen3_5) for model_type in module.MODEL_TYPES
+}
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
@@ -97,9 +99,13 @@ def build_gpt_model(hf: dict, config, pre_process: bool | None = None, post_proc
         )
     if config.num_moe_experts:
         _define_te_general_gemm_without_te()
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
-    )
+    family = family_of(hf)
+    if hasattr(family, "block_spec"):  # hybrid families (qwen3_5) build their own per-layer specs
+        spec = family.block_spec(config, hf)
+    else:
+        spec = get_gpt_layer_local_spec(
+            num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
+        )
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -110,7 +116,7 @@ def build_gpt_model(hf: dict, config, pre_process: bool | None = None, post_proc
         parallel_output=True,
         share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_percent=1.0,
+        rotary_percent=family.rotary_percent(hf) if hasattr(family, "rotary_percent") else 1.0,
         rotary_base=_rope_theta(hf),
     )
     _mark_tensor_parallel_parameters(model, hf)
