@@ -174,6 +174,7 @@ class MegatronActor:
         copies.release()
         self._asleep = copies
         self.process_groups.destroy()
+        self.platform.device_module.empty_cache()  # from the caching allocator back to the device
 
     def wake(self) -> None:
         """Rebuild the process groups as they were made, and bring weights, grads and optimizer state back

@@ -28,6 +28,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _next_task(conn):
+    try:
+        return conn.recv()
+    except EOFError:  # the test process is gone
+        return None
+
+
 def _rank_main(rank: int, port: int, conn) -> None:
     torch.set_num_threads(1)
     from relax.platform import get_platform
@@ -38,7 +45,7 @@ def _rank_main(rank: int, port: int, conn) -> None:
     )
     from megatron.core import parallel_state
 
-    while (task := conn.recv()) is not None:
+    while (task := _next_task(conn)) is not None:
         fn, args = task
         try:
             conn.send(("ok", fn(*args)))
@@ -57,7 +64,8 @@ class Ranks:
         self.conns, self.procs = [], []
         for rank in range(WORLD_SIZE):
             parent, child = context.Pipe()
-            proc = context.Process(target=_rank_main, args=(rank, port, child), daemon=True)
+            # Not daemonic: megatron's checkpoint writer starts a helper process of its own.
+            proc = context.Process(target=_rank_main, args=(rank, port, child), daemon=False)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
@@ -453,3 +461,70 @@ def test_sleep_and_wake_between_steps_changes_nothing(ranks, hf_dirs, dp2_run):
             assert before == after and seven_minutes in before, check
         assert rank_result["metrics"] == baseline["metrics"]
         assert all(torch.equal(rank_result["weights"][k], baseline["weights"][k]) for k in baseline["weights"])
+
+
+# --- checkpoints -------------------------------------------------------------------------------------
+
+
+def _dp_batch(actor):
+    from megatron.core import parallel_state
+
+    batch = _my_share(_samples(actor.hf["vocab_size"]), parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+    batch.old_logprobs = actor.compute_logprobs(batch, reference=True)  # the initial weights' logprobs
+    batch.ref_logprobs = batch.old_logprobs
+    return batch
+
+
+def _train_one_step_and_save(hf_dir: str, checkpoint_dir: str) -> dict:
+    from relax.train.checkpoint import save_checkpoint
+    from relax.train.model import export_hf_weights
+
+    actor = _actor(hf_dir, micro_batch_size=2)
+    actor.train_step(_dp_batch(actor))
+    save_checkpoint(actor, checkpoint_dir, step=1)
+    return {"rng_after_save": torch.rand(3), "weights": dict(export_hf_weights(actor.model, actor.hf))}
+
+
+def _resume_and_train(hf_dir: str, checkpoint_dir: str) -> dict:
+    from relax.train.checkpoint import load_checkpoint
+    from relax.train.model import export_hf_weights
+
+    actor = _actor(hf_dir, micro_batch_size=2)
+    batch = _dp_batch(actor)
+    step = load_checkpoint(actor, checkpoint_dir)
+    rng = torch.rand(3)
+    metrics = [actor.train_step(batch) for _ in range(2)]
+    return {"step": step, "rng": rng, "metrics": metrics, "weights": dict(export_hf_weights(actor.model, actor.hf))}
+
+
+def _convert(checkpoint_dir: str, out_dir: str, tp: int) -> None:
+    from megatron.core import parallel_state
+
+    from relax.train.checkpoint import checkpoint_to_hf
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    checkpoint_to_hf(checkpoint_dir, out_dir)
+
+
+def test_checkpoint_resume_equals_uninterrupted_and_converts_to_hf(ranks, hf_dirs, dp2_run, tmp_path):
+    """One DP=2 step, save; a fresh actor loads it and trains 2 steps: metrics and weights equal steps 2-3 of
+    the uninterrupted DP=2 run exactly, and RNG continues where it was saved. The checkpoint converted at
+    TP=2 (resharded) is an HF directory transformers loads, with the saved weights exactly."""
+    import transformers
+
+    checkpoint_dir, hf_out = str(tmp_path / "step1"), str(tmp_path / "hf")
+    saved = ranks.run(_train_one_step_and_save, hf_dirs["qwen3"], checkpoint_dir)
+    resumed = ranks.run(_resume_and_train, hf_dirs["qwen3"], checkpoint_dir)
+    for saved_rank, resumed_rank, baseline in zip(saved, resumed, dp2_run):
+        assert resumed_rank["step"] == 1
+        assert torch.equal(resumed_rank["rng"], saved_rank["rng_after_save"])
+        assert resumed_rank["metrics"] == baseline["metrics"][1:]
+        assert all(torch.equal(resumed_rank["weights"][k], baseline["weights"][k]) for k in baseline["weights"])
+
+    ranks.run(_convert, checkpoint_dir, hf_out, 2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_out)
+    assert tokenizer("12+7").input_ids == transformers.AutoTokenizer.from_pretrained(hf_dirs["qwen3"])("12+7").input_ids
+    state = model.state_dict()
+    assert sorted(state) == sorted(saved[0]["weights"])
+    assert all(torch.equal(state[k], v) for k, v in saved[0]["weights"].items())

@@ -1,0 +1,160 @@
+"""Actor checkpoints with megatron-core's dist_checkpointing, and their conversion to an HF directory.
+
+A checkpoint directory holds the model and optimizer as sharded tensors (dist_checkpointing's torch_dist
+format: any TP/PP layout can load them), the LR scheduler and step as common state, each rank's RNG
+states, and under hf/ the non-weight files of the HF model it started from (config.json, tokenizer,
+generation config), so that `checkpoint_to_hf` needs nothing else.
+
+All functions are collective over the actor's ranks.
+"""
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from relax.train.model import build_gpt_model, export_hf_weights, read_hf_config, transformer_config, unwrap
+
+HF_FILES_DIR = "hf"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
+
+
+def _rng_state(platform) -> dict:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "device": platform.device_module.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict, platform) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    platform.device_module.set_rng_state(state["device"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(actor, step: int, rng: dict | None, is_loading: bool = False) -> dict:
+    from megatron.core.dist_checkpointing import ShardedObject
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model_state = unwrap(actor.model).sharded_state_dict()
+    return {
+        "model": model_state,
+        # is_loading creates the optimizer state (Adam's moments) to load into, on a fresh actor
+        "optimizer": actor.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "scheduler": actor.scheduler.state_dict(),
+        "step": step,
+        # One RNG state per rank: they differ across ranks (megatron's tracker seeds per TP/PP rank).
+        "rng": ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0),
+    }
+
+
+def save_checkpoint(actor, directory: str | Path, step: int) -> None:
+    """Save the actor's model, optimizer, scheduler, step and RNG states to an empty `directory`."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if torch.distributed.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        if any(directory.iterdir()):
+            raise FileExistsError(f"checkpoint directory {directory} is not empty; save each step to a new one")
+        _copy_hf_files(actor.hf_dir, directory / HF_FILES_DIR)
+    torch.distributed.barrier()
+    dist_checkpointing.save(_sharded_state(actor, step, _rng_state(actor.platform)), str(directory))
+    torch.distributed.barrier()
+
+
+def load_checkpoint(actor, directory: str | Path) -> int:
+    """Load what save_checkpoint wrote into the actor (any TP/PP layout for model and optimizer; the RNG
+    states need the world size they were saved with). Returns the saved step."""
+    from megatron.core import dist_checkpointing
+
+    directory = Path(directory)
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
+        raise FileNotFoundError(f"{directory} is not a relax/megatron distributed checkpoint")
+    template = _sharded_state(actor, 0, _rng_state(actor.platform), is_loading=True)
+    state = dist_checkpointing.load(template, str(directory))
+    unwrap(actor.model).load_state_dict(state["model"])
+    actor.optimizer.load_state_dict(state["optimizer"])
+    actor.scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"], actor.platform)
+    return state["step"]
+
+
+def _copy_hf_files(source: Path, destination: Path) -> None:
+    """The HF directory's files other than weights: config, tokenizer, generation config, templates."""
+    destination.mkdir(parents=True, exist_ok=True)
+    for path in Path(source).iterdir():
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, destination / path.name)
+
+
+def save_hf(model, hf_files_dir: str | Path, out_dir: str | Path) -> None:
+    """Write `model` (this rank's shard of a Megatron GPTModel) as an HF directory: safetensors (one file
+    per pipeline stage, with an index when there are several) and the files of `hf_files_dir`."""
+    from megatron.core import parallel_state
+    from safetensors.torch import save_file
+
+    hf = read_hf_config(hf_files_dir)
+    out_dir = Path(out_dir)
+    tensors = {name: tensor.contiguous() for name, tensor in export_hf_weights(model, hf)}  # collective
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    file_name = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    writes = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    if writes:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
+    files_of_stages = [None] * stages
+    torch.distributed.all_gather_object(
+        files_of_stages,
+        (file_name, {name: t.numel() * t.element_size() for name, t in tensors.items()}),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    if torch.distributed.get_rank() == 0:
+        _copy_hf_files(Path(hf_files_dir), out_dir)
+        if stages > 1:
+            weight_map = {name: file for file, sizes in files_of_stages for name in sizes}
+            total_size = sum(size for _, sizes in files_of_stages for size in sizes.values())
+            index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+            (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    torch.distributed.barrier()
+
+
+def checkpoint_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, base_config=None) -> None:
+    """Convert an actor checkpoint's model to an HF directory that transformers loads.
+
+    Builds the model in the current model-parallel layout (megatron's parallel_state must be initialised;
+    one process with TP=PP=1 is enough: dist_checkpointing reshards), loads the checkpoint's weights and
+    writes them with save_hf. `base_config`: a TransformerConfig for the non-architecture fields (dtype).
+    """
+    from megatron.core import dist_checkpointing, parallel_state
+
+    checkpoint_dir = Path(checkpoint_dir)
+    hf_files_dir = checkpoint_dir / HF_FILES_DIR
+    hf = read_hf_config(hf_files_dir)
+    config = transformer_config(
+        hf,
+        base_config,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        pipeline_dtype=getattr(base_config, "params_dtype", torch.float32),
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
+    model = build_gpt_model(hf, config)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint_dir))
+    model.load_state_dict(state["model"])
+    save_hf(model, hf_files_dir, out_dir)
