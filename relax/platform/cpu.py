@@ -109,6 +109,13 @@ SGLANG_SERVER_DEFAULTS = {
     "mem_fraction_static": 0.05,
     # With "auto", one prompt of a batch diverged from HF's greedy tokens; float32 matches exactly.
     "dtype": "float32",
+    # Hybrid GDN / mamba models (Qwen3.5, Qwen3-Next): SGLang 0.5.23 picks the radix cache's "extra_buffer"
+    # strategy when the overlap schedule is on, and that strategy asserts platform support the CPU lacks
+    # (arg_groups/mamba_hook.py). "no_buffer" needs the overlap schedule off. The strategy is ignored by other
+    # models; the overlap schedule goes off for every model on the CPU (it overlaps host scheduling with device
+    # work, and here both are the same cores).
+    "mamba_radix_cache_strategy": "no_buffer",
+    "disable_overlap_schedule": True,
 }
 
 PLATFORM = Platform(

@@ -17,15 +17,24 @@ spawns (they inherit the environment, so everything here goes through os.environ
    - `torchvision`: a placeholder, because PyPI's torchvision does not import beside the CPU torch and
      SGLang's engine import reaches it through its multimodal configs.
 
+3. SGLANG_MAMBA_CONV_DTYPE=float32 (unless set): SGLang 0.5.23 keeps the GDN / mamba conv state of hybrid models
+   (Qwen3.5, Qwen3-Next) in bfloat16 by default whatever --dtype says (configs/mamba_utils.py); on the CPU, the
+   debug platform, relax wants float32 engines to agree with HF: measured logprob gaps 1.2e-4 with the bf16
+   conv state, 4.8e-7 with float32 (tiny Qwen3.5, FACTS.md).
+
 Engine flags that make the engine run on a CPU live in relax.platform.cpu.SGLANG_SERVER_DEFAULTS.
 """
 
+import importlib.abc
 import os
 import sys
 from pathlib import Path
 
+import torch
+
 STAND_INS_DIR = str(Path(__file__).with_name("cpu_stand_ins"))
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+MAMBA_CONV_DTYPE_ENV = "SGLANG_MAMBA_CONV_DTYPE"
 
 
 def prepare_sglang() -> None:
@@ -35,8 +44,90 @@ def prepare_sglang() -> None:
             "relax.platform.get_platform().prepare_sglang() before the first `import sglang`"
         )
     os.environ[CPU_ENGINE_ENV] = "1"
+    os.environ.setdefault(MAMBA_CONV_DTYPE_ENV, "float32")
     python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if STAND_INS_DIR not in python_path:
         os.environ["PYTHONPATH"] = os.pathsep.join([STAND_INS_DIR, *python_path])
     if STAND_INS_DIR not in sys.path:
         sys.path.insert(0, STAND_INS_DIR)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CPUs without AMX (SGLang 0.5.23). SGLang takes its CPU-op paths only where cpu_has_amx_support() is true
+# and otherwise falls to Triton kernels, which fail on a CPU. Measured on this machine (no AMX) for Qwen3.5 /
+# Qwen3-Next: the gated RMSNorm of the GDN layers (kernels/ops/attention/fla/layernorm_gated.py RMSNorm and
+# fused_norm_gate.py FusedRMSNormGated: both test a module-level `_use_cpu = is_cpu() and
+# cpu_has_amx_support()`) and the MoE shared-expert gate (srt/models/qwen2_moe.py calls the Triton
+# fused_gate_sigmoid_mul_add unless the gate layer is AMX-packed). Each of these three modules is adjusted right
+# after it executes, in every SGLang process (install_non_amx_fallbacks runs where the sgl_kernel stand-in is
+# imported): the norms take the sgl_kernel CPU op path (served by relax), the gate gets a torch function.
+# ----------------------------------------------------------------------------------------------------------
+def _take_cpu_op_path(module) -> None:
+    module._use_cpu = True
+
+
+def shared_expert_gate_sigmoid_mul_add(hidden_states, gate_weight, shared_output, final_hidden_states) -> None:
+    """final_hidden_states += sigmoid(hidden_states @ gate_weight) * shared_output, in place (the semantics of
+    sglang.kernels.ops.elementwise.elementwise.fused_gate_sigmoid_mul_add; gate_weight [hidden])."""
+    gate = torch.sigmoid(hidden_states.float() @ gate_weight.float().reshape(-1, 1))
+    final_hidden_states.add_((gate * shared_output.float()).to(final_hidden_states.dtype))
+
+
+def _torch_shared_expert_gate(module) -> None:
+    module.fused_gate_sigmoid_mul_add = shared_expert_gate_sigmoid_mul_add
+
+
+_NON_AMX_FALLBACKS = {
+    "sglang.kernels.ops.attention.fla.layernorm_gated": _take_cpu_op_path,
+    "sglang.kernels.ops.attention.fla.fused_norm_gate": _take_cpu_op_path,
+    "sglang.srt.models.qwen2_moe": _torch_shared_expert_gate,
+}
+
+
+def _apply_non_amx_fallback(module) -> None:
+    from sglang.srt.utils import cpu_has_amx_support
+
+    if not cpu_has_amx_support():
+        _NON_AMX_FALLBACKS[module.__name__](module)
+
+
+class _FallbackFinder(importlib.abc.MetaPathFinder):
+    """Finds the modules of _NON_AMX_FALLBACKS with the ordinary finders and adjusts each once it has run."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _NON_AMX_FALLBACKS:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _FallbackLoader(spec.loader)
+                return spec
+        return None
+
+
+class _FallbackLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _apply_non_amx_fallback(module)
+
+    def __getattr__(self, name):  # get_source, is_package, ... of the wrapped loader
+        return getattr(self._loader, name)
+
+
+def install_non_amx_fallbacks() -> None:
+    """Adjust the modules above when they are imported (and those already imported) in this process; once."""
+    if os.environ.get(CPU_ENGINE_ENV) != "1" or any(isinstance(f, _FallbackFinder) for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _FallbackFinder())
+    for name in _NON_AMX_FALLBACKS:
+        if name in sys.modules:
+            _apply_non_amx_fallback(sys.modules[name])

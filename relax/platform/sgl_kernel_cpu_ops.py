@@ -78,3 +78,116 @@ def assign_req_to_token_pool_cpu(
 
 
 register_cpu_op("assign_req_to_token_pool_cpu", assign_req_to_token_pool_cpu)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Gated DeltaNet (Qwen3.5 / Qwen3-Next): the ops SGLang 0.5.23 calls on the CPU engine, served by
+# relax.kernels.sglang_cpu_ops (torch references; argument order as SGLang passes them). Those read as
+# torch.ops.sgl_kernel.<name> get a schema (SGLang's models and GDN backend bind them at import); `(a!)` marks
+# the pools they update in place. The three `sgl_kernel.mamba` functions are Python-level wrappers in
+# sgl-kernel, called with keywords by sglang/srt/layers/attention/linear/gdn_backend.py and
+# kernels/gdn_triton.py; they call relax's conv / chunk functions directly (SGLang never reads
+# causal_conv1d_fwd_cpu / causal_conv1d_update_cpu / chunk_gated_delta_rule_cpu from torch.ops).
+# ----------------------------------------------------------------------------------------------------------
+from relax.kernels import sglang_cpu_ops as _gdn  # noqa: E402  (this section only)
+
+# SGLang's PAD_SLOT_ID (sglang/srt/layers/attention/mamba/mamba_utils): a batch row that owns no state slot.
+PAD_SLOT_ID = -1
+
+_GDN_SCHEMAS = {
+    "fused_sigmoid_mul_cpu": (_gdn.fused_sigmoid_mul, "(Tensor(a!) x, Tensor gate) -> ()"),
+    "fused_qk_gemma_rmsnorm_cpu": (
+        _gdn.fused_qk_gemma_rmsnorm,
+        "(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim) -> (Tensor, Tensor)",
+    ),
+    "fused_qk_gemma_rmsnorm_with_gate_cpu": (
+        _gdn.fused_qk_gemma_rmsnorm_with_gate,
+        "(Tensor q_gate, Tensor k, Tensor q_weight, Tensor k_weight, float eps, int head_dim, int num_heads)"
+        " -> (Tensor, Tensor, Tensor)",
+    ),
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu": (
+        _gdn.fused_qkvzba_split_reshape_cat_contiguous,
+        "(Tensor mixed_qkvz, Tensor mixed_ba, int num_heads_qk, int num_heads_v, int head_qk, int head_v)"
+        " -> (Tensor, Tensor, Tensor, Tensor)",
+    ),
+    "fused_qkvzba_split_reshape_cat_cpu": (
+        _gdn.fused_qkvzba_split_reshape_cat,
+        "(Tensor mixed_qkvz, Tensor mixed_ba, int num_heads_qk, int num_heads_v, int head_qk, int head_v)"
+        " -> (Tensor, Tensor, Tensor, Tensor)",
+    ),
+    "fused_rmsnorm_gated_cpu": (
+        _gdn.fused_rmsnorm_gated, "(Tensor x, Tensor weight, Tensor z, float eps) -> Tensor"
+    ),
+    "fused_gdn_gating_cpu": (
+        _gdn.fused_gdn_gating, "(Tensor A_log, Tensor a, Tensor b, Tensor dt_bias) -> (Tensor, Tensor)"
+    ),
+    "fused_sigmoid_gating_delta_rule_update_cpu": (
+        _gdn.fused_sigmoid_gating_delta_rule_update,
+        "(Tensor A_log, Tensor dt_bias, Tensor q, Tensor k, Tensor v, Tensor a, Tensor b,"
+        " Tensor(a!) initial_state_source, Tensor initial_state_indices, Tensor cu_seqlens,"
+        " bool use_qk_l2norm_in_kernel, float softplus_beta=1.0, float softplus_threshold=20.0) -> Tensor",
+    ),
+}
+for _name, (_function, _schema) in _GDN_SCHEMAS.items():
+    register_cpu_op(_name, _function, schema=_schema)
+
+
+def _silu_requested(activation) -> bool:
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"conv activation {activation!r} is not supported: use None, 'silu' or 'swish'")
+    return activation is not None
+
+
+def _refuse_unsupported(op: str, **options) -> None:
+    """The mamba wrappers serve the plain prefill / decode paths; spec-decoding and paged-conv extras are refused."""
+    given = sorted(name for name, value in options.items() if value is not None)
+    if given:
+        raise NotImplementedError(
+            f"sgl_kernel.mamba.{op} on relax's CPU platform does not support {given} (speculative decoding / "
+            "paged conv state); run the engine without speculative decoding"
+        )
+
+
+def causal_conv1d_fn_cpu(x, weight, bias=None, activation=None, conv_states=None, has_initial_state=None,
+                         cache_indices=None, query_start_loc=None, seq_lens_cpu=None, pad_slot_id=PAD_SLOT_ID,
+                         block_table=None):
+    """Prefill conv over packed sequences: x [conv_dim, total_tokens] -> [conv_dim, total_tokens]; each
+    sequence's last W-1 inputs land in conv_states[cache_indices[i]]."""
+    _refuse_unsupported("causal_conv1d_fn_cpu", block_table=block_table)
+    return _gdn.causal_conv1d_fwd(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state,
+                                  _silu_requested(activation), pad_slot_id, False)
+
+
+def causal_conv1d_update_cpu(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                             conv_state_indices=None, pad_slot_id=PAD_SLOT_ID, intermediate_conv_window=None,
+                             intermediate_state_indices=None, retrieve_next_token=None,
+                             retrieve_next_sibling=None, retrieve_parent_token=None):
+    """Decode conv step: x [N, conv_dim] -> [N, conv_dim]; conv_state updated in place at the rows' slots."""
+    _refuse_unsupported("causal_conv1d_update_cpu", intermediate_conv_window=intermediate_conv_window,
+                        intermediate_state_indices=intermediate_state_indices,
+                        retrieve_next_token=retrieve_next_token, retrieve_next_sibling=retrieve_next_sibling,
+                        retrieve_parent_token=retrieve_parent_token)
+    return _gdn.causal_conv1d_update(x, conv_state, weight, bias, _silu_requested(activation), cache_seqlens,
+                                     conv_state_indices, pad_slot_id, False)
+
+
+def chunk_gated_delta_rule_cpu(q, k, v, g, beta, initial_state, cu_seqlens, head_first=False,
+                               use_qk_l2norm_in_kernel=False, initial_state_indices=None):
+    """Chunked prefill over packed sequences; states read from and written back to the pool
+    initial_state[initial_state_indices] ([num_slots, Hv, V, K]). Returns (o [1, T, Hv, V], the pool, None):
+    SGLang unpacks three values (output, final state, per-chunk states it only reads for state tracking)."""
+    if initial_state_indices is None:
+        raise ValueError("chunk_gated_delta_rule_cpu needs initial_state_indices (the pool slot of each sequence)")
+    o, pool = _gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, True, cu_seqlens, head_first,
+                                          use_qk_l2norm_in_kernel, initial_state_indices)
+    return o, pool, None
+
+
+for _function in (causal_conv1d_fn_cpu, causal_conv1d_update_cpu, chunk_gated_delta_rule_cpu):
+    register_cpu_op(_function.__name__, _function, submodule="mamba")
+
+
+# The stand-in imports this module in every SGLang process: the place to adjust SGLang's non-AMX CPU paths too.
+from relax.platform.cpu_sglang import install_non_amx_fallbacks  # noqa: E402
+
+install_non_amx_fallbacks()
