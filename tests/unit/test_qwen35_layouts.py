@@ -40,3 +40,15 @@ def test_a_segments_rule_needs_one_hf_tensor_per_size_group():
         assert "takes 2 HF tensors" in str(error)
     else:
         raise AssertionError("a Segments rule with too few HF names was accepted")
+
+
+def test_grouped_segments_gather_each_piece_over_the_groups():
+    # Qwen3-Next: in_proj_qkvz holds per key head [q (1) | k (1) | v (2) | z (2)], in_proj_ba [b (1) | a (1)]
+    kind = Segments(((1, 1, 2, 2), (1, 1)), groups=2)
+    qkvz, ba = _rows(12, 0), _rows(4, 100)
+    whole = fuse(kind, [qkvz, ba], ATTENTION)
+    assert whole[:, 0].tolist() == [0, 6, 1, 7, 2, 3, 8, 9, 4, 5, 10, 11, 100, 102, 101, 103]
+    assert all(torch.equal(a, b) for a, b in zip(unfuse(kind, whole, ATTENTION), [qkvz, ba]))
+    shards = [tp_shard(kind, whole, rank, 2) for rank in range(2)]
+    assert shards[0][:, 0].tolist() == [0, 1, 2, 3, 4, 5, 100, 101]  # key head 0 with its value heads
+    assert torch.equal(tp_unshard(kind, shards), whole)

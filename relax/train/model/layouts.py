@@ -12,9 +12,10 @@ the `kind` of the relation. The kinds are the only layout knowledge relax needs 
 - "gated_qkv":  like "qkv" with an attention output gate (Qwen3.5's full attention): HF q_proj holds per head
                 [query | gate]; Megatron's linear_qkv holds per query group its query heads, then their gates,
                 then its key head and its value head.
-- Segments(sizes): HF tensors concatenated along dim 0 whose pieces TP cuts one by one (GatedDeltaNet's in_proj
-                [q | k | v | z | b | a] and conv1d [q | k | v]): `sizes` gives, per HF tensor, the whole dim-0
-                sizes of its pieces; each TP rank holds its slice of every piece, in order.
+- Segments(sizes, groups): HF tensors concatenated along dim 0 whose pieces TP cuts one by one (GatedDeltaNet's
+                in_proj [q | k | v | z | b | a] and conv1d [q | k | v]): `sizes` gives, per HF tensor, the dim-0
+                sizes of its pieces; each TP rank holds its slice of every piece, in order. With groups > 1 each HF
+                tensor repeats its pieces per group (Qwen3-Next's per-key-head in_proj_qkvz / in_proj_ba).
 """
 
 from dataclasses import dataclass
@@ -26,18 +27,33 @@ KINDS = ("replicated", "column", "row", "qkv", "gate_up", "gated_qkv")
 
 @dataclass(frozen=True)
 class Segments:
-    """The kind of a parameter made of HF tensors concatenated along dim 0, TP cutting each piece (see above)."""
+    """The kind of a parameter made of dim-0 pieces of HF tensors that TP cuts one by one (see above).
+
+    sizes: per HF tensor, the dim-0 sizes of its pieces. groups: how many times each HF tensor repeats its
+    pieces (Qwen3-Next's in_proj_qkvz holds [q | k | v | z] per key head, so groups = key heads); Megatron holds
+    every piece's groups together, pieces in order. groups=1 is plain concatenation."""
 
     sizes: tuple[tuple[int, ...], ...]
+    groups: int = 1
 
     def pieces(self) -> list[int]:
-        return [size for hf_tensor in self.sizes for size in hf_tensor]
+        return [self.groups * size for hf_tensor in self.sizes for size in hf_tensor]
 
     def fuse(self, hf_tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(hf_tensors, dim=0)
+        pieces = []
+        for tensor, sizes in zip(hf_tensors, self.sizes):
+            grouped = tensor.reshape(self.groups, sum(sizes), *tensor.shape[1:])
+            pieces += [piece.reshape(-1, *tensor.shape[1:]) for piece in grouped.split(sizes, dim=1)]
+        return torch.cat(pieces, dim=0)
 
     def unfuse(self, whole: torch.Tensor) -> list[torch.Tensor]:
-        return list(whole.split([sum(hf_tensor) for hf_tensor in self.sizes], dim=0))
+        pieces = iter(whole.split(self.pieces(), dim=0))
+        rest = whole.shape[1:]
+        hf_tensors = []
+        for sizes in self.sizes:
+            grouped = [next(pieces).reshape(self.groups, size, *rest) for size in sizes]
+            hf_tensors.append(torch.cat(grouped, dim=1).reshape(-1, *rest))
+        return hf_tensors
 
     def tp_shard(self, whole: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
         return torch.cat([piece.chunk(tp_size, dim=0)[tp_rank] for piece in whole.split(self.pieces(), dim=0)])
