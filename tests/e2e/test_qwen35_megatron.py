@@ -1,7 +1,8 @@
-"""Qwen3.5 dense and MoE on megatron-core 0.16.1's GatedDeltaNet (relax/train/model/qwen3_5.py, gdn_spec.py; no
-TransformerEngine, relax.kernels' torch GDN on the CPU): logits equal HF transformers' (fp32, max abs diff <= 1e-4)
-on an 80-token batch (the chunked GDN runs two 64-token chunks) at TP=1 and TP=2, the exported weights are the
-checkpoint's exactly, and a backward pass reaches every parameter.
+"""Qwen3.5 dense and MoE (and Qwen3-Next at TP=2) on megatron-core 0.16.1's GatedDeltaNet (relax/train/model/
+qwen3_5.py, qwen3_next.py, gdn_spec.py; no TransformerEngine, relax.kernels' torch GDN on the CPU): logits equal
+HF transformers' (fp32, max abs diff <= 1e-4) on an 80-token batch (the chunked GDN runs two 64-token chunks) at
+TP=1 and TP=2 (with sequence parallelism), the exported weights are the checkpoint's exactly, and a backward pass
+reaches every parameter.
 
 Two spawned ranks share one gloo group, started once for this module: TP=1 runs as two replicas.
 """
@@ -89,7 +90,8 @@ def run_on_ranks():
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    return {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in ("qwen3_5", "qwen3_5_moe")}
+    families = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+    return {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in families}
 
 
 def _parity(hf_dir: str, tp: int) -> dict:
@@ -128,7 +130,8 @@ def _parity(hf_dir: str, tp: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("family, tp", [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5_moe", 1), ("qwen3_5_moe", 2)])
+@pytest.mark.parametrize("family, tp", [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5_moe", 1), ("qwen3_5_moe", 2),
+                                        ("qwen3_next", 2)])
 def test_logits_equal_hf_export_is_exact_and_backward_reaches_every_parameter(run_on_ranks, hf_dirs, family, tp):
     for rank, result in enumerate(run_on_ranks(_parity, hf_dirs[family], tp)):
         assert result["logits_max_abs_diff"] <= 1e-4, (rank, result)

@@ -74,7 +74,9 @@ def hybrid_block_spec(config, layer_types: list[str], vp_stage: int | None = Non
         raise ValueError(f"layer_types has {len(layer_types)} entries for {config.num_layers} layers")
     unknown = set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}
     if unknown:
-        raise ValueError(f"layer_types {sorted(unknown)} are not supported: use {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
+        raise ValueError(
+            f"layer_types {sorted(unknown)} are not supported: use {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}"
+        )
     if config.pipeline_model_parallel_layout is not None:
         raise ValueError("pipeline_model_parallel_layout is not supported for hybrid GDN models: use uniform stages")
 

@@ -80,16 +80,27 @@ def block_spec(config, hf: dict):
     return hybrid_block_spec(config, layer_types(hf))
 
 
-def _gdn_rules(hf: dict) -> dict[str, Rule]:
+GDN_HF_PREFIX = "model.layers.{layer}.linear_attn."
+
+
+def in_proj_rule(hf: dict) -> Rule:
+    """Qwen3.5's four separate input projections, concatenated as megatron's in_proj [q|k|v|z|b|a]."""
     qk = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
     v = hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
     heads = hf["linear_num_value_heads"]
-    hf_prefix = "model.layers.{layer}.linear_attn."
+    return Rule(
+        Segments(((qk, qk, v), (v,), (heads,), (heads,))),
+        tuple(GDN_HF_PREFIX + f"in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")),
+    )
+
+
+def gdn_rules(hf: dict, in_proj: Rule) -> dict[str, Rule]:
+    """Rules of a GDN layer's mixer (Megatron names under `self_attention.`), given its in_proj rule."""
+    qk = hf["linear_num_key_heads"] * hf["linear_key_head_dim"]
+    v = hf["linear_num_value_heads"] * hf["linear_value_head_dim"]
+    hf_prefix = GDN_HF_PREFIX
     return {
-        "self_attention.in_proj.weight": Rule(
-            Segments(((qk, qk, v), (v,), (heads,), (heads,))),
-            tuple(hf_prefix + f"in_proj_{part}.weight" for part in ("qkv", "z", "b", "a")),
-        ),
+        "self_attention.in_proj.weight": in_proj,
         "self_attention.conv1d.weight": Rule(Segments(((qk, qk, v),)), (hf_prefix + "conv1d.weight",)),
         "self_attention.A_log": Rule("column", (hf_prefix + "A_log",)),
         "self_attention.dt_bias": Rule("column", (hf_prefix + "dt_bias",)),
@@ -98,13 +109,13 @@ def _gdn_rules(hf: dict) -> dict[str, Rule]:
     }
 
 
-def _full_attention_rules(hf: dict) -> dict[str, Rule]:
+def full_attention_rules(hf: dict) -> dict[str, Rule]:
     rules = qwen2.attention_rules(hf, qkv_bias=False, qk_norm=True)
     q_k_v = rules["self_attention.linear_qkv.weight"].hf_names
     return {**rules, "self_attention.linear_qkv.weight": Rule("gated_qkv", q_k_v)}
 
 
-def _mlp_rules(hf: dict) -> dict[str, Rule]:
+def mlp_rules(hf: dict) -> dict[str, Rule]:
     hf_prefix = "model.layers.{layer}.mlp."
     if not is_moe(hf):
         return {"mlp." + name: rule for name, rule in qwen2.dense_mlp_rules(hf_prefix).items()}
@@ -119,7 +130,7 @@ def _mlp_rules(hf: dict) -> dict[str, Rule]:
 def layer_rules(hf: dict) -> dict[str, Rule]:
     """Rules for one decoder layer, Megatron names relative to `decoder.layers.{i}.`: a layer holds either the
     GDN or the full-attention parameters (both sets are listed; each layer's own names pick theirs)."""
-    return {**_full_attention_rules(hf), **_gdn_rules(hf), **_mlp_rules(hf)}
+    return {**full_attention_rules(hf), **gdn_rules(hf, in_proj_rule(hf)), **mlp_rules(hf)}
 
 
 def expert_rules(hf: dict) -> dict[str, Rule]:
