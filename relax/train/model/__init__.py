@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe
+from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
 FAMILIES = {
-    model_type: module for module in (qwen2, qwen3, qwen3_moe, qwen3_5) for model_type in module.MODEL_TYPES
+    model_type: module for module in (qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_next) for model_type in module.MODEL_TYPES
 }
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
