@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches
+from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
 from relax.train.losses import LossSettings, aggregation_denominator, policy_loss
 from relax.train.model import build_gpt_model, load_hf_weights, read_hf_config, transformer_config, unwrap
 from relax.train.offload import HostCopies
@@ -201,13 +201,27 @@ class MegatronActor:
 
     # --- forward ---------------------------------------------------------------------------------------
     def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
+        from megatron.core import parallel_state
+
+        settings = self.settings
+        uniform_shape = None
+        # Pipeline stages exchange activations of the one shape the schedule is given; expert-parallel
+        # ranks (different DP ranks) exchange tokens in every micro-batch, forward and backward, so they
+        # need as many micro-batches, of one shape. (Dense DP ranks only meet in the gradient all-reduce.)
+        if self.config.pipeline_model_parallel_size > 1 or self.config.expert_model_parallel_size > 1:
+            plan = plan_micro_batches(batch, settings.micro_batch_size, settings.max_tokens_per_micro_batch)
+            shape = torch.tensor(plan_shape(batch, plan), device=self.device)
+            if self.config.expert_model_parallel_size > 1:
+                torch.distributed.all_reduce(
+                    shape, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group()
+                )
+            uniform_shape = tuple(shape.tolist())
         return make_micro_batches(
             batch,
-            self.settings.micro_batch_size,
-            self.settings.max_tokens_per_micro_batch,
+            settings.micro_batch_size,
+            settings.max_tokens_per_micro_batch,
             pad_token_id=self.hf.get("pad_token_id") or 0,
-            # Pipeline stages exchange activations of the one shape the schedule is given.
-            uniform_shape=self.config.pipeline_model_parallel_size > 1,
+            uniform_shape=uniform_shape,
         )
 
     def _token_logprobs(self, output: torch.Tensor, micro_batch: MicroBatch, with_entropy: bool):
@@ -328,6 +342,8 @@ class MegatronActor:
             return torch.nn.utils.rnn.pad_sequence(values, batch_first=True).to(self.device)
 
         def loss_func(micro_batch, output):
+            if not micro_batch.sample_indices:  # all padding (expert parallelism): runs for its collectives
+                return output.sum() * 0.0, {}
             logprobs, entropy = self._token_logprobs(output, micro_batch, with_entropy)
             pick = micro_batch.sample_indices
             logprobs = padded(logprobs)
@@ -358,6 +374,7 @@ class MegatronActor:
 
         metrics = None
         if parallel_state.is_pipeline_last_stage():
+            outputs = [output for output in outputs if output]  # all-padding micro-batches report nothing
             keys = sorted(outputs[0])
             sums = torch.stack([sum(output[key] for output in outputs) for key in keys])
             torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())

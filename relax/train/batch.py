@@ -97,28 +97,47 @@ def _rows(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None) ->
     return micro_batches
 
 
+def plan_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None = None) -> list[list[list[int]]]:
+    """Which samples go together: micro-batches as lists of rows, each row a list of sample indices."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if len(batch) == 0:
+        raise ValueError("the batch has no samples; every data-parallel rank needs at least one")
+    return _rows(batch, micro_batch_size, max_tokens)
+
+
+def plan_shape(batch: RolloutBatch, plan: list[list[list[int]]]) -> tuple[int, int, int]:
+    """(micro-batches, rows, seq) that hold every micro-batch of `plan`."""
+    seq = max(sum(batch.tokens[i].numel() for i in row) for rows in plan for row in rows)
+    return len(plan), max(len(rows) for rows in plan), seq
+
+
 def make_micro_batches(
     batch: RolloutBatch,
     micro_batch_size: int,
     max_tokens: int | None = None,
     pad_token_id: int = 0,
-    uniform_shape: bool = False,
+    uniform_shape: tuple[int, int, int] | None = None,
 ) -> list[MicroBatch]:
-    """Cut `batch` into micro-batches (see module doc). uniform_shape pads every micro-batch to the same
-    [rows, seq] (pipeline stages exchange activations of one fixed shape)."""
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    all_rows = _rows(batch, micro_batch_size, max_tokens)
+    """Cut `batch` into micro-batches (see module doc).
 
-    def row_length(row):
-        return sum(batch.tokens[i].numel() for i in row)
+    uniform_shape=(count, rows, seq) pads every micro-batch to [rows, seq] and adds all-padding micro-batches
+    up to `count`: pipeline stages exchange activations of one fixed shape, and expert-parallel ranks
+    exchange tokens in every micro-batch, so they need as many micro-batches of the same shape.
+    """
+    plan = plan_micro_batches(batch, micro_batch_size, max_tokens)
+    if uniform_shape is not None:
+        count, rows, seq = uniform_shape
+        if any(needed > given for needed, given in zip(plan_shape(batch, plan), uniform_shape)):
+            raise ValueError(f"uniform_shape {uniform_shape} is smaller than the batch's {plan_shape(batch, plan)}")
+        plan = plan + [[]] * (count - len(plan))
 
-    uniform_rows = max(len(rows) for rows in all_rows)
-    uniform_seq = max(row_length(row) for rows in all_rows for row in rows)
     micro_batches = []
-    for rows in all_rows:
-        seq = uniform_seq if uniform_shape else max(row_length(row) for row in rows)
-        num_rows = uniform_rows if uniform_shape else len(rows)
+    for rows in plan:
+        if uniform_shape is not None:
+            num_rows, seq = uniform_shape[1], uniform_shape[2]
+        else:
+            num_rows, seq = plan_shape(batch, [rows])[1:]
         tokens = torch.full((num_rows, seq), pad_token_id, dtype=torch.long)
         position_ids = torch.zeros((num_rows, seq), dtype=torch.long)
         # Padding attends to itself only, so no softmax row is empty; its outputs are never read.
@@ -135,7 +154,5 @@ def make_micro_batches(
                 sample_indices.append(i)
                 spans.append((r, offset + n - response_length - 1, response_length))
                 offset += n
-        micro_batches.append(
-            MicroBatch(tokens, position_ids, ~allowed.unsqueeze(1), sample_indices, spans)
-        )
+        micro_batches.append(MicroBatch(tokens, position_ids, ~allowed.unsqueeze(1), sample_indices, spans))
     return micro_batches

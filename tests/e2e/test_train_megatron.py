@@ -224,7 +224,7 @@ def _my_share(batch, dp_rank: int, dp_size: int):
     )
 
 
-def _actor(hf_dir: str, tp: int = 1, pp: int = 1, distributed_optimizer: bool = False, **settings):
+def _actor(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False, **settings):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from relax.train.actor import ActorSettings, MegatronActor
@@ -235,6 +235,7 @@ def _actor(hf_dir: str, tp: int = 1, pp: int = 1, distributed_optimizer: bool = 
         read_hf_config(hf_dir),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         perform_initialization=False,
@@ -249,23 +250,31 @@ def _actor(hf_dir: str, tp: int = 1, pp: int = 1, distributed_optimizer: bool = 
     return MegatronActor(hf_dir, transformer, optimizer, ddp, settings)
 
 
+def _hf_logprob_difference(hf_dir: str, batch, logprobs, entropy=None) -> tuple[float, float]:
+    """Max |actor - HF| over the samples' response logprobs (and entropies when given)."""
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    logprob_diff = entropy_diff = 0.0
+    for i, (tokens, length) in enumerate(zip(batch.tokens, batch.response_lengths)):
+        with torch.no_grad():
+            hf_logprobs = reference(tokens[None]).logits[0, -length - 1 : -1].log_softmax(-1)
+        expected = hf_logprobs.gather(-1, tokens[-length:, None]).squeeze(-1)
+        logprob_diff = max(logprob_diff, (logprobs[i] - expected).abs().max().item())
+        if entropy is not None:
+            expected_entropy = -(hf_logprobs.exp() * hf_logprobs).sum(-1)
+            entropy_diff = max(entropy_diff, (entropy[i] - expected_entropy).abs().max().item())
+    return logprob_diff, entropy_diff
+
+
 def _logprobs_vs_hf(hf_dir: str, settings: dict) -> dict:
     """Max |actor - HF| of this DP rank's samples' response logprobs and entropies."""
-    import transformers
     from megatron.core import parallel_state
 
     actor = _actor(hf_dir, **settings)
     batch = _my_share(_samples(actor.hf["vocab_size"]), parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
     logprobs, entropy = actor.compute_logprobs(batch, with_entropy=True)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    logprob_diff = entropy_diff = 0.0
-    for tokens, length, actor_logprobs, actor_entropy in zip(batch.tokens, batch.response_lengths, logprobs, entropy):
-        with torch.no_grad():
-            hf_logprobs = reference(tokens[None]).logits[0, -length - 1 : -1].log_softmax(-1)
-        expected = hf_logprobs.gather(-1, tokens[-length:, None]).squeeze(-1)
-        expected_entropy = -(hf_logprobs.exp() * hf_logprobs).sum(-1)
-        logprob_diff = max(logprob_diff, (actor_logprobs - expected).abs().max().item())
-        entropy_diff = max(entropy_diff, (actor_entropy - expected_entropy).abs().max().item())
+    logprob_diff, entropy_diff = _hf_logprob_difference(hf_dir, batch, logprobs, entropy)
     return {"logprobs": logprob_diff, "entropy": entropy_diff, "samples": len(batch)}
 
 
@@ -317,7 +326,7 @@ def _sleep_and_wake(actor) -> dict:
     }
 
 
-def _train(hf_dir: str, settings: dict, steps: int = 3, sleep_between_steps: bool = False) -> dict:
+def _train(hf_dir: str, settings: dict, steps: int = 3, sleep_between_steps: bool = False, logprob_check: bool = False) -> dict:
     """Metrics of `steps` train steps on the shared samples, this rank's exported weights after them, and
     checks of the reference and old-policy logprobs."""
     from megatron.core import parallel_state
@@ -327,6 +336,7 @@ def _train(hf_dir: str, settings: dict, steps: int = 3, sleep_between_steps: boo
     actor = _actor(hf_dir, **settings)
     batch = _my_share(_samples(actor.hf["vocab_size"]), parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
     initial = actor.compute_logprobs(batch)
+    hf_difference = _hf_logprob_difference(hf_dir, batch, initial) if logprob_check else None
     batch.old_logprobs = initial
     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True)
     metrics, sleep_checks = [], []
@@ -342,6 +352,7 @@ def _train(hf_dir: str, settings: dict, steps: int = 3, sleep_between_steps: boo
         "reference_unchanged": all(torch.equal(a, b) for a, b in zip(initial, reference_after)),
         "policy_moved": max((a - b).abs().max().item() for a, b in zip(initial, current_after)),
         "sleep_checks": sleep_checks,
+        "hf_logprob_difference": hf_difference,
     }
 
 
@@ -528,3 +539,20 @@ def test_checkpoint_resume_equals_uninterrupted_and_converts_to_hf(ranks, hf_dir
     state = model.state_dict()
     assert sorted(state) == sorted(saved[0]["weights"])
     assert all(torch.equal(state[k], v) for k, v in saved[0]["weights"].items())
+
+
+# --- MoE ---------------------------------------------------------------------------------------------
+
+
+def test_moe_actor_logprobs_equal_hf_and_expert_parallel_trains_like_dp2(ranks, hf_dirs):
+    """Qwen3-MoE: the actor's logprobs equal HF's, and EP=2 (experts split over the two DP ranks, packed
+    micro-batches) trains like plain DP=2 with every expert on both ranks."""
+    dp2 = ranks.run(_train, hf_dirs["qwen3_moe"], dict(micro_batch_size=2), 2, False, True)
+    # Packed to 14 tokens, rank 0's samples (8, 4, 10 tokens) make 2 micro-batches and rank 1's (11, 14, 8)
+    # make 3: rank 0 runs an all-padding one so the two meet in every expert exchange.
+    ep2 = ranks.run(_train, hf_dirs["qwen3_moe"], dict(max_tokens_per_micro_batch=14, ep=2), 2, False, True)
+    for result in dp2 + ep2:
+        assert result["hf_logprob_difference"][0] <= 1e-5, result["hf_logprob_difference"]
+    _assert_same_training(ep2, dp2)
+    losses = [m["loss"] for m in ep2[0]["metrics"]]
+    assert losses[1] < losses[0], losses

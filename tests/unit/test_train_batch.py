@@ -33,9 +33,12 @@ def test_packing_by_token_budget_resets_positions_and_blocks_attention():
     assert second.tokens.tolist() == [[10, 11, 12]]
 
 
-def test_uniform_shape_pads_every_micro_batch_alike():
-    micro_batches = make_micro_batches(_batch(), micro_batch_size=2, uniform_shape=True)
-    assert [tuple(mb.tokens.shape) for mb in micro_batches] == [(2, 5), (2, 5)]
+def test_uniform_shape_pads_every_micro_batch_alike_and_adds_empty_ones():
+    micro_batches = make_micro_batches(_batch(), micro_batch_size=2, uniform_shape=(3, 2, 6))
+    assert [tuple(mb.tokens.shape) for mb in micro_batches] == [(2, 6)] * 3
+    assert [mb.sample_indices for mb in micro_batches] == [[0, 1], [2], []]
+    with pytest.raises(ValueError, match="smaller"):
+        make_micro_batches(_batch(), micro_batch_size=2, uniform_shape=(1, 2, 6))
 
 
 def test_bad_input_is_named():
