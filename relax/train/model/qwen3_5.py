@@ -18,7 +18,7 @@ probabilities, which is Megatron's top-k-then-softmax router (moe_router_pre_sof
 """
 
 from relax.train.model import qwen2
-from relax.train.model.gdn_spec import LINEAR_ATTENTION, hybrid_block_spec
+from relax.train.model.gdn_spec import FULL_ATTENTION, LINEAR_ATTENTION, hybrid_block_spec
 from relax.train.model.layouts import Rule, Segments
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
@@ -30,7 +30,7 @@ def layer_types(hf: dict) -> list[str]:
     if "layer_types" in hf:
         return list(hf["layer_types"])
     interval = hf.get("full_attention_interval", 4)
-    return ["full_attention" if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(hf["num_hidden_layers"])]
+    return [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(hf["num_hidden_layers"])]
 
 
 def is_moe(hf: dict) -> bool:
