@@ -10,7 +10,7 @@ USAGE = """usage: relax {train,submit,doctor,patches} ...
   train    run the colocated RL loop (`relax train --help` lists every flag; --dry-run validates and prints)
   submit   submit a run to a Ray cluster with `ray job submit` and the workers' environment
   doctor   preflight checks of this machine's platform, versions, patches and environment
-  patches  check or apply the vendored patch sets (patches/)
+  patches  check, apply or report the vendored patch sets (patches/): check | apply | status
 """
 
 
@@ -45,8 +45,11 @@ def _train(argv: list[str]) -> int:
     if config.relax.dry_run:
         print(format_config(config))
         return 0
-    print("relax train: the colocated loop is not built yet (the colocated-loop issue); use --dry-run", file=sys.stderr)
-    return 2
+    from relax.loop import run
+
+    output_dir = run(config)
+    print(f"relax train: done; metrics, TensorBoard events and the reward curve are in {output_dir}")
+    return 0
 
 
 if __name__ == "__main__":
