@@ -113,7 +113,7 @@ class MegatronActor:
             raise ValueError("context parallelism is not supported by the actor yet (context_parallel_size=1)")
         model_parallel_cuda_manual_seed(self.settings.seed)
         self.config = transformer_config(self.hf, transformer)
-        model = build_gpt_model(self.hf, self.config)
+        model = build_gpt_model(self.hf, self.config).to(self.device)  # use_cpu_initialization builds on the host
         load_hf_weights(model, self.hf_dir)
         if self.config.fp16 or self.config.bf16:
             model = Float16Module(self.config, model)
