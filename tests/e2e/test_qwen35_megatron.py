@@ -1,8 +1,8 @@
 """Qwen3.5 dense and MoE (and Qwen3-Next at TP=2) on megatron-core 0.16.1's GatedDeltaNet (relax/train/model/
 qwen3_5.py, qwen3_next.py, gdn_spec.py; no TransformerEngine, relax.kernels' torch GDN on the CPU): logits equal
 HF transformers' (fp32, max abs diff <= 1e-4) on an 80-token batch (the chunked GDN runs two 64-token chunks) at
-TP=1 and TP=2 (with sequence parallelism), the exported weights are the checkpoint's exactly, and a backward pass
-reaches every parameter.
+TP=1 and TP=2 (with sequence parallelism) and on the actor's right-padded rows with their attention mask, the
+exported weights are the checkpoint's exactly, and a backward pass reaches every parameter.
 
 Two spawned ranks share one gloo group, started once for this module: TP=1 runs as two replicas.
 """
@@ -94,6 +94,27 @@ def hf_dirs(tmp_path_factory):
     return {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in families}
 
 
+def _padded_rows_max_abs_diff(model, reference, vocab_size: int) -> float:
+    """Samples of different lengths, one right-padded row each with the actor's attention mask (relax.train.batch):
+    each sample's logits against HF's on that sample alone."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from relax.train.batch import RolloutBatch, make_micro_batches
+
+    generator = torch.Generator().manual_seed(3)
+    samples = [torch.randint(0, vocab_size, (length,), generator=generator) for length in (70, 9)]
+    (micro_batch,) = make_micro_batches(RolloutBatch(samples, [3, 3]), micro_batch_size=2)
+    with torch.no_grad():
+        logits = gather_from_tensor_model_parallel_region(
+            model(micro_batch.tokens, micro_batch.position_ids, micro_batch.attention_mask)
+        )
+        diffs = [
+            (logits[row, : len(tokens)] - reference(tokens[None]).logits[0]).abs().max().item()
+            for row, tokens in enumerate(samples)
+        ]
+    return max(diffs)
+
+
 def _parity(hf_dir: str, tp: int) -> dict:
     import transformers
     from megatron.core import parallel_state
@@ -120,10 +141,12 @@ def _parity(hf_dir: str, tp: int) -> dict:
     logits = gather_from_tensor_model_parallel_region(model(input_ids, position_ids, None))
     logits.float().logsumexp(-1).mean().backward()
     without_grad = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    padded_diff = _padded_rows_max_abs_diff(model, reference, hf["vocab_size"])
     exported = dict(export_hf_weights(model, hf))
     on_disk = load_file(os.path.join(hf_dir, "model.safetensors"))
     return {
         "logits_max_abs_diff": (logits.detach() - expected).abs().max().item(),
+        "padded_rows_max_abs_diff": padded_diff,
         "names_differ": sorted(set(exported) ^ set(on_disk)),
         "not_equal": sorted(k for k in on_disk if k in exported and not torch.equal(exported[k], on_disk[k])),
         "without_grad": without_grad,
@@ -135,5 +158,6 @@ def _parity(hf_dir: str, tp: int) -> dict:
 def test_logits_equal_hf_export_is_exact_and_backward_reaches_every_parameter(run_on_ranks, hf_dirs, family, tp):
     for rank, result in enumerate(run_on_ranks(_parity, hf_dirs[family], tp)):
         assert result["logits_max_abs_diff"] <= 1e-4, (rank, result)
+        assert result["padded_rows_max_abs_diff"] <= 1e-4, (rank, result)
         assert result["names_differ"] == [] and result["not_equal"] == [], (rank, result)
         assert result["without_grad"] == [], (rank, result)

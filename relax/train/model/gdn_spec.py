@@ -5,7 +5,8 @@ megatron-core's own builder for these models (models/gpt/experimental_attention_
 get_transformer_block_with_experimental_attention_variant_spec) asserts transformer_impl ==
 "transformer_engine". This module builds the same per-layer structure from the local modules of
 get_gpt_layer_local_spec: a GDN layer is a TransformerLayer whose self_attention is megatron's own
-GatedDeltaNet (in_proj ColumnParallelLinear, out_proj RowParallelLinear), a full-attention layer is the local
+GatedDeltaNet (in_proj ColumnParallelLinear, out_proj RowParallelLinear; a subclass only refuses attention masks
+that pack several sequences in a row, which GatedDeltaNet would silently ignore), a full-attention layer is the local
 SelfAttention (with config.attention_output_gate), and the MLP is the local dense MLP or MoE layer.
 
 Norms: Qwen3.5's RMSNorms scale by (1 + weight) (HF Qwen3_5RMSNorm, config.layernorm_zero_centered_gamma=True),
@@ -14,6 +15,7 @@ below does both, in float32 as HF does.
 """
 
 import dataclasses
+import functools
 
 import torch
 
@@ -44,14 +46,45 @@ class RMSNorm(torch.nn.Module):
         return (normed * scale).to(x.dtype)
 
 
+def refuse_packed_rows(attention_mask: torch.Tensor) -> None:
+    """Raise unless every row of `attention_mask` ([b, 1, s, s], True = masked) holds one causal sequence and
+    padding: each position sees either all positions up to itself or only itself (padding, and a sequence's first
+    token). A row packing several sequences (a block-diagonal mask) has positions that see a later start."""
+    allowed = ~attention_mask[:, 0]
+    seq = allowed.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=allowed.device).tril()
+    itself = torch.eye(seq, dtype=torch.bool, device=allowed.device)
+    if not ((allowed == causal).all(-1) | (allowed == itself).all(-1)).all():
+        raise ValueError(
+            "megatron-core 0.16.1's GatedDeltaNet ignores attention_mask, so a row packing several sequences would "
+            "carry the recurrent state from one sequence into the next: give hybrid GDN models (qwen3_5, "
+            "qwen3_next) one padded sequence per row (no token-budget packing)"
+        )
+
+
+@functools.cache
+def _one_sequence_per_row_gated_delta_net():
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    class OneSequencePerRowGatedDeltaNet(GatedDeltaNet):
+        """megatron's GatedDeltaNet, refusing masks it would silently ignore (refuse_packed_rows)."""
+
+        def forward(self, hidden_states, attention_mask, *args, **kwargs):
+            if attention_mask is not None:
+                refuse_packed_rows(attention_mask)
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+
+    return OneSequencePerRowGatedDeltaNet
+
+
 def gated_delta_net_spec():
-    """megatron's GatedDeltaNet with local linear layers and a plain-weight output norm."""
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    """megatron's GatedDeltaNet (checking its mask) with local linear layers and a plain-weight output norm."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     return ModuleSpec(
-        module=GatedDeltaNet,
+        module=_one_sequence_per_row_gated_delta_net(),
         submodules=GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear,
             out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False}),
