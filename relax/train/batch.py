@@ -43,7 +43,9 @@ class RolloutBatch:
             values = [torch.as_tensor(v, dtype=torch.float32) for v in values]
             for i, (value, length) in enumerate(zip(values, self.response_lengths)):
                 if value.shape != (length,):
-                    raise ValueError(f"{name}[{i}] has shape {tuple(value.shape)}, expected ({length},) response tokens")
+                    raise ValueError(
+                        f"{name}[{i}] has shape {tuple(value.shape)}, expected ({length},): one per response token"
+                    )
             setattr(self, name, values)
 
     def __len__(self):
@@ -97,7 +99,9 @@ def _rows(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None) ->
     return micro_batches
 
 
-def plan_micro_batches(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None = None) -> list[list[list[int]]]:
+def plan_micro_batches(
+    batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None = None
+) -> list[list[list[int]]]:
     """Which samples go together: micro-batches as lists of rows, each row a list of sample indices."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")

@@ -105,7 +105,8 @@ def ranks():
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    return {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in ("qwen2", "qwen3", "qwen3_moe")}
+    families = ("qwen2", "qwen3", "qwen3_moe")
+    return {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in families}
 
 
 def _megatron_model(hf_dir: str, tp: int, ep: int = 1):
@@ -213,10 +214,14 @@ def _samples(vocab_size: int):
     return RolloutBatch(tokens, [r for _, r in SHAPES], advantages=advantages)
 
 
-def _my_share(batch, dp_rank: int, dp_size: int):
+def _my_samples(actor):
+    """This data-parallel rank's share of the samples: every dp_size-th one."""
+    from megatron.core import parallel_state
+
     from relax.train.batch import RolloutBatch
 
-    pick = range(dp_rank, len(batch), dp_size)
+    batch = _samples(actor.hf["vocab_size"])
+    pick = range(parallel_state.get_data_parallel_rank(), len(batch), parallel_state.get_data_parallel_world_size())
     return RolloutBatch(
         [batch.tokens[i] for i in pick],
         [batch.response_lengths[i] for i in pick],
@@ -244,9 +249,8 @@ def _actor(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optim
         optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
     )
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
-    settings = ActorSettings(
-        **{"loss": LossSettings(kl_coef=0.05, entropy_coef=0.01), "lr_decay_style": "linear", "lr_decay_steps": 4, **settings}
-    )
+    loss = LossSettings(kl_coef=0.05, entropy_coef=0.01)
+    settings = ActorSettings(**{"loss": loss, "lr_decay_style": "linear", "lr_decay_steps": 4, **settings})
     return MegatronActor(hf_dir, transformer, optimizer, ddp, settings)
 
 
@@ -269,10 +273,8 @@ def _hf_logprob_difference(hf_dir: str, batch, logprobs, entropy=None) -> tuple[
 
 def _logprobs_vs_hf(hf_dir: str, settings: dict) -> dict:
     """Max |actor - HF| of this DP rank's samples' response logprobs and entropies."""
-    from megatron.core import parallel_state
-
     actor = _actor(hf_dir, **settings)
-    batch = _my_share(_samples(actor.hf["vocab_size"]), parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+    batch = _my_samples(actor)
     logprobs, entropy = actor.compute_logprobs(batch, with_entropy=True)
     logprob_diff, entropy_diff = _hf_logprob_difference(hf_dir, batch, logprobs, entropy)
     return {"logprobs": logprob_diff, "entropy": entropy_diff, "samples": len(batch)}
@@ -326,15 +328,15 @@ def _sleep_and_wake(actor) -> dict:
     }
 
 
-def _train(hf_dir: str, settings: dict, steps: int = 3, sleep_between_steps: bool = False, logprob_check: bool = False) -> dict:
+def _train(
+    hf_dir: str, settings: dict, steps: int = 3, sleep_between_steps: bool = False, logprob_check: bool = False
+) -> dict:
     """Metrics of `steps` train steps on the shared samples, this rank's exported weights after them, and
     checks of the reference and old-policy logprobs."""
-    from megatron.core import parallel_state
-
     from relax.train.model import export_hf_weights
 
     actor = _actor(hf_dir, **settings)
-    batch = _my_share(_samples(actor.hf["vocab_size"]), parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+    batch = _my_samples(actor)
     initial = actor.compute_logprobs(batch)
     hf_difference = _hf_logprob_difference(hf_dir, batch, initial) if logprob_check else None
     batch.old_logprobs = initial
@@ -407,7 +409,7 @@ def test_parallel_layouts_train_like_dp2(ranks, hf_dirs, dp2_run, settings):
             difference = (weights[name] - expected[name]).abs()
             # Adam moves a weight by about lr per step where the gradient is near zero, whatever its size,
             # so a rounding-level gradient difference can move a few weights by up to steps * lr.
-            assert difference.max() <= 3 * 1e-3 and difference.mean() <= 1e-5, (name, difference.max(), difference.mean())
+            assert difference.max() <= 3 * 1e-3 and difference.mean() <= 1e-5, (name, difference)
 
 
 # --- weight export for sync --------------------------------------------------------------------------
@@ -478,9 +480,7 @@ def test_sleep_and_wake_between_steps_changes_nothing(ranks, hf_dirs, dp2_run):
 
 
 def _dp_batch(actor):
-    from megatron.core import parallel_state
-
-    batch = _my_share(_samples(actor.hf["vocab_size"]), parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
+    batch = _my_samples(actor)
     batch.old_logprobs = actor.compute_logprobs(batch, reference=True)  # the initial weights' logprobs
     batch.ref_logprobs = batch.old_logprobs
     return batch

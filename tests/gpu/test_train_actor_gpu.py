@@ -9,7 +9,6 @@ Run on the lent H200 with: pip install --no-deps megatron-core==0.16.1 &&
 """
 
 import importlib.util
-import os
 import socket
 
 import pytest
@@ -34,7 +33,8 @@ def hf_dir(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torch.cuda.set_device(0)
-    torch.distributed.init_process_group(platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    address = f"tcp://127.0.0.1:{port}"
+    torch.distributed.init_process_group(platform.dist_backend, init_method=address, rank=0, world_size=1)
     yield str(build_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3"))
     torch.distributed.destroy_process_group()
 
@@ -60,7 +60,8 @@ def _actor(hf_dir, bf16=False):
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     dtype = torch.bfloat16 if bf16 else torch.float32
-    transformer = transformer_config(read_hf_config(hf_dir), bf16=bf16, params_dtype=dtype, perform_initialization=False)
+    hf = read_hf_config(hf_dir)
+    transformer = transformer_config(hf, bf16=bf16, params_dtype=dtype, perform_initialization=False)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
     settings = ActorSettings(loss=LossSettings(kl_coef=0.05, entropy_coef=0.01), micro_batch_size=2)
     from relax.platform import get_platform
@@ -100,7 +101,8 @@ def _run(hf_dir, bf16, sleep):
             restored = list(actor._training_state_tensors())
             assert len(state) == len(restored) and all(torch.equal(a, b) for a, b in zip(state, restored))
             del state
-    state_bytes = sum(s.nbytes() for s in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in actor._training_state_tensors()}.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in actor._training_state_tensors()}
+    state_bytes = sum(storage.nbytes() for storage in storages.values())
     return metrics, freed, state_bytes
 
 
