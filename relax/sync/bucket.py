@@ -41,11 +41,12 @@ def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], platform, tp
 
     Returns (bucket, payloads): keep `bucket` referenced until the update call has returned.
     """
+    if not named_tensors:
+        raise ValueError("cannot serialize an empty weight bucket")
+    platform.prepare_sglang()
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    if not named_tensors:
-        raise ValueError("cannot serialize an empty weight bucket")
     if platform.sharing_strategy is not None:
         # CPU tensors travel as shared memory; the strategy decides how (see the platform record).
         torch.multiprocessing.set_sharing_strategy(platform.sharing_strategy)

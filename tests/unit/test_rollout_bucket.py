@@ -16,25 +16,26 @@ def test_split_into_buckets_by_bytes():
 
 
 def test_payload_round_trip_through_shared_memory():
+    platform = get_platform("cpu")
+    platform.prepare_sglang()  # before the first sglang import of the test session
     from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     named = [
         ("model.layers.0.mlp.up_proj.weight", torch.randn(4, 3)),
         ("model.norm.weight", torch.randn(3, dtype=torch.bfloat16)),
         ("transposed", torch.randn(3, 2).t()),  # not contiguous
     ]
-    bucket, payloads = serialize_bucket(named, get_platform("cpu"), tp_size=2)
+    bucket, payloads = serialize_bucket(named, platform, tp_size=2)
     assert len(payloads) == 2
     assert torch.multiprocessing.get_sharing_strategy() == "file_system"
     received = MultiprocessingSerializer.deserialize(payloads[1])
     assert received["flattened_tensor"].is_shared()
     # wider dtypes first, so every slice is aligned for its dtype
     assert [m.name for m in received["metadata"]] == [named[0][0], named[2][0], named[1][0]]
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-
     rebuilt = FlattenedTensorBucket(flattened_tensor=received["flattened_tensor"], metadata=received["metadata"])
     rebuilt_tensors = dict(rebuilt.reconstruct_tensors())
     for name, tensor in named:
         assert rebuilt_tensors[name].dtype == tensor.dtype and torch.equal(rebuilt_tensors[name], tensor)
     with pytest.raises(ValueError, match="empty weight bucket"):
-        serialize_bucket([], get_platform("cpu"))
+        serialize_bucket([], platform)

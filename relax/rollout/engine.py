@@ -1,0 +1,450 @@
+"""SGLang's in-process Engine, as relax drives it: start, batched sampling, weight updates, memory
+release/resume, and a shutdown that leaves no process behind.
+
+Configuration comes in three layers, later ones winning: the platform's ServerArgs defaults
+(relax.platform), the user's `--sglang-*` flags (a ServerArgs or a dict of fields), and the fields relax
+manages itself (model path, tp size, base device id, ports, memory saver), which the user may not set
+to anything else.
+
+Two things differ from calling sglang.Engine directly:
+- Every call waits on the engine while watching its scheduler and detokenizer processes; if one has
+  died, the call raises EngineDeadError within about a second and the engine's processes are cleaned up,
+  instead of hanging (a SIGKILLed scheduler never answers) or killing the caller (SGLang's own SIGQUIT
+  handler kills the whole process tree, including the process that hosts the engine).
+- Weight updates are checked against the checkpoint the engine loaded: SGLang loads a bucket with an
+  unknown name as a success that changed nothing (it only logs "Parameter ... not found in
+  params_dict"), so relax refuses unknown names, wrong shapes, duplicates and incomplete updates itself,
+  naming the tensor. The expected names and shapes are read once from the checkpoint's safetensors
+  headers (no tensor data): the HF names and shapes the engine's loader accepted at start are exactly
+  the ones a later update must use.
+"""
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from relax.sync import bucket as weight_bucket
+
+logger = logging.getLogger(__name__)
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what release/resume_memory_occupation accept
+LIVENESS_POLL_S = 0.5
+# relax's own defaults for engine fields nobody else sets: SGLang's "info" logs every request.
+RELAX_SERVER_DEFAULTS = {"log_level": "warning"}
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's scheduler or detokenizer process is gone; the engine cannot be used any more."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update was refused (before sending) or failed in the engine."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no limit
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
+    stop: tuple[str, ...] = ()  # stop strings
+    ignore_eos: bool = False  # SGLang then also ignores stop_token_ids: only max_new_tokens ends a response
+
+    def __post_init__(self):
+        problems = []
+        if self.n < 1:
+            problems.append(f"n={self.n} (must be >= 1)")
+        if self.temperature < 0:
+            problems.append(f"temperature={self.temperature} (must be >= 0)")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} (must be in (0, 1])")
+        if self.top_k != -1 and self.top_k < 1:
+            problems.append(f"top_k={self.top_k} (must be -1 or >= 1)")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
+        if problems:
+            raise ValueError("invalid sampling settings: " + ", ".join(problems))
+
+    def sglang_params(self) -> dict:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": list(self.stop_token_ids) or None,
+            "stop": list(self.stop) or None,
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # the response, including the EOS / stop token when it stopped on one
+    logprobs: list[float]  # log-probability of each response token under the engine's weights
+    finish_reason: str  # "stop", "length" or "abort"
+    text: str  # the response decoded without special tokens
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the safetensors files of a local HF checkpoint (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(
+            f"no *.safetensors files in {model_path}: relax checks weight updates against the checkpoint's "
+            "tensor names, so the model path must be a local directory with safetensors weights"
+        )
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _explicit_fields(server_args) -> dict:
+    """The fields the user set: a dict as given, or a ServerArgs' fields that differ from SGLang's defaults."""
+    if isinstance(server_args, Mapping):
+        return dict(server_args)
+    import msgspec
+    from sglang.srt.server_args import ServerArgs
+
+    reference = ServerArgs(model_path=server_args.model_path)
+    return {
+        f.name: getattr(server_args, f.name)
+        for f in msgspec.structs.fields(ServerArgs)
+        if getattr(server_args, f.name) != getattr(reference, f.name)
+    }
+
+
+def _log_child_failure(signum=None, frame=None):
+    # SGLang's children SIGQUIT the hosting process when they fail, and SGLang's handler then kills the
+    # whole process tree (the host included). relax's engines notice their own dead processes instead
+    # and raise EngineDeadError in the caller, so the signal only needs to be logged.
+    logger.error("an SGLang engine process reported a failure (SIGQUIT); its engine raises at its next call")
+
+
+class RolloutEngine:
+    """One SGLang Engine in this process. Use as a context manager or call shutdown()."""
+
+    def __init__(
+        self,
+        server_args,  # sglang ServerArgs or a dict of ServerArgs fields (the --sglang-* namespace)
+        *,
+        model_path: str,
+        platform,  # a relax.platform record
+        tp_size: int = 1,
+        base_gpu_id: int = 0,
+        enable_memory_saver: bool = False,
+        port: int | None = None,
+        nccl_port: int | None = None,
+    ):
+        platform.prepare_sglang()  # before anything imports sglang
+        if enable_memory_saver and not platform.has_memory_saver:
+            raise ValueError(
+                f"the memory saver was asked for, but platform {platform.name!r} has none; turn it off on this device"
+            )
+        managed = {
+            "model_path": model_path,
+            "device": platform.name,
+            "tp_size": tp_size,
+            "base_gpu_id": base_gpu_id,
+            "enable_memory_saver": enable_memory_saver,
+            "port": port or _free_port(),
+            "nccl_port": nccl_port or _free_port(),
+            "custom_sigquit_handler": _log_child_failure,
+        }
+        user_fields = _explicit_fields(server_args)
+        for name, value in user_fields.items():
+            if name in managed and value != managed[name]:
+                raise ValueError(
+                    f"SGLang field {name}={value!r} is managed by relax (relax sets {managed[name]!r}); "
+                    "set it through relax's own argument, not through --sglang-*"
+                )
+        fields = {**RELAX_SERVER_DEFAULTS, **platform.sglang_server_defaults, **user_fields, **managed}
+
+        import sglang
+        from sglang.srt.server_args import ServerArgs
+
+        self.platform = platform
+        self.model_path = model_path
+        self.tp_size = tp_size
+        self._expected_shapes = checkpoint_tensor_shapes(model_path)
+        self._update_session: set[str] | None = None
+        self._engine = sglang.Engine(server_args=ServerArgs(**fields))
+        self.server_args = self._engine.server_args
+        self._child_pids = list(self._engine.get_all_child_pids())
+        # The tokenizer manager installs SGLang's kill-everything SIGQUIT handler when it starts its
+        # receive loop; start that now (inside the engine's loop: outside one it would make a new loop)
+        # and put relax's handler in its place (see _log_child_failure).
+        async def start_receive_loop():
+            self._engine.tokenizer_manager.auto_create_handle_loop()
+
+        self._engine.loop.run_until_complete(start_receive_loop())
+        if threading.current_thread() is threading.main_thread():
+            self._engine.loop.add_signal_handler(signal.SIGQUIT, _log_child_failure)
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        return False
+
+    @property
+    def child_pids(self) -> list[int]:
+        """The scheduler and detokenizer processes of this engine."""
+        return list(self._child_pids)
+
+    def _dead_children(self) -> list[str]:
+        dead = []
+        for pid in self._child_pids:
+            try:
+                status = psutil.Process(pid).status()
+            except psutil.NoSuchProcess:
+                status = "gone"
+            if status in ("gone", psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                dead.append(f"pid {pid} ({status})")
+        return dead
+
+    def _live(self):
+        """The SGLang Engine, after checking that its processes still run."""
+        if self._engine is None:
+            raise EngineDeadError(f"the engine for {self.model_path} was shut down")
+        dead = self._dead_children()
+        if dead:
+            self.shutdown()
+            raise EngineDeadError(
+                f"SGLang engine for {self.model_path} died: its process {', '.join(dead)} is no longer running "
+                "(the engine's log above says why; exit -9 is often the OOM killer). The engine was shut down."
+            )
+        return self._engine
+
+    def shutdown(self):
+        """Stop this engine's processes (and theirs) and reap them. Idempotent.
+
+        Not Engine.shutdown(): that kills every child process of the hosting process, which would also
+        take down other engines (or anything else) this process started.
+        """
+        if self._engine is None:
+            return
+        engine, self._engine = self._engine, None
+        import atexit
+
+        atexit.unregister(engine.shutdown)
+        tokenizer_manager = engine.tokenizer_manager
+        if tokenizer_manager._subprocess_watchdog is not None:
+            tokenizer_manager._subprocess_watchdog.stop()  # it would SIGQUIT us for the kills below
+        for task in list(tokenizer_manager.asyncio_tasks):
+            task.cancel()
+        processes = []
+        for pid in self._child_pids:
+            try:
+                process = psutil.Process(pid)
+                processes += [process, *process.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        for process in processes:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(processes, timeout=30)  # waits on (and so reaps) our own children
+        if alive:
+            raise RuntimeError(f"SGLang engine processes did not exit after SIGKILL: {[p.pid for p in alive]}")
+
+    # --- calls into the engine -----------------------------------------------------------------------
+
+    def _run(self, coroutine):
+        """Run a coroutine of the engine (got through self._live()) on the engine's loop, watching the
+        engine's processes while it waits."""
+
+        async def watched():
+            task = asyncio.ensure_future(coroutine)
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=LIVENESS_POLL_S)
+                if done:
+                    return task.result()
+                if self._dead_children():
+                    task.cancel()
+                    return None  # _live() below raises
+
+        try:
+            result = self._engine.loop.run_until_complete(watched())
+        except BaseException:
+            self._live()  # a dead engine explains the failure better than its symptom
+            raise
+        self._live()
+        return result
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """sampling.n completions for each token-id prompt, all submitted at once so the engine batches
+        them continuously. Returns one list of n completions per prompt, in prompt order."""
+        if not prompts:
+            return []
+        requests = [list(prompt) for prompt in prompts for _ in range(sampling.n)]
+        outputs = self._run(
+            self._live().async_generate(
+                input_ids=requests, sampling_params=sampling.sglang_params(), return_logprob=True
+            )
+        )
+        completions = [_completion(output) for output in outputs]
+        return [completions[i : i + sampling.n] for i in range(0, len(completions), sampling.n)]
+
+    def flush_cache(self):
+        result = self._run(self._live().tokenizer_manager.flush_cache())
+        if not result.success:
+            raise RuntimeError(f"SGLang flush_cache failed: {result.message}")
+
+    # --- weight updates ------------------------------------------------------------------------------
+
+    def begin_weight_update(self):
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
+        if self._update_session is not None:
+            raise WeightUpdateError("a weight update is already open; end it with end_weight_update()")
+        self._check_result("begin_weight_update", self._run(
+            self._live().tokenizer_manager.begin_weight_update(BeginWeightUpdateReqInput(), None)
+        ))
+        self._update_session = set()
+
+    def _check_bucket(self, named_tensors: list) -> None:
+        for name, tensor in named_tensors:
+            expected = self._expected_shapes.get(name)
+            if expected is None:
+                raise WeightUpdateError(
+                    f"refusing weight bucket: tensor {name!r} is not a tensor of the engine's checkpoint "
+                    f"{self.model_path} (SGLang would ignore it and report success); send HF names"
+                )
+            if tuple(tensor.shape) != expected:
+                raise WeightUpdateError(
+                    f"refusing weight bucket: tensor {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                    f"checkpoint has {expected} (a partial or unsharded-wrong tensor?)"
+                )
+            if name in self._update_session:
+                raise WeightUpdateError(f"refusing weight bucket: tensor {name!r} was already sent in this update")
+
+    def update_weights_from_tensor(self, named_tensors: list):
+        """Send one bucket of (HF name, full tensor) pairs inside begin/end_weight_update. Every name and
+        shape is checked against the checkpoint before anything is sent."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        if self._update_session is None:
+            raise WeightUpdateError("update_weights_from_tensor needs begin_weight_update() first")
+        named_tensors = list(named_tensors)
+        self._check_bucket(named_tensors)
+        bucket, payloads = weight_bucket.serialize_bucket(named_tensors, self.platform, tp_size=self.tp_size)
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payloads, load_format=weight_bucket.LOAD_FORMAT, flush_cache=False
+        )
+        result = self._run(self._live().tokenizer_manager.update_weights_from_tensor(request, None))
+        del bucket  # the engine has copied the data: the shared buffer may go now
+        self._check_result("update_weights_from_tensor", result)
+        self._update_session.update(name for name, _ in named_tensors)
+
+    def end_weight_update(self, expect_complete: bool = True):
+        """Close the update and flush the prefix cache (it holds KV computed with the old weights).
+        With expect_complete, every checkpoint tensor must have been sent; otherwise the engine would
+        run on a mix of old and new weights, and this raises naming what is missing."""
+        if self._update_session is None:
+            raise WeightUpdateError("end_weight_update without begin_weight_update()")
+        sent, self._update_session = self._update_session, None
+        self._end_engine_update()
+        self.flush_cache()
+        missing = sorted(set(self._expected_shapes) - sent)
+        if expect_complete and missing:
+            raise WeightUpdateError(
+                f"incomplete weight update: {len(missing)} of {len(self._expected_shapes)} checkpoint tensors were "
+                f"not sent, e.g. {missing[:5]}; the engine now mixes old and new weights"
+            )
+
+    def _end_engine_update(self):
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
+        result = self._run(self._live().tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None))
+        self._check_result("end_weight_update", result)
+
+    def update_weights(self, named_tensors: Iterable, bucket_bytes: int = 512 << 20):
+        """A whole update: begin, buckets of at most bucket_bytes, end."""
+        self.begin_weight_update()
+        try:
+            for bucket in weight_bucket.split_into_buckets(named_tensors, bucket_bytes):
+                self.update_weights_from_tensor(bucket)
+        except BaseException:
+            self._update_session = None
+            self._end_engine_update()  # leave the engine's update session closed
+            raise
+        self.end_weight_update()
+
+    def update_weights_from_disk(self, model_path: str):
+        """Reload all weights from an HF checkpoint directory (the fallback path), then flush the cache."""
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        result = self._run(
+            self._live().tokenizer_manager.update_weights_from_disk(
+                UpdateWeightFromDiskReqInput(model_path=model_path), None
+            )
+        )
+        self._check_result("update_weights_from_disk", result[:2])
+        self.flush_cache()
+
+    @staticmethod
+    def _check_result(call: str, result):
+        success, message = (result.success, result.message) if hasattr(result, "success") else result
+        if not success:
+            raise WeightUpdateError(f"SGLang {call} failed: {message}")
+
+    # --- memory ---------------------------------------------------------------------------------------
+
+    def release_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS):
+        """Hand the tagged device memory back (a no-op on platforms without a memory saver)."""
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        self._run(self._live().tokenizer_manager.release_memory_occupation(
+            ReleaseMemoryOccupationReqInput(tags=_checked_tags(tags)), None
+        ))
+
+    def resume_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS):
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        self._run(self._live().tokenizer_manager.resume_memory_occupation(
+            ResumeMemoryOccupationReqInput(tags=_checked_tags(tags)), None
+        ))
+
+
+def _checked_tags(tags) -> list[str]:
+    tags = list(tags)
+    unknown = [tag for tag in tags if tag not in MEMORY_TAGS]
+    if unknown:
+        raise ValueError(f"unknown memory tags {unknown}; choose from {list(MEMORY_TAGS)}")
+    return tags
+
+
+def _completion(output: dict) -> Completion:
+    meta = output["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    token_logprobs = meta["output_token_logprobs"]
+    return Completion(
+        token_ids=[token_id for _, token_id, _ in token_logprobs],
+        logprobs=[logprob for logprob, _, _ in token_logprobs],
+        finish_reason=finish.get("type", "abort"),
+        text=output.get("text", ""),
+    )

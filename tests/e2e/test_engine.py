@@ -1,0 +1,147 @@
+"""relax.rollout.engine on SGLang's real in-process Engine (CPU, float32, tiny random Qwen3), checked
+against HF transformers. One engine serves the module; two more are started to test shutdown and death.
+"""
+
+import os
+import signal
+import threading
+
+import psutil
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from relax.platform import get_platform
+from relax.rollout.engine import EngineDeadError, RolloutEngine, SamplingConfig, WeightUpdateError
+from relax.tiny_model import build_tiny_model
+
+# A small KV pool: the platform's memory fraction would reserve ~1 GB for a model of 80k parameters.
+SERVER_ARGS = {"max_total_tokens": 4096}
+PROMPTS = [[5, 6], [1, 33, 31, 17, 30, 54, 15, 27, 28], [(7 * i) % 50 + 3 for i in range(40)]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_models")
+    return build_tiny_model(root / "initial", "qwen3", seed=0), build_tiny_model(root / "updated", "qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(models):
+    with RolloutEngine(SERVER_ARGS, model_path=str(models[0]), platform=get_platform("cpu")) as engine:
+        yield engine
+
+
+def hf_greedy(model_dir, prompt, steps):
+    """Greedy tokens from HF transformers and the log-probability of each under the model."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0], dim=-1)
+    generated = ids[len(prompt):]
+    return generated, [float(logprobs[len(prompt) - 1 + i, token]) for i, token in enumerate(generated)]
+
+
+def assert_engine_matches_hf(engine, model_dir, steps=8):
+    greedy = SamplingConfig(n=2, temperature=0.0, max_new_tokens=steps, ignore_eos=True)
+    for prompt, completions in zip(PROMPTS, engine.generate(PROMPTS, greedy)):
+        tokens, logprobs = hf_greedy(model_dir, prompt, steps)
+        for completion in completions:
+            assert completion.token_ids == tokens
+            assert completion.finish_reason == "length"
+            assert max(abs(a - b) for a, b in zip(completion.logprobs, logprobs)) < 1e-4
+
+
+def test_greedy_tokens_and_logprobs_match_hf(engine, models):
+    assert_engine_matches_hf(engine, models[0])
+
+
+def test_sampling_settings_reach_the_engine(engine, models):
+    reference = engine.generate(PROMPTS[:1], SamplingConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True))[0][0]
+    # top_k=1 (and a tiny top_p) leave only the argmax even at temperature 1
+    for sampling in (SamplingConfig(n=3, top_k=1, max_new_tokens=6, ignore_eos=True),
+                     SamplingConfig(n=3, top_p=1e-6, max_new_tokens=6, ignore_eos=True)):
+        assert [c.token_ids for c in engine.generate(PROMPTS[:1], sampling)[0]] == [reference.token_ids] * 3
+    # a stop token ends the response with it (and reports "stop"); max_new_tokens ends with "length"
+    assert reference.finish_reason == "length"
+    stop_token = reference.token_ids[2]
+    stopped = engine.generate(
+        PROMPTS[:1], SamplingConfig(temperature=0.0, max_new_tokens=6, stop_token_ids=(stop_token,))
+    )[0][0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == reference.token_ids[: reference.token_ids.index(stop_token) + 1]
+    assert len(stopped.logprobs) == len(stopped.token_ids)
+    # sampling at temperature 1: n different responses per prompt, in prompt order
+    sampled = engine.generate(PROMPTS, SamplingConfig(n=4, temperature=1.0, max_new_tokens=12, ignore_eos=True))
+    assert [len(group) for group in sampled] == [4, 4, 4]
+    assert len({tuple(c.token_ids) for c in sampled[1]}) > 1
+    assert all(c.logprobs and max(c.logprobs) <= 0 for group in sampled for c in group)
+
+
+def test_updated_weights_match_hf_then_disk_restores(engine, models):
+    initial, updated = models
+    new_weights = load_file(str(updated / "model.safetensors"))
+    # a few KiB per bucket: the update goes out in many buckets
+    engine.update_weights(sorted(new_weights.items()), bucket_bytes=16 << 10)
+    assert_engine_matches_hf(engine, updated)
+    engine.update_weights_from_disk(str(initial))
+    assert_engine_matches_hf(engine, initial)
+
+
+def test_wrong_buckets_are_refused_naming_the_tensor(engine, models):
+    weights = sorted(load_file(str(models[0] / "model.safetensors")).items())
+    name, tensor = weights[3]
+    engine.begin_weight_update()
+    with pytest.raises(WeightUpdateError, match="tensor 'model.layers.0.self_attn.qkv_proj.weight' is not a tensor"):
+        engine.update_weights_from_tensor([weights[0], ("model.layers.0.self_attn.qkv_proj.weight", tensor)])
+    with pytest.raises(WeightUpdateError, match=f"tensor '{name}' has shape"):
+        engine.update_weights_from_tensor([(name, tensor[:1])])
+    engine.update_weights_from_tensor(weights[:5])  # the current values: the engine's weights do not change
+    with pytest.raises(WeightUpdateError, match=f"tensor '{weights[4][0]}' was already sent"):
+        engine.update_weights_from_tensor(weights[4:6])
+    with pytest.raises(WeightUpdateError, match=rf"incomplete weight update: {len(weights) - 5} of {len(weights)}"):
+        engine.end_weight_update()
+    assert_engine_matches_hf(engine, models[0], steps=4)
+
+
+def test_release_and_resume_memory(engine, models):
+    engine.release_memory_occupation(["kv_cache", "weights"])
+    engine.resume_memory_occupation(["weights"])
+    engine.resume_memory_occupation(["kv_cache"])
+    with pytest.raises(ValueError, match="unknown memory tags"):
+        engine.release_memory_occupation(["kv"])
+    assert_engine_matches_hf(engine, models[0], steps=4)
+
+
+def sglang_processes_of_this_test_process():
+    return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("sglang::")]
+
+
+@pytest.mark.timeout(300)
+def test_engines_stop_cleanly_and_a_dead_engine_raises(engine, models):
+    platform = get_platform("cpu")
+    before = {p.pid for p in sglang_processes_of_this_test_process()}
+    assert set(engine.child_pids) <= before
+
+    with RolloutEngine(SERVER_ARGS, model_path=str(models[0]), platform=platform) as second:
+        assert len(second.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=3))[0]) == 1
+        pids = second.child_pids
+    assert not any(psutil.pid_exists(pid) for pid in pids)  # killed and reaped, no zombies
+
+    third = RolloutEngine(SERVER_ARGS, model_path=str(models[0]), platform=platform)
+    # the scheduler dies mid-generation, as under the OOM killer: it never answers, the call must not hang
+    killer = threading.Timer(0.5, os.kill, (third.child_pids[0], signal.SIGKILL))
+    killer.start()
+    with pytest.raises(EngineDeadError, match=r"died: its process pid \d+"):
+        third.generate(PROMPTS[:2], SamplingConfig(n=8, max_new_tokens=450, ignore_eos=True))
+    killer.join()
+    assert not any(psutil.pid_exists(pid) for pid in third.child_pids)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        third.generate(PROMPTS, SamplingConfig())
+
+    # the module's engine lived through both
+    assert {p.pid for p in sglang_processes_of_this_test_process()} == before
+    assert_engine_matches_hf(engine, models[0], steps=4)

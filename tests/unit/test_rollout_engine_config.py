@@ -1,0 +1,58 @@
+"""relax.rollout.engine's checks that need no running engine (the engine itself: tests/e2e/test_engine.py)."""
+
+import pytest
+
+from relax.platform import get_platform
+from relax.rollout.engine import (
+    RolloutEngine,
+    SamplingConfig,
+    WeightUpdateError,
+    _completion,
+    _explicit_fields,
+    checkpoint_tensor_shapes,
+)
+from relax.tiny_model import build_tiny_model
+
+
+def test_sampling_config_checks_and_sglang_params():
+    with pytest.raises(ValueError, match=r"n=0 \(must be >= 1\), top_p=0 \(must be in \(0, 1\]\), top_k=0"):
+        SamplingConfig(n=0, top_p=0, top_k=0)
+    params = SamplingConfig(temperature=0.7, top_k=5, max_new_tokens=9, stop_token_ids=(2,), stop=("\n",)).sglang_params()
+    assert params == {"temperature": 0.7, "top_p": 1.0, "top_k": 5, "max_new_tokens": 9, "stop_token_ids": [2],
+                      "stop": ["\n"], "ignore_eos": False}
+
+
+def test_managed_fields_are_refused_from_the_sglang_namespace(tmp_path):
+    cpu = get_platform("cpu")
+    with pytest.raises(ValueError, match=r"SGLang field tp_size=2 is managed by relax \(relax sets 1\)"):
+        RolloutEngine({"tp_size": 2}, model_path=str(tmp_path), platform=cpu)
+    with pytest.raises(ValueError, match="memory saver was asked for, but platform 'cpu' has none"):
+        RolloutEngine({}, model_path=str(tmp_path), platform=cpu, enable_memory_saver=True)
+
+
+def test_explicit_fields_of_a_server_args():
+    get_platform("cpu").prepare_sglang()
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path="m", tp_size=1, max_total_tokens=1024, log_level="debug")
+    assert _explicit_fields(server_args) == {"max_total_tokens": 1024, "log_level": "debug"}
+    assert _explicit_fields({"dtype": "auto"}) == {"dtype": "auto"}
+
+
+def test_checkpoint_tensor_shapes(tmp_path):
+    shapes = checkpoint_tensor_shapes(str(build_tiny_model(tmp_path / "m", "qwen3")))
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (64, 64)
+    assert shapes["model.layers.1.self_attn.k_norm.weight"] == (16,)
+    with pytest.raises(WeightUpdateError, match="no \\*.safetensors files in"):
+        checkpoint_tensor_shapes(str(tmp_path))
+
+
+def test_completion_from_sglang_output():
+    output = {
+        "text": "ab",
+        "meta_info": {"finish_reason": {"type": "stop", "matched": 2},
+                      "output_token_logprobs": [(-0.5, 13, None), (-0.25, 14, None), (-1.0, 2, None)]},
+    }
+    completion = _completion(output)
+    assert (completion.token_ids, completion.logprobs, completion.finish_reason, completion.text) == (
+        [13, 14, 2], [-0.5, -0.25, -1.0], "stop", "ab")
