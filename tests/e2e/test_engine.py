@@ -1,5 +1,6 @@
 """relax.rollout.engine on SGLang's real in-process Engine (CPU, float32, tiny random Qwen3), checked
-against HF transformers. One engine serves the module; two more are started to test shutdown and death.
+against HF transformers, and a rollout through it. One engine serves the module; two more are started
+to test shutdown and death.
 """
 
 import os
@@ -13,7 +14,11 @@ import transformers
 from safetensors.torch import load_file
 
 from relax.platform import get_platform
+from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import EngineDeadError, RolloutEngine, SamplingConfig, WeightUpdateError
+from relax.rollout.rewards import load_reward_fn
+from relax.rollout.rollout import RolloutConfig, rollout
+from relax.rollout.synthetic import char_match_score, write_task
 from relax.tiny_model import build_tiny_model
 
 # A small KV pool: the platform's memory fraction would reserve ~1 GB for a model of 80k parameters.
@@ -145,3 +150,23 @@ def test_engines_stop_cleanly_and_a_dead_engine_raises(engine, models):
     # the module's engine lived through both
     assert {p.pid for p in sglang_processes_of_this_test_process()} == before
     assert_engine_matches_hf(engine, models[0], steps=4)
+
+
+def test_rollout_on_a_synthetic_task(engine, models, tmp_path):
+    data = write_task("copy_digit", 12, tmp_path / "copy_digit.jsonl", seed=3)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(models[0])
+    prompts, report = load_prompts(PromptDataConfig(str(data), metadata_key="metadata"), tokenizer)
+    assert report.kept == 12
+    loader = PromptLoader(prompts, seed=0)
+    config = RolloutConfig(sampling=SamplingConfig(n=4, temperature=1.0, max_new_tokens=4), num_prompts=6)
+    result = rollout(engine, loader, load_reward_fn("copy_digit"), config)
+    assert loader.position.index == 6
+    assert [len(group.samples) for group in result.groups] == [4] * 6
+    for group in result.groups:
+        for sample in group.samples:
+            assert 1 <= len(sample.response_token_ids) == len(sample.response_logprobs) <= 4
+            assert sample.response_text == tokenizer.decode(sample.response_token_ids, skip_special_tokens=True)
+            assert sample.reward == char_match_score(sample.response_text, group.prompt.label)
+            assert sample.finish_reason in ("stop", "length")
+    assert result.reward_report.samples == 24 and result.reward_report.failures == 0
+    assert 0 <= result.metrics["rollout/reward_mean"] <= 1
