@@ -37,6 +37,7 @@ _COMMON = dict(
 _HYBRID_GDN = dict(
     num_hidden_layers=4,
     layer_types=["linear_attention"] * 3 + ["full_attention"],
+    full_attention_interval=4,  # SGLang 0.5.23 reads the layer kinds from this, HF from layer_types
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=16,
