@@ -19,6 +19,7 @@ import torch
 from relax.train.model import build_gpt_model, export_hf_weights, read_hf_config, transformer_config, unwrap
 
 HF_FILES_DIR = "hf"
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
 
@@ -51,10 +52,15 @@ def _sharded_state(actor, step: int, rng: dict | None, is_loading: bool = False)
     model_state = unwrap(actor.model).sharded_state_dict()
     return {
         "model": model_state,
-        # is_loading creates the optimizer state (Adam's moments) to load into, on a fresh actor
-        "optimizer": actor.optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        # is_loading creates the optimizer state (Adam's moments) to load into, on a fresh actor. The
+        # distributed optimizer's default format (fully_sharded_model_space) is deprecated and fails in
+        # megatron-core 0.16.1 ("flattened_range is not supported"); fully_reshardable loads at any layout.
+        "optimizer": actor.optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT
+        ),
         "scheduler": actor.scheduler.state_dict(),
         "step": step,
+        "adam_steps": _adam_steps(actor),
         # One RNG state per rank: they differ across ranks (megatron's tracker seeds per TP/PP rank).
         "rng": ShardedObject("rng_state", rng, (world,), (rank,), replica_id=0),
     }
@@ -83,13 +89,58 @@ def load_checkpoint(actor, directory: str | Path) -> int:
     directory = Path(directory)
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise FileNotFoundError(f"{directory} is not a relax/megatron distributed checkpoint")
+    _create_optimizer_state(actor)
     template = _sharded_state(actor, 0, _rng_state(actor.platform), is_loading=True)
     state = dist_checkpointing.load(template, str(directory))
     unwrap(actor.model).load_state_dict(state["model"])
-    actor.optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into its (leaf) main params
+        actor.optimizer.load_state_dict(state["optimizer"])
+    _restore_adam_steps(actor, state["adam_steps"])
     actor.scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"], actor.platform)
     return state["step"]
+
+
+def _create_optimizer_state(actor) -> None:
+    """Give a fresh actor's optimizer the state a checkpoint is loaded into (Adam's moments and step).
+
+    megatron-core 0.16.1 creates the moments itself when loading (init_state_fn), but not torch Adam's
+    "step"; without TransformerEngine or Apex the distributed optimizer reads "step" of every state while
+    building the template (distrib_optimizer.py:642, `assert len(steps) == 1`) and fails on a fresh actor.
+    The values are placeholders: the checkpoint overwrites them."""
+    for optimizer in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        if getattr(optimizer, "init_state_fn", None) is None:
+            continue
+        optimizer.init_state_fn(optimizer.optimizer, optimizer.config)
+        for state in optimizer.optimizer.state.values():
+            state.setdefault("step", torch.zeros((), dtype=torch.float32))
+
+
+def _adam_steps(actor) -> list[float | None]:
+    """Each optimizer's Adam step count (the same for all its parameters), None before the first step."""
+    steps = []
+    for optimizer in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        values = {float(state["step"]) for state in optimizer.optimizer.state.values() if "step" in state}
+        if len(values) > 1:
+            raise RuntimeError(f"parameters of one optimizer are at different Adam steps: {sorted(values)}")
+        steps.append(values.pop() if values else None)
+    return steps
+
+
+def _restore_adam_steps(actor, steps: list[float | None]) -> None:
+    """Give every parameter's state its own "step" tensor with the saved count.
+
+    Without TransformerEngine or Apex, megatron-core 0.16.1's DistributedOptimizer.load_state_dict gives
+    all parameters one shared "step" tensor (distrib_optimizer.py:825) taken from its param groups, which
+    held the fresh actor's count, not the checkpoint's; torch Adam then increments the shared tensor once
+    per parameter. Both skew Adam's bias correction, so the count is saved by relax and set here."""
+    optimizers = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    for optimizer, step in zip(optimizers, steps, strict=True):
+        for param_state in optimizer.optimizer.state.values():
+            if step is None:
+                param_state.pop("step", None)
+            else:
+                param_state["step"] = torch.tensor(step, dtype=torch.float32)
 
 
 def _copy_hf_files(source: Path, destination: Path) -> None:

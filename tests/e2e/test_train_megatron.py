@@ -486,21 +486,21 @@ def _dp_batch(actor):
     return batch
 
 
-def _train_one_step_and_save(hf_dir: str, checkpoint_dir: str) -> dict:
+def _train_one_step_and_save(hf_dir: str, checkpoint_dir: str, settings: dict) -> dict:
     from relax.train.checkpoint import save_checkpoint
     from relax.train.model import export_hf_weights
 
-    actor = _actor(hf_dir, micro_batch_size=2)
+    actor = _actor(hf_dir, **settings)
     actor.train_step(_dp_batch(actor))
     save_checkpoint(actor, checkpoint_dir, step=1)
     return {"rng_after_save": torch.rand(3), "weights": dict(export_hf_weights(actor.model, actor.hf))}
 
 
-def _resume_and_train(hf_dir: str, checkpoint_dir: str) -> dict:
+def _resume_and_train(hf_dir: str, checkpoint_dir: str, settings: dict) -> dict:
     from relax.train.checkpoint import load_checkpoint
     from relax.train.model import export_hf_weights
 
-    actor = _actor(hf_dir, micro_batch_size=2)
+    actor = _actor(hf_dir, **settings)
     batch = _dp_batch(actor)
     step = load_checkpoint(actor, checkpoint_dir)
     rng = torch.rand(3)
@@ -517,16 +517,21 @@ def _convert(checkpoint_dir: str, out_dir: str, tp: int) -> None:
     checkpoint_to_hf(checkpoint_dir, out_dir)
 
 
-def test_checkpoint_resume_equals_uninterrupted_and_converts_to_hf(ranks, hf_dirs, dp2_run, tmp_path):
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_checkpoint_resume_equals_uninterrupted_and_converts_to_hf(
+    ranks, hf_dirs, dp2_run, tmp_path, distributed_optimizer
+):
     """One DP=2 step, save; a fresh actor loads it and trains 2 steps: metrics and weights equal steps 2-3 of
     the uninterrupted DP=2 run exactly, and RNG continues where it was saved. The checkpoint converted at
     TP=2 (resharded) is an HF directory transformers loads, with the saved weights exactly."""
     import transformers
 
+    settings = dict(micro_batch_size=2, distributed_optimizer=distributed_optimizer)
+    baseline_run = ranks.run(_train, hf_dirs["qwen3"], settings) if distributed_optimizer else dp2_run
     checkpoint_dir, hf_out = str(tmp_path / "step1"), str(tmp_path / "hf")
-    saved = ranks.run(_train_one_step_and_save, hf_dirs["qwen3"], checkpoint_dir)
-    resumed = ranks.run(_resume_and_train, hf_dirs["qwen3"], checkpoint_dir)
-    for saved_rank, resumed_rank, baseline in zip(saved, resumed, dp2_run):
+    saved = ranks.run(_train_one_step_and_save, hf_dirs["qwen3"], checkpoint_dir, settings)
+    resumed = ranks.run(_resume_and_train, hf_dirs["qwen3"], checkpoint_dir, settings)
+    for saved_rank, resumed_rank, baseline in zip(saved, resumed, baseline_run):
         assert resumed_rank["step"] == 1
         assert torch.equal(resumed_rank["rng"], saved_rank["rng_after_save"])
         assert resumed_rank["metrics"] == baseline["metrics"][1:]
