@@ -1,9 +1,10 @@
 """Actor checkpoints with megatron-core's dist_checkpointing, and their conversion to an HF directory.
 
 A checkpoint directory holds the model and optimizer as sharded tensors (dist_checkpointing's torch_dist
-format: any TP/PP layout can load them), the LR scheduler and step as common state, each rank's RNG
-states, and under hf/ the non-weight files of the HF model it started from (config.json, tokenizer,
-generation config), so that `checkpoint_to_hf` needs nothing else.
+format: the model loads at any TP/PP layout; the distributed optimizer's state, saved "dp_reshardable",
+needs the same TP/PP layout and may change only the DP size), the LR scheduler, step and Adam step counts
+as common state, each rank's RNG states, and under hf/ the non-weight files of the HF model it started
+from (config.json, tokenizer, generation config), so that `checkpoint_to_hf` needs nothing else.
 
 All functions are collective over the actor's ranks.
 """
@@ -82,7 +83,7 @@ def save_checkpoint(actor, directory: str | Path, step: int) -> None:
 
 
 def load_checkpoint(actor, directory: str | Path) -> int:
-    """Load what save_checkpoint wrote into the actor (any TP/PP layout for model and optimizer; the RNG
+    """Load what save_checkpoint wrote into the actor (see the module doc for which layouts load; the RNG
     states need the world size they were saved with). Returns the saved step."""
     from megatron.core import dist_checkpointing
 
