@@ -326,39 +326,57 @@ class RolloutEngine:
         ))
         self._update_session = set()
 
-    def _check_bucket(self, named_tensors: list) -> None:
-        for name, tensor in named_tensors:
+    def _check_bucket(self, specs: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Refuse a bucket (before anything is sent) unless every (name, shape) is a checkpoint tensor
+        with its shape, sent once in this update."""
+        if self._update_session is None:
+            raise WeightUpdateError("weight buckets need begin_weight_update() first")
+        in_bucket = set()
+        for name, shape in specs:
             expected = self._expected_shapes.get(name)
             if expected is None:
                 raise WeightUpdateError(
                     f"refusing weight bucket: tensor {name!r} is not a tensor of the engine's checkpoint "
                     f"{self.model_path} (SGLang would ignore it and report success); send HF names"
                 )
-            if tuple(tensor.shape) != expected:
+            if tuple(shape) != expected:
                 raise WeightUpdateError(
-                    f"refusing weight bucket: tensor {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                    f"refusing weight bucket: tensor {name!r} has shape {tuple(shape)}, the engine's "
                     f"checkpoint has {expected} (a partial or unsharded-wrong tensor?)"
                 )
-            if name in self._update_session:
+            if name in self._update_session or name in in_bucket:
                 raise WeightUpdateError(f"refusing weight bucket: tensor {name!r} was already sent in this update")
+            in_bucket.add(name)
 
-    def update_weights_from_tensor(self, named_tensors: list):
-        """Send one bucket of (HF name, full tensor) pairs inside begin/end_weight_update. Every name and
-        shape is checked against the checkpoint before anything is sent."""
+    def _send_bucket(self, names: list[str], payloads: list[bytes]):
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
-        if self._update_session is None:
-            raise WeightUpdateError("update_weights_from_tensor needs begin_weight_update() first")
-        named_tensors = list(named_tensors)
-        self._check_bucket(named_tensors)
-        bucket, payloads = weight_bucket.serialize_bucket(named_tensors, self.platform, tp_size=self.tp_size)
+        if len(payloads) != self.tp_size:
+            raise WeightUpdateError(f"a bucket needs one payload per TP rank ({self.tp_size}), got {len(payloads)}")
         request = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=payloads, load_format=weight_bucket.LOAD_FORMAT, flush_cache=False
         )
-        result = self._run(self._live().tokenizer_manager.update_weights_from_tensor(request, None))
+        self._check_result(
+            "update_weights_from_tensor", self._run(self._live().tokenizer_manager.update_weights_from_tensor(request, None))
+        )
+        self._update_session.update(names)
+
+    def update_weights_from_tensor(self, named_tensors: list):
+        """Send one bucket of (HF name, full tensor) pairs inside begin/end_weight_update, packed in this
+        process. Every name and shape is checked against the checkpoint before anything is sent."""
+        named_tensors = list(named_tensors)
+        self._check_bucket([(name, tuple(tensor.shape)) for name, tensor in named_tensors])
+        bucket, payloads = weight_bucket.serialize_bucket(named_tensors, self.platform, tp_size=self.tp_size)
+        self._send_bucket([name for name, _ in named_tensors], payloads)
         del bucket  # the engine has copied the data: the shared buffer may go now
-        self._check_result("update_weights_from_tensor", result)
-        self._update_session.update(name for name, _ in named_tensors)
+
+    def update_weights_from_serialized_bucket(self, specs: list[tuple[str, tuple[int, ...]]], payloads: list[bytes]):
+        """Send one bucket packed by another process (the training actor) with
+        relax.sync.bucket.serialize_bucket: `specs` is bucket_specs(bucket), `payloads` its payloads (they
+        hold shared-memory / IPC handles, not the data, so they cross process boundaries cheaply). The
+        sender keeps the bucket alive until this returns. Checked like update_weights_from_tensor."""
+        self._check_bucket(specs)
+        self._send_bucket([name for name, _ in specs], payloads)
 
     def end_weight_update(self, expect_complete: bool = True):
         """Close the update and flush the prefix cache (it holds KV computed with the old weights).

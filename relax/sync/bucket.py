@@ -64,3 +64,8 @@ def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], platform, tp
     # One payload per rank: each rank deserializes only its own, so IPC reference counts stay per rank.
     payloads = [MultiprocessingSerializer.serialize(content) for _ in range(tp_size)]
     return bucket, payloads
+
+
+def bucket_specs(bucket) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor in a bucket from serialize_bucket: what the receiver checks."""
+    return [(meta.name, tuple(meta.shape)) for meta in bucket.get_metadata()]

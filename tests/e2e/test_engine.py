@@ -19,6 +19,7 @@ from relax.rollout.engine import EngineDeadError, RolloutEngine, SamplingConfig,
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import RolloutConfig, rollout
 from relax.rollout.synthetic import char_match_score, write_task
+from relax.sync.bucket import bucket_specs, serialize_bucket, split_into_buckets
 from relax.tiny_model import build_tiny_model
 
 # A small KV pool: the platform's memory fraction would reserve ~1 GB for a model of 80k parameters.
@@ -38,9 +39,8 @@ def engine(models):
         yield engine
 
 
-def hf_greedy(model_dir, prompt, steps):
+def hf_greedy(model, prompt, steps):
     """Greedy tokens from HF transformers and the log-probability of each under the model."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(steps):
@@ -52,8 +52,9 @@ def hf_greedy(model_dir, prompt, steps):
 
 def assert_engine_matches_hf(engine, model_dir, steps=8):
     greedy = SamplingConfig(n=2, temperature=0.0, max_new_tokens=steps, ignore_eos=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for prompt, completions in zip(PROMPTS, engine.generate(PROMPTS, greedy)):
-        tokens, logprobs = hf_greedy(model_dir, prompt, steps)
+        tokens, logprobs = hf_greedy(model, prompt, steps)
         for completion in completions:
             assert completion.token_ids == tokens
             assert completion.finish_reason == "length"
@@ -86,28 +87,48 @@ def test_sampling_settings_reach_the_engine(engine, models):
     assert all(c.logprobs and max(c.logprobs) <= 0 for group in sampled for c in group)
 
 
-def test_updated_weights_match_hf_then_disk_restores(engine, models):
+def weights(model_dir):
+    return sorted(load_file(str(model_dir / "model.safetensors")).items())
+
+
+def test_updated_weights_match_hf(engine, models):
     initial, updated = models
-    new_weights = load_file(str(updated / "model.safetensors"))
-    # a few KiB per bucket: the update goes out in many buckets
-    engine.update_weights(sorted(new_weights.items()), bucket_bytes=16 << 10)
+    # tensors packed by the engine's process, a few KiB per bucket: the update goes out in many buckets
+    engine.update_weights(weights(updated), bucket_bytes=16 << 10)
     assert_engine_matches_hf(engine, updated)
-    engine.update_weights_from_disk(str(initial))
+
+    # packed by the sender, as a training actor does, and handed over as payloads of shared-memory handles
+    engine.begin_weight_update()
+    for tensors in split_into_buckets(weights(initial), bucket_bytes=64 << 10):
+        bucket, payloads = serialize_bucket(tensors, get_platform("cpu"))
+        engine.update_weights_from_serialized_bucket(bucket_specs(bucket), payloads)
+    engine.end_weight_update()
     assert_engine_matches_hf(engine, initial)
+
+    # the fallback: a whole checkpoint from disk
+    engine.update_weights_from_disk(str(updated))
+    assert_engine_matches_hf(engine, updated, steps=4)
+    engine.update_weights_from_disk(str(initial))
 
 
 def test_wrong_buckets_are_refused_naming_the_tensor(engine, models):
-    weights = sorted(load_file(str(models[0] / "model.safetensors")).items())
-    name, tensor = weights[3]
+    checkpoint = weights(models[0])
+    name, tensor = checkpoint[3]
+    with pytest.raises(WeightUpdateError, match="need begin_weight_update"):
+        engine.update_weights_from_tensor(checkpoint[:1])
     engine.begin_weight_update()
     with pytest.raises(WeightUpdateError, match="tensor 'model.layers.0.self_attn.qkv_proj.weight' is not a tensor"):
-        engine.update_weights_from_tensor([weights[0], ("model.layers.0.self_attn.qkv_proj.weight", tensor)])
+        engine.update_weights_from_tensor([checkpoint[0], ("model.layers.0.self_attn.qkv_proj.weight", tensor)])
     with pytest.raises(WeightUpdateError, match=f"tensor '{name}' has shape"):
         engine.update_weights_from_tensor([(name, tensor[:1])])
-    engine.update_weights_from_tensor(weights[:5])  # the current values: the engine's weights do not change
-    with pytest.raises(WeightUpdateError, match=f"tensor '{weights[4][0]}' was already sent"):
-        engine.update_weights_from_tensor(weights[4:6])
-    with pytest.raises(WeightUpdateError, match=rf"incomplete weight update: {len(weights) - 5} of {len(weights)}"):
+    with pytest.raises(WeightUpdateError, match=f"tensor '{name}' has shape \\(1, 128\\)"):
+        engine.update_weights_from_serialized_bucket([(name, (1, 128))], [b""])
+    with pytest.raises(WeightUpdateError, match=f"tensor '{name}' was already sent"):
+        engine.update_weights_from_tensor([(name, tensor), (name, tensor)])
+    engine.update_weights_from_tensor(checkpoint[:5])  # the current values: the engine's weights do not change
+    with pytest.raises(WeightUpdateError, match=f"tensor '{checkpoint[4][0]}' was already sent"):
+        engine.update_weights_from_tensor(checkpoint[4:6])
+    with pytest.raises(WeightUpdateError, match=rf"incomplete weight update: {len(checkpoint) - 5} of {len(checkpoint)}"):
         engine.end_weight_update()
     assert_engine_matches_hf(engine, models[0], steps=4)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from relax.platform import get_platform
-from relax.sync.bucket import serialize_bucket, split_into_buckets
+from relax.sync.bucket import bucket_specs, serialize_bucket, split_into_buckets
 
 
 def test_split_into_buckets_by_bytes():
@@ -33,6 +33,7 @@ def test_payload_round_trip_through_shared_memory():
     assert received["flattened_tensor"].is_shared()
     # wider dtypes first, so every slice is aligned for its dtype
     assert [m.name for m in received["metadata"]] == [named[0][0], named[2][0], named[1][0]]
+    assert bucket_specs(bucket) == [(named[0][0], (4, 3)), (named[2][0], (2, 3)), (named[1][0], (3,))]
     rebuilt = FlattenedTensorBucket(flattened_tensor=received["flattened_tensor"], metadata=received["metadata"])
     rebuilt_tensors = dict(rebuilt.reconstruct_tensors())
     for name, tensor in named:
