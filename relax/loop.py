@@ -1,0 +1,231 @@
+"""The colocated RL loop. `run` reads top to bottom: set up, then one colocated step per iteration.
+
+One step (DESIGN.md): generate and score; release the engines' memory; wake the actor; old-policy (and
+reference) logprobs and advantages; train; push the new weights to the engines and put the actor to
+sleep; resume the engines. The phases are plain functions below `run`.
+
+Weight push order: the actor pushes while awake (engines' weights resumed, their KV cache still
+released), then sleeps. Exporting from a sleeping actor's host copy, which would lower the peak by the
+actor's weights, is not built yet.
+"""
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import ray
+import torch
+
+from relax.metrics import MetricsLog
+from relax.ray.placement import create_engine_actors, create_placement, create_training_actors
+from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
+from relax.rollout.engine import SamplingConfig
+from relax.rollout.groups import Sample, apply_overlong_penalty
+from relax.rollout.rewards import RewardInput, load_reward_fn, score
+from relax.rollout.worker import EngineWorker
+from relax.train.actor import ActorSettings
+from relax.train.advantages import compute_advantages
+from relax.train.batch import RolloutBatch
+from relax.train.losses import LossSettings
+from relax.train.worker import TrainWorker
+
+ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
+
+
+def run(config) -> Path:
+    """Train as `config` (relax.args.TrainConfig) says; returns the output directory."""
+    r = config.relax
+    from relax.platform import get_platform
+    from transformers import AutoTokenizer
+
+    platform = get_platform(r.device)
+    tokenizer = AutoTokenizer.from_pretrained(r.hf_checkpoint)
+    prompts, report = load_prompts(_data_config(r), tokenizer)
+    print(report.summary(), flush=True)
+    loader = PromptLoader(prompts, seed=r.seed, shuffle=r.rollout_shuffle)
+    reward_fn = load_reward_fn(r.reward_fn)
+    sampling = SamplingConfig(
+        n=r.n_samples_per_prompt,
+        temperature=r.rollout_temperature,
+        top_p=r.rollout_top_p,
+        top_k=r.rollout_top_k,
+        max_new_tokens=r.rollout_max_response_len,
+        stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
+    )
+    memory_saver_on = r.colocate and platform.has_memory_saver
+
+    _init_ray()
+    placement = create_placement(platform, num_devices=r.num_nodes * r.num_devices_per_node)
+    trainers = engines = None
+    log = MetricsLog(Path(r.output_dir), r.num_steps, wandb_project=r.wandb_project if r.use_wandb else None)
+    try:
+        # The actor first, then to sleep, so the engines start with the device memory to themselves.
+        trainers = create_training_actors(
+            TrainWorker, placement, memory_saver_on=memory_saver_on,
+            args=(r.hf_checkpoint, config.megatron, _actor_settings(config), platform.name, r.update_weight_buffer_size),
+        )
+        ray.get(trainers.call("sleep"))
+        engines = create_engine_actors(
+            EngineWorker, placement, devices_per_engine=r.rollout_num_devices_per_engine, memory_saver_on=memory_saver_on,
+            args=(config.sglang, r.hf_checkpoint, platform.name, r.rollout_num_devices_per_engine, memory_saver_on),
+        )
+
+        for step in range(r.num_steps):
+            timer = PhaseTimer()
+            with timer("perf/step_time"):
+                with timer("perf/rollout_time"):
+                    samples, rollout_metrics = generate_and_score(engines, loader.take(r.rollout_batch_size), sampling, reward_fn, r)
+                with timer("perf/train_wait_time"):
+                    ray.get(engines.call("release_memory_occupation", ENGINE_MEMORY))
+                    ray.get(trainers.call("wake"))
+                with timer("perf/train_time"):
+                    batch = rollout_batch(samples, r)
+                    train_metrics = ray.get(trainers.call("train", batch, r.global_batch_size, _uses_reference(r)))[0]
+                with timer("perf/weight_sync_time"):
+                    ray.get(engines.call("resume_memory_occupation", ["weights"]))
+                    ray.get(trainers.call("push_weights", engines.actors))
+                    ray.get(trainers.call("sleep"))
+                    ray.get(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]))
+            log.log(step, {**rollout_metrics, **_mean_over_steps(train_metrics), **timer.seconds})
+    finally:
+        log.close()
+        for group in (engines, trainers):
+            if group is not None:
+                group.kill()
+        placement.remove()
+    return Path(r.output_dir)
+
+
+# --- phases ----------------------------------------------------------------------------------------------
+
+
+def generate_and_score(engines, prompts, sampling: SamplingConfig, reward_fn, r) -> tuple[list[Sample], dict]:
+    """Spread the prompts over the engines, sample `n` responses each, score them. Samples come back
+    prompt by prompt (n consecutive samples per prompt)."""
+    shares = [prompts[i :: len(engines)] for i in range(len(engines))]
+    outputs = ray.get(
+        [engine.generate.remote([p.token_ids for p in share], sampling) for engine, share in zip(engines.actors, shares)]
+    )
+    samples = [
+        Sample(prompt, c.token_ids, c.logprobs, c.finish_reason, c.text)
+        for share, groups in zip(shares, outputs)
+        for prompt, completions in zip(share, groups)
+        for c in completions
+    ]
+    scores, failed, report = score(
+        reward_fn,
+        [RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason) for s in samples],
+    )
+    for sample, value, was_failure in zip(samples, scores, failed):
+        sample.reward, sample.reward_failed = value, was_failure
+    raw_rewards = torch.tensor([s.reward for s in samples])
+    if r.overlong_buffer_len:
+        apply_overlong_penalty(samples, r.rollout_max_response_len, r.overlong_buffer_len)
+    lengths = torch.tensor([len(s.response_token_ids) for s in samples], dtype=torch.float32)
+    return samples, {
+        "rollout/reward_mean": raw_rewards.mean().item(),
+        "rollout/reward_std": raw_rewards.std().item() if len(samples) > 1 else 0.0,
+        "rollout/reward_failures": float(report.failures),
+        "rollout/response_length_mean": lengths.mean().item(),
+        "rollout/response_length_max": lengths.max().item(),
+        "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+
+
+def rollout_batch(samples: list[Sample], r) -> RolloutBatch:
+    """Token sequences and per-token advantages of the samples, for the training ranks."""
+    lengths = [len(s.response_token_ids) for s in samples]
+    mask = torch.zeros(len(samples), max(lengths))
+    for i, length in enumerate(lengths):
+        mask[i, :length] = 1
+    advantages = compute_advantages(
+        r.advantage_estimator,
+        torch.tensor([s.reward for s in samples]),
+        mask,
+        group_size=r.n_samples_per_prompt,
+        normalize_std=r.normalize_advantages_by_std,
+    )
+    return RolloutBatch(
+        tokens=[s.prompt.token_ids + s.response_token_ids for s in samples],
+        response_lengths=lengths,
+        advantages=[advantages[i, :length] for i, length in enumerate(lengths)],
+    )
+
+
+class PhaseTimer:
+    """Wall-clock seconds of named phases (nested phases are timed independently)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = time.perf_counter() - start
+
+
+# --- configuration -----------------------------------------------------------------------------------------
+
+
+def _data_config(r) -> PromptDataConfig:
+    return PromptDataConfig(
+        path=r.prompt_data,
+        prompt_key=r.input_key,
+        label_key=r.label_key,
+        metadata_key=r.metadata_key,
+        apply_chat_template=r.apply_chat_template,
+        max_prompt_tokens=r.max_prompt_length,
+        skip_bad_rows=r.skip_bad_rows,
+    )
+
+
+def _uses_reference(r) -> bool:
+    return r.use_kl_loss and r.kl_coef != 0.0
+
+
+def _actor_settings(config) -> ActorSettings:
+    r, scheduler = config.relax, config.megatron.scheduler
+    loss = LossSettings(
+        clip_low=r.eps_clip,
+        clip_high=r.eps_clip_high,
+        ratio_level="sequence" if r.advantage_estimator == "gspo" else "token",
+        aggregation="token_mean" if r.loss_aggregation == "token" else "seq_mean_token_mean",
+        kl_coef=r.kl_coef if _uses_reference(r) else 0.0,
+        kl_estimator=r.kl_loss_type,
+        entropy_coef=r.entropy_coef,
+    )
+    return ActorSettings(
+        loss=loss,
+        micro_batch_size=r.micro_batch_size,
+        max_tokens_per_micro_batch=r.max_tokens_per_device if r.use_dynamic_batch_size else None,
+        temperature=r.rollout_temperature or 1.0,
+        seed=r.seed,
+        keep_reference=_uses_reference(r),
+        lr_warmup_steps=scheduler.lr_warmup_iters,
+        lr_decay_steps=scheduler.lr_decay_iters or r.num_steps,
+        lr_decay_style=scheduler.lr_decay_style,
+    )
+
+
+def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:
+    """One value per metric for the rollout (the mean over its optimizer steps), under train/."""
+    keys = step_metrics[0].keys()
+    return {f"train/{key}": sum(float(m[key]) for m in step_metrics) / len(step_metrics) for key in keys}
+
+
+def _init_ray() -> None:
+    """Join the cluster this driver runs in (`ray job submit` sets RAY_ADDRESS), else start a local one."""
+    import os
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"])
+        return
+    # A local cluster for this run only: no dashboard, no usage reporting, no auth token written to ~/.ray.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(include_dashboard=False, log_to_driver=True)

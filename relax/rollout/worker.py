@@ -1,0 +1,62 @@
+"""One SGLang engine as a Ray actor, on the bundle relax.ray.placement gave it.
+
+The engine's first device is the actor's logical device index (RELAX_LOCAL_DEVICE), SGLang's base_gpu_id.
+The methods are the engine wrapper's, so the driver and the training ranks call them through Ray.
+"""
+
+import os
+import time
+
+from relax.ray.placement import local_device_index
+from relax.rollout.engine import RolloutEngine
+
+
+class EngineWorker:
+    def __init__(self, server_args, model_path: str, device: str, tp_size: int, enable_memory_saver: bool):
+        from relax.platform import get_platform
+
+        self.engine = RolloutEngine(
+            server_args,
+            model_path=model_path,
+            platform=get_platform(device),
+            tp_size=tp_size,
+            base_gpu_id=local_device_index(),
+            enable_memory_saver=enable_memory_saver,
+        )
+
+    def pids(self) -> list[int]:
+        """This actor's process and the engine's scheduler/detokenizer processes."""
+        return [os.getpid(), *self.engine.child_pids]
+
+    def generate(self, prompts: list[list[int]], sampling):
+        return self.engine.generate(prompts, sampling)
+
+    def release_memory_occupation(self, tags, idle_timeout_s: float = 60.0):
+        # SGLang's scheduler asserts it is fully idle on release, and dies if not; a finished generate
+        # leaves its last batch behind until the scheduler's next pass. flush_cache succeeds only once it
+        # is idle, so it doubles as the wait.
+        deadline = time.monotonic() + idle_timeout_s
+        while True:
+            try:
+                self.engine.flush_cache()
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the SGLang engine did not become idle within {idle_timeout_s:g} s") from None
+                time.sleep(0.05)
+        self.engine.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags):
+        self.engine.resume_memory_occupation(tags)
+
+    def begin_weight_update(self):
+        self.engine.begin_weight_update()
+
+    def update_weights_from_tensor(self, named_tensors):
+        self.engine.update_weights_from_tensor(named_tensors)
+
+    def end_weight_update(self):
+        self.engine.end_weight_update()
+
+    def shutdown(self):
+        self.engine.shutdown()

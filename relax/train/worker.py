@@ -1,0 +1,114 @@
+"""One training rank as a Ray actor: torch.distributed from the placement's variables, then a MegatronActor.
+
+The driver (relax.loop) calls every rank with the same arguments; each rank keeps its own data-parallel
+share of the samples, so the driver never needs to know the parallel layout.
+"""
+
+import os
+
+import torch
+
+from relax.ray.placement import local_device_index
+from relax.train.batch import RolloutBatch
+
+
+class TrainWorker:
+    def __init__(self, hf_dir: str, megatron, settings, device: str, bucket_bytes: int):
+        from relax.platform import get_platform
+
+        self.platform = get_platform(device)
+        self.platform.prepare_megatron()
+        self.platform.set_device(local_device_index())
+        # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from relax.ray.placement.
+        torch.distributed.init_process_group(backend=self.platform.dist_backend)
+        self.rank = torch.distributed.get_rank()
+
+        from megatron.core import parallel_state
+
+        from relax.train.actor import MegatronActor
+
+        self.actor = MegatronActor(
+            hf_dir, megatron.transformer, megatron.optimizer, megatron.ddp, settings, platform=self.platform
+        )
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.bucket_bytes = bucket_bytes
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _shard(self, batch: RolloutBatch) -> RolloutBatch:
+        """This rank's data-parallel share: every dp_size-th sample."""
+        if len(batch) % self.dp_size:
+            raise ValueError(f"{len(batch)} samples cannot be split evenly over {self.dp_size} data-parallel ranks")
+        pick = slice(self.dp_rank, None, self.dp_size)
+        optional = {
+            name: getattr(batch, name)[pick]
+            for name in ("advantages", "old_logprobs", "ref_logprobs")
+            if getattr(batch, name) is not None
+        }
+        return RolloutBatch(tokens=batch.tokens[pick], response_lengths=batch.response_lengths[pick], **optional)
+
+    def train(self, batch: RolloutBatch, global_batch_size: int, with_reference: bool) -> list[dict[str, float]]:
+        """Old-policy (and reference) logprobs for the whole rollout, then one optimizer step per
+        `global_batch_size` samples. Returns each step's metrics (the same on every rank)."""
+        if len(batch) % global_batch_size:
+            raise ValueError(f"{len(batch)} rollout samples are not a multiple of the global batch size {global_batch_size}")
+        batch.old_logprobs = self._gather_shards(batch, reference=False)
+        if with_reference:
+            batch.ref_logprobs = self._gather_shards(batch, reference=True)
+        metrics = []
+        for start in range(0, len(batch), global_batch_size):
+            step = slice(start, start + global_batch_size)
+            step_batch = RolloutBatch(
+                tokens=batch.tokens[step],
+                response_lengths=batch.response_lengths[step],
+                advantages=batch.advantages[step],
+                old_logprobs=batch.old_logprobs[step],
+                ref_logprobs=batch.ref_logprobs[step] if with_reference else None,
+            )
+            metrics.append(self.actor.train_step(self._shard(step_batch)))
+        return metrics
+
+    def _gather_shards(self, batch: RolloutBatch, reference: bool) -> list[torch.Tensor]:
+        """Logprobs of every sample of the batch: each DP rank computes its share, then all share."""
+        from megatron.core import parallel_state
+
+        mine = self.actor.compute_logprobs(self._shard(batch), reference=reference)
+        shares = [None] * self.dp_size
+        torch.distributed.all_gather_object(shares, mine, group=parallel_state.get_data_parallel_group())
+        result = [None] * len(batch)
+        for dp_rank, share in enumerate(shares):
+            result[dp_rank :: self.dp_size] = share
+        return result
+
+    def sleep(self) -> None:
+        self.actor.sleep()
+
+    def wake(self) -> None:
+        self.actor.wake()
+
+    def push_weights(self, engines: list) -> int:
+        """Send the weights under HF names, bucket by bucket, to `engines` (Ray handles of
+        relax.rollout.worker.EngineWorker). Collective over ranks (the export gathers TP/EP shards); the
+        first data- and tensor-parallel rank of each pipeline stage sends its stage's layers. Each bucket
+        reaches every engine before the next is made, so no buffer is reused early. The engines refuse an
+        update that misses a tensor. Returns the bytes this rank sent to each engine."""
+        import ray
+        from megatron.core import parallel_state
+
+        from relax.sync.export import weight_buckets
+
+        sender = self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+        if self.rank == 0:
+            ray.get([engine.begin_weight_update.remote() for engine in engines])
+        torch.distributed.barrier()
+        sent = 0
+        for bucket in weight_buckets(self.actor.model, self.actor.hf, self.bucket_bytes):
+            if sender:
+                ray.get([engine.update_weights_from_tensor.remote(bucket) for engine in engines])
+                sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        torch.distributed.barrier()
+        if self.rank == 0:
+            ray.get([engine.end_weight_update.remote() for engine in engines])
+        return sent

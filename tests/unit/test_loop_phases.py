@@ -1,0 +1,53 @@
+"""The colocated loop's pure pieces: batch assembly with advantages, phase timing, metrics files."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from relax.loop import PhaseTimer, _mean_over_steps, rollout_batch
+from relax.metrics import MetricsLog, read_metrics
+from relax.rollout.data import Prompt
+from relax.rollout.groups import Sample
+
+
+def _sample(prompt, response, reward):
+    return Sample(prompt, response, [0.0] * len(response), "stop", reward=reward)
+
+
+def test_rollout_batch_concatenates_prompt_and_response_and_normalises_rewards_per_group():
+    p1, p2 = Prompt(1, [1, 2], "ab"), Prompt(2, [3], "c")
+    samples = [_sample(p1, [5], 1.0), _sample(p1, [6, 7], 0.0), _sample(p2, [8, 9, 4], 0.5), _sample(p2, [4], 0.5)]
+    r = argparse.Namespace(advantage_estimator="grpo", n_samples_per_prompt=2, normalize_advantages_by_std=True)
+    batch = rollout_batch(samples, r)
+    assert [t.tolist() for t in batch.tokens] == [[1, 2, 5], [1, 2, 6, 7], [3, 8, 9, 4], [3, 4]]
+    assert batch.response_lengths == [1, 2, 3, 1]
+    # group 1: rewards 1 and 0 -> +-1/std (std of [1, 0] is 0.7071); group 2: equal rewards -> 0
+    assert batch.advantages[0].tolist() == pytest.approx([0.7071], abs=1e-3)
+    assert batch.advantages[1].tolist() == pytest.approx([-0.7071] * 2, abs=1e-3)
+    assert batch.advantages[2].tolist() == [0.0, 0.0, 0.0] and batch.advantages[3].tolist() == [0.0]
+
+
+def test_phase_timer_records_each_phase_even_when_it_raises():
+    timer = PhaseTimer()
+    with timer("a"):
+        pass
+    with pytest.raises(ValueError), timer("b"):
+        raise ValueError
+    assert set(timer.seconds) == {"a", "b"} and all(v >= 0 for v in timer.seconds.values())
+
+
+def test_mean_over_optimizer_steps_is_prefixed():
+    assert _mean_over_steps([{"loss": 1.0, "lr": 2.0}, {"loss": 3.0, "lr": 2.0}]) == {"train/loss": 2.0, "train/lr": 2.0}
+
+
+def test_metrics_log_writes_jsonl_tensorboard_and_reward_curve(tmp_path):
+    log = MetricsLog(tmp_path, num_steps=2)
+    log.log(0, {"rollout/reward_mean": 0.1, "perf/step_time": torch.tensor(1.5).item()})
+    log.log(1, {"rollout/reward_mean": 0.7, "perf/step_time": 1.2})
+    png = log.close()
+    assert [r["rollout/reward_mean"] for r in read_metrics(tmp_path / "metrics.jsonl")] == pytest.approx([0.1, 0.7])
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
