@@ -106,7 +106,10 @@ def ranks():
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     families = ("qwen2", "qwen3", "qwen3_moe")
-    return {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in families}
+    dirs = {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in families}
+    # Small Qwen3 checkpoints (0.6B to 4B) tie lm_head to the embedding.
+    dirs["qwen3_tied"] = str(build_tiny_model(tmp_path_factory.mktemp("qwen3_tied"), "qwen3", tie_word_embeddings=True))
+    return dirs
 
 
 def _megatron_model(hf_dir: str, tp: int, ep: int = 1):
@@ -158,7 +161,15 @@ def _parity(hf_dir: str, tp: int, ep: int) -> dict:
 
 @pytest.mark.parametrize(
     "family, tp, ep",
-    [("qwen3", 1, 1), ("qwen3", 2, 1), ("qwen3_moe", 1, 1), ("qwen3_moe", 2, 1), ("qwen3_moe", 1, 2), ("qwen2", 2, 1)],
+    [
+        ("qwen3", 1, 1),
+        ("qwen3", 2, 1),
+        ("qwen3_moe", 1, 1),
+        ("qwen3_moe", 2, 1),
+        ("qwen3_moe", 1, 2),
+        ("qwen2", 2, 1),
+        ("qwen3_tied", 2, 1),
+    ],
 )
 def test_logits_equal_hf_and_export_is_exact(ranks, hf_dirs, family, tp, ep):
     for rank, result in enumerate(ranks.run(_parity, hf_dirs[family], tp, ep)):
@@ -281,17 +292,18 @@ def _logprobs_vs_hf(hf_dir: str, settings: dict) -> dict:
 
 
 @pytest.mark.parametrize(
-    "settings",
+    "model, settings",
     [
-        dict(micro_batch_size=2),
-        dict(micro_batch_size=1, max_tokens_per_micro_batch=20),  # packed rows, several samples each
-        dict(tp=2, micro_batch_size=3),
-        dict(pp=2, max_tokens_per_micro_batch=16),
+        ("qwen3", dict(micro_batch_size=2)),
+        ("qwen3", dict(micro_batch_size=1, max_tokens_per_micro_batch=20)),  # packed rows, several samples each
+        ("qwen3", dict(tp=2, micro_batch_size=3)),
+        ("qwen3", dict(pp=2, max_tokens_per_micro_batch=16)),
+        ("qwen3_tied", dict(pp=2, micro_batch_size=2)),  # the last stage's output layer is the embedding's copy
     ],
-    ids=["dp2", "dp2-packed", "tp2", "pp2-packed"],
+    ids=["dp2", "dp2-packed", "tp2", "pp2-packed", "tied-pp2"],
 )
-def test_actor_logprobs_and_entropy_equal_hf(ranks, hf_dirs, settings):
-    for result in ranks.run(_logprobs_vs_hf, hf_dirs["qwen3"], settings):
+def test_actor_logprobs_and_entropy_equal_hf(ranks, hf_dirs, model, settings):
+    for result in ranks.run(_logprobs_vs_hf, hf_dirs[model], settings):
         assert result["logprobs"] <= 1e-5 and result["entropy"] <= 1e-5, result
         assert result["samples"] > 0
 
@@ -561,3 +573,15 @@ def test_moe_actor_logprobs_equal_hf_and_expert_parallel_trains_like_dp2(ranks, 
     _assert_same_training(ep2, dp2)
     losses = [m["loss"] for m in ep2[0]["metrics"]]
     assert losses[1] < losses[0], losses
+
+
+def test_tied_embeddings_train_alike_with_pipeline_stages(ranks, hf_dirs):
+    """With tied embeddings and PP=2 the first stage's embedding and the last stage's output layer are two
+    copies whose gradients megatron sums; training then equals DP=2 with one shared matrix."""
+    dp2 = ranks.run(_train, hf_dirs["qwen3_tied"], dict(micro_batch_size=2), 2)
+    pp2 = ranks.run(_train, hf_dirs["qwen3_tied"], dict(pp=2, micro_batch_size=3), 2)
+    _assert_same_training(pp2, dp2)
+    embedding = "model.embed_tokens.weight"
+    first_stage = pp2[0]["weights"]  # the embedding is exported by the first stage only
+    assert "lm_head.weight" not in first_stage and "lm_head.weight" not in pp2[1]["weights"]
+    assert (first_stage[embedding] - dp2[0]["weights"][embedding]).abs().max() <= 2 * 1e-3
