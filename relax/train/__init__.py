@@ -1,1 +1,11 @@
-"""The training side: losses, advantages, HF<->Megatron model families and the Megatron actor."""
+"""The training side.
+
+losses.py       PPO/DAPO/GSPO policy loss, KL (k1-k3), entropy, aggregation modes (plain tensor functions)
+advantages.py   GRPO, DAPO, GSPO, RLOO, REINFORCE++ advantages
+model/          HF <-> Megatron model families: build a GPTModel from config.json, load and export weights
+batch.py        rollout samples and their micro-batches (padded, or packed by a token budget)
+actor.py        MegatronActor: logprobs, reference logprobs, train step, sleep and wake
+offload.py      the training state copied to host memory and back (sleep/wake)
+process_groups.py  process groups destroyed on sleep and rebuilt on wake
+checkpoint.py   dist_checkpointing save/load, export to an HF directory
+"""
