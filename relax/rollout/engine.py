@@ -89,7 +89,9 @@ class SamplingConfig:
 @dataclass
 class Completion:
     token_ids: list[int]  # the response, including the EOS / stop token when it stopped on one
-    logprobs: list[float]  # log-probability of each response token under the engine's weights
+    # Log-probability of each response token under the engine's weights at the sampling temperature:
+    # SGLang's log_softmax(logits / temperature), before top-k/top-p truncation (raw logits when greedy).
+    logprobs: list[float]
     finish_reason: str  # "stop", "length" or "abort"
     text: str  # the response decoded without special tokens
 
@@ -270,6 +272,8 @@ class RolloutEngine:
         _, alive = psutil.wait_procs(processes, timeout=30)  # waits on (and so reaps) our own children
         if alive:
             raise RuntimeError(f"SGLang engine processes did not exit after SIGKILL: {[p.pid for p in alive]}")
+        for path in engine_files(engine):
+            path.unlink(missing_ok=True)
 
     # --- calls into the engine -----------------------------------------------------------------------
 
@@ -446,6 +450,20 @@ class RolloutEngine:
         self._run(self._live().tokenizer_manager.resume_memory_occupation(
             ResumeMemoryOccupationReqInput(tags=_checked_tags(tags)), None
         ))
+
+
+def engine_files(engine) -> list[Path]:
+    """Files an engine leaves behind when its processes are killed (nothing else unlinks them): its ZMQ
+    IPC socket files and its load-snapshot segment in /dev/shm."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+
+    port_args = engine.port_args
+    sockets = [
+        value.removeprefix("ipc://")
+        for name, value in vars(port_args).items()
+        if name.endswith("_ipc_name") and isinstance(value, str) and value.startswith("ipc://")
+    ]
+    return [Path(path) for path in [*sockets, shm_path_for(port_args.instance_id)]]
 
 
 def _checked_tags(tags) -> list[str]:

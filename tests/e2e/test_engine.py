@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from relax.platform import get_platform
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
-from relax.rollout.engine import EngineDeadError, RolloutEngine, SamplingConfig, WeightUpdateError
+from relax.rollout.engine import EngineDeadError, RolloutEngine, SamplingConfig, WeightUpdateError, engine_files
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import RolloutConfig, rollout
 from relax.rollout.synthetic import char_match_score, write_task
@@ -154,8 +154,10 @@ def test_engines_stop_cleanly_and_a_dead_engine_raises(engine, models):
 
     with RolloutEngine(SERVER_ARGS, model_path=str(models[0]), platform=platform) as second:
         assert len(second.generate(PROMPTS[:1], SamplingConfig(max_new_tokens=3))[0]) == 1
-        pids = second.child_pids
+        pids, files = second.child_pids, engine_files(second._engine)
+        assert any(path.exists() for path in files)
     assert not any(psutil.pid_exists(pid) for pid in pids)  # killed and reaped, no zombies
+    assert not any(path.exists() for path in files)
 
     third = RolloutEngine(SERVER_ARGS, model_path=str(models[0]), platform=platform)
     # the scheduler dies mid-generation, as under the OOM killer: it never answers, the call must not hang
