@@ -83,7 +83,7 @@ def run(config) -> Path:
                     train_metrics = ray.get(trainers.call("train", batch, r.global_batch_size, _uses_reference(r)))[0]
                 with timer("perf/weight_sync_time"):
                     ray.get(engines.call("resume_memory_occupation", ["weights"]))
-                    ray.get(trainers.call("push_weights", engines.actors))
+                    ray.get(trainers.call("push_weights", engines.actors, r.rollout_num_devices_per_engine))
                     ray.get(trainers.call("sleep"))
                     ray.get(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]))
             log.log(step, {**rollout_metrics, **_mean_over_steps(train_metrics), **timer.seconds})

@@ -52,8 +52,8 @@ class EngineWorker:
     def begin_weight_update(self):
         self.engine.begin_weight_update()
 
-    def update_weights_from_tensor(self, named_tensors):
-        self.engine.update_weights_from_tensor(named_tensors)
+    def update_weights_from_serialized_bucket(self, specs, payloads):
+        self.engine.update_weights_from_serialized_bucket(specs, payloads)
 
     def end_weight_update(self):
         self.engine.end_weight_update()

@@ -88,15 +88,17 @@ class TrainWorker:
     def wake(self) -> None:
         self.actor.wake()
 
-    def push_weights(self, engines: list) -> int:
+    def push_weights(self, engines: list, engine_tp_size: int) -> int:
         """Send the weights under HF names, bucket by bucket, to `engines` (Ray handles of
         relax.rollout.worker.EngineWorker). Collective over ranks (the export gathers TP/EP shards); the
-        first data- and tensor-parallel rank of each pipeline stage sends its stage's layers. Each bucket
-        reaches every engine before the next is made, so no buffer is reused early. The engines refuse an
-        update that misses a tensor. Returns the bytes this rank sent to each engine."""
+        first data- and tensor-parallel rank of each pipeline stage sends its stage's layers. A bucket is
+        packed here and travels as handles (IPC on a device, shared memory on CPU), so only the handles
+        cross Ray; it stays alive until every engine has copied it. The engines refuse an update that misses
+        a tensor. Returns the bytes this rank sent to each engine."""
         import ray
         from megatron.core import parallel_state
 
+        from relax.sync.bucket import bucket_specs, serialize_bucket
         from relax.sync.export import weight_buckets
 
         sender = self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -104,10 +106,13 @@ class TrainWorker:
             ray.get([engine.begin_weight_update.remote() for engine in engines])
         torch.distributed.barrier()
         sent = 0
-        for bucket in weight_buckets(self.actor.model, self.actor.hf, self.bucket_bytes):
+        for named_tensors in weight_buckets(self.actor.model, self.actor.hf, self.bucket_bytes):
             if sender:
-                ray.get([engine.update_weights_from_tensor.remote(bucket) for engine in engines])
-                sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+                bucket, payloads = serialize_bucket(named_tensors, self.platform, tp_size=engine_tp_size)
+                specs = bucket_specs(bucket)
+                ray.get([engine.update_weights_from_serialized_bucket.remote(specs, payloads) for engine in engines])
+                del bucket  # every engine has copied it
+                sent += sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
         torch.distributed.barrier()
         if self.rank == 0:
             ray.get([engine.end_weight_update.remote() for engine in engines])
