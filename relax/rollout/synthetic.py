@@ -1,16 +1,22 @@
-"""Synthetic tasks for the tiny CPU demo: small enough for a ~80k-parameter random model to learn with
-GRPO in a few dozen steps, with a verifiable reward in [0, 1].
+"""Synthetic tasks for the tiny CPU demo, with a verifiable reward in [0, 1].
 
-Both tasks use only characters of relax.tiny_model's alphabet (one token per character) and answer in
-one to three tokens, so a random policy already earns partial reward now and then and GRPO has a
-signal from the first step:
+Both use only characters of relax.tiny_model's alphabet (one token per character):
 
-- copy_digit: "copy 7:" -> "7"        (learn to attend to one position and stop)
-- reverse3:   "reverse abc:" -> "cba" (learn three positional copies in reverse order)
+- copy_digit: "copy 1:" -> "1"        (attend to one prompt position; digits from COPY_DIGITS)
+- reverse3:   "reverse abc:" -> "cba" (three positional copies in reverse order; the harder one)
 
-The reward is positional character agreement: the number of positions where response and answer
-agree, divided by the longer of the two lengths. An exact answer scores 1; a right first character
-followed by junk scores less; every extra character costs, so the model also learns to stop.
+What a tiny random Qwen3 (relax.tiny_model, ~80k parameters) learned in a probe with plain GRPO (HF
+generate + a torch policy-gradient step, 8 prompts x 8 samples per step, AdamW lr 1e-2, up to 4 new
+tokens, temperature 1): copy_digit over the digits 0-1 went from a mean reward of 0.03 to 0.67 in 60
+steps (the first character right in most samples); over 0-3 it stayed between 0.2 and 0.5, and over 0-9
+between 0.1 and 0.2 (digits, but not the right one). It never learned to stop (EOS) in that time, so responses
+run to the token limit. Hence COPY_DIGITS = "01". reverse3 was not shown to learn in a few dozen steps.
+
+The reward (shaped_score) is shaped so that a random policy earns some of it and each step towards the
+answer earns more: 0.5 if the first character is right + 0.3 x positional character agreement (positions
+where response and answer agree, divided by the longer length, so junk after the answer costs) + 0.1 if
+the length is right + 0.1 x the share of response characters from the answer's alphabet. An exact answer
+scores 1. Plain agreement alone was too sparse: in the probe the copy_digit reward stayed near 0.
 
 Write a task's prompts with:
     python -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out data/copy_digit.jsonl
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+COPY_DIGITS = "01"  # see the module docstring: a wider set is not learned in a few dozen steps
 REVERSE_LETTERS = "abcdefgh"  # a small set keeps the task inside a tiny model's reach
 
 
@@ -35,7 +42,7 @@ def char_match_score(response: str, answer: str) -> float:
 
 
 def _copy_digit_row(rng: random.Random) -> dict:
-    digit = str(rng.randrange(10))
+    digit = rng.choice(COPY_DIGITS)
     return {"prompt": f"copy {digit}:", "label": digit}
 
 
@@ -44,9 +51,25 @@ def _reverse3_row(rng: random.Random) -> dict:
     return {"prompt": f"reverse {letters}:", "label": letters[::-1]}
 
 
-def synthetic_reward(sample) -> float:
-    """Positional character agreement of the response with the label, in [0, 1]."""
-    return char_match_score(sample.response, str(sample.label))
+def shaped_score(response: str, answer: str, alphabet: str) -> float:
+    """0.8 x char_match_score + 0.1 x right length + 0.1 x share of characters from `alphabet`; in [0, 1]."""
+    response = response.strip()
+    in_alphabet = sum(c in alphabet for c in response) / len(response) if response else 0.0
+    first_right = bool(response) and response[0] == answer[0]
+    return (
+        0.5 * first_right
+        + 0.3 * char_match_score(response, answer)
+        + 0.1 * (len(response) == len(answer))
+        + 0.1 * in_alphabet
+    )
+
+
+def copy_digit_reward(sample) -> float:
+    return shaped_score(sample.response, str(sample.label), COPY_DIGITS)
+
+
+def reverse3_reward(sample) -> float:
+    return shaped_score(sample.response, str(sample.label), REVERSE_LETTERS)
 
 
 @dataclass(frozen=True)
@@ -56,8 +79,8 @@ class SyntheticTask:
 
 
 TASKS = {
-    "copy_digit": SyntheticTask(_copy_digit_row, synthetic_reward),
-    "reverse3": SyntheticTask(_reverse3_row, synthetic_reward),
+    "copy_digit": SyntheticTask(_copy_digit_row, copy_digit_reward),
+    "reverse3": SyntheticTask(_reverse3_row, reverse3_reward),
 }
 
 

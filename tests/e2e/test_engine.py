@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from relax.platform import get_platform
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import EngineDeadError, RolloutEngine, SamplingConfig, WeightUpdateError, engine_files
-from relax.rollout.rewards import load_reward_fn
+from relax.rollout.rewards import RewardInput, load_reward_fn
 from relax.rollout.rollout import RolloutConfig, rollout
-from relax.rollout.synthetic import char_match_score, write_task
+from relax.rollout.synthetic import copy_digit_reward, write_task
 from relax.sync.bucket import bucket_specs, serialize_bucket, split_into_buckets
 from relax.tiny_model import build_tiny_model
 
@@ -189,7 +189,7 @@ def test_rollout_on_a_synthetic_task(engine, models, tmp_path):
         for sample in group.samples:
             assert 1 <= len(sample.response_token_ids) == len(sample.response_logprobs) <= 4
             assert sample.response_text == tokenizer.decode(sample.response_token_ids, skip_special_tokens=True)
-            assert sample.reward == char_match_score(sample.response_text, group.prompt.label)
+            assert sample.reward == copy_digit_reward(RewardInput("", sample.response_text, group.prompt.label))
             assert sample.finish_reason in ("stop", "length")
     assert result.reward_report.samples == 24 and result.reward_report.failures == 0
     assert 0 <= result.metrics["rollout/reward_mean"] <= 1

@@ -6,7 +6,7 @@ import pytest
 
 from relax.rollout import rewards
 from relax.rollout.rewards import RewardInput, extract_math_answer, load_reward_fn, score
-from relax.rollout.synthetic import char_match_score, write_task
+from relax.rollout.synthetic import COPY_DIGITS, char_match_score, write_task
 
 
 def inputs(*pairs):
@@ -40,9 +40,16 @@ def test_exact_match_and_synthetic_builtins(tmp_path):
     assert char_match_score("cbx", "cba") == pytest.approx(2 / 3)
     assert char_match_score("", "7") == 0.0
 
+    # shaped synthetic rewards: first character, agreement, length, alphabet
+    copy_digit = load_reward_fn("copy_digit")
+    assert score(copy_digit, inputs(("1", "1"), ("1000", "1"), ("0", "1"), ("x", "1"), ("", "1")))[0] == pytest.approx(
+        [1.0, 0.5 + 0.3 / 4 + 0.1, 0.1 + 0.1, 0.1, 0.0]
+    )
     path = write_task("reverse3", 20, tmp_path / "r.jsonl", seed=1)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 20 and all(row["label"] == row["prompt"][8:11][::-1] for row in rows)
+    digits = [json.loads(line)["label"] for line in write_task("copy_digit", 50, tmp_path / "c.jsonl").read_text().splitlines()]
+    assert set(digits) == set(COPY_DIGITS)
     scores, _, _ = score(load_reward_fn("reverse3"), inputs(*((row["label"], row["label"]) for row in rows)))
     assert scores == [1.0] * 20
 

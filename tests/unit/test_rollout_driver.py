@@ -34,11 +34,11 @@ def prompts(count):
 def test_rollout_groups_rewards_and_metrics():
     engine = ScriptedEngine({0: ["0", "1"], 1: ["1", "1x"]})
     config = RolloutConfig(sampling=SamplingConfig(n=2, max_new_tokens=2), num_prompts=2)
-    result = rollout(engine, PromptLoader(prompts(2), shuffle=False), load_reward_fn("copy_digit"), config)
+    result = rollout(engine, PromptLoader(prompts(2), shuffle=False), load_reward_fn("exact_match"), config)
     assert [g.prompt.label for g in result.groups] == ["0", "1"]
-    assert [g.rewards for g in result.groups] == [[1.0, 0.0], [1.0, 0.5]]
+    assert [g.rewards for g in result.groups] == [[1.0, 0.0], [1.0, 0.0]]
     assert result.groups[1].samples[1].response_logprobs == [-1.0, -1.0]
-    assert result.metrics["rollout/reward_mean"] == pytest.approx(2.5 / 4)
+    assert result.metrics["rollout/reward_mean"] == 0.5
     assert result.metrics["rollout/truncated_ratio"] == 0.25
     assert engine.batches == [2]  # one batched call
 
@@ -48,7 +48,7 @@ def test_rollout_dynamic_sampling_refills_from_the_loader():
     engine = ScriptedEngine({0: ["0", "0"], 1: ["1", "2"], 2: ["5", "6"], 3: ["3", "x"]})
     config = RolloutConfig(sampling=SamplingConfig(n=2), num_prompts=2, dynamic_sampling=True)
     loader = PromptLoader(prompts(4), shuffle=False)
-    result = rollout(engine, loader, load_reward_fn("copy_digit"), config)
+    result = rollout(engine, loader, load_reward_fn("exact_match"), config)
     assert [g.prompt.label for g in result.groups] == ["1", "3"]
     assert engine.batches == [2, 1, 1]
     assert result.metrics["rollout/dynamic_sampling_groups_dropped"] == 2
@@ -74,8 +74,8 @@ def test_rollout_reward_failures_are_counted():
 def test_rollout_overlong_penalty_and_exhausted_data():
     engine = ScriptedEngine({0: ["0", "0abc"]})
     config = RolloutConfig(sampling=SamplingConfig(n=2, max_new_tokens=4), num_prompts=1, overlong_buffer_tokens=2)
-    result = rollout(engine, PromptLoader(prompts(1)), load_reward_fn("copy_digit"), config)
-    assert result.groups[0].rewards == [1.0, 0.25 - 1.0]
+    result = rollout(engine, PromptLoader(prompts(1)), load_reward_fn("exact_match"), config)
+    assert result.groups[0].rewards == [1.0, 0.0 - 1.0]
     with pytest.raises(RuntimeError, match="prompt data ran out: 1 of 2 prompts left"):
-        rollout(engine, PromptLoader(prompts(1), num_epochs=1), load_reward_fn("copy_digit"),
+        rollout(engine, PromptLoader(prompts(1), num_epochs=1), load_reward_fn("exact_match"),
                 RolloutConfig(sampling=SamplingConfig(n=2), num_prompts=2))
