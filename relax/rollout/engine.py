@@ -360,9 +360,8 @@ class RolloutEngine:
         request = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=payloads, load_format=weight_bucket.LOAD_FORMAT, flush_cache=False
         )
-        self._check_result(
-            "update_weights_from_tensor", self._run(self._live().tokenizer_manager.update_weights_from_tensor(request, None))
-        )
+        result = self._run(self._live().tokenizer_manager.update_weights_from_tensor(request, None))
+        self._check_result("update_weights_from_tensor", result)
         self._update_session.update(names)
 
     def update_weights_from_tensor(self, named_tensors: list):

@@ -85,7 +85,9 @@ def rollout(engine, loader: PromptLoader, reward_fn: RewardFn, config: RolloutCo
 
     stats = None
     if config.dynamic_sampling:
-        groups, stats = fill_with_informative_groups(next_groups, config.num_prompts, config.max_dynamic_sampling_rounds)
+        groups, stats = fill_with_informative_groups(
+            next_groups, config.num_prompts, config.max_dynamic_sampling_rounds
+        )
     else:
         groups = next_groups(config.num_prompts)
         if len(groups) < config.num_prompts:

@@ -128,7 +128,8 @@ def test_wrong_buckets_are_refused_naming_the_tensor(engine, models):
     engine.update_weights_from_tensor(checkpoint[:5])  # the current values: the engine's weights do not change
     with pytest.raises(WeightUpdateError, match=f"tensor '{checkpoint[4][0]}' was already sent"):
         engine.update_weights_from_tensor(checkpoint[4:6])
-    with pytest.raises(WeightUpdateError, match=rf"incomplete weight update: {len(checkpoint) - 5} of {len(checkpoint)}"):
+    missing = rf"incomplete weight update: {len(checkpoint) - 5} of {len(checkpoint)} checkpoint tensors"
+    with pytest.raises(WeightUpdateError, match=missing):
         engine.end_weight_update()
     assert_engine_matches_hf(engine, models[0], steps=4)
 

@@ -39,9 +39,8 @@ def test_parquet_through_datasets(tmp_path, tokenizer):
     import datasets
 
     path = tmp_path / "d.parquet"
-    datasets.Dataset.from_list([{"question": "copy 1:", "answer": "1"}, {"question": "copy 2:", "answer": "2"}]).to_parquet(
-        str(path)
-    )
+    rows = [{"question": "copy 1:", "answer": "1"}, {"question": "copy 2:", "answer": "2"}]
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
     config = PromptDataConfig(str(path), prompt_key="question", label_key="answer", apply_chat_template=False)
     prompts, _ = load_prompts(config, tokenizer)
     assert [(p.row, p.text, p.label) for p in prompts] == [(1, "copy 1:", "1"), (2, "copy 2:", "2")]

@@ -48,7 +48,8 @@ def test_exact_match_and_synthetic_builtins(tmp_path):
     path = write_task("reverse3", 20, tmp_path / "r.jsonl", seed=1)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(rows) == 20 and all(row["label"] == row["prompt"][8:11][::-1] for row in rows)
-    digits = [json.loads(line)["label"] for line in write_task("copy_digit", 50, tmp_path / "c.jsonl").read_text().splitlines()]
+    copy_rows = write_task("copy_digit", 50, tmp_path / "c.jsonl").read_text().splitlines()
+    digits = [json.loads(line)["label"] for line in copy_rows]
     assert set(digits) == set(COPY_DIGITS)
     scores, _, _ = score(load_reward_fn("reverse3"), inputs(*((row["label"], row["label"]) for row in rows)))
     assert scores == [1.0] * 20
@@ -65,7 +66,12 @@ def test_user_functions_sync_async_sample_and_batch(tmp_path, monkeypatch):
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     samples = inputs(("ab", None), ("abc", None))
-    expected = {"per_sample": [2.0, 3.0], "per_sample_async": [1.0, 1.0], "per_batch": [0.0, 1.0], "per_batch_async": [2.0, 2.0]}
+    expected = {
+        "per_sample": [2.0, 3.0],
+        "per_sample_async": [1.0, 1.0],
+        "per_batch": [0.0, 1.0],
+        "per_batch_async": [2.0, 2.0],
+    }
     for name, want in expected.items():
         fn = load_reward_fn(f"my_rewards:{name}")
         assert fn.per_batch == name.startswith("per_batch")

@@ -17,7 +17,8 @@ from relax.tiny_model import build_tiny_model
 def test_sampling_config_checks_and_sglang_params():
     with pytest.raises(ValueError, match=r"n=0 \(must be >= 1\), top_p=0 \(must be in \(0, 1\]\), top_k=0"):
         SamplingConfig(n=0, top_p=0, top_k=0)
-    params = SamplingConfig(temperature=0.7, top_k=5, max_new_tokens=9, stop_token_ids=(2,), stop=("\n",)).sglang_params()
+    sampling = SamplingConfig(temperature=0.7, top_k=5, max_new_tokens=9, stop_token_ids=(2,), stop=("\n",))
+    params = sampling.sglang_params()
     assert params == {"temperature": 0.7, "top_p": 1.0, "top_k": 5, "max_new_tokens": 9, "stop_token_ids": [2],
                       "stop": ["\n"], "ignore_eos": False}
 
