@@ -126,9 +126,13 @@ def test_two_cpu_devices_colocate_two_ranks_and_one_engine(cluster):
         placement.remove()
 
 
-def test_devices_on_two_nodes_ordered_by_node_then_device(cluster):
+def test_devices_on_two_nodes_ordered_by_node_then_device(cluster, monkeypatch):
     # The CUDA record (its facts only: nothing here computes on a GPU); Ray hands out its counted GPUs.
     gpu_platform = platform_facts("cuda")
+    # The driver's own value of a default would win over it (the user's shell overrides platform defaults);
+    # an SGLang engine started earlier in this process sets CUDA_DEVICE_MAX_CONNECTIONS=8 in os.environ.
+    for name in gpu_platform.worker_env():
+        monkeypatch.delenv(name, raising=False)
     placement = create_placement(gpu_platform, num_devices=4)
     ranks = create_training_actors(EnvReporter, placement)
     engines = create_engine_actors(EnvReporter, placement, devices_per_engine=2)
