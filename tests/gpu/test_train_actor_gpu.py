@@ -4,8 +4,8 @@ exactly as if the actor had never slept; also with bf16 parameters (Float16Modul
 Skipped without a CUDA GPU or megatron-core.
 
 Run on the lent H200 with: pip install --no-deps megatron-core==0.16.1 &&
-    python -m pytest --confcutdir=tests/gpu tests/gpu/test_train_actor_gpu.py
-(--confcutdir keeps tests/conftest.py, which prepares the CPU platform for the whole session, out.)
+    python -m pytest tests/gpu/test_train_actor_gpu.py
+(tests/gpu has no conftest: the CPU platform preparation lives in tests/unit and tests/e2e only.)
 """
 
 import importlib.util
