@@ -12,19 +12,20 @@ python="${RELAX_PYTHON:-$repo/.venv/bin/python}"
 
 model_dir="$EXP_DIR/model"
 data="$EXP_DIR/data/copy_digit.jsonl"
-[[ -f "$model_dir/config.json" ]] || "$python" -m relax.tiny_model --family qwen3 --out "$model_dir" >/dev/null
-[[ -f "$data" ]] || "$python" -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out "$data" >/dev/null
+# Both are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files.
+"$python" -m relax.tiny_model --family qwen3 --out "$model_dir" >/dev/null
+"$python" -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out "$data" >/dev/null
 
 args=(
     --device cpu
     --hf-checkpoint "$model_dir"
     --prompt-data "$data" --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
     --reward-fn copy_digit
-    --num-steps 30
-    --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 4 --rollout-temperature 1.0
+    --num-steps 80
+    --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 2 --rollout-temperature 1.0
     --global-batch-size 64 --micro-batch-size 16
     --advantage-estimator grpo
-    --lr 1e-3 --weight-decay 0.0 --clip-grad 1.0
+    --lr 1e-2 --weight-decay 0.0 --clip-grad 1.0
     --num-nodes 1 --num-devices-per-node 1
     --output-dir "$EXP_DIR/output"
 )
