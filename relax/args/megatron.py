@@ -133,7 +133,7 @@ HF_SHAPE_KEYS = {
     "linear_num_key_heads": "linear_num_key_heads",
     "linear_num_value_heads": "linear_num_value_heads",
 }
-HF_OVERRIDABLE_KEYS = {
+HF_SETTING_KEYS = {
     "rms_norm_eps": "layernorm_epsilon",
     "max_position_embeddings": "max_position_embeddings",
     "num_experts_per_tok": "moe_router_topk",
@@ -283,7 +283,7 @@ def read_hf_architecture(checkpoint: str) -> dict:
     config = config.get("text_config", config)
     found = {
         name: config[key]
-        for key, name in {**HF_SHAPE_KEYS, **HF_OVERRIDABLE_KEYS}.items()
+        for key, name in {**HF_SHAPE_KEYS, **HF_SETTING_KEYS}.items()
         if config.get(key) is not None
     }
     if "num_query_groups" in found:
@@ -299,18 +299,21 @@ def read_hf_architecture(checkpoint: str) -> dict:
 
 
 def resolve_architecture(given: dict, checkpoint: str | None, error) -> dict:
-    """Flags merged with the checkpoint's config.json: shape-defining flags must agree with it."""
+    """Flags merged with the checkpoint's config.json; every architecture flag must agree with it.
+
+    The training actor (relax.train.model) builds the model from config.json alone, so a flag that says
+    otherwise (even a setting such as --norm-epsilon or --rotary-base) would be silently ignored there:
+    it is an error instead."""
     from_hf = read_hf_architecture(checkpoint) if checkpoint else {}
     merged = dict(given)
     for name, value in from_hf.items():
         if given.get(name) is None:
             merged[name] = value
-        elif name in HF_SHAPE_KEYS.values() or name == "untie_embeddings_and_output_weights":
-            if given[name] != value:
-                error(
-                    f"{_flag(name)} {given[name]} disagrees with {checkpoint}/config.json ({value}); "
-                    f"the weights have the checkpoint's shape: drop the flag or fix it"
-                )
+        elif given[name] != value:
+            error(
+                f"{_flag(name)} {given[name]} disagrees with {checkpoint}/config.json ({value}); relax builds the "
+                "model from the checkpoint's config: drop the flag, or edit config.json"
+            )
     missing = [_flag(name) for name in REQUIRED_MODEL_FIELDS if not merged.get(name)]
     if missing:
         error(

@@ -226,11 +226,10 @@ def test_text_config_of_a_multimodal_checkpoint_is_used(tmp_path):
     assert parse_train_args([*RUN, "--hf-checkpoint", str(tmp_path)]).megatron.transformer.num_layers == 5
 
 
-def test_a_flag_may_override_a_non_shape_setting_of_the_checkpoint(tmp_path):
-    tc = parse_train_args(
-        [*RUN, "--hf-checkpoint", write_hf_config(tmp_path), "--norm-epsilon", "1e-5"]
-    ).megatron.transformer
-    assert tc.layernorm_epsilon == 1e-5
+def test_a_setting_flag_must_agree_with_the_checkpoint_too(tmp_path, capsys):
+    # The actor builds the model from config.json alone: an overriding flag would be silently ignored.
+    err = parse_error([*RUN, "--hf-checkpoint", write_hf_config(tmp_path), "--norm-epsilon", "1e-5"], capsys)
+    assert "epsilon 1e-05 disagrees with" in err and "config.json (1e-06)" in err
 
 
 def test_a_shape_flag_must_agree_with_the_checkpoint(tmp_path, capsys):
