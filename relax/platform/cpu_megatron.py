@@ -31,8 +31,6 @@ only for megatron-core's own code:
 Applied only by the CPU platform, in the process that calls `prepare_megatron()`; idempotent.
 """
 
-import importlib.abc
-import importlib.util
 import logging
 import sys
 import types
@@ -40,6 +38,7 @@ import types
 import torch
 
 from relax.platform.cpu import CpuDeviceModule
+from relax.platform.post_import import PostImportHook
 
 _MEGATRON_PACKAGE = "megatron.core"
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
@@ -66,10 +65,7 @@ def prepare_megatron() -> None:
     global _prepared
     if _prepared:
         return
-    sys.meta_path.insert(0, _RedirectingFinder())
-    for name, module in list(sys.modules.items()):  # megatron.core modules imported before this call
-        if _is_megatron_core(name) and module is not None:
-            _redirect_module(module)
+    PostImportHook(_is_megatron_core, _redirect_module).install()
     torch.Tensor.type = _scoped_type(torch.Tensor.type)
     torch.Tensor.cuda = _scoped_cuda(torch.Tensor.cuda)
     logging.getLogger(_RNG_MODULE).addFilter(_drop_rng_fork_warning)
@@ -143,38 +139,6 @@ def _redirect_module(module: types.ModuleType) -> None:
         module.chunk_gated_delta_rule = gdn_reference.chunk_gated_delta_rule
         module.l2norm = gdn_reference.l2norm
         module.HAVE_FLA = True
-
-
-class _RedirectingFinder(importlib.abc.MetaPathFinder):
-    """Finds megatron.core modules with the ordinary finders and redirects each once it has run."""
-
-    def find_spec(self, fullname, path, target=None):
-        if not _is_megatron_core(fullname):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RedirectingLoader(spec.loader)
-                return spec
-        return None
-
-
-class _RedirectingLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _redirect_module(module)
-
-    def __getattr__(self, name):  # get_source, is_package, ... of the wrapped loader
-        return getattr(self._loader, name)
 
 
 def _called_from_megatron_core() -> bool:

@@ -25,12 +25,13 @@ spawns (they inherit the environment, so everything here goes through os.environ
 Engine flags that make the engine run on a CPU live in relax.platform.cpu.SGLANG_SERVER_DEFAULTS.
 """
 
-import importlib.abc
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from relax.platform.post_import import PostImportHook
 
 STAND_INS_DIR = str(Path(__file__).with_name("cpu_stand_ins"))
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
@@ -91,43 +92,13 @@ def _apply_non_amx_fallback(module) -> None:
         _NON_AMX_FALLBACKS[module.__name__](module)
 
 
-class _FallbackFinder(importlib.abc.MetaPathFinder):
-    """Finds the modules of _NON_AMX_FALLBACKS with the ordinary finders and adjusts each once it has run."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in _NON_AMX_FALLBACKS:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _FallbackLoader(spec.loader)
-                return spec
-        return None
-
-
-class _FallbackLoader(importlib.abc.Loader):
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        _apply_non_amx_fallback(module)
-
-    def __getattr__(self, name):  # get_source, is_package, ... of the wrapped loader
-        return getattr(self._loader, name)
+_fallbacks_installed = False
 
 
 def install_non_amx_fallbacks() -> None:
     """Adjust the modules above when they are imported (and those already imported) in this process; once."""
-    if os.environ.get(CPU_ENGINE_ENV) != "1" or any(isinstance(f, _FallbackFinder) for f in sys.meta_path):
+    global _fallbacks_installed
+    if os.environ.get(CPU_ENGINE_ENV) != "1" or _fallbacks_installed:
         return
-    sys.meta_path.insert(0, _FallbackFinder())
-    for name in _NON_AMX_FALLBACKS:
-        if name in sys.modules:
-            _apply_non_amx_fallback(sys.modules[name])
+    PostImportHook(_NON_AMX_FALLBACKS.__contains__, _apply_non_amx_fallback).install()
+    _fallbacks_installed = True
