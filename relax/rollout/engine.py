@@ -24,6 +24,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -435,10 +436,27 @@ class RolloutEngine:
 
     # --- memory ---------------------------------------------------------------------------------------
 
+    def wait_until_idle(self, timeout_s: float = 60.0):
+        """Return once the scheduler is fully idle. A finished generate leaves its last batch in the
+        scheduler until its next pass; flush_cache succeeds only when nothing is left, so it is the probe."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.flush_cache()
+                return
+            except EngineDeadError:
+                raise
+            except RuntimeError:  # flush_cache's "not idle yet"
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the SGLang engine did not become idle within {timeout_s:g} s") from None
+                time.sleep(0.05)
+
     def release_memory_occupation(self, tags: Iterable[str] = MEMORY_TAGS):
-        """Hand the tagged device memory back (a no-op on platforms without a memory saver)."""
+        """Hand the tagged device memory back (a no-op on platforms without a memory saver). Waits for the
+        scheduler to be idle first: SGLang 0.5.23 asserts it is, and its scheduler dies otherwise."""
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
 
+        self.wait_until_idle()
         self._run(self._live().tokenizer_manager.release_memory_occupation(
             ReleaseMemoryOccupationReqInput(tags=_checked_tags(tags)), None
         ))

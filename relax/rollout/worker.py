@@ -5,7 +5,6 @@ The methods are the engine wrapper's, so the driver and the training ranks call 
 """
 
 import os
-import time
 
 from relax.ray.placement import local_device_index
 from relax.rollout.engine import RolloutEngine
@@ -31,19 +30,7 @@ class EngineWorker:
     def generate(self, prompts: list[list[int]], sampling):
         return self.engine.generate(prompts, sampling)
 
-    def release_memory_occupation(self, tags, idle_timeout_s: float = 60.0):
-        # SGLang's scheduler asserts it is fully idle on release, and dies if not; a finished generate
-        # leaves its last batch behind until the scheduler's next pass. flush_cache succeeds only once it
-        # is idle, so it doubles as the wait.
-        deadline = time.monotonic() + idle_timeout_s
-        while True:
-            try:
-                self.engine.flush_cache()
-                break
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the SGLang engine did not become idle within {idle_timeout_s:g} s") from None
-                time.sleep(0.05)
+    def release_memory_occupation(self, tags):
         self.engine.release_memory_occupation(tags)
 
     def resume_memory_occupation(self, tags):
