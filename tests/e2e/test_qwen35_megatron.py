@@ -7,85 +7,26 @@ exported weights are the checkpoint's exactly, and a backward pass reaches every
 Two spawned ranks share one gloo group, started once for this module: TP=1 runs as two replicas.
 """
 
-import datetime
 import os
-import socket
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from relax.tiny_model import build_tiny_model
 from relax.train.model import read_hf_config
+
+from spawned_ranks import SpawnedRanks
 
 WORLD_SIZE = 2
 TASK_TIMEOUT_S = 300
 SEQUENCE_LENGTH = 80
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, port: int, conn) -> None:
-    torch.set_num_threads(1)
-    from relax.platform import get_platform
-
-    get_platform("cpu").prepare_megatron()
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=TASK_TIMEOUT_S),
-    )
-    from megatron.core import parallel_state
-
-    while (task := conn.recv()) is not None:
-        fn, args = task
-        try:
-            conn.send(("ok", fn(*args)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
-        finally:
-            parallel_state.destroy_model_parallel()
-
-
 @pytest.fixture(scope="module")
 def run_on_ranks():
-    context = mp.get_context("spawn")
-    port = _free_port()
-    conns, procs = [], []
-    for rank in range(WORLD_SIZE):
-        parent, child = context.Pipe()
-        proc = context.Process(target=_rank_main, args=(rank, port, child), daemon=True)
-        proc.start()
-        conns.append(parent)
-        procs.append(proc)
-
-    def run(fn, *args):
-        for conn in conns:
-            conn.send((fn, args))
-        results = []
-        for rank, conn in enumerate(conns):
-            if not conn.poll(TASK_TIMEOUT_S):
-                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} in {TASK_TIMEOUT_S} s")
-            status, value = conn.recv()
-            if status == "error":
-                raise AssertionError(f"rank {rank} failed in {fn.__name__}:\n{value}")
-            results.append(value)
-        return results
-
-    yield run
-    for conn, proc in zip(conns, procs):
-        if proc.is_alive():
-            try:
-                conn.send(None)
-            except OSError:
-                pass
-            proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    pool = SpawnedRanks(WORLD_SIZE, TASK_TIMEOUT_S)
+    yield pool.run
+    pool.close()
 
 
 @pytest.fixture(scope="module")

@@ -8,97 +8,22 @@ TP=1 runs as two data-parallel replicas; TP=2, PP=2 and EP=2 split the model acr
 import datetime
 import json
 import os
-import socket
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from relax.tiny_model import build_tiny_model
 from relax.train.model import family_of, read_hf_config
+
+from spawned_ranks import SpawnedRanks
 
 WORLD_SIZE = 2
 TASK_TIMEOUT_S = 180
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _next_task(conn):
-    try:
-        return conn.recv()
-    except EOFError:  # the test process is gone
-        return None
-
-
-def _rank_main(rank: int, port: int, conn) -> None:
-    torch.set_num_threads(1)
-    from relax.platform import get_platform
-
-    get_platform("cpu").prepare_megatron()
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE
-    )
-    from megatron.core import parallel_state
-
-    while (task := _next_task(conn)) is not None:
-        fn, args = task
-        try:
-            conn.send(("ok", fn(*args)))
-        except BaseException:
-            conn.send(("error", traceback.format_exc()))
-        finally:
-            parallel_state.destroy_model_parallel()
-
-
-class Ranks:
-    """Two spawned processes in one gloo group; `run(fn, *args)` calls fn on both and returns both results."""
-
-    def __init__(self):
-        context = mp.get_context("spawn")
-        port = _free_port()
-        self.conns, self.procs = [], []
-        for rank in range(WORLD_SIZE):
-            parent, child = context.Pipe()
-            # Not daemonic: megatron's checkpoint writer starts a helper process of its own.
-            proc = context.Process(target=_rank_main, args=(rank, port, child), daemon=False)
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
-
-    def run(self, fn, *args):
-        for conn in self.conns:
-            conn.send((fn, args))
-        results = []
-        for rank, conn in enumerate(self.conns):
-            if not conn.poll(TASK_TIMEOUT_S):
-                self.close()
-                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} in {TASK_TIMEOUT_S} s")
-            status, value = conn.recv()
-            if status == "error":
-                raise AssertionError(f"rank {rank} failed in {fn.__name__}:\n{value}")
-            results.append(value)
-        return results
-
-    def close(self):
-        for conn, proc in zip(self.conns, self.procs):
-            if proc.is_alive():
-                try:
-                    conn.send(None)
-                except OSError:
-                    pass
-                proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-
-
 @pytest.fixture(scope="module")
 def ranks():
-    pool = Ranks()
+    pool = SpawnedRanks(WORLD_SIZE, TASK_TIMEOUT_S)
     yield pool
     pool.close()
 

@@ -1,0 +1,86 @@
+"""A pool of spawned processes that share one gloo process group on the CPU platform, started once per test
+module: `ranks.run(fn, *args)` calls the module-level `fn(*args)` on every rank and returns each rank's result.
+
+Megatron's parallel state is destroyed after every call, so each call builds the layout it needs.
+"""
+
+import datetime
+import socket
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _next_task(conn):
+    try:
+        return conn.recv()
+    except EOFError:  # the test process is gone
+        return None
+
+
+def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, conn) -> None:
+    torch.set_num_threads(1)
+    from relax.platform import get_platform
+
+    get_platform("cpu").prepare_megatron()
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    from megatron.core import parallel_state
+
+    while (task := _next_task(conn)) is not None:
+        fn, args = task
+        try:
+            conn.send(("ok", fn(*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+class SpawnedRanks:
+    def __init__(self, world_size: int, task_timeout_s: float):
+        self.task_timeout_s = task_timeout_s
+        context = mp.get_context("spawn")
+        port = _free_port()
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = context.Pipe()
+            # Not daemonic: megatron's checkpoint writer starts a helper process of its own.
+            proc = context.Process(target=_rank_main, args=(rank, world_size, port, task_timeout_s, child), daemon=False)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def run(self, fn, *args) -> list:
+        for conn in self.conns:
+            conn.send((fn, args))
+        results = []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(self.task_timeout_s):
+                self.close()
+                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} in {self.task_timeout_s} s")
+            status, value = conn.recv()
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed in {fn.__name__}:\n{value}")
+            results.append(value)
+        return results
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+                proc.join(10)
+            if proc.is_alive():
+                proc.kill()
