@@ -6,25 +6,15 @@ import os
 import subprocess
 from pathlib import Path
 
-import psutil
+from processes import describe, leftover_processes, run_marker
 
 ROOT = Path(__file__).resolve().parents[2]
 PERF_KEYS = ("perf/step_time", "perf/rollout_time", "perf/train_wait_time", "perf/train_time", "perf/weight_sync_time")
-RUN_PROCESS_NAMES = ("raylet", "gcs_server", "sglang::scheduler", "sglang::detokenizer", "ray::TrainWorker", "ray::EngineWorker")
-
-
-def _run_processes() -> set[int]:
-    found = set()
-    for process in psutil.process_iter(["pid", "name", "cmdline"]):
-        text = " ".join(process.info["cmdline"] or []) or (process.info["name"] or "")
-        if any(name in text for name in RUN_PROCESS_NAMES):
-            found.add(process.info["pid"])
-    return found
 
 
 def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(tmp_path):
-    before = _run_processes()
-    env = {**os.environ, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    marker = run_marker()
+    env = {**os.environ, **marker, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
     result = subprocess.run(
         ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", "3"],
         env=env, capture_output=True, text=True, timeout=900,
@@ -44,5 +34,5 @@ def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(tmp_path):
     assert all(r["train/update_successful"] == 1.0 for r in records)
     assert list((output / "tensorboard").glob("events.out.tfevents.*"))
     assert (output / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
-    leftover = _run_processes() - before
-    assert not leftover, f"processes left behind by the run: {sorted(leftover)}"
+    leftover = leftover_processes(marker)
+    assert not leftover, f"processes left behind by the run: {describe(leftover)}"
