@@ -4,6 +4,9 @@ One step (DESIGN.md): generate and score; release the engines' memory; wake the 
 reference) logprobs and advantages; train; push the new weights to the engines and put the actor to
 sleep; resume the engines. The phases are plain functions below `run`.
 
+Debug modes run the same phases without one side: --debug-rollout-only creates no training actor (generate,
+score, save); --debug-train-only creates no engines and trains on rollouts replayed by --load-rollout-data.
+
 Weight push order: the actor pushes while awake (engines' weights resumed, their KV cache still
 released), then sleeps. Exporting from a sleeping actor's host copy, which would lower the peak by the
 actor's weights, is not built yet.
@@ -20,7 +23,8 @@ from relax.metrics import MetricsLog
 from relax.ray.placement import create_engine_actors, create_placement, create_training_actors
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import SamplingConfig
-from relax.rollout.groups import Sample, apply_overlong_penalty
+from relax.rollout.dump import load_rollout_data, save_rollout_data
+from relax.rollout.groups import Sample, apply_overlong_penalty, fill_with_informative_groups, group_by_prompt
 from relax.rollout.rewards import RewardInput, load_reward_fn, score
 from relax.rollout.worker import EngineWorker
 from relax.train.actor import ActorSettings
@@ -41,10 +45,12 @@ def run(config) -> Path:
 
     platform = get_platform(r.device)
     tokenizer = AutoTokenizer.from_pretrained(r.hf_checkpoint)
-    prompts, report = load_prompts(_data_config(r), tokenizer)
-    print(report.summary(), flush=True)
-    loader = PromptLoader(prompts, seed=r.seed, shuffle=r.rollout_shuffle)
-    reward_fn = load_reward_fn(r.reward_fn)
+    loader = reward_fn = None  # replayed rollouts (--load-rollout-data) need neither
+    if not r.load_rollout_data:
+        prompts, report = load_prompts(_data_config(r), tokenizer)
+        print(report.summary(), flush=True)
+        loader = PromptLoader(prompts, seed=r.seed, shuffle=r.rollout_shuffle)
+        reward_fn = load_reward_fn(r.reward_fn)
     sampling = SamplingConfig(
         n=r.n_samples_per_prompt,
         temperature=r.rollout_temperature,
@@ -61,33 +67,35 @@ def run(config) -> Path:
     log = MetricsLog(Path(r.output_dir), r.num_steps, wandb_project=r.wandb_project if r.use_wandb else None)
     try:
         # The actor first, then to sleep, so the engines start with the device memory to themselves.
-        trainers = create_training_actors(
-            TrainWorker, placement, memory_saver_on=memory_saver_on,
-            args=(r.hf_checkpoint, config.megatron, _actor_settings(config), platform.name, r.update_weight_buffer_size),
-        )
-        ray.get(trainers.call("sleep"))
-        engines = create_engine_actors(
-            EngineWorker, placement, devices_per_engine=r.rollout_num_devices_per_engine, memory_saver_on=memory_saver_on,
-            args=(config.sglang, r.hf_checkpoint, platform.name, r.rollout_num_devices_per_engine, memory_saver_on),
-        )
+        if not r.debug_rollout_only:
+            trainers = create_training_actors(
+                TrainWorker, placement, memory_saver_on=memory_saver_on,
+                args=(
+                    r.hf_checkpoint, config.megatron, _actor_settings(config), platform.name,
+                    r.update_weight_buffer_size,
+                ),
+            )
+            ray.get(trainers.call("sleep"))
+        if not r.debug_train_only:
+            engines = create_engine_actors(
+                EngineWorker, placement,
+                devices_per_engine=r.rollout_num_devices_per_engine, memory_saver_on=memory_saver_on,
+                args=(config.sglang, r.hf_checkpoint, platform.name, r.rollout_num_devices_per_engine, memory_saver_on),
+            )
 
         for step in range(r.num_steps):
-            timer = PhaseTimer()
+            timer, train_metrics = PhaseTimer(), {}
             with timer("perf/step_time"):
                 with timer("perf/rollout_time"):
-                    samples, rollout_metrics = generate_and_score(engines, loader.take(r.rollout_batch_size), sampling, reward_fn, r)
-                with timer("perf/train_wait_time"):
-                    ray.get(engines.call("release_memory_occupation", ENGINE_MEMORY))
-                    ray.get(trainers.call("wake"))
-                with timer("perf/train_time"):
-                    batch = rollout_batch(samples, r)
-                    train_metrics = ray.get(trainers.call("train", batch, r.global_batch_size, _uses_reference(r)))[0]
-                with timer("perf/weight_sync_time"):
-                    ray.get(engines.call("resume_memory_occupation", ["weights"]))
-                    ray.get(trainers.call("push_weights", engines.actors, r.rollout_num_devices_per_engine))
-                    ray.get(trainers.call("sleep"))
-                    ray.get(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]))
-            log.log(step, {**rollout_metrics, **_mean_over_steps(train_metrics), **timer.seconds})
+                    samples, rollout_metrics = collect_rollout(step, engines, loader, sampling, reward_fn, r)
+                if trainers is not None:  # None under --debug-rollout-only
+                    with timer("perf/train_wait_time"):
+                        hand_devices_to_actor(engines, trainers)
+                    with timer("perf/train_time"):
+                        train_metrics = train(trainers, samples, r)
+                    with timer("perf/weight_sync_time"):
+                        hand_devices_to_engines(engines, trainers, r)
+            log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds})
     finally:
         log.close()
         for group in (engines, trainers):
@@ -100,7 +108,40 @@ def run(config) -> Path:
 # --- phases ----------------------------------------------------------------------------------------------
 
 
-def generate_and_score(engines, prompts, sampling: SamplingConfig, reward_fn, r) -> tuple[list[Sample], dict]:
+def collect_rollout(step, engines, loader, sampling: SamplingConfig, reward_fn, r) -> tuple[list[Sample], dict]:
+    """This step's scored samples (prompt by prompt) and their metrics: replayed from --load-rollout-data,
+    else generated (under --dynamic-sampling, refilled with informative groups); saved to --save-rollout-data.
+    The overlong penalty comes last, so saved rewards and reward metrics are the reward function's own."""
+    sampling_metrics = {}
+    if r.load_rollout_data:
+        samples = load_rollout_data(r.load_rollout_data, step, r.rollout_batch_size, r.n_samples_per_prompt)
+    elif r.dynamic_sampling:
+        samples, sampling_metrics = generate_informative_groups(engines, loader, sampling, reward_fn, r)
+    else:
+        samples = generate_and_score(engines, loader.take(r.rollout_batch_size), sampling, reward_fn)
+    if r.save_rollout_data:
+        save_rollout_data(r.save_rollout_data, step, samples, r.n_samples_per_prompt)
+    metrics = {**reward_and_length_metrics(samples), **sampling_metrics}
+    if r.overlong_buffer_len:
+        apply_overlong_penalty(samples, r.rollout_max_response_len, r.overlong_buffer_len)
+    return samples, metrics
+
+
+def generate_informative_groups(engines, loader, sampling, reward_fn, r) -> tuple[list[Sample], dict]:
+    """DAPO dynamic sampling: rounds of --over-sampling-batch-size prompts (default --rollout-batch-size) until
+    --rollout-batch-size groups whose rewards differ are kept; the run stops with the counts after
+    --dynamic-sampling-max-rounds rounds rather than train on a short batch."""
+    prompts_per_round = r.over_sampling_batch_size or r.rollout_batch_size
+
+    def one_round(_groups_still_needed: int):  # a whole round each time: most groups may be dropped again
+        samples = generate_and_score(engines, loader.take(prompts_per_round), sampling, reward_fn)
+        return group_by_prompt(samples, r.n_samples_per_prompt)
+
+    groups, stats = fill_with_informative_groups(one_round, r.rollout_batch_size, r.dynamic_sampling_max_rounds)
+    return [sample for group in groups for sample in group.samples], stats.metrics()
+
+
+def generate_and_score(engines, prompts, sampling: SamplingConfig, reward_fn) -> list[Sample]:
     """Spread the prompts over the engines, sample `n` responses each, score them. Samples come back
     prompt by prompt (n consecutive samples per prompt)."""
     shares = [prompts[i :: len(engines)] for i in range(len(engines))]
@@ -113,24 +154,51 @@ def generate_and_score(engines, prompts, sampling: SamplingConfig, reward_fn, r)
         for prompt, completions in zip(share, groups)
         for c in completions
     ]
-    scores, failed, report = score(
+    scores, failed, _ = score(
         reward_fn,
         [RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason) for s in samples],
     )
     for sample, value, was_failure in zip(samples, scores, failed):
         sample.reward, sample.reward_failed = value, was_failure
-    raw_rewards = torch.tensor([s.reward for s in samples])
-    if r.overlong_buffer_len:
-        apply_overlong_penalty(samples, r.rollout_max_response_len, r.overlong_buffer_len)
+    return samples
+
+
+def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:
+    rewards = torch.tensor([s.reward for s in samples])
     lengths = torch.tensor([len(s.response_token_ids) for s in samples], dtype=torch.float32)
-    return samples, {
-        "rollout/reward_mean": raw_rewards.mean().item(),
-        "rollout/reward_std": raw_rewards.std().item() if len(samples) > 1 else 0.0,
-        "rollout/reward_failures": float(report.failures),
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "rollout/reward_failures": float(sum(s.reward_failed for s in samples)),
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
+
+
+def hand_devices_to_actor(engines, trainers) -> None:
+    """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
+    if engines is not None:
+        ray.get(engines.call("release_memory_occupation", ENGINE_MEMORY))
+    ray.get(trainers.call("wake"))
+
+
+def train(trainers, samples: list[Sample], r) -> dict[str, float]:
+    """Advantages; old-policy (and reference) logprobs and the optimizer steps on every rank; mean metrics."""
+    batch = rollout_batch(samples, r)
+    return _mean_over_steps(ray.get(trainers.call("train", batch, r.global_batch_size, _uses_reference(r)))[0])
+
+
+def hand_devices_to_engines(engines, trainers, r) -> None:
+    """Push the new weights (the engines' weights resumed, their KV cache not yet), put the actor to sleep,
+    resume the engines' KV cache. Under --debug-train-only there are no engines: the actor only sleeps."""
+    if engines is None:
+        ray.get(trainers.call("sleep"))
+        return
+    ray.get(engines.call("resume_memory_occupation", ["weights"]))
+    ray.get(trainers.call("push_weights", engines.actors, r.rollout_num_devices_per_engine))
+    ray.get(trainers.call("sleep"))
+    ray.get(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]))
 
 
 def rollout_batch(samples: list[Sample], r) -> RolloutBatch:
@@ -175,11 +243,6 @@ class PhaseTimer:
 _UNBUILT = {
     "--save / --save-interval": (lambda r: r.save is not None, "drop them: the loop does not checkpoint yet"),
     "--load": (lambda r: r.load is not None, "drop it: the loop does not resume yet"),
-    "--debug-rollout-only": (lambda r: r.debug_rollout_only, "drop it: not built yet"),
-    "--debug-train-only": (lambda r: r.debug_train_only, "drop it: not built yet"),
-    "--save-rollout-data": (lambda r: r.save_rollout_data is not None, "drop it: not built yet"),
-    "--load-rollout-data": (lambda r: r.load_rollout_data is not None, "drop it: not built yet"),
-    "--dynamic-sampling": (lambda r: r.dynamic_sampling, "drop it: the loop does not filter groups yet"),
     "--no-colocate": (lambda r: not r.colocate, "drop it: only the colocated mode exists"),
     "--num-nodes > 1": (
         lambda r: r.num_nodes > 1, "use one node: weights reach engines on other nodes only once the broadcast group exists"

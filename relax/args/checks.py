@@ -3,6 +3,8 @@
 Each rule takes the TrainConfig and the relax.platform record of the run's device.
 """
 
+from relax.rollout.dump import pattern_problem
+
 
 def world_size(relax) -> int:
     return relax.num_nodes * relax.num_devices_per_node
@@ -120,6 +122,13 @@ def debug_modes_consistent(config, platform):
         return "--debug-train-only needs --load-rollout-data (saved by --save-rollout-data)"
 
 
+def rollout_data_patterns_valid(config, platform):
+    r = config.relax
+    return pattern_problem("--save-rollout-data", r.save_rollout_data, r.num_steps) or pattern_problem(
+        "--load-rollout-data", r.load_rollout_data, r.num_steps
+    )
+
+
 def batching_flags_consistent(config, platform):
     r = config.relax
     if r.use_dynamic_batch_size and not r.max_tokens_per_device:
@@ -161,6 +170,7 @@ RULES = [
     clip_range_ordered,
     kl_loss_has_weight,
     debug_modes_consistent,
+    rollout_data_patterns_valid,
     batching_flags_consistent,
     sampling_flags_consistent,
     checkpoint_flags_consistent,

@@ -86,6 +86,13 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="Prompts sampled per round with --dynamic-sampling (default: --rollout-batch-size).",
     )
     g.add_argument(
+        "--dynamic-sampling-max-rounds",
+        type=_positive_int,
+        default=10,
+        help="With --dynamic-sampling: generation rounds per step before the run stops, with the counts of groups "
+        "kept and dropped, rather than train on a short batch (default: %(default)s).",
+    )
+    g.add_argument(
         "--overlong-buffer-len",
         type=_positive_int,
         help="DAPO overlong shaping: responses longer than --rollout-max-response-len minus this are penalised "
@@ -211,8 +218,18 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--debug-train-only", action="store_true", help="Train on --load-rollout-data only; no rollout engine."
     )
-    g.add_argument("--save-rollout-data", metavar="PATH", help="Save each step's rollout batch under this path.")
-    g.add_argument("--load-rollout-data", metavar="PATH", help="Train on rollout batches saved by --save-rollout-data.")
+    g.add_argument(
+        "--save-rollout-data",
+        metavar="PATTERN",
+        help="Write each step's scored samples to this path, {step} replaced by the step "
+        "(e.g. dumps/step_{step}.jsonl; format in relax/rollout/dump.py).",
+    )
+    g.add_argument(
+        "--load-rollout-data",
+        metavar="PATTERN",
+        help="Replay the samples --save-rollout-data wrote instead of generating (without {step}: one file, "
+        "replayed at every step).",
+    )
     g.add_argument(
         "--dry-run", action="store_true", help="Validate every flag, print the resolved configuration and exit."
     )

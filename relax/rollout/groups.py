@@ -56,26 +56,32 @@ class DynamicSamplingError(RuntimeError):
 
 @dataclass
 class DynamicSamplingStats:
-    rounds: int = 0
+    rounds: int = 0  # generation rounds
     groups_generated: int = 0
     groups_kept: int = 0
     groups_dropped: int = 0  # all rewards equal
+    groups_surplus: int = 0  # informative, but generated after the batch was full (a round may bring more)
     dropped_by_reward: dict[float, int] = field(default_factory=dict)  # the shared reward of dropped groups
 
     def metrics(self) -> dict[str, float]:
         return {
-            "rollout/dynamic_sampling_rounds": self.rounds,
-            "rollout/dynamic_sampling_groups_generated": self.groups_generated,
-            "rollout/dynamic_sampling_groups_dropped": self.groups_dropped,
-            "rollout/dynamic_sampling_keep_ratio": self.groups_kept / max(self.groups_generated, 1),
+            "rollout/generation_rounds": self.rounds,
+            "rollout/generated_groups": self.groups_generated,
+            "rollout/kept_groups": self.groups_kept,
+            "rollout/dropped_groups": self.groups_dropped,
+            "rollout/surplus_groups": self.groups_surplus,
+            "rollout/informative_group_fraction": (self.groups_generated - self.groups_dropped)
+            / max(self.groups_generated, 1),
         }
 
 
 def fill_with_informative_groups(
     generate_groups: Callable[[int], list[Group]], num_groups: int, max_rounds: int = 10
 ) -> tuple[list[Group], DynamicSamplingStats]:
-    """Call generate_groups(k) for k more groups, keeping only groups whose rewards differ, until
-    num_groups are kept. Fails after max_rounds rounds or when generate_groups has no more data."""
+    """Call generate_groups(k) for k more groups (it may return more), keeping only groups whose rewards
+    differ, until num_groups are kept. Informative groups beyond num_groups are counted as surplus and not
+    used. Fails with the counts after max_rounds rounds, or when generate_groups has no more data: a batch
+    is never silently short."""
     stats = DynamicSamplingStats()
     kept: list[Group] = []
     while len(kept) < num_groups:
@@ -84,7 +90,8 @@ def fill_with_informative_groups(
                 f"dynamic sampling kept {len(kept)} of {num_groups} groups after {max_rounds} rounds: "
                 f"{stats.groups_dropped} of {stats.groups_generated} groups had equal rewards "
                 f"(by shared reward: {stats.dropped_by_reward}). The task is too easy or too hard for the "
-                "model, or the reward is broken; raise the round limit or turn dynamic sampling off."
+                "model, or the reward is broken; raise the round limit (--dynamic-sampling-max-rounds) or turn "
+                "dynamic sampling off."
             )
         stats.rounds += 1
         groups = generate_groups(num_groups - len(kept))
@@ -100,6 +107,8 @@ def fill_with_informative_groups(
                 stats.dropped_by_reward[shared] = stats.dropped_by_reward.get(shared, 0) + 1
             elif len(kept) < num_groups:
                 kept.append(group)
+            else:
+                stats.groups_surplus += 1
     stats.groups_kept = len(kept)
     return kept, stats
 

@@ -51,7 +51,7 @@ def test_rollout_dynamic_sampling_refills_from_the_loader():
     result = rollout(engine, loader, load_reward_fn("exact_match"), config)
     assert [g.prompt.label for g in result.groups] == ["1", "3"]
     assert engine.batches == [2, 1, 1]
-    assert result.metrics["rollout/dynamic_sampling_groups_dropped"] == 2
+    assert result.metrics["rollout/dropped_groups"] == 2
     assert result.reward_report.samples == 8
 
 

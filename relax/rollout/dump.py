@@ -1,0 +1,180 @@
+"""Rollout data on disk: each step's scored samples, written by --save-rollout-data and replayed by
+--load-rollout-data, so a step can be trained again exactly (or inspected by eye).
+
+A path pattern names one file per step: `{step}` is replaced by the step number (`dumps/step_{step}.jsonl`,
+or with a format spec, `dumps/step_{step:04d}.jsonl`).
+A pattern without `{step}` names one file: saving refuses it for runs of more than one step; loading
+replays that same rollout at every step.
+
+Format (version 1): JSON lines, UTF-8. The first line is a header, then one line per prompt group:
+
+    {"format": "relax.rollout_data", "version": 1, "step": 3, "num_groups": 8, "samples_per_prompt": 8}
+    {"prompt": {"row": 17, "token_ids": [...], "text": "...", "label": ..., "metadata": {...}},
+     "samples": [{"response_token_ids": [...], "response_logprobs": [...], "finish_reason": "stop",
+                  "response_text": "...", "reward": 1.0, "reward_failed": false}, ...]}
+
+Rewards are the reward function's scores, before any overlong penalty (the loop applies that after
+loading, from the response lengths). Floats are written as Python's repr, so they read back bit for bit.
+Labels and metadata must be JSON values. The file is written to a temporary name and then renamed, so a
+run that dies mid-write leaves no half file under the step's name.
+"""
+
+import json
+import math
+import os
+from pathlib import Path
+
+from relax.rollout.data import Prompt
+from relax.rollout.groups import Sample, group_by_prompt
+
+FORMAT = "relax.rollout_data"
+VERSION = 1
+
+
+class RolloutDataError(ValueError):
+    """A rollout data file cannot be written or read; the message names the file and the step."""
+
+
+def rollout_data_path(pattern: str, step: int) -> Path:
+    try:
+        return Path(pattern.format(step=step))
+    except (KeyError, IndexError, ValueError) as e:
+        raise RolloutDataError(
+            f"rollout data path pattern {pattern!r}: only the field {{step}} may appear in braces ({e!r})"
+        ) from None
+
+
+def pattern_problem(flag: str, pattern: str | None, num_steps: int) -> str | None:
+    """What is wrong with a --save-rollout-data / --load-rollout-data pattern, in words; None if nothing."""
+    if pattern is None:
+        return None
+    try:
+        rollout_data_path(pattern, 0)
+    except RolloutDataError as e:
+        return f"{flag} {e}"
+    names_one_file = rollout_data_path(pattern, 0) == rollout_data_path(pattern, 1)
+    if flag == "--save-rollout-data" and names_one_file and num_steps > 1:
+        return f"{flag} {pattern!r} has no {{step}}: every step of the {num_steps} would overwrite the same file"
+    return None
+
+
+def save_rollout_data(pattern: str, step: int, samples: list[Sample], samples_per_prompt: int) -> Path:
+    """Write the step's samples (listed prompt by prompt) to the pattern's file for `step`; returns its path."""
+    path = rollout_data_path(pattern, step)
+    groups = group_by_prompt(samples, samples_per_prompt)
+    header = {
+        "format": FORMAT, "version": VERSION, "step": step, "num_groups": len(groups),
+        "samples_per_prompt": samples_per_prompt,
+    }
+    lines = [json.dumps(header)]
+    for group in groups:
+        p = group.prompt
+        record = {
+            "prompt": {
+                "row": p.row, "token_ids": p.token_ids, "text": p.text, "label": p.label, "metadata": p.metadata
+            },
+            "samples": [
+                {
+                    "response_token_ids": s.response_token_ids,
+                    "response_logprobs": s.response_logprobs,
+                    "finish_reason": s.finish_reason,
+                    "response_text": s.response_text,
+                    "reward": s.reward,
+                    "reward_failed": s.reward_failed,
+                }
+                for s in group.samples
+            ],
+        }
+        try:
+            lines.append(json.dumps(record, ensure_ascii=False))
+        except TypeError as e:
+            raise RolloutDataError(
+                f"step {step}: cannot write {path}: the label or metadata of prompt row {p.row} "
+                f"is not a JSON value ({e})"
+            ) from None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    os.replace(partial, path)
+    return path
+
+
+def load_rollout_data(pattern: str, step: int, num_groups: int, samples_per_prompt: int) -> list[Sample]:
+    """The samples saved for `step` (prompt by prompt), checked against the run's batch shape."""
+    path = rollout_data_path(pattern, step)
+    where = f"--load-rollout-data, step {step}: {path}"
+    if not path.is_file():
+        raise RolloutDataError(f"{where} does not exist (write it with --save-rollout-data {pattern})")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise RolloutDataError(f"{where} line {number}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not records:
+        raise RolloutDataError(f"{where} is empty")
+    header, groups = records[0], records[1:]
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise RolloutDataError(f"{where} line 1: not a {FORMAT} header: {str(header)[:120]}")
+    if header.get("version") != VERSION:
+        raise RolloutDataError(f"{where}: format version {header.get('version')!r}; this relax reads version {VERSION}")
+    if header.get("num_groups") != len(groups):
+        raise RolloutDataError(
+            f"{where}: the header says {header.get('num_groups')} groups, the file holds {len(groups)}"
+        )
+    shape = (header.get("num_groups"), header.get("samples_per_prompt"))
+    if shape != (num_groups, samples_per_prompt):
+        raise RolloutDataError(
+            f"{where} holds {shape[0]} groups of {shape[1]} samples; this run trains on --rollout-batch-size "
+            f"{num_groups} groups of --n-samples-per-prompt {samples_per_prompt}: use the flags the file was saved with"
+        )
+    samples = []
+    for number, record in enumerate(groups, start=2):
+        try:
+            samples += _group_samples(record, samples_per_prompt)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RolloutDataError(f"{where} line {number}: malformed group ({type(e).__name__}: {e})") from None
+    return samples
+
+
+def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:
+    p = record["prompt"]
+    prompt = Prompt(
+        row=_typed(p, "row", int), token_ids=_int_list(p, "token_ids"), text=_typed(p, "text", str),
+        label=p["label"], metadata=_typed(p, "metadata", dict),
+    )
+    entries = _typed(record, "samples", list)
+    if len(entries) != samples_per_prompt:
+        raise ValueError(f"{len(entries)} samples, the header says {samples_per_prompt}")
+    samples = []
+    for s in entries:
+        tokens, logprobs = _int_list(s, "response_token_ids"), _typed(s, "response_logprobs", list)
+        if not tokens or len(logprobs) != len(tokens):
+            raise ValueError(f"{len(tokens)} response tokens and {len(logprobs)} logprobs (need as many, at least 1)")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
+            raise TypeError("response_logprobs must be numbers")
+        reward = _typed(s, "reward", (int, float))
+        if isinstance(reward, bool) or not math.isfinite(reward):
+            raise ValueError(f"reward {reward!r} is not a finite number")
+        samples.append(
+            Sample(
+                prompt, tokens, [float(v) for v in logprobs], _typed(s, "finish_reason", str),
+                _typed(s, "response_text", str), float(reward), _typed(s, "reward_failed", bool),
+            )
+        )
+    return samples
+
+
+def _typed(record: dict, key: str, kind):
+    value = record[key]
+    if not isinstance(value, kind):
+        raise TypeError(f"{key} is {type(value).__name__}, expected {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _int_list(record: dict, key: str) -> list[int]:
+    values = _typed(record, key, list)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"{key} must be a list of integers")
+    return values
