@@ -1,0 +1,80 @@
+"""DAPO dynamic sampling in the loop: whole rounds of --over-sampling-batch-size prompts until
+--rollout-batch-size informative groups are kept, bounded by --dynamic-sampling-max-rounds, every count in
+the metrics. The engines are replaced by a scripted generate_and_score (relax's own phase, not SGLang)."""
+
+import argparse
+
+import pytest
+
+import relax.loop
+from relax.loop import collect_rollout
+from relax.rollout.data import Prompt, PromptLoader
+from relax.rollout.groups import DynamicSamplingError, Sample
+
+
+def _settings(**changes):
+    base = dict(
+        load_rollout_data=None, save_rollout_data=None, dynamic_sampling=True, rollout_batch_size=3,
+        n_samples_per_prompt=2, over_sampling_batch_size=None, dynamic_sampling_max_rounds=10,
+        overlong_buffer_len=None, rollout_max_response_len=4,
+    )
+    return argparse.Namespace(**{**base, **changes})
+
+
+@pytest.fixture
+def scripted_generation(monkeypatch):
+    """Prompt i's two samples score rewards[i] (a pair); records the prompt rows of each round."""
+    rounds = []
+
+    def install(rewards):
+        def generate_and_score(engines, prompts, sampling, reward_fn):
+            rounds.append([p.row for p in prompts])
+            return [Sample(p, [7], [-1.0], "stop", reward=float(value)) for p in prompts for value in rewards[p.row]]
+
+        monkeypatch.setattr(relax.loop, "generate_and_score", generate_and_score)
+        loader = PromptLoader([Prompt(row, [1], f"p{row}") for row in range(len(rewards))], shuffle=False)
+        return loader, rounds
+
+    return install
+
+
+def _collect(loader, r):
+    return collect_rollout(0, engines=None, loader=loader, sampling=None, reward_fn=None, r=r)
+
+
+def test_groups_with_equal_rewards_are_dropped_and_rounds_refill(scripted_generation):
+    # rows 0, 2, 3 and 5 teach nothing; 1, 4, 6 (and 7) do
+    loader, rounds = scripted_generation([(1, 1), (0, 1), (0, 0), (1, 1), (1, 0), (0, 0), (0.5, 1), (0, 1), (0, 0)])
+    samples, metrics = _collect(loader, _settings())
+    assert rounds == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # whole rounds of --rollout-batch-size prompts
+    assert [s.prompt.row for s in samples] == [1, 1, 4, 4, 6, 6]  # prompt by prompt, in generation order
+    assert metrics["rollout/kept_groups"] == 3 and metrics["rollout/generation_rounds"] == 3
+    assert metrics["rollout/generated_groups"] == 9 and metrics["rollout/dropped_groups"] == 5
+    assert metrics["rollout/surplus_groups"] == 1  # row 7: informative, but the batch was full
+    assert metrics["rollout/informative_group_fraction"] == pytest.approx(4 / 9)
+    # reward metrics describe the kept samples, the ones trained on
+    assert metrics["rollout/reward_mean"] == pytest.approx((0 + 1 + 1 + 0 + 0.5 + 1) / 6)
+
+
+def test_over_sampling_batch_size_sets_the_prompts_per_round(scripted_generation):
+    loader, rounds = scripted_generation([(0, 1)] * 10)
+    samples, metrics = _collect(loader, _settings(over_sampling_batch_size=5))
+    assert rounds == [[0, 1, 2, 3, 4]]
+    assert len(samples) == 6 and metrics["rollout/surplus_groups"] == 2 and metrics["rollout/generation_rounds"] == 1
+
+
+def test_the_round_bound_stops_the_run_with_counts_instead_of_a_short_batch(scripted_generation):
+    loader, rounds = scripted_generation([(0, 1), (1, 1), (1, 1), (0, 0), (1, 1), (1, 1)] * 2)
+    with pytest.raises(DynamicSamplingError) as info:
+        _collect(loader, _settings(dynamic_sampling_max_rounds=2))
+    assert len(rounds) == 2
+    message = str(info.value)
+    assert "kept 1 of 3 groups after 2 rounds: 5 of 6 groups had equal rewards" in message
+    assert "(by shared reward: {1.0: 4, 0.0: 1})" in message and "--dynamic-sampling-max-rounds" in message
+
+
+def test_without_dynamic_sampling_every_group_is_kept(scripted_generation):
+    loader, rounds = scripted_generation([(1, 1), (0, 0), (0, 1)])
+    samples, metrics = _collect(loader, _settings(dynamic_sampling=False))
+    assert rounds == [[0, 1, 2]] and len(samples) == 6
+    assert "rollout/kept_groups" not in metrics

@@ -1,0 +1,168 @@
+"""Rollout data files (--save-rollout-data / --load-rollout-data): the format, exact round trips, and
+errors that name the file and the step."""
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from relax.args.checks import rollout_data_patterns_valid
+from relax.loop import collect_rollout
+from relax.rollout.data import Prompt
+from relax.rollout.dump import (
+    FORMAT,
+    VERSION,
+    RolloutDataError,
+    load_rollout_data,
+    pattern_problem,
+    rollout_data_path,
+    save_rollout_data,
+)
+from relax.rollout.groups import Sample, group_by_prompt
+
+
+def _samples():
+    a = Prompt(row=3, token_ids=[1, 2], text="écris 7", label={"answer": [7, "7"]}, metadata={"source": "t", "k": 1})
+    b = Prompt(row=9, token_ids=[4], text="b", label=None)
+    return [
+        # floats that only survive a round trip written as repr
+        Sample(a, [5, 6], [0.1 + 0.2, -1e-300], "stop", "7\n", reward=1 / 3, reward_failed=False),
+        Sample(a, [8], [float("-inf")], "length", "x", reward=0.0, reward_failed=True),
+        Sample(b, [9, 9, 9], [-0.5, -0.25, -2.0], "abort", "", reward=-1.5),
+        Sample(b, [7], [-3.0], "stop", "y", reward=2.0),
+    ]
+
+
+def test_round_trip_is_exact_and_groups_share_their_prompt(tmp_path):
+    samples = _samples()
+    path = save_rollout_data(str(tmp_path / "d" / "step_{step}.jsonl"), 4, samples, samples_per_prompt=2)
+    assert path == tmp_path / "d" / "step_4.jsonl"
+    assert not list(path.parent.glob("*.partial"))
+
+    loaded = load_rollout_data(str(tmp_path / "d" / "step_{step}.jsonl"), 4, num_groups=2, samples_per_prompt=2)
+    assert loaded == samples
+    assert [s.response_logprobs for s in loaded] == [s.response_logprobs for s in samples]  # -inf, 0.30000000000000004
+    assert loaded[0].reward == 1 / 3 and loaded[0].response_logprobs[0] == 0.1 + 0.2
+    assert loaded[0].prompt is loaded[1].prompt  # one Prompt per group, as the generator makes them
+    assert [g.prompt.row for g in group_by_prompt(loaded, 2)] == [3, 9]
+
+
+def test_the_documented_format(tmp_path):
+    path = save_rollout_data(str(tmp_path / "s{step:03d}.jsonl"), 12, _samples(), samples_per_prompt=2)
+    assert path.name == "s012.jsonl"
+    header, *groups = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert header == {"format": FORMAT, "version": VERSION, "step": 12, "num_groups": 2, "samples_per_prompt": 2}
+    assert groups[0]["prompt"] == {
+        "row": 3, "token_ids": [1, 2], "text": "écris 7", "label": {"answer": [7, "7"]}, "metadata": {"source": "t", "k": 1}
+    }
+    assert groups[1]["samples"][0] == {
+        "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0], "finish_reason": "abort",
+        "response_text": "", "reward": -1.5, "reward_failed": False,
+    }
+
+
+def test_path_patterns(tmp_path):
+    assert rollout_data_path("a/{step}/b.jsonl", 7).as_posix() == "a/7/b.jsonl"
+    with pytest.raises(RolloutDataError, match=r"only the field \{step\}"):
+        rollout_data_path("a/{epoch}.jsonl", 0)
+    assert pattern_problem("--save-rollout-data", "d/{step}.jsonl", 10) is None
+    assert pattern_problem("--save-rollout-data", "d/one.jsonl", 1) is None
+    assert "every step of the 10 would overwrite" in pattern_problem("--save-rollout-data", "d/one.jsonl", 10)
+    assert pattern_problem("--load-rollout-data", "d/one.jsonl", 10) is None  # one rollout, replayed every step
+    assert pattern_problem("--load-rollout-data", "d/{bad", 1).startswith("--load-rollout-data rollout data path")
+
+    def problem(**flags):
+        r = argparse.Namespace(**{"save_rollout_data": None, "load_rollout_data": None, "num_steps": 5, **flags})
+        return rollout_data_patterns_valid(SimpleNamespace(relax=r), platform=None)
+
+    assert problem() is None and problem(save_rollout_data="x_{step}") is None
+    assert problem(save_rollout_data="x").startswith("--save-rollout-data 'x' has no {step}")
+
+
+def _write(path, header_changes=None, groups=None):
+    header = {"format": FORMAT, "version": VERSION, "step": 0, "num_groups": 1, "samples_per_prompt": 1}
+    group = {
+        "prompt": {"row": 1, "token_ids": [1], "text": "p", "label": None, "metadata": {}},
+        "samples": [
+            {"response_token_ids": [2], "response_logprobs": [-1.0], "finish_reason": "stop",
+             "response_text": "r", "reward": 1.0, "reward_failed": False}
+        ],
+    }
+    lines = [json.dumps({**header, **(header_changes or {})})] + [json.dumps(g) for g in (groups or [group])]
+    path.write_text("\n".join(lines) + "\n")
+    return group
+
+
+@pytest.mark.parametrize(
+    "make, error",
+    [
+        (lambda p: None, r"step 2: .*bad_2\.jsonl does not exist \(write it with --save-rollout-data"),
+        (lambda p: p.write_text(""), "is empty"),
+        (lambda p: p.write_text('{"format": "relax.rollout_data", "version": 1\n'), "line 1: invalid JSON"),
+        (lambda p: p.write_text('{"something": "else"}\n'), "line 1: not a relax.rollout_data header"),
+        (lambda p: _write(p, {"version": 99}), "format version 99; this relax reads version 1"),
+        (lambda p: _write(p, {"num_groups": 3}), "the header says 3 groups, the file holds 1"),
+        (lambda p: _write(p, {"samples_per_prompt": 4}), "holds 1 groups of 4 samples; this run trains on"),
+    ],
+    ids=["missing", "empty", "invalid-json", "not-a-header", "version", "count", "shape"],
+)
+def test_bad_files_fail_naming_the_path_and_step(tmp_path, make, error):
+    make(tmp_path / "bad_2.jsonl")
+    with pytest.raises(RolloutDataError, match=error) as info:
+        load_rollout_data(str(tmp_path / "bad_{step}.jsonl"), 2, num_groups=1, samples_per_prompt=1)
+    assert f"--load-rollout-data, step 2: {tmp_path / 'bad_2.jsonl'}" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "corrupt, error",
+    [
+        (lambda g: g["samples"][0].pop("reward"), "KeyError: 'reward'"),
+        (lambda g: g["samples"][0].update(response_logprobs=[]), "1 response tokens and 0 logprobs"),
+        (lambda g: g["samples"][0].update(response_token_ids=["2"]), "response_token_ids must be a list of integers"),
+        (lambda g: g["samples"][0].update(reward="1"), "reward is str"),
+        (lambda g: g["prompt"].update(metadata=[]), "metadata is list, expected dict"),
+        (lambda g: g["samples"].append(dict(g["samples"][0])), "2 samples, the header says 1"),
+    ],
+    ids=["missing-key", "logprob-count", "token-type", "reward-type", "metadata-type", "group-size"],
+)
+def test_malformed_groups_name_their_line(tmp_path, corrupt, error):
+    path = tmp_path / "d.jsonl"
+    group = _write(path)
+    corrupt(group)
+    _write(path, groups=[group])
+    with pytest.raises(RolloutDataError, match=rf"step 0: .*d\.jsonl line 2: malformed group \(.*{error}"):
+        load_rollout_data(str(path), 0, num_groups=1, samples_per_prompt=1)
+
+
+def test_labels_that_are_not_json_fail_and_leave_no_file(tmp_path):
+    samples = _samples()
+    samples[2].prompt.label = {1, 2}
+    with pytest.raises(RolloutDataError, match=r"step 0: cannot write .*: the label or metadata of prompt row 9"):
+        save_rollout_data(str(tmp_path / "{step}.jsonl"), 0, samples, samples_per_prompt=2)
+    assert not list(tmp_path.iterdir())
+
+
+def _loop_settings(**changes):
+    base = dict(
+        load_rollout_data=None, save_rollout_data=None, dynamic_sampling=False, rollout_batch_size=2,
+        n_samples_per_prompt=2, overlong_buffer_len=None, rollout_max_response_len=3,
+    )
+    return argparse.Namespace(**{**base, **changes})
+
+
+def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_loading(tmp_path):
+    save_rollout_data(str(tmp_path / "in_{step}.jsonl"), 1, _samples(), samples_per_prompt=2)
+    r = _loop_settings(
+        load_rollout_data=str(tmp_path / "in_{step}.jsonl"), save_rollout_data=str(tmp_path / "out_{step}.jsonl"),
+        overlong_buffer_len=1,
+    )
+    samples, metrics = collect_rollout(1, engines=None, loader=None, sampling=None, reward_fn=None, r=r)
+    # Saved again unchanged: the file holds the reward function's scores, the penalty comes after.
+    assert (tmp_path / "out_1.jsonl").read_text() == (tmp_path / "in_1.jsonl").read_text()
+    assert metrics["rollout/reward_mean"] == pytest.approx((1 / 3 + 0.0 - 1.5 + 2.0) / 4)
+    assert metrics["rollout/reward_failures"] == 1.0
+    # 3 tokens of at most 3 with a 1-token buffer: -1; shorter responses keep their reward
+    assert [s.reward for s in samples] == [1 / 3, 0.0, -2.5, 2.0]
+    with pytest.raises(RolloutDataError, match=r"step 2: .*in_2\.jsonl does not exist"):
+        collect_rollout(2, engines=None, loader=None, sampling=None, reward_fn=None, r=r)
