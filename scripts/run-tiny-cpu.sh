@@ -3,6 +3,8 @@
 # learns a synthetic task with a verifiable reward through the real loop (SGLang engine, Megatron
 # actor, local Ray) on 2 CPU cores.
 #   EXP_DIR         where the model, data and run outputs go (default: runs/tiny-cpu in the repository)
+#   --tiny-model F  (or TINY_MODEL=F) the tiny model's family from relax.tiny_model (default qwen3; qwen3_5
+#                   is the hybrid Gated DeltaNet Qwen3.5, qwen3_5_moe its MoE variant)
 #   RELAX_DRY_RUN=1 stop after `relax train --dry-run` (CI checks every run-*.sh this way)
 # Extra arguments are passed to `relax train` and override the flags below.
 set -euo pipefail
@@ -10,10 +12,22 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXP_DIR="${EXP_DIR:-$repo/runs/tiny-cpu}"
 python="${RELAX_PYTHON:-$repo/.venv/bin/python}"
 
+family="${TINY_MODEL:-qwen3}"
+train_args=()  # everything but --tiny-model goes to `relax train`
+while (($#)); do
+    case "$1" in
+        --tiny-model=*) family="${1#*=}"; shift ;;
+        --tiny-model)
+            [[ $# -ge 2 ]] || { echo "run-tiny-cpu.sh: --tiny-model needs a family (qwen3, qwen3_5, ...)" >&2; exit 2; }
+            family="$2"; shift 2 ;;
+        *) train_args+=("$1"); shift ;;
+    esac
+done
+
 model_dir="$EXP_DIR/model"
 data="$EXP_DIR/data/copy_digit.jsonl"
 # Both are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files.
-"$python" -m relax.tiny_model --family qwen3 --out "$model_dir" >/dev/null
+"$python" -m relax.tiny_model --family "$family" --out "$model_dir" >/dev/null
 "$python" -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out "$data" >/dev/null
 
 args=(
@@ -32,4 +46,4 @@ args=(
 if [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then
     args+=(--dry-run)
 fi
-exec "$python" -m relax.cli train "${args[@]}" "$@"
+exec "$python" -m relax.cli train "${args[@]}" "${train_args[@]}"
