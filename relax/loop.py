@@ -96,6 +96,8 @@ def run(config) -> Path:
                     with timer("perf/weight_sync_time"):
                         hand_devices_to_engines(engines, trainers, r)
             log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds})
+        if trainers is not None and engines is not None:
+            ray.get(trainers.call("close_weight_sync"))  # the broadcast groups to engines on other nodes
     finally:
         log.close()
         for group in (engines, trainers):
@@ -189,16 +191,20 @@ def train(trainers, samples: list[Sample], r) -> dict[str, float]:
     return _mean_over_steps(ray.get(trainers.call("train", batch, r.global_batch_size, _uses_reference(r)))[0])
 
 
-def hand_devices_to_engines(engines, trainers, r) -> None:
+def hand_devices_to_engines(engines, trainers, r) -> list[dict] | None:
     """Push the new weights (the engines' weights resumed, their KV cache not yet), put the actor to sleep,
-    resume the engines' KV cache. Under --debug-train-only there are no engines: the actor only sleeps."""
+    resume the engines' KV cache. Each sending rank reaches the engines on its node by handle and the others
+    by broadcast: it is told every engine's node. Returns each rank's push report (TrainWorker.push_weights).
+    Under --debug-train-only there are no engines: the actor only sleeps."""
     if engines is None:
         ray.get(trainers.call("sleep"))
-        return
+        return None
     ray.get(engines.call("resume_memory_occupation", ["weights"]))
-    ray.get(trainers.call("push_weights", engines.actors, r.rollout_num_devices_per_engine))
+    engine_nodes = [bundle.node_id for bundle in engines.bundles]
+    reports = ray.get(trainers.call("push_weights", engines.actors, r.rollout_num_devices_per_engine, engine_nodes))
     ray.get(trainers.call("sleep"))
     ray.get(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]))
+    return reports
 
 
 def rollout_batch(samples: list[Sample], r) -> RolloutBatch:
@@ -244,9 +250,6 @@ _UNBUILT = {
     "--save / --save-interval": (lambda r: r.save is not None, "drop them: the loop does not checkpoint yet"),
     "--load": (lambda r: r.load is not None, "drop it: the loop does not resume yet"),
     "--no-colocate": (lambda r: not r.colocate, "drop it: only the colocated mode exists"),
-    "--num-nodes > 1": (
-        lambda r: r.num_nodes > 1, "use one node: weights reach engines on other nodes only once the broadcast group exists"
-    ),
     "--log-interval > 1": (lambda r: r.log_interval != 1, "drop it: every step is logged"),
 }
 

@@ -382,6 +382,52 @@ class RolloutEngine:
         self._check_bucket(specs)
         self._send_bucket([name for name, _ in specs], payloads)
 
+    # Engines on another node than the sender receive buckets by broadcast (relax.sync.broadcast).
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str):
+        """Join a sender's broadcast group through SGLang's distributed weight update: the sender is group
+        rank 0, this engine's TP ranks take rank_offset .. rank_offset + tp_size - 1. Returns once every
+        member has joined."""
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        request = InitWeightsUpdateGroupReqInput(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend,
+        )
+        result = self._run(self._live().tokenizer_manager.init_weights_update_group(request, None))
+        self._check_result("init_weights_update_group", result)
+
+    def update_weights_from_distributed(self, specs: list[tuple[str, tuple[int, ...]]], dtypes: list[str],
+                                        group_name: str):
+        """Receive one bucket that the sender of `group_name` broadcasts, packed by
+        relax.sync.bucket.flatten_bucket and described by its bucket_specs and bucket_dtypes. Checked like
+        update_weights_from_tensor before joining the broadcast: a refused bucket raises here, and so in the
+        sender, which waits for this call."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        if len(dtypes) != len(specs):
+            raise WeightUpdateError(f"a bucket of {len(specs)} tensors came with {len(dtypes)} dtypes")
+        self._check_bucket(specs)
+        request = UpdateWeightsFromDistributedReqInput(
+            names=[name for name, _ in specs],
+            dtypes=list(dtypes),
+            shapes=[list(shape) for _, shape in specs],
+            group_name=group_name,
+            flush_cache=False,  # end_weight_update flushes once
+            load_format=weight_bucket.LOAD_FORMAT,
+        )
+        result = self._run(self._live().tokenizer_manager.update_weights_from_distributed(request, None))
+        self._check_result("update_weights_from_distributed", result)
+        self._update_session.update(request.names)
+
+    def destroy_weights_update_group(self, group_name: str):
+        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
+
+        request = DestroyWeightsUpdateGroupReqInput(group_name=group_name)
+        result = self._run(self._live().tokenizer_manager.destroy_weights_update_group(request, None))
+        self._check_result("destroy_weights_update_group", result)
+
     def end_weight_update(self, expect_complete: bool = True):
         """Close the update and flush the prefix cache (it holds KV computed with the old weights).
         With expect_complete, every checkpoint tensor must have been sent; otherwise the engine would

@@ -45,5 +45,14 @@ class EngineWorker:
     def end_weight_update(self):
         self.engine.end_weight_update()
 
+    def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+        self.engine.init_weights_update_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, specs, dtypes, group_name):
+        self.engine.update_weights_from_distributed(specs, dtypes, group_name)
+
+    def destroy_weights_update_group(self, group_name):
+        self.engine.destroy_weights_update_group(group_name)
+
     def shutdown(self):
         self.engine.shutdown()

@@ -7,6 +7,9 @@ on accelerators, shared memory on CPU). The engine loads it with load_format="fl
 
 The sender must keep the bucket's tensor alive until the engine has answered the update call (the
 handle points into it); Engine.update_weights_from_tensor only returns after the engine has copied it.
+
+Engines on other nodes get the same flattened tensor by broadcast instead (relax.sync.broadcast): they
+allocate it from bucket_specs and bucket_dtypes, so both ends must pack in flatten_bucket's order.
 """
 
 from typing import Iterable, Iterator
@@ -34,6 +37,20 @@ def split_into_buckets(
         yield bucket
 
 
+def flatten_bucket(named_tensors: list[tuple[str, torch.Tensor]]):
+    """SGLang's FlattenedTensorBucket of the named tensors (sglang must be importable: the platform's
+    prepare_sglang() has run), in the order both transports use."""
+    if not named_tensors:
+        raise ValueError("cannot serialize an empty weight bucket")
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    # SGLang packs tensors back to back and views each slice as its dtype, which needs the slice's byte
+    # offset to be a multiple of the dtype's size. Packing wider dtypes first guarantees that (sizes are
+    # powers of two); the engine does not care about the order.
+    ordered = sorted(named_tensors, key=lambda item: -item[1].element_size())
+    return FlattenedTensorBucket(named_tensors=[(name, tensor.detach()) for name, tensor in ordered])
+
+
 def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], platform, tp_size: int = 1):
     """The flattened bucket and its per-TP-rank payloads for
     engine.update_weights_from_tensor(payloads, load_format=LOAD_FORMAT), made the way `platform`
@@ -41,11 +58,15 @@ def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], platform, tp
 
     Returns (bucket, payloads): keep `bucket` referenced until the update call has returned.
     """
-    if not named_tensors:
-        raise ValueError("cannot serialize an empty weight bucket")
+    platform.prepare_sglang()
+    bucket = flatten_bucket(named_tensors)
+    return bucket, serialize_flattened(bucket, platform, tp_size)
+
+
+def serialize_flattened(bucket, platform, tp_size: int = 1) -> list[bytes]:
+    """Per-TP-rank payloads of a bucket from flatten_bucket (see serialize_bucket)."""
     platform.prepare_sglang()
     from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     if platform.sharing_strategy is not None:
         # CPU tensors travel as shared memory; the strategy decides how (see the platform record).
@@ -55,17 +76,18 @@ def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], platform, tp
 
         # SGLang's receiver finds the device of an IPC handle by UUID; its patched reductions write it.
         monkey_patch_torch_reductions()
-    # SGLang packs tensors back to back and views each slice as its dtype, which needs the slice's byte
-    # offset to be a multiple of the dtype's size. Packing wider dtypes first guarantees that (sizes are
-    # powers of two); the engine does not care about the order.
-    ordered = sorted(named_tensors, key=lambda item: -item[1].element_size())
-    bucket = FlattenedTensorBucket(named_tensors=[(name, tensor.detach()) for name, tensor in ordered])
     content = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
     # One payload per rank: each rank deserializes only its own, so IPC reference counts stay per rank.
-    payloads = [MultiprocessingSerializer.serialize(content) for _ in range(tp_size)]
-    return bucket, payloads
+    return [MultiprocessingSerializer.serialize(content) for _ in range(tp_size)]
 
 
 def bucket_specs(bucket) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every tensor in a bucket from serialize_bucket: what the receiver checks."""
+    """(name, shape) of every tensor in a bucket from flatten_bucket / serialize_bucket, in packing order:
+    what the receiver checks."""
     return [(meta.name, tuple(meta.shape)) for meta in bucket.get_metadata()]
+
+
+def bucket_dtypes(bucket) -> list[str]:
+    """torch dtype names ("float32", "bfloat16") of a bucket's tensors, in packing order: with bucket_specs,
+    all a receiver needs to allocate the bucket (SGLang's update_weights_from_distributed)."""
+    return [str(meta.dtype).removeprefix("torch.") for meta in bucket.get_metadata()]

@@ -33,6 +33,7 @@ class TrainWorker:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.bucket_bytes = bucket_bytes
+        self.weight_routes = None  # relax.sync.broadcast.WeightRoutes, made at this sending rank's first push
 
     def pid(self) -> int:
         return os.getpid()
@@ -88,32 +89,47 @@ class TrainWorker:
     def wake(self) -> None:
         self.actor.wake()
 
-    def push_weights(self, engines: list, engine_tp_size: int) -> int:
+    def push_weights(self, engines: list, engine_tp_size: int, engine_nodes: list[str]) -> dict:
         """Send the weights under HF names, bucket by bucket, to `engines` (Ray handles of
-        relax.rollout.worker.EngineWorker). Collective over ranks (the export gathers TP/EP shards); the
-        first data- and tensor-parallel rank of each pipeline stage sends its stage's layers. A bucket is
-        packed here and travels as handles (IPC on a device, shared memory on CPU), so only the handles
-        cross Ray; it stays alive until every engine has copied it. The engines refuse an update that misses
-        a tensor. Returns the bytes this rank sent to each engine."""
+        relax.rollout.worker.EngineWorker) on the nodes `engine_nodes` (Ray node ids, one per engine).
+        Collective over ranks (the export gathers TP/EP shards); the first data- and tensor-parallel rank of
+        each pipeline stage sends its stage's layers (relax.sync.broadcast): to engines on its own node as
+        handles (IPC on a device, shared memory on CPU; only the handles cross Ray), to engines on other
+        nodes by broadcast through a process group it makes at its first push and keeps until
+        close_weight_sync(). Every engine has copied a bucket before the next is packed. The engines refuse
+        an update that misses a tensor. Returns the bytes this rank sent to each engine and, per engine, the
+        route it took from this rank ("same_node" or "broadcast"; None where this rank sends nothing)."""
         import ray
         from megatron.core import parallel_state
 
-        from relax.sync.bucket import bucket_specs, serialize_bucket
+        from relax.sync.broadcast import WeightRoutes
         from relax.sync.export import weight_buckets
 
-        sender = self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
+        routes = None
+        if self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
+            if self.weight_routes is None:
+                self.weight_routes = WeightRoutes(
+                    engines, engine_nodes, ray.get_runtime_context().get_node_id(), engine_tp_size, self.platform,
+                    group_name=f"relax-weights-from-rank{self.rank}",
+                )
+            elif not self.weight_routes.serves(engines):
+                raise ValueError("push_weights: the engines differ from the first push's; call close_weight_sync() first")
+            routes = self.weight_routes
         if self.rank == 0:
             ray.get([engine.begin_weight_update.remote() for engine in engines])
         torch.distributed.barrier()
         sent = 0
         for named_tensors in weight_buckets(self.actor.model, self.actor.hf, self.bucket_bytes):
-            if sender:
-                bucket, payloads = serialize_bucket(named_tensors, self.platform, tp_size=engine_tp_size)
-                specs = bucket_specs(bucket)
-                ray.get([engine.update_weights_from_serialized_bucket.remote(specs, payloads) for engine in engines])
-                del bucket  # every engine has copied it
+            if routes is not None:
+                routes.send(named_tensors)
                 sent += sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
         torch.distributed.barrier()
         if self.rank == 0:
             ray.get([engine.end_weight_update.remote() for engine in engines])
-        return sent
+        return {"bytes": sent, "routes": list(routes.routes) if routes is not None else [None] * len(engines)}
+
+    def close_weight_sync(self) -> None:
+        """Destroy this rank's broadcast group to the engines on other nodes, if it made one (at shutdown)."""
+        if self.weight_routes is not None:
+            routes, self.weight_routes = self.weight_routes, None
+            routes.close()

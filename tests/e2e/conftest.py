@@ -1,12 +1,56 @@
 """CPU test sessions start on the CPU platform, prepared before any test imports SGLang or Megatron:
 SGLang fixes its device at its first import, so test module order must not matter. (tests/gpu has no
-such conftest: its tests pick the GPU platform themselves.)"""
+such conftest: its tests pick the GPU platform themselves.)
+
+Shared fixture: two_node_cluster, a real two-node Ray cluster on this machine, one per test module."""
 
 import os
+from dataclasses import dataclass
+
+import pytest
+import ray
 
 os.environ.setdefault("RELAX_DEVICE", "cpu")  # workers the tests start inherit it
 
 from relax.platform import get_platform  # noqa: E402
+from relax.ray.local_cluster import CLUSTER_ENV, LocalCluster  # noqa: E402
 
 get_platform("cpu").prepare_sglang()
 get_platform("cpu").prepare_megatron()
+
+
+@dataclass
+class TwoNodeCluster:
+    local: LocalCluster
+    node_names: dict[str, str]  # node id -> the custom resource naming it
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """Two raylets with their own node ids, each with 4 CPUs, 2 GPUs counted by Ray (no GPU is needed for
+    that) and a custom resource naming it (relax_test_node_a / _b); the second raylet has
+    CUDA_VISIBLE_DEVICES=2,3, as on a node where devices 0 and 1 are taken. This process is connected to it."""
+    # The raylets start without the variables the submit test exports: only the submitting shell has them.
+    saved = {name: os.environ.get(name) for name in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)
+    local = LocalCluster()
+    try:
+        local.start_head(num_cpus=4, num_gpus=2, resources={"relax_test_node_a": 1})
+        local.add_node(num_cpus=4, num_gpus=2, resources={"relax_test_node_b": 1}, env={"CUDA_VISIBLE_DEVICES": "2,3"})
+        ray.init(address=local.address)
+        node_names = {}
+        for node in ray.nodes():
+            if not node["Alive"]:  # a start attempt that timed out on a loaded machine
+                continue
+            (name,) = [resource for resource in node["Resources"] if resource.startswith("relax_test_node_")]
+            node_names[node["NodeID"]] = name
+        yield TwoNodeCluster(local, node_names)
+    finally:
+        ray.shutdown()
+        local.stop()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    assert local.processes() == [], "Ray processes of the test cluster were left running"

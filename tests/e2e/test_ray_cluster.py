@@ -1,4 +1,5 @@
-"""relax.ray on a real two-node Ray cluster on this machine (two raylets with their own node ids), started once.
+"""relax.ray on a real two-node Ray cluster on this machine (two raylets with their own node ids), started once
+(two_node_cluster, tests/e2e/conftest.py).
 
 Both nodes declare 2 GPUs to Ray (no GPU is needed for that: Ray only counts them), the second with the
 raylet's CUDA_VISIBLE_DEVICES=2,3 as on a node where devices 0 and 1 are taken, so Ray's physical ids differ
@@ -18,7 +19,6 @@ import ray
 
 from relax.platform import platform_facts
 from relax.ray.envcheck import REPORT_PREFIX, EnvReporter
-from relax.ray.local_cluster import CLUSTER_ENV, LocalCluster
 from relax.ray.placement import (
     ENGINE_DEVICES_ENV,
     ENGINE_RANK_ENV,
@@ -57,41 +57,7 @@ class RankProbe(EnvReporter):
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-class Cluster:
-    def __init__(self, local: LocalCluster, node_names: dict[str, str]):
-        self.local = local
-        self.node_names = node_names  # node id -> the custom resource naming it
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    # The raylets start without the variables the submit test exports: only the submitting shell has them.
-    saved = {name: os.environ.get(name) for name in CLUSTER_ENV}
-    os.environ.update(CLUSTER_ENV)
-    local = LocalCluster()
-    try:
-        local.start_head(num_cpus=4, num_gpus=2, resources={"relax_test_node_a": 1})
-        local.add_node(num_cpus=4, num_gpus=2, resources={"relax_test_node_b": 1}, env={"CUDA_VISIBLE_DEVICES": "2,3"})
-        ray.init(address=local.address)
-        node_names = {}
-        for node in ray.nodes():
-            if not node["Alive"]:  # a start attempt that timed out on a loaded machine
-                continue
-            (name,) = [resource for resource in node["Resources"] if resource.startswith("relax_test_node_")]
-            node_names[node["NodeID"]] = name
-        yield Cluster(local, node_names)
-    finally:
-        ray.shutdown()
-        local.stop()
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    assert local.processes() == [], "Ray processes of the test cluster were left running"
-
-
-def test_two_cpu_devices_colocate_two_ranks_and_one_engine(cluster):
+def test_two_cpu_devices_colocate_two_ranks_and_one_engine(two_node_cluster):
     cpu = platform_facts("cpu")
     placement = create_placement(cpu, num_devices=2, strategy="STRICT_PACK")
     ranks = create_training_actors(RankProbe, placement, env={"RELAX_TEST_CALLER_VAR": "ranks"})
@@ -126,7 +92,7 @@ def test_two_cpu_devices_colocate_two_ranks_and_one_engine(cluster):
         placement.remove()
 
 
-def test_devices_on_two_nodes_ordered_by_node_then_device(cluster, monkeypatch):
+def test_devices_on_two_nodes_ordered_by_node_then_device(two_node_cluster, monkeypatch):
     # The CUDA record (its facts only: nothing here computes on a GPU); Ray hands out its counted GPUs.
     gpu_platform = platform_facts("cuda")
     # The driver's own value of a default would win over it (the user's shell overrides platform defaults);
@@ -143,9 +109,9 @@ def test_devices_on_two_nodes_ordered_by_node_then_device(cluster, monkeypatch):
         nodes = placement.node_ids()
         assert len(nodes) == 2 and nodes == sorted(nodes)
         assert [bundle.node_id for bundle in bundles] == [nodes[0], nodes[0], nodes[1], nodes[1]]
-        physical = {name: [] for name in cluster.node_names.values()}
+        physical = {name: [] for name in two_node_cluster.node_names.values()}
         for bundle in bundles:
-            physical[cluster.node_names[bundle.node_id]].append(bundle.device_id)
+            physical[two_node_cluster.node_names[bundle.node_id]].append(bundle.device_id)
         assert physical == {"relax_test_node_a": ["0", "1"], "relax_test_node_b": ["2", "3"]}
         assert [bundle.local_device for bundle in bundles] == [0, 1, 0, 1]
         assert placement.master_addr == bundles[0].node_ip
@@ -159,7 +125,7 @@ def test_devices_on_two_nodes_ordered_by_node_then_device(cluster, monkeypatch):
             assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == (str(rank), "4", str(rank % 2))
             assert env[LOCAL_DEVICE_ENV] == str(bundle.local_device)
             # Ray was told not to narrow CUDA_VISIBLE_DEVICES: the actor sees the raylet's list.
-            assert env["CUDA_VISIBLE_DEVICES"] == raylet_visible[cluster.node_names[bundle.node_id]]
+            assert env["CUDA_VISIBLE_DEVICES"] == raylet_visible[two_node_cluster.node_names[bundle.node_id]]
 
         engine_reports = ray.get(engines.call("report", watched))
         for engine, report in enumerate(engine_reports):
@@ -180,13 +146,14 @@ def test_devices_on_two_nodes_ordered_by_node_then_device(cluster, monkeypatch):
         placement.remove()
 
 
-def test_submit_forwards_the_submitting_shell_to_driver_and_actors(cluster, tmp_path):
+def test_submit_forwards_the_submitting_shell_to_driver_and_actors(two_node_cluster, tmp_path):
     working_dir = tmp_path / "work"
     working_dir.mkdir()
     report_path = tmp_path / "report.json"
     shell = {name: value for name, value in os.environ.items() if not name.startswith("RAY_")}
     # A stale RAY_ADDRESS in the shell (nothing listens there) must not override --address.
-    shell.update(cluster.local.client_env, RAY_ADDRESS="127.0.0.1:1", RELAX_PYTHON=sys.executable, RELAX_DEVICE="cpu",
+    shell.update(two_node_cluster.local.client_env, RAY_ADDRESS="127.0.0.1:1", RELAX_PYTHON=sys.executable,
+                 RELAX_DEVICE="cpu",
                  RELAX_TEST_EXPORTED="from-the-shell", SGLANG_TEST_EXPORTED="sglang-prefixed",
                  MY_TEST_NAMED="named-from-shell")
     names = ["RELAX_TEST_EXPORTED", "SGLANG_TEST_EXPORTED", "MY_TEST_NAMED", "MY_TEST_SET"]
@@ -194,7 +161,7 @@ def test_submit_forwards_the_submitting_shell_to_driver_and_actors(cluster, tmp_
     # envcheck exits 1 when a variable is missing anywhere; the job's own exit 3 then shows that it passed
     # and that the job's exit code comes back through relax submit.
     result = subprocess.run(
-        ["bash", str(REPO / "scripts" / "submit.sh"), "--address", cluster.local.dashboard_url,
+        ["bash", str(REPO / "scripts" / "submit.sh"), "--address", two_node_cluster.local.dashboard_url,
          "--env", "MY_TEST_NAMED", "--env", "MY_TEST_SET=set-on-the-command-line", "--working-dir", str(working_dir),
          "--", "bash", "-c", f"{envcheck} && exit 3"],
         env=shell, capture_output=True, text=True, timeout=300,

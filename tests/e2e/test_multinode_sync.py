@@ -1,0 +1,102 @@
+"""Weights reach an engine on another node than the sending training rank, by SGLang's distributed update.
+
+On the two-raylet cluster (two_node_cluster, tests/e2e/conftest.py) the placement spreads two CPU
+"devices" over the two nodes: training rank 0 and engine 0 on one node, rank 1 and engine 1 on the other.
+One training step at a high learning rate changes the actor's weights, and the loop's own weight-sync phase
+pushes them: rank 0 (the only sender at DP=2) hands engine 0 shared-memory handles and broadcasts to
+engine 1 through a gloo group made with SGLang's init_weights_update_group. Engine 1's greedy tokens and
+logprobs for fixed prompts then equal engine 0's, and both differ from before the step.
+"""
+
+import pytest
+import ray
+
+from relax.args import parse_train_args
+from relax.loop import _actor_settings, hand_devices_to_actor, hand_devices_to_engines, train
+from relax.platform import get_platform
+from relax.ray.placement import create_engine_actors, create_placement, create_training_actors
+from relax.rollout.data import Prompt
+from relax.rollout.engine import SamplingConfig
+from relax.rollout.groups import Sample
+from relax.rollout.synthetic import write_task
+from relax.rollout.worker import EngineWorker
+from relax.sync.broadcast import BROADCAST, SAME_NODE
+from relax.tiny_model import build_tiny_model
+from relax.train.worker import TrainWorker
+
+PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+
+
+def greedy_outputs(engines) -> list[list[tuple[list[int], list[float]]]]:
+    """Per engine: (tokens, logprobs) of the greedy completion of each prompt."""
+    outputs = ray.get([engine.generate.remote(PROMPTS, GREEDY) for engine in engines.actors])
+    return [[(c.token_ids, c.logprobs) for (c,) in groups] for groups in outputs]
+
+
+def assert_same_outputs(a, b):
+    for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
+        assert tokens_a == tokens_b
+        assert logprobs_a == pytest.approx(logprobs_b, abs=1e-6)
+
+
+def largest_logprob_change(before, after) -> float:
+    return max(abs(x - y) for (_, lp_before), (_, lp_after) in zip(before, after) for x, y in zip(lp_before, lp_after))
+
+
+def one_group(prompt_ids, responses, rewards) -> list[Sample]:
+    prompt = Prompt(row=1, token_ids=list(prompt_ids), text="")
+    return [Sample(prompt, list(tokens), [0.0] * len(tokens), "length", reward=reward)
+            for tokens, reward in zip(responses, rewards)]
+
+
+def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster, tmp_path):
+    model = build_tiny_model(tmp_path / "model", "qwen3", seed=0)
+    data = write_task("copy_digit", 4, tmp_path / "prompts.jsonl")
+    config = parse_train_args([
+        "--device", "cpu", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--reward-fn", "copy_digit",
+        "--num-nodes", "2", "--num-devices-per-node", "1", "--rollout-num-devices-per-engine", "1",
+        "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2",
+        "--micro-batch-size", "1", "--lr", "1e-2", "--weight-decay", "0.0",
+        "--sglang-max-total-tokens", "2048",
+    ])
+    r = config.relax
+    platform = get_platform("cpu")
+    # One bundle per node: the CPU platform's bundles are CPUs, and each node here has room for both.
+    placement = create_placement(platform, num_devices=r.num_nodes * r.num_devices_per_node, strategy="STRICT_SPREAD")
+    trainers = engines = None
+    try:
+        trainers = create_training_actors(
+            TrainWorker, placement,
+            args=(r.hf_checkpoint, config.megatron, _actor_settings(config), platform.name, r.update_weight_buffer_size),
+        )
+        ray.get(trainers.call("sleep"))
+        engines = create_engine_actors(
+            EngineWorker, placement, devices_per_engine=1, args=(config.sglang, r.hf_checkpoint, platform.name, 1, False),
+        )
+        nodes = placement.node_ids()
+        assert len(nodes) == 2 and set(nodes) == set(two_node_cluster.node_names)
+        assert [bundle.node_id for bundle in trainers.bundles] == nodes  # rank 0 (the sender) on nodes[0]
+        assert [bundle.node_id for bundle in engines.bundles] == nodes  # engine 1 away from the sender
+
+        before = greedy_outputs(engines)
+        assert_same_outputs(before[0], before[1])  # both loaded the same checkpoint
+
+        for step in range(2):  # the second push reuses the broadcast group made by the first
+            samples = one_group(PROMPTS[step], [before[0][step][0][:4], before[0][step][0][4:]], rewards=[1.0, 0.0])
+            hand_devices_to_actor(engines, trainers)
+            train(trainers, samples, r)
+            reports = hand_devices_to_engines(engines, trainers, r)
+            assert reports[0]["routes"] == [SAME_NODE, BROADCAST] and reports[0]["bytes"] > 0
+            assert reports[1] == {"bytes": 0, "routes": [None, None]}  # DP rank 1 sends nothing
+
+            after = greedy_outputs(engines)
+            assert largest_logprob_change(before[0], after[0]) > 1e-3, "the training step changed nothing"
+            assert_same_outputs(after[1], after[0])  # by broadcast, the same weights as by shared memory
+            before = after
+        ray.get(trainers.call("close_weight_sync"))
+    finally:
+        for group in (engines, trainers):
+            if group is not None:
+                group.kill()
+        placement.remove()
