@@ -7,6 +7,8 @@ Modules
   launch over the slot-indexed pools) and Triton versions of the conv update, gating and gated norm, written to
   triton-ascend's porting rules. Launch settings come from a TritonLaunch record.
 - sglang_cpu_ops: functions with the semantics of the sgl_kernel CPU ops SGLang 0.5.23 calls for GDN models.
+- sglang_gdn_decode: what patches/sglang/0004 calls when SGLANG_RELAX_FUSED_GDN_DECODE=1: Qwen3.5 GDN decode
+  in SGLang through gdn_triton.gdn_decode on the engine's own pools (layout glue, launch record, fallbacks).
 
 Pools (decode): recurrent state [num_slots, Hv, V, K] (SGLang's layout; HF / fla hand states around as
 [.., Hv, K, V]: gdn_reference.state_to_pool_layout / state_from_pool_layout), conv state [num_slots, conv_dim,

@@ -31,13 +31,14 @@ class TritonLaunch:
 
 
 @triton.jit
-def _conv_window(x_ptr, state_ptr, channels, mask, W: tl.constexpr, BW: tl.constexpr):
+def _conv_window(x_ptr, state_ptr, channels, mask, channel_stride, tap_stride, W: tl.constexpr, BW: tl.constexpr):
     """[C, BW] float32: each channel's W-1 stored inputs (oldest first) then its new input; taps >= W are zero.
 
-    x_ptr points at each channel's new input, state_ptr at the slot's [conv_dim, W-1] conv state.
+    x_ptr points at each channel's new input, state_ptr at the slot's [conv_dim, W-1] conv state, whose element
+    (c, t) sits at c * channel_stride + t * tap_stride (SGLang's CUDA pool: W-1, 1; its Ascend pool: 1, conv_dim).
     """
     taps = tl.arange(0, BW)
-    window = tl.load(state_ptr + channels[:, None] * (W - 1) + taps[None, :],
+    window = tl.load(state_ptr + channels[:, None] * channel_stride + taps[None, :] * tap_stride,
                      mask=mask[:, None] & (taps[None, :] < W - 1), other=0.0)
     x = tl.load(x_ptr, mask=mask, other=0.0)
     return tl.where(taps[None, :] == W - 1, x[:, None], window).to(tl.float32)
@@ -57,10 +58,12 @@ def _conv_silu(window, weight_ptr, bias_ptr, channels, mask, W: tl.constexpr, BW
 
 
 @triton.jit
-def _store_shifted_window(window, state_ptr, channels, mask, W: tl.constexpr, BW: tl.constexpr):
+def _store_shifted_window(window, state_ptr, channels, mask, channel_stride, tap_stride, W: tl.constexpr,
+                          BW: tl.constexpr):
     """The window minus its oldest input becomes the new conv state: tap t is stored at t - 1."""
     taps = tl.arange(0, BW)
-    tl.store(state_ptr + channels[:, None] * (W - 1) + taps[None, :] - 1, window.to(state_ptr.dtype.element_ty),
+    tl.store(state_ptr + channels[:, None] * channel_stride + (taps[None, :] - 1) * tap_stride,
+             window.to(state_ptr.dtype.element_ty),
              mask=mask[:, None] & (taps[None, :] >= 1) & (taps[None, :] < W))
 
 
@@ -77,7 +80,8 @@ def _gated_norm_store(o, z_ptr, weight, out_ptr, offs_head, mask_head, V: tl.con
 def _gdn_decode_kernel(
     qkvz_ptr, ba_ptr, conv_state_ptr, conv_weight_ptr, conv_bias_ptr, state_ptr, slot_ptr,
     A_log_ptr, dt_bias_ptr, norm_weight_ptr, out_ptr, ticket_ptr,
-    num_rows, qkvz_row_stride, ba_row_stride, conv_slot_stride, state_slot_stride,
+    num_rows, qkvz_row_stride, ba_row_stride, conv_slot_stride, conv_channel_stride, conv_tap_stride,
+    state_slot_stride,
     scale, norm_eps,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
@@ -133,8 +137,10 @@ def _gdn_decode_kernel(
             conv_state = conv_state_ptr + slot * conv_slot_stride
             q_channels = hk * K + offs_k
             k_channels = HK * K + hk * K + offs_k
-            q_window = _conv_window(q_in + offs_k, conv_state, q_channels, mask_k, W, BW)
-            k_window = _conv_window(k_in + offs_k, conv_state, k_channels, mask_k, W, BW)
+            q_window = _conv_window(q_in + offs_k, conv_state, q_channels, mask_k, conv_channel_stride,
+                                    conv_tap_stride, W, BW)
+            k_window = _conv_window(k_in + offs_k, conv_state, k_channels, mask_k, conv_channel_stride,
+                                    conv_tap_stride, W, BW)
             q = _conv_silu(q_window, conv_weight_ptr, conv_bias_ptr, q_channels, mask_k, W, BW, HAS_CONV_BIAS)
             k = _conv_silu(k_window, conv_weight_ptr, conv_bias_ptr, k_channels, mask_k, W, BW, HAS_CONV_BIAS)
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
@@ -152,10 +158,12 @@ def _gdn_decode_kernel(
                     offs_v = t * BV + tl.arange(0, BV)
                     mask_v = offs_v < V
                     v_channels = 2 * HK * K + h * V + offs_v  # owned by this part alone: updated right away
-                    v_window = _conv_window(v_in + j * V + offs_v, conv_state, v_channels, mask_v, W, BW)
+                    v_window = _conv_window(v_in + j * V + offs_v, conv_state, v_channels, mask_v,
+                                            conv_channel_stride, conv_tap_stride, W, BW)
                     v = _conv_silu(v_window, conv_weight_ptr, conv_bias_ptr, v_channels, mask_v, W, BW,
                                    HAS_CONV_BIAS)
-                    _store_shifted_window(v_window, conv_state, v_channels, mask_v, W, BW)
+                    _store_shifted_window(v_window, conv_state, v_channels, mask_v, conv_channel_stride,
+                                          conv_tap_stride, W, BW)
                     # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
                     tile = state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K + offs_k[None, :]
                     tile_mask = mask_v[:, None] & mask_k[None, :]
@@ -171,14 +179,18 @@ def _gdn_decode_kernel(
                     tl.store(out_head + offs_head, o.to(out_ptr.dtype.element_ty), mask=owned)
 
             if P == 1:
-                _store_shifted_window(q_window, conv_state, q_channels, mask_k, W, BW)
-                _store_shifted_window(k_window, conv_state, k_channels, mask_k, W, BW)
+                _store_shifted_window(q_window, conv_state, q_channels, mask_k, conv_channel_stride,
+                                      conv_tap_stride, W, BW)
+                _store_shifted_window(k_window, conv_state, k_channels, mask_k, conv_channel_stride,
+                                      conv_tap_stride, W, BW)
             else:
                 tl.debug_barrier()  # all of this program's reads and stores come before its ticket
                 ticket = tl.atomic_add(ticket_ptr + row * HK + hk, 1, sem="acq_rel")
                 if ticket == P - 1:  # the group's last part to arrive
-                    _store_shifted_window(q_window, conv_state, q_channels, mask_k, W, BW)
-                    _store_shifted_window(k_window, conv_state, k_channels, mask_k, W, BW)
+                    _store_shifted_window(q_window, conv_state, q_channels, mask_k, conv_channel_stride,
+                                          conv_tap_stride, W, BW)
+                    _store_shifted_window(k_window, conv_state, k_channels, mask_k, conv_channel_stride,
+                                          conv_tap_stride, W, BW)
                     for head in tl.static_range(R):
                         out_group_head = out_ptr + (row * HV + hk * R + head) * V
                         o_raw = tl.load(out_group_head + offs_head, mask=mask_head, other=0.0).to(tl.float32)
@@ -189,7 +201,8 @@ def _gdn_decode_kernel(
 
 @triton.jit
 def _causal_conv1d_update_kernel(x_ptr, conv_state_ptr, weight_ptr, bias_ptr, slot_ptr, y_ptr, num_rows, dim,
-                                 x_row_stride, conv_slot_stride, W: tl.constexpr, BD: tl.constexpr,
+                                 x_row_stride, conv_slot_stride, conv_channel_stride, conv_tap_stride,
+                                 W: tl.constexpr, BD: tl.constexpr,
                                  BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """One work item = one row x BD channels (channels never share state, so blocks are independent)."""
     blocks = tl.cdiv(dim, BD)
@@ -202,7 +215,8 @@ def _causal_conv1d_update_kernel(x_ptr, conv_state_ptr, weight_ptr, bias_ptr, sl
             tl.store(y_ptr + row * dim + channels, tl.zeros([BD], dtype=y_ptr.dtype.element_ty), mask=mask)
         else:
             state = conv_state_ptr + slot * conv_slot_stride
-            window = _conv_window(x_ptr + row * x_row_stride + channels, state, channels, mask, W, BW)
+            window = _conv_window(x_ptr + row * x_row_stride + channels, state, channels, mask, conv_channel_stride,
+                                  conv_tap_stride, W, BW)
             taps = tl.arange(0, BW)
             weight = tl.load(weight_ptr + channels[:, None] * W + taps[None, :],
                              mask=mask[:, None] & (taps[None, :] < W), other=0.0).to(tl.float32)
@@ -211,7 +225,7 @@ def _causal_conv1d_update_kernel(x_ptr, conv_state_ptr, weight_ptr, bias_ptr, sl
                 y += tl.load(bias_ptr + channels, mask=mask, other=0.0).to(tl.float32)
             if SILU:
                 y = y * tl.sigmoid(y)
-            _store_shifted_window(window, state, channels, mask, W, BW)
+            _store_shifted_window(window, state, channels, mask, conv_channel_stride, conv_tap_stride, W, BW)
             tl.store(y_ptr + row * dim + channels, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -298,8 +312,9 @@ def gdn_decode(
            f"mixed_ba must be [{rows}, {2 * num_v_heads}] with contiguous rows, got {tuple(mixed_ba.shape)}")
     _check(conv_weight.shape == (conv_dim, width) and conv_weight.is_contiguous(),
            f"conv_weight must be a contiguous [{conv_dim}, W], got {tuple(conv_weight.shape)}")
-    _check(conv_state_pool.shape[1:] == (conv_dim, width - 1) and conv_state_pool[0].is_contiguous(),
-           f"conv_state_pool must be [num_slots, {conv_dim}, {width - 1}], got {tuple(conv_state_pool.shape)}")
+    _check(conv_state_pool.shape[1:] == (conv_dim, width - 1),
+           f"conv_state_pool must be [num_slots, {conv_dim}, {width - 1}] (any strides), got "
+           f"{tuple(conv_state_pool.shape)}")
     _check(state_pool.shape[1:] == (num_v_heads, head_v_dim, head_k_dim) and state_pool[0].is_contiguous(),
            f"state_pool must be [num_slots, {num_v_heads}, {head_v_dim}, {head_k_dim}] (the [V, K] pool layout), "
            f"got {tuple(state_pool.shape)}")
@@ -311,17 +326,18 @@ def gdn_decode(
     _check(programs_per_group == 1 or (programs_per_group % ratio == 0 and programs_per_group // ratio <= num_tiles),
            f"programs_per_group={programs_per_group} must be 1 or a multiple of Hv // H = {ratio} of at most "
            f"{ratio * num_tiles} (the value tiles of block_v={block_v})")
-    if programs_per_group > 1 and tickets is None:
-        tickets = torch.zeros(rows * num_k_heads, dtype=torch.int32, device=mixed_qkvz.device)
-    _check(programs_per_group == 1 or (tickets.dtype == torch.int32 and tickets.numel() >= rows * num_k_heads),
-           f"tickets must be int32 with at least {rows * num_k_heads} elements, got {tickets.dtype} "
-           f"x {tickets.numel()}")
+    if programs_per_group > 1:
+        if tickets is None:
+            tickets = torch.zeros(rows * num_k_heads, dtype=torch.int32, device=mixed_qkvz.device)
+        _check(tickets.dtype == torch.int32 and tickets.numel() >= rows * num_k_heads,
+               f"tickets must be int32 with at least {rows * num_k_heads} elements, got {tickets.dtype} "
+               f"x {tickets.numel()}")
     out = mixed_qkvz.new_empty(rows, num_v_heads, head_v_dim)
     grid = (max(1, min(rows * num_k_heads * programs_per_group, launch.num_programs)),)
     _gdn_decode_kernel[grid](
         mixed_qkvz, mixed_ba, conv_state_pool, conv_weight, conv_bias, state_pool, slot_indices,
         A_log, dt_bias, norm_weight, out, tickets,
-        rows, mixed_qkvz.stride(0), mixed_ba.stride(0), conv_state_pool.stride(0), state_pool.stride(0),
+        rows, mixed_qkvz.stride(0), mixed_ba.stride(0), *conv_state_pool.stride(), state_pool.stride(0),
         head_k_dim ** -0.5, norm_eps,
         HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, W=width,
         BK=triton.next_power_of_2(head_k_dim), BV=block_v, NT=num_tiles, BT=triton.next_power_of_2(num_tiles),
@@ -340,13 +356,14 @@ def causal_conv1d_update(x, conv_state_pool, weight, bias, activation, slot_indi
     width = weight.shape[-1]
     _check(x.stride(1) == 1, f"x must have contiguous rows, got strides {x.stride()}")
     _check(weight.shape == (dim, width) and weight.is_contiguous(), f"weight must be a contiguous [{dim}, W]")
-    _check(conv_state_pool.shape[1:] == (dim, width - 1) and conv_state_pool[0].is_contiguous(),
-           f"conv_state_pool must be [num_slots, {dim}, {width - 1}], got {tuple(conv_state_pool.shape)}")
+    _check(conv_state_pool.shape[1:] == (dim, width - 1),
+           f"conv_state_pool must be [num_slots, {dim}, {width - 1}] (any strides), got "
+           f"{tuple(conv_state_pool.shape)}")
     _check(slot_indices.shape == (rows,), f"slot_indices must be [{rows}], got {tuple(slot_indices.shape)}")
     y = torch.empty(rows, dim, dtype=x.dtype, device=x.device)
     blocks = triton.cdiv(dim, block_channels)
     _causal_conv1d_update_kernel[(max(1, min(rows * blocks, launch.num_programs)),)](
-        x, conv_state_pool, weight, bias, slot_indices, y, rows, dim, x.stride(0), conv_state_pool.stride(0),
+        x, conv_state_pool, weight, bias, slot_indices, y, rows, dim, x.stride(0), *conv_state_pool.stride(),
         W=width, BD=block_channels, BW=triton.next_power_of_2(width), HAS_BIAS=bias is not None,
         SILU=activation is not None, **launch.options)
     return y

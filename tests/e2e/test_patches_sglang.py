@@ -6,6 +6,7 @@ runs the same check to show the reason for the patch.
 """
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -97,7 +98,8 @@ def _run_check(root: Path, tmp_path: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def patched(tmp_path_factory):
+def patched_root(tmp_path_factory):
+    """A copy of the installed sglang (links, touched files real) with the whole set applied."""
     upstream = patches.load_manifest()["sglang"]
     root = _link_copy_of_installed_sglang(tmp_path_factory.mktemp("site"))
     for patch in upstream.series:  # git apply writes files, not through links: make the touched ones real
@@ -109,7 +111,12 @@ def patched(tmp_path_factory):
                 shutil.copy2(source, target)
     patches.apply(upstream, root)
     assert set(patches.patch_states(upstream, root).values()) == {"applied"}
-    done = _run_check(root, tmp_path_factory.mktemp("run"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def patched(patched_root, tmp_path_factory):
+    done = _run_check(patched_root, tmp_path_factory.mktemp("run"))
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
 
@@ -131,3 +138,67 @@ def test_the_unpatched_release_serves_a_stale_conv_weight(tmp_path):
     site_packages = Path(importlib.util.find_spec("sglang").origin).parents[1]
     done = _run_check(site_packages, tmp_path)
     assert "CONV_CACHE_FRESH False" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+# 0004: SGLANG_RELAX_FUSED_GDN_DECODE routes Qwen3.5 GDN decode to relax's fused Triton kernel (TRITON_INTERPRET on
+# the CPU). Two engines of the patched copy in one interpreter, the switch off then on: each engine's scheduler is a
+# new process that reads the switch when it imports the model.
+FUSED_DECODE_MARK = "relax fused GDN decode serves Qwen3.5 GDN decode steps"
+GENERATE_WITH_SWITCH = textwrap.dedent(
+    """
+    import json, os, sys
+    from relax.platform import get_platform
+
+    root, model_dir, prompts, new_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    platform = get_platform("cpu")
+    platform.prepare_sglang()
+    import sglang
+
+    assert sglang.__file__.startswith(root), sglang.__file__
+    results = {}
+    for switch in ("0", "1"):
+        os.environ["SGLANG_RELAX_FUSED_GDN_DECODE"] = switch
+        print(f"ENGINE switch={switch}", file=sys.stderr, flush=True)
+        engine = sglang.Engine(model_path=model_dir, log_level="info", **platform.sglang_server_defaults)
+        try:
+            out = engine.generate(
+                input_ids=prompts, return_logprob=True,
+                sampling_params={"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+            )
+        finally:
+            engine.shutdown()
+        results[switch] = [
+            {"ids": r["output_ids"], "logprobs": [lp for lp, _, _ in r["meta_info"]["output_token_logprobs"]]}
+            for r in out
+        ]
+    print(json.dumps(results))
+    """
+)
+
+
+def test_fused_gdn_decode_switch_generates_like_the_default_path_and_hf(patched_root, tmp_path):
+    from test_qwen35_sglang import NEW_TOKENS, PROMPTS, _assert_same_generation, _hf_greedy
+
+    from relax.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "qwen3_5", family="qwen3_5", seed=0)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "RELAX_DEVICE"}
+    env.update(PYTHONPATH=os.pathsep.join([str(patched_root), str(REPO)]), TRITON_INTERPRET="1",
+               SGLANG_MAMBA_CONV_DTYPE="float32")  # float32 conv state: logprobs comparable with HF's at 1e-4
+    run = subprocess.run(
+        [sys.executable, "-c", GENERATE_WITH_SWITCH, str(patched_root), str(model_dir), json.dumps(PROMPTS),
+         str(NEW_TOKENS)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-6000:]
+    off_log, _, on_log = run.stderr.partition("ENGINE switch=1")
+    # the switch reached the kernel only when on, and no decode batch fell back to SGLang's path
+    assert FUSED_DECODE_MARK not in off_log and FUSED_DECODE_MARK in on_log, on_log[-3000:]
+    assert "SGLang's own decode path runs instead" not in on_log, on_log[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    hf = _hf_greedy(model_dir)
+    _assert_same_generation(results["0"], hf, "switch off")
+    _assert_same_generation(results["1"], hf, "switch on (relax's fused decode)")
+    for off, on in zip(results["0"], results["1"]):
+        assert on["ids"] == off["ids"]
+        assert max(abs(a - b) for a, b in zip(on["logprobs"], off["logprobs"])) <= 1e-5
