@@ -1,0 +1,94 @@
+"""The loop's debug modes on the tiny CPU job (scripts/run-tiny-cpu.sh), through the real stack:
+
+1. a normal run with --dynamic-sampling saves each step's rollout (--save-rollout-data);
+2. --debug-train-only replays those files with no engine and trains to the very same losses (the actor
+   starts from the same checkpoint and sees the same samples);
+3. --debug-rollout-only generates, scores and saves with no training actor.
+
+Which Ray actors each run created is read from its process tree while it runs."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+
+from relax.rollout.dump import load_rollout_data
+
+ROOT = Path(__file__).resolve().parents[2]
+ACTORS = ("TrainWorker", "EngineWorker")
+RUN_TIMEOUT_S = 600
+
+
+def _run_tiny_job(exp_dir: Path, name: str, *flags: str) -> tuple[list[dict], set[str]]:
+    """Run the tiny job with extra flags; returns its metrics records and the Ray actor classes seen among
+    the run's processes."""
+    env = {**os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    log_path = exp_dir / f"{name}.log"
+    output = exp_dir / name
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--output-dir", str(output), *flags],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        seen, deadline = set(), time.monotonic() + RUN_TIMEOUT_S
+        while process.poll() is None:
+            if time.monotonic() > deadline:
+                process.kill()
+                raise AssertionError(f"{name} ran over {RUN_TIMEOUT_S} s; log: {log_path}")
+            seen |= _actors_under(process.pid)
+            time.sleep(0.5)
+    assert process.returncode == 0, f"{name} failed:\n" + log_path.read_text()[-6000:]
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return records, seen
+
+
+def _actors_under(pid: int) -> set[str]:
+    """Ray actor classes among the descendants of `pid` (a Ray worker's title is ray::<Class>[.<method>])."""
+    found = set()
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for child in children:
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.Error:  # exited meanwhile
+            continue
+        found.update(actor for actor in ACTORS if f"ray::{actor}" in command)
+    return found
+
+
+def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_one_side(tmp_path):
+    dumps = str(tmp_path / "dumps" / "step_{step}.jsonl")
+    original, original_actors = _run_tiny_job(
+        tmp_path, "original", "--num-steps", "2", "--save-rollout-data", dumps,
+        "--dynamic-sampling", "--over-sampling-batch-size", "12",
+    )
+    assert original_actors == {"TrainWorker", "EngineWorker"}  # the process-tree probe sees both kinds
+    for record in original:
+        assert record["rollout/kept_groups"] == 8 and record["rollout/generation_rounds"] >= 1
+        assert record["rollout/generated_groups"] == 12 * record["rollout/generation_rounds"]
+    for step in (0, 1):
+        samples = load_rollout_data(dumps, step, num_groups=8, samples_per_prompt=8)
+        assert all(len(set(s.reward for s in samples[g : g + 8])) > 1 for g in range(0, 64, 8))  # all informative
+
+    replayed, replay_actors = _run_tiny_job(
+        tmp_path, "train_only", "--num-steps", "2", "--debug-train-only", "--load-rollout-data", dumps,
+    )
+    assert replay_actors == {"TrainWorker"}
+    assert [r["step"] for r in replayed] == [0, 1]
+    for before, again in zip(original, replayed):
+        for key in ("rollout/reward_mean", "train/loss", "train/pg_loss", "train/grad_norm"):
+            assert again[key] == before[key], f"step {before['step']} {key}: replayed {again[key]}, ran {before[key]}"
+
+    rollout_dumps = str(tmp_path / "rollout_only" / "step_{step}.jsonl")
+    generated, generator_actors = _run_tiny_job(
+        tmp_path, "rollout_only", "--num-steps", "1", "--debug-rollout-only", "--save-rollout-data", rollout_dumps,
+    )
+    assert generator_actors == {"EngineWorker"}
+    assert len(generated) == 1 and "rollout/reward_mean" in generated[0]
+    assert not [key for key in generated[0] if key.startswith("train/") or key == "perf/train_time"]
+    assert len(load_rollout_data(rollout_dumps, 0, num_groups=8, samples_per_prompt=8)) == 64
