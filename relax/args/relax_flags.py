@@ -88,6 +88,7 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--dynamic-sampling-max-rounds",
         type=_positive_int,
+        metavar="N",
         default=10,
         help="With --dynamic-sampling: generation rounds per step before the run stops, with the counts of groups "
         "kept and dropped, rather than train on a short batch (default: %(default)s).",
