@@ -89,7 +89,7 @@ def save_rollout_data(pattern: str, step: int, samples: list[Sample], samples_pe
             lines.append(json.dumps(record, ensure_ascii=False))
         except TypeError as e:
             raise RolloutDataError(
-                f"step {step}: cannot write {path}: the label or metadata of prompt row {p.row} "
+                f"--save-rollout-data, step {step}: cannot write {path}: the label or metadata of prompt row {p.row} "
                 f"is not a JSON value ({e})"
             ) from None
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -105,18 +105,19 @@ def load_rollout_data(pattern: str, step: int, num_groups: int, samples_per_prom
     where = f"--load-rollout-data, step {step}: {path}"
     if not path.is_file():
         raise RolloutDataError(f"{where} does not exist (write it with --save-rollout-data {pattern})")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, start=1):
+    records = []  # (line number, value)
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
         try:
-            records.append(json.loads(line))
+            records.append((number, json.loads(line)))
         except json.JSONDecodeError as e:
             raise RolloutDataError(f"{where} line {number}: invalid JSON ({e.msg} at column {e.colno})") from None
     if not records:
         raise RolloutDataError(f"{where} is empty")
-    header, groups = records[0], records[1:]
+    (header_line, header), groups = records[0], records[1:]
     if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise RolloutDataError(f"{where} line 1: not a {FORMAT} header: {str(header)[:120]}")
+        raise RolloutDataError(f"{where} line {header_line}: not a {FORMAT} header: {str(header)[:120]}")
     if header.get("version") != VERSION:
         raise RolloutDataError(f"{where}: format version {header.get('version')!r}; this relax reads version {VERSION}")
     if header.get("num_groups") != len(groups):
@@ -130,7 +131,7 @@ def load_rollout_data(pattern: str, step: int, num_groups: int, samples_per_prom
             f"{num_groups} groups of --n-samples-per-prompt {samples_per_prompt}: use the flags the file was saved with"
         )
     samples = []
-    for number, record in enumerate(groups, start=2):
+    for number, record in groups:
         try:
             samples += _group_samples(record, samples_per_prompt)
         except (KeyError, TypeError, ValueError) as e:
