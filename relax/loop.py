@@ -20,7 +20,7 @@ import ray
 import torch
 
 from relax.metrics import MetricsLog
-from relax.ray.placement import create_engine_actors, create_placement, create_training_actors
+from relax.ray.placement import create_engine_actors, create_placement, create_training_actors, worker_failure
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import load_rollout_data, save_rollout_data
@@ -61,7 +61,7 @@ def run(config) -> Path:
     )
     memory_saver_on = r.colocate and platform.has_memory_saver
 
-    _init_ray()
+    started_ray = _init_ray()
     placement = create_placement(platform, num_devices=r.num_nodes * r.num_devices_per_node)
     trainers = engines = None
     log = MetricsLog(Path(r.output_dir), r.num_steps, wandb_project=r.wandb_project if r.use_wandb else None)
@@ -98,12 +98,16 @@ def run(config) -> Path:
             log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds})
         if trainers is not None and engines is not None:
             ray.get(trainers.call("close_weight_sync"))  # the broadcast groups to engines on other nodes
+    except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
+        raise worker_failure(error, [trainers, engines]) from error
     finally:
         log.close()
         for group in (engines, trainers):
             if group is not None:
                 group.kill()
         placement.remove()
+        if started_ray:  # the run's own local cluster: its processes end here, not at interpreter exit
+            ray.shutdown()
     return Path(r.output_dir)
 
 
@@ -310,16 +314,18 @@ def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:
     return {f"train/{key}": sum(float(m[key]) for m in step_metrics) / len(step_metrics) for key in keys}
 
 
-def _init_ray() -> None:
-    """Join the cluster this driver runs in (`ray job submit` sets RAY_ADDRESS), else start a local one."""
+def _init_ray() -> bool:
+    """Join the cluster this driver runs in (`ray job submit` sets RAY_ADDRESS), else start a local one.
+    True when it started one."""
     import os
 
     if ray.is_initialized():
-        return
+        return False
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
-        return
+        return False
     # A local cluster for this run only: no dashboard, no usage reporting, no auth token written to ~/.ray.
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False, log_to_driver=True)
+    return True

@@ -217,22 +217,29 @@ def _resource_options(resources: dict[str, float]) -> dict:
     return options
 
 
+class WorkerFailed(RuntimeError):
+    """A placed actor died or raised; the message names it, where it ran and where its log is."""
+
+
 class ActorGroup:
     """Ray actors of one class: actor i on bundle `placement.bundles[positions[i]]`, taking `share` of each
     resource of that bundle, with environment `envs[i]` (on top of the job's). All get the same init args;
-    `ray_options` go to Ray's .options() as they are (e.g. max_concurrency)."""
+    `ray_options` go to Ray's .options() as they are (e.g. max_concurrency). `role` names the actors in
+    messages ("engine 0", "training rank 1")."""
 
     def __init__(self, actor_class, placement: Placement, positions: list[int], share: float,
                  envs: list[dict[str, str]], args: tuple = (), kwargs: dict | None = None,
-                 ray_options: dict | None = None):
+                 ray_options: dict | None = None, role: str = "actor"):
         if len(positions) != len(envs):
             raise ValueError(f"ActorGroup: {len(positions)} bundle positions but {len(envs)} environments")
         if not 0 < share <= 1:
             raise ValueError(f"ActorGroup: share must be in (0, 1], got {share}")
         self.placement = placement
         self.envs = envs
+        self.role = role
         self.bundles = [placement.bundles[position] for position in positions]
         remote_class = actor_class if isinstance(actor_class, ray.actor.ActorClass) else ray.remote(actor_class)
+        self.class_name = remote_class.__ray_metadata__.class_name
         options = _resource_options({name: amount * share for name, amount in placement.bundle_resources.items()})
         self.actors = [
             remote_class.options(
@@ -245,6 +252,8 @@ class ActorGroup:
             ).remote(*args, **(kwargs or {}))
             for bundle, env in zip(self.bundles, envs)
         ]
+        # Asked now, answered once each actor is up (after its __init__); read only to name a failed actor.
+        self._whereabouts = [actor.__ray_call__.remote(_whereabouts) for actor in self.actors]
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -256,6 +265,59 @@ class ActorGroup:
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+    def describe(self, index: int) -> str:
+        """`engine 0 (EngineWorker, pid 123 on 10.0.0.1; log: .../worker-...-123.err, .out beside it)`, as far
+        as known (an actor that died in its __init__ never said where it runs)."""
+        actor = self.actors[index]
+        facts = [self.class_name]
+        ready, _ = ray.wait([self._whereabouts[index]], timeout=0)
+        try:
+            where = ray.get(ready[0]) if ready else None
+        except ray.exceptions.RayError:
+            where = None
+        if where is None:
+            facts.append(f"actor id {actor._actor_id.hex()}")
+        else:
+            facts.append(f"pid {where['pid']} on {where['node_ip']}")
+            if where["log"]:
+                facts[-1] += f"; log: {where['log']}.err, .out beside it"
+        return f"{self.role} {index} ({', '.join(facts)})"
+
+
+def _whereabouts(actor) -> dict:
+    """Where the actor this runs in (through Ray's __ray_call__) runs and logs. Ray points an actor's
+    stdout and stderr at its log files, worker-<id>-<job>-<pid>.out and .err."""
+    try:
+        log = os.readlink("/proc/self/fd/2")
+    except OSError:
+        log = ""
+    return {
+        "pid": os.getpid(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "log": log.removesuffix(".err") if log.endswith(".err") else "",
+    }
+
+
+def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:
+    """A WorkerFailed naming the actor of `groups` (ActorGroups or None) that `error` came from, with Ray's
+    account of why; `error` itself when it names none of them. A task error comes back from ray.get as
+    Ray's own exception type, which carries the failed actor's id only in its text."""
+    groups = [group for group in groups if group is not None]
+    actors = [(group, index, actor._actor_id.hex()) for group in groups for index, actor in enumerate(group.actors)]
+    if isinstance(error, ray.exceptions.RayActorError):
+        named = [(group, index) for group, index, actor_id in actors if actor_id == error.actor_id]
+        reason = str(error)
+    else:
+        text = str(error)
+        mentioned = [(text.find(actor_id), group, index) for group, index, actor_id in actors if actor_id in text]
+        named = [min(mentioned, key=lambda found: found[0])[1:]] if mentioned else []
+        cause = getattr(error, "cause", None)
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else text
+    if not named:
+        return error
+    group, index = named[0]
+    return WorkerFailed(f"{group.describe(index)} failed: {reason}")
 
 
 def _base_env(placement: Placement, env: dict | None, memory_saver_on: bool) -> dict[str, str]:
@@ -325,7 +387,7 @@ def create_training_actors(actor_class, placement: Placement, share: float = 0.4
     """One actor per bundle: rank i on bundle i, with torch.distributed's variables."""
     envs = training_envs(placement, _base_env(placement, env, memory_saver_on))
     positions = list(range(placement.num_devices))
-    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options)
+    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role="training rank")
 
 
 def create_engine_actors(actor_class, placement: Placement, devices_per_engine: int, share: float = 0.2,
@@ -334,4 +396,4 @@ def create_engine_actors(actor_class, placement: Placement, devices_per_engine: 
     """One actor per group of `devices_per_engine` bundles, on the first bundle of its group."""
     envs = engine_envs(placement, devices_per_engine, _base_env(placement, env, memory_saver_on))
     positions = list(range(0, placement.num_devices, devices_per_engine))
-    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options)
+    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role="engine")
