@@ -18,7 +18,10 @@ from relax.args.megatron import (
     MegatronConfig,
     add_megatron_args,
     build_megatron_config,
+    check_model_family,
+    family_transformer_config,
     given_values,
+    read_hf_config,
     resolve_architecture,
 )
 from relax.args.relax_flags import DEVICE_CHOICES, add_relax_args
@@ -79,8 +82,14 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     checkpoint = relax.hf_checkpoint
     if checkpoint is not None and not relax.dry_run and not (Path(checkpoint) / "config.json").is_file():
         parser.error(f"--hf-checkpoint {checkpoint}: no config.json there (expected an HF model directory)")
-    values = resolve_architecture(given_values(namespace), checkpoint, parser.error)
+    given = given_values(namespace)
+    hf = read_hf_config(checkpoint)
+    if hf is not None:
+        check_model_family(hf, parser.error)
+    values = resolve_architecture(given, hf, checkpoint, parser.error)
     megatron = build_megatron_config(values, relax.num_steps, parser.error)
+    if hf is not None:  # what the actor trains: the family of config.json fixes the architecture fields
+        megatron.transformer = family_transformer_config(megatron.transformer, given, hf, parser.error)
     sglang = build_server_args(
         namespace,
         argv,

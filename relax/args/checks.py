@@ -59,6 +59,16 @@ def expert_parallel_fits(config, platform):
         )
 
 
+def vocabulary_splits_over_tensor_parallel(config, platform):
+    vocab, tp = config.megatron.model.vocab_size, config.megatron.transformer.tensor_model_parallel_size
+    if vocab is not None and vocab % tp:
+        return (
+            f"the vocabulary of {vocab} tokens (config.json's vocab_size or --vocab-size) does not divide over "
+            f"--tensor-model-parallel-size {tp}: relax keeps the HF vocabulary unpadded (engines get HF-shaped "
+            "weights); choose a tensor-parallel size that divides it"
+        )
+
+
 def rollout_fills_global_batches(config, platform):
     r = config.relax
     samples = r.rollout_batch_size * r.n_samples_per_prompt
@@ -163,6 +173,7 @@ RULES = [
     required_flags,
     model_parallel_fits_devices,
     expert_parallel_fits,
+    vocabulary_splits_over_tensor_parallel,
     rollout_fills_global_batches,
     global_batch_splits_over_data_parallel,
     engine_fits_devices,

@@ -30,6 +30,8 @@ import typing
 import warnings
 from pathlib import Path
 
+from relax.args.strict import RefusedFlag
+
 PREFIX = "megatron"
 
 
@@ -57,9 +59,6 @@ class MegatronConfig:
 # from the HF checkpoint's config.json, else as the help says.
 MODEL_FLAGS = {
     "vocab_size": dict(type=int, help="Vocabulary size (default: the HF config's vocab_size)."),
-    "make_vocab_size_divisible_by": dict(
-        type=int, default=128, help="Pad the vocabulary to a multiple of this x TP (default: %(default)s)."
-    ),
     "max_position_embeddings": dict(type=int, help="Maximum positions (default: the HF config's, else --seq-length)."),
     "seq_length": dict(
         type=int, default=4096, help="Longest training sequence, prompt + response (default: %(default)s)."
@@ -99,6 +98,14 @@ SCHEDULER_FLAGS = {
         type=float, help="Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."
     ),
     "lr_warmup_init": dict(type=float, default=0.0, help="LR at the start of warmup (default: %(default)s)."),
+}
+# Megatron-LM flags relax refuses, and why (the parser says so when one is given).
+REFUSED_FLAGS = {
+    "--make-vocab-size-divisible-by": (
+        "is not supported: relax trains the checkpoint's vocabulary unpadded, since SGLang engines receive "
+        "the weights in HF shapes and sample over the HF vocabulary, which the actor's logprobs must match; "
+        "remove it (the vocabulary size must then divide by --tensor-model-parallel-size)"
+    ),
 }
 # Megatron-LM spellings of dataclass fields that differ from the field name: (flag, field, const).
 # const None: another name for the field's own flag (takes the same value); otherwise the flag stores const.
@@ -252,6 +259,11 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
     for name, kwargs in {**MODEL_FLAGS, **SCHEDULER_FLAGS}.items():
         metavar = {} if "choices" in kwargs or "action" in kwargs else {"metavar": name.upper()}
         group.add_argument(_flag(name), dest=f"{PREFIX}_{name}", **metavar, **kwargs)
+    for flag, reason in REFUSED_FLAGS.items():
+        dest = f"{PREFIX}_{flag[2:].replace('-', '_')}"  # never set: giving the flag is an error
+        group.add_argument(
+            flag, dest=dest, default=argparse.SUPPRESS, action=RefusedFlag, reason=reason, help=f"Refused: it {reason}."
+        )
 
 
 def given_values(namespace: argparse.Namespace) -> dict:
@@ -271,16 +283,14 @@ def given_values(namespace: argparse.Namespace) -> dict:
     return values
 
 
-def read_hf_architecture(checkpoint: str) -> dict:
-    """Megatron names -> values from `<checkpoint>/config.json` ({} when there is none).
+def read_hf_config(checkpoint: str | None) -> dict | None:
+    """`<checkpoint>/config.json` as the training actor reads it, or None when there is none."""
+    path = Path(checkpoint) / "config.json" if checkpoint else None
+    return json.loads(path.read_text()) if path and path.is_file() else None
 
-    Multimodal and hybrid configs keep the language model under text_config.
-    """
-    path = Path(checkpoint) / "config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    config = config.get("text_config", config)
+
+def hf_architecture(config: dict) -> dict:
+    """Megatron names -> values from an HF config.json."""
     found = {
         name: config[key]
         for key, name in {**HF_SHAPE_KEYS, **HF_SETTING_KEYS}.items()
@@ -298,13 +308,13 @@ def read_hf_architecture(checkpoint: str) -> dict:
     return found
 
 
-def resolve_architecture(given: dict, checkpoint: str | None, error) -> dict:
-    """Flags merged with the checkpoint's config.json; every architecture flag must agree with it.
+def resolve_architecture(given: dict, hf: dict | None, checkpoint: str | None, error) -> dict:
+    """Flags merged with the checkpoint's config.json (`hf`); every architecture flag must agree with it.
 
     The training actor (relax.train.model) builds the model from config.json alone, so a flag that says
     otherwise (even a setting such as --norm-epsilon or --rotary-base) would be silently ignored there:
     it is an error instead."""
-    from_hf = read_hf_architecture(checkpoint) if checkpoint else {}
+    from_hf = hf_architecture(hf) if hf else {}
     merged = dict(given)
     for name, value in from_hf.items():
         if given.get(name) is None:
@@ -362,11 +372,51 @@ def build_megatron_config(values: dict, num_steps: int, error) -> MegatronConfig
         model.rotary_percent = 1.0
     if model.max_position_embeddings is None:
         model.max_position_embeddings = model.seq_length
-    model.padded_vocab_size = None
-    if model.vocab_size is not None:
-        multiple = model.make_vocab_size_divisible_by * built["transformer"].tensor_model_parallel_size
-        model.padded_vocab_size = -(-model.vocab_size // multiple) * multiple
     scheduler = argparse.Namespace(**{name: values.get(name) for name in SCHEDULER_FLAGS})
     if scheduler.lr_decay_iters is None:
         scheduler.lr_decay_iters = num_steps
     return MegatronConfig(model=model, scheduler=scheduler, **built)
+
+
+def check_model_family(hf: dict, error) -> None:
+    """config.json names a model family relax's actor builds (before its fields are read as flags)."""
+    from relax.train.model import family_of
+
+    try:
+        family_of(hf)
+    except ValueError as exc:
+        error(f"--hf-checkpoint's config.json: {exc}")
+
+
+def family_transformer_config(transformer, given: dict, hf: dict, error):
+    """The TransformerConfig the training actor builds: `transformer` with the architecture fields the model
+    family of config.json fixes (relax.train.model.transformer_config, the actor's own call).
+
+    A flag given on the command line that the family overrides with another value would be silently
+    ignored by the actor: it is an error naming the flag."""
+    from relax.train.model import transformer_config
+
+    try:
+        family = transformer_config(hf, transformer)
+    except (ValueError, KeyError, AssertionError, TypeError) as exc:
+        error(f"--hf-checkpoint's config.json: relax's Megatron actor cannot build this model: {exc}")
+    for name in sorted(given.keys() & {f.name for f in dataclasses.fields(transformer)}):
+        yours, theirs = _meaning(name, transformer), _meaning(name, family)
+        if yours != theirs:
+            error(
+                f"{_flag(name)} {getattr(transformer, name)} disagrees with the {hf.get('model_type')} model of "
+                f"--hf-checkpoint ({name} = {getattr(family, name)}); relax builds that model as its family "
+                "mapping says: drop the flag"
+            )
+    return family
+
+
+def _meaning(name: str, config):
+    """A field's value as the model reads it (an int --linear-attention-freq is a per-layer pattern)."""
+    if name == "linear_attention_freq" and config.linear_attention_freq is not None:
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_linear_attention_pattern,
+        )
+
+        return get_linear_attention_pattern(config)
+    return getattr(config, name)

@@ -14,6 +14,8 @@ import functools
 import msgspec
 import yaml
 
+from relax.args.strict import RefusedFlag
+
 PREFIX = "sglang"
 
 # ServerArgs fields relax sets itself, and what the user sets instead.
@@ -70,17 +72,6 @@ def sglang_actions() -> list[argparse.Action]:
     return [a for a in sglang_parser()._actions if "--config" not in a.option_strings]
 
 
-class RefusedManagedFlag(argparse.Action):
-    """A ServerArgs flag whose field relax fills itself: using it is an error naming the relax flag."""
-
-    def __init__(self, option_strings, dest, instead, **kwargs):
-        self.instead = instead
-        super().__init__(option_strings, dest, nargs="?", **kwargs)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is set by relax: {self.instead}")
-
-
 def add_sglang_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "SGLang engine (every flag of the installed sglang.srt.server_args.ServerArgs, prefixed with --sglang-)"
@@ -97,9 +88,9 @@ def add_sglang_args(parser: argparse.ArgumentParser) -> None:
             instead = MANAGED_BY_RELAX[action.dest]
             group.add_argument(
                 *options,
-                action=RefusedManagedFlag,
+                action=RefusedFlag,
                 dest=f"{PREFIX}_{action.dest}",
-                instead=instead,
+                reason=f"is set by relax: {instead}",
                 help=f"Set by relax: {instead}.",
             )
             continue

@@ -54,3 +54,14 @@ def _without_namespace(option: str) -> str:
         if option.startswith(prefix):
             return bare + option[len(prefix) :]
     return option
+
+
+class RefusedFlag(argparse.Action):
+    """A flag relax knows but does not take: using it is an error that says why and what to do instead."""
+
+    def __init__(self, option_strings, dest, reason, **kwargs):
+        self.reason = reason
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} {self.reason}")

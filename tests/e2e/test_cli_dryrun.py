@@ -23,7 +23,16 @@ def sections(output: str) -> dict[str, dict[str, str]]:
 def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps(
-            dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+            dict(
+                model_type="qwen3",
+                num_hidden_layers=2,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                rms_norm_eps=1e-6,
+                vocab_size=300,
+            )
         )
     )
     argv = ["train", "--dry-run", "--device", "cpu", "--hf-checkpoint", str(tmp_path), "--lr", "2e-6"]
@@ -67,7 +76,10 @@ def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
         s["megatron.optimizer"]["use_distributed_optimizer"] == "True"
         and s["megatron.ddp"]["use_distributed_optimizer"] == "True"
     )
-    assert s["megatron.model"]["padded_vocab_size"] == "512"  # 300 padded to a multiple of 128 x TP 2
+    assert s["megatron.model"]["vocab_size"] == "300"  # the checkpoint's, unpadded (engines get HF shapes)
+    # The architecture the actor builds (the qwen3 family's), not megatron-core's generic defaults.
+    transformer = s["megatron.transformer"]
+    assert transformer["qk_layernorm"] == "True" and transformer["add_bias_linear"] == "False"
     for name in ("mem_fraction_static", "tensor_model_parallel_size", "lr"):
         assert name not in s["relax"]  # nothing leaks into relax's own namespace
     assert "tensor_model_parallel_size" not in s["sglang"]

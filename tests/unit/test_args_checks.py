@@ -62,6 +62,11 @@ RULES = {
         "--expert-model-parallel-size 4 x expert tensor parallel 1 x --pipeline-model-parallel-size 1 = 4 "
         "does not divide the 2 devices",
     ),
+    "vocabulary splits over TP (relax does not pad it)": (
+        [*RUN, "--num-devices-per-node", "2", "--tensor-model-parallel-size", "2", "--vocab-size", "301"],
+        "the vocabulary of 301 tokens (config.json's vocab_size or --vocab-size) does not divide over "
+        "--tensor-model-parallel-size 2",
+    ),
     "rollout samples vs global batch": (
         [*RUN, "--rollout-batch-size", "3", "--n-samples-per-prompt", "2", "--global-batch-size", "4"],
         "--rollout-batch-size 3 x --n-samples-per-prompt 2 = 6 samples is not a multiple of --global-batch-size 4",

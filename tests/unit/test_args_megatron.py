@@ -141,7 +141,7 @@ def test_model_and_schedule_settings():
     ]
     argv += ["--rotary-base", "1000000", "--lr-decay-style", "cosine", "--lr-warmup-iters", "5", "--num-steps", "50"]
     m = parse_train_args(argv).megatron
-    assert (m.model.vocab_size, m.model.padded_vocab_size) == (1000, 1024)
+    assert m.model.vocab_size == 1000 and not hasattr(m.model, "padded_vocab_size")
     assert m.model.untie_embeddings_and_output_weights and m.model.rotary_base == 1e6
     assert (m.scheduler.lr_decay_style, m.scheduler.lr_warmup_iters, m.scheduler.lr_decay_iters) == ("cosine", 5, 50)
 
@@ -161,8 +161,15 @@ def test_uncliable_fields_are_not_flags_and_say_so():
     assert "--params-dtype" not in {o for a in build_parser()._actions for o in a.option_strings}
 
 
+def test_padding_the_vocabulary_is_refused_saying_why(capsys):
+    err = parse_error([*RUN, *SIZE, "--make-vocab-size-divisible-by", "128"], capsys)
+    assert "--make-vocab-size-divisible-by is not supported: relax trains the checkpoint's vocabulary unpadded" in err
+    assert "HF shapes" in err
+
+
 def write_hf_config(tmp_path, **overrides):
     config = dict(
+        model_type="qwen3",
         num_hidden_layers=3,
         hidden_size=64,
         intermediate_size=128,
@@ -189,8 +196,31 @@ def test_architecture_comes_from_the_hf_checkpoint(tmp_path):
     assert m.model.untie_embeddings_and_output_weights is False
 
 
+def test_the_dry_run_shows_the_architecture_the_family_builds(tmp_path):
+    # Qwen3 has q/k RMSNorm and SwiGLU: the actor's family mapping says so, no flag needed.
+    tc = parse_train_args([*RUN, "--hf-checkpoint", write_hf_config(tmp_path)]).megatron.transformer
+    assert tc.qk_layernorm is True and tc.add_qkv_bias is False and tc.add_bias_linear is False
+    assert tc.gated_linear_unit is True and tc.activation_func is F.silu
+    qwen2 = parse_train_args([*RUN, "--hf-checkpoint", write_hf_config(tmp_path, model_type="qwen2")])
+    assert qwen2.megatron.transformer.qk_layernorm is False and qwen2.megatron.transformer.add_qkv_bias is True
+
+
+def test_a_flag_the_family_overrides_is_an_error(tmp_path, capsys):
+    err = parse_error([*RUN, "--hf-checkpoint", write_hf_config(tmp_path), "--no-qk-layernorm"], capsys)
+    assert "--qk-layernorm False disagrees with the qwen3 model of --hf-checkpoint (qk_layernorm = True)" in err
+    # Flags that agree with the family are fine.
+    assert parse_train_args([*RUN, "--hf-checkpoint", str(tmp_path), "--qk-layernorm", "--swiglu"])
+
+
+def test_a_model_the_actor_cannot_build_fails_the_dry_run(tmp_path, capsys):
+    err = parse_error([*RUN, "--hf-checkpoint", write_hf_config(tmp_path, model_type="llama")], capsys)
+    assert "config.json: model_type 'llama'" in err and "is not supported by relax's Megatron actor" in err
+    assert "supported model types" in err
+
+
 def test_moe_and_gated_deltanet_sizes_come_from_the_hf_checkpoint(tmp_path):
     hybrid = dict(
+        model_type="qwen3_5_moe_text",
         num_experts=4,
         num_experts_per_tok=2,
         moe_intermediate_size=32,
@@ -217,13 +247,32 @@ def test_moe_and_gated_deltanet_sizes_come_from_the_hf_checkpoint(tmp_path):
         24,
     )
     assert tc.linear_conv_kernel_dim == 3 and m.model.rotary_percent == 0.25
+    # The family's layer stack: every 4th layer full (gated) attention, so these 3 are all Gated DeltaNet.
+    assert tc.experimental_attention_variant == "gated_delta_net" and tc.linear_attention_freq == [1, 1, 1]
+    assert tc.attention_output_gate and tc.layernorm_zero_centered_gamma and tc.moe_shared_expert_gate
 
 
-def test_text_config_of_a_multimodal_checkpoint_is_used(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps(dict(text_config=dict(num_hidden_layers=5, hidden_size=32, num_attention_heads=2)))
+def test_an_int_linear_attention_freq_agrees_with_the_familys_layer_list(tmp_path):
+    hybrid = dict(
+        model_type="qwen3_5_text",
+        num_hidden_layers=4,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_conv_kernel_dim=3,
     )
-    assert parse_train_args([*RUN, "--hf-checkpoint", str(tmp_path)]).megatron.transformer.num_layers == 5
+    argv = [*RUN, "--hf-checkpoint", write_hf_config(tmp_path, **hybrid)]
+    argv += ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "4"]
+    assert parse_train_args(argv).megatron.transformer.linear_attention_freq == [1, 1, 1, 0]
+
+
+def test_a_multimodal_checkpoint_is_refused_as_the_actor_would(tmp_path, capsys):
+    # The actor reads config.json's top level; a vision-language wrapper's model_type is not a family.
+    text = dict(model_type="qwen3", num_hidden_layers=5, hidden_size=32, num_attention_heads=2)
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="qwen3_vl", text_config=text)))
+    err = parse_error([*RUN, "--hf-checkpoint", str(tmp_path)], capsys)
+    assert "config.json: model_type 'qwen3_vl'" in err and "supported model types" in err
 
 
 def test_a_setting_flag_must_agree_with_the_checkpoint_too(tmp_path, capsys):
