@@ -18,6 +18,10 @@ objects (quant recipes, context managers) and private fields. A field present in
 A flag not given leaves the dataclass default. Megatron-LM spellings that differ from the field names
 (--norm-epsilon, --num-experts, --disable-bias-linear, ...) are added, and the GPTModel-level and
 LR-schedule settings that live in no core dataclass get flags of their own (MODEL_FLAGS, SCHEDULER_FLAGS).
+Megatron-LM flags relax does not carry out (REFUSED_FLAGS) are errors that say why.
+With an HF checkpoint the architecture comes from its config.json, and the TransformerConfig goes through
+the model family's mapping exactly as the training actor's does (family_transformer_config), so that
+--dry-run prints what will be trained.
 """
 
 import argparse
