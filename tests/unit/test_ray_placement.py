@@ -112,3 +112,47 @@ def test_placed_actors_get_the_run_environment_but_not_the_creators_own_placemen
         "PLATFORM_DEFAULT": "1", "HCCL_EXEC_TIMEOUT": "600", "MINE": "x",
         "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1",
     }
+
+
+class _FakeGroup:
+    """Stands in for an ActorGroup: its actors' ids and how it names them."""
+
+    def __init__(self, role: str, actor_ids: list[str]):
+        self.role = role
+        self.actors = [SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda value=value: value)) for value in actor_ids]
+
+    def describe(self, index: int) -> str:
+        return f"{self.role} {index} (pid 4{index})"
+
+
+def _task_error(actor_id: str, cause: Exception, traceback_tail: str = ""):
+    """What ray.get raises when an actor method raised `cause`."""
+    from ray.exceptions import RayTaskError
+
+    traceback_str = f"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n{traceback_tail}{cause!r}"
+    return RayTaskError("method", traceback_str, cause, proctitle="ray::Worker.method", pid=41, ip="10.0.0.1",
+                        actor_repr="<Worker>", actor_id=actor_id).as_instanceof_cause()
+
+
+def test_worker_failure_names_the_actor_an_error_came_from():
+    from ray.exceptions import RayActorError
+
+    from relax.ray.placement import WorkerFailed, worker_failure
+
+    trainers = _FakeGroup("training rank", ["a0" * 16, "a1" * 16])
+    engines = _FakeGroup("engine", ["e0" * 16])
+
+    died = worker_failure(RayActorError("a1" * 16, "The actor died unexpectedly."), [trainers, engines, None])
+    assert isinstance(died, WorkerFailed)
+    assert str(died) == "training rank 1 (pid 41) failed: The actor died unexpectedly."
+
+    raised = worker_failure(_task_error("e0" * 16, RuntimeError("its scheduler is gone")), [trainers, engines])
+    assert str(raised) == "engine 0 (pid 40) failed: RuntimeError: its scheduler is gone"
+
+    # A rank whose call on an engine failed: the rank is the one that raised (named first), the engine's
+    # error is part of the reason.
+    nested = _task_error("a0" * 16, RuntimeError(f"engine actor {'e0' * 16} died"))
+    assert str(worker_failure(nested, [engines, trainers])).startswith("training rank 0 (pid 40) failed: ")
+
+    unknown = RayActorError("ff" * 16, "someone else's actor")
+    assert worker_failure(unknown, [trainers, engines]) is unknown
