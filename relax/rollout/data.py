@@ -250,8 +250,28 @@ class PromptLoader:
         return batch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.position.epoch, "index": self.position.index, "seed": self.seed}
+        """Plain JSON values: the position, and what fixes each epoch's order (seed, shuffle, prompt count)."""
+        return {
+            "epoch": self.position.epoch,
+            "index": self.position.index,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self.prompts),
+        }
 
     @classmethod
-    def from_state_dict(cls, prompts: list[Prompt], state: dict, **kwargs) -> "PromptLoader":
-        return cls(prompts, seed=state["seed"], position=LoaderPosition(state["epoch"], state["index"]), **kwargs)
+    def from_state_dict(cls, prompts: list[Prompt], state: dict, num_epochs: int | None = None) -> "PromptLoader":
+        """A loader that serves what the saved one would have served next. The prompts must be the same
+        (same file and filters): the permutation is over prompt indices."""
+        if state["num_prompts"] != len(prompts):
+            raise PromptDataError(
+                f"the saved loader served {state['num_prompts']} prompts, this run has {len(prompts)}; resume with "
+                "the same --prompt-data and the same filters (--max-prompt-length, --skip-bad-rows)"
+            )
+        return cls(
+            prompts,
+            seed=state["seed"],
+            shuffle=state["shuffle"],
+            num_epochs=num_epochs,
+            position=LoaderPosition(state["epoch"], state["index"]),
+        )

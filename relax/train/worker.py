@@ -89,6 +89,18 @@ class TrainWorker:
     def wake(self) -> None:
         self.actor.wake()
 
+    def save_checkpoint(self, directory: str, step: int) -> None:
+        """The actor's sharded checkpoint (relax.train.checkpoint); collective, the actor must be awake."""
+        from relax.train.checkpoint import save_checkpoint
+
+        save_checkpoint(self.actor, directory, step)
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Load what save_checkpoint wrote (collective, awake); returns the saved step."""
+        from relax.train.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.actor, directory)
+
     def push_weights(self, engines: list, engine_tp_size: int, engine_nodes: list[str]) -> dict:
         """Send the weights under HF names, bucket by bucket, to `engines` (Ray handles of
         relax.rollout.worker.EngineWorker) on the nodes `engine_nodes` (Ray node ids, one per engine).

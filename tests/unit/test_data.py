@@ -128,3 +128,13 @@ def test_loader_resumes_at_its_position(tmp_path, tokenizer):
 
     with pytest.raises(PromptDataError, match="resume position index 9 is outside the 7 prompts"):
         PromptLoader(prompts, position=LoaderPosition(0, 9))
+    with pytest.raises(PromptDataError, match="saved loader served 7 prompts, this run has 6; resume with the same"):
+        PromptLoader.from_state_dict(prompts[:6], loader.state_dict())
+
+
+def test_loader_state_keeps_the_order_it_was_saved_with(tmp_path, tokenizer):
+    prompts = _prompts(tmp_path, tokenizer, 7)
+    loader = PromptLoader(prompts, seed=1, shuffle=False)
+    loader.take(3)
+    state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint stores it as JSON
+    assert [p.label for p in PromptLoader.from_state_dict(prompts, state).take(4)] == [3, 4, 5, 6]
