@@ -2,6 +2,9 @@
 
 The engine's first device is the actor's logical device index (RELAX_LOCAL_DEVICE), SGLang's base_gpu_id.
 The methods are the engine wrapper's, so the driver and the training ranks call them through Ray.
+SGLang's scheduler and detokenizer ask the kernel to SIGKILL them when their parent dies (PR_SET_PDEATHSIG,
+sglang.srt.utils.kill_itself_when_parent_died), so they end with this actor's process, even a SIGKILLed
+one: relax needs no watchdog of its own for them.
 """
 
 import os
