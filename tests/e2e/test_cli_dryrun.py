@@ -1,9 +1,10 @@
 """`relax train --dry-run` through the installed console script: each flag shows up in its own namespace."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path
+
+from relax.tiny_model import build_tiny_model
 
 RELAX = Path(sys.executable).parent / "relax"  # the console script of this virtualenv
 
@@ -21,21 +22,8 @@ def sections(output: str) -> dict[str, dict[str, str]]:
 
 
 def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            dict(
-                model_type="qwen3",
-                num_hidden_layers=2,
-                hidden_size=64,
-                intermediate_size=128,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                rms_norm_eps=1e-6,
-                vocab_size=300,
-            )
-        )
-    )
-    argv = ["train", "--dry-run", "--device", "cpu", "--hf-checkpoint", str(tmp_path), "--lr", "2e-6"]
+    checkpoint = build_tiny_model(tmp_path, "qwen3")  # 56 tokens, 4 query heads over 2 KV heads
+    argv = ["train", "--dry-run", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--lr", "2e-6"]
     argv += [
         "--prompt-data",
         "prompts.jsonl",
@@ -68,7 +56,7 @@ def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
     }
     assert s["relax"]["rollout_batch_size"] == "4" and s["relax"]["device"] == "'cpu'"
     assert s["sglang"]["mem_fraction_static"] == "0.05" and s["sglang"]["attention_backend"] == "'torch_native'"
-    assert s["sglang"]["enable_tf32_matmul"] == "False" and s["sglang"]["model_path"] == repr(str(tmp_path))
+    assert s["sglang"]["enable_tf32_matmul"] == "False" and s["sglang"]["model_path"] == repr(str(checkpoint))
     assert s["megatron.transformer"]["tensor_model_parallel_size"] == "2"
     assert s["megatron.transformer"]["num_query_groups"] == "2"  # from the checkpoint's config.json
     assert s["megatron.optimizer"]["lr"] == "2e-06"
@@ -76,7 +64,7 @@ def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
         s["megatron.optimizer"]["use_distributed_optimizer"] == "True"
         and s["megatron.ddp"]["use_distributed_optimizer"] == "True"
     )
-    assert s["megatron.model"]["vocab_size"] == "300"  # the checkpoint's, unpadded (engines get HF shapes)
+    assert s["megatron.model"]["vocab_size"] == "56"  # the checkpoint's, unpadded (engines get HF shapes)
     # The architecture the actor builds (the qwen3 family's), not megatron-core's generic defaults.
     transformer = s["megatron.transformer"]
     assert transformer["qk_layernorm"] == "True" and transformer["add_bias_linear"] == "False"

@@ -12,6 +12,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from relax.args import build_parser, parse_train_args
 from relax.args.megatron import field_flags
+from relax.tiny_model import build_tiny_model
 
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -253,16 +254,8 @@ def test_moe_and_gated_deltanet_sizes_come_from_the_hf_checkpoint(tmp_path):
 
 
 def test_an_int_linear_attention_freq_agrees_with_the_familys_layer_list(tmp_path):
-    hybrid = dict(
-        model_type="qwen3_5_text",
-        num_hidden_layers=4,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=16,
-        linear_value_head_dim=24,
-        linear_conv_kernel_dim=3,
-    )
-    argv = [*RUN, "--hf-checkpoint", write_hf_config(tmp_path, **hybrid)]
+    checkpoint = build_tiny_model(tmp_path, "qwen3_5")  # 4 layers: 3 Gated DeltaNet, then full attention
+    argv = [*RUN, "--hf-checkpoint", str(checkpoint)]
     argv += ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "4"]
     assert parse_train_args(argv).megatron.transformer.linear_attention_freq == [1, 1, 1, 0]
 

@@ -1,7 +1,6 @@
 """--sglang-* flags: the ServerArgs relax builds equals the one SGLang builds from the same flags unprefixed."""
 
 import argparse
-import json
 import logging
 
 import msgspec
@@ -9,6 +8,7 @@ import pytest
 
 from relax.args import build_parser, parse_train_args
 from relax.args.sglang import MANAGED_BY_RELAX, prepare_import, sglang_actions
+from relax.tiny_model import build_tiny_model
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--lr", "1e-6"]
@@ -17,21 +17,8 @@ BASE += ["--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "c
 
 @pytest.fixture
 def checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text(
-        json.dumps(
-            dict(
-                model_type="qwen3",
-                num_hidden_layers=2,
-                hidden_size=64,
-                intermediate_size=128,
-                num_attention_heads=4,
-                rms_norm_eps=1e-6,
-                vocab_size=128,
-                tie_word_embeddings=False,
-            )
-        )
-    )
-    return str(tmp_path)
+    """A tiny Qwen3 checkpoint of BASE's size."""
+    return str(build_tiny_model(tmp_path / "model", "qwen3"))
 
 
 @pytest.fixture
