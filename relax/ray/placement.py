@@ -302,7 +302,9 @@ def _whereabouts(actor) -> dict:
 def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:
     """A WorkerFailed naming the actor of `groups` (ActorGroups or None) that `error` came from, with Ray's
     account of why; `error` itself when it names none of them. A task error comes back from ray.get as
-    Ray's own exception type, which carries the failed actor's id only in its text."""
+    Ray's own exception type, which carries the failed actor's id only in its text. A worker whose call on
+    another one failed because that one died (a rank pushing weights to a dead engine) raises an error that
+    is also a RayActorError of the dead one: the dead one is named."""
     groups = [group for group in groups if group is not None]
     actors = [(group, index, actor._actor_id.hex()) for group in groups for index, actor in enumerate(group.actors)]
     if isinstance(error, ray.exceptions.RayActorError):

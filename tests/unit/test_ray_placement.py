@@ -154,5 +154,9 @@ def test_worker_failure_names_the_actor_an_error_came_from():
     nested = _task_error("a0" * 16, RuntimeError(f"engine actor {'e0' * 16} died"))
     assert str(worker_failure(nested, [engines, trainers])).startswith("training rank 0 (pid 40) failed: ")
 
+    # A rank's call on an engine that died: the engine is named, the rank's traceback is in the reason.
+    relayed = worker_failure(_task_error("a0" * 16, RayActorError("e0" * 16, "The actor died.")), [trainers, engines])
+    assert str(relayed).startswith("engine 0 (pid 40) failed: ") and "The actor died." in str(relayed)
+
     unknown = RayActorError("ff" * 16, "someone else's actor")
     assert worker_failure(unknown, [trainers, engines]) is unknown
