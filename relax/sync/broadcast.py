@@ -6,8 +6,8 @@ process group with the sender and receive each bucket by broadcast, through SGLa
 weight update (Engine.init_weights_update_group / update_weights_from_distributed with
 load_format="flattened_bucket"; sglang/srt/model_executor/model_runner_components/weight_updater.py):
 
-    group rank 0                   the sending training rank
-    ranks 1 + i*tp .. 1 + i*tp+tp-1    the TP ranks of remote engine i (tp = devices per engine)
+    group rank 0                        the sending training rank
+    ranks 1 + i*tp .. 1 + i*tp + tp-1   the TP ranks of remote engine i (tp = devices per engine)
 
 Per bucket, each remote engine allocates the flattened bucket from its names, dtypes and shapes and
 receives it by torch.distributed.broadcast from group rank 0, while the sender broadcasts its own
