@@ -35,13 +35,15 @@ class StrictArgumentParser(argparse.ArgumentParser):
     def explain_unknown(self, flag: str) -> str:
         if flag in self.redirects:
             return f"unknown flag {flag}: {self.redirects[flag]}"
-        # Compare against every flag with its --sglang- prefix taken off, so that an SGLang flag given
-        # without the prefix (or misspelt that way) is answered with its prefixed spelling.
+        # Compare without the --sglang- prefix on either side, so that an SGLang flag given without the
+        # prefix is answered with its prefixed spelling, and a misspelt one with or without it is matched
+        # on the part that is SGLang's.
         by_bare_spelling = {}
         for option in self.known_flags():
             by_bare_spelling.setdefault(_without_namespace(option), option)
-        guesses = [by_bare_spelling[flag]] if flag in by_bare_spelling else []
-        for close in difflib.get_close_matches(flag, list(by_bare_spelling), n=3, cutoff=0.7):
+        bare = _without_namespace(flag)
+        guesses = [by_bare_spelling[bare]] if bare in by_bare_spelling else []
+        for close in difflib.get_close_matches(bare, list(by_bare_spelling), n=3, cutoff=0.7):
             if by_bare_spelling[close] not in guesses:
                 guesses.append(by_bare_spelling[close])
         if not guesses:

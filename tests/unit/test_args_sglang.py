@@ -199,6 +199,7 @@ def test_unknown_key_in_the_config_file_is_refused_with_a_guess(tmp_path, capsys
         ("--mamba-scheduler-strategy", "--sglang-mamba-radix-cache-strategy"),
         ("--no-enable-tf32-matmul", "--no-sglang-enable-tf32-matmul"),
         ("--sglang-mem-fraction-statc", "--sglang-mem-fraction-static"),
+        ("--sglang-mamba-scheduler-strategy", "--sglang-mamba-radix-cache-strategy"),  # prefixed, other name
     ],
 )
 def test_unprefixed_or_misspelt_sglang_flag_suggests_the_prefixed_one(flag, suggestion, capsys):
