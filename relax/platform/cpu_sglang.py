@@ -96,9 +96,43 @@ _fallbacks_installed = False
 
 
 def install_non_amx_fallbacks() -> None:
-    """Adjust the modules above when they are imported (and those already imported) in this process; once."""
+    """Adjust the modules above and below when they are imported (and those already imported) in this
+    process; once."""
     global _fallbacks_installed
     if os.environ.get(CPU_ENGINE_ENV) != "1" or _fallbacks_installed:
         return
     PostImportHook(_NON_AMX_FALLBACKS.__contains__, _apply_non_amx_fallback).install()
+    PostImportHook(_SEEDED_SAMPLING.__contains__, lambda module: _SEEDED_SAMPLING[module.__name__](module)).install()
     _fallbacks_installed = True
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Seeded sampling (--sglang-enable-deterministic-inference) on the CPU. SGLang 0.5.23 honours a request's
+# sampling_seed only under deterministic inference, which (a) accepts only GPU/NPU attention backends
+# (arg_groups/overrides.py _deterministic_attention_backend; torch_native is the CPU's one) and (b) turns on
+# batch-invariant mode, whose kernels are Triton GPU kernels and whose setup raises "No supported accelerator"
+# on a CPU (model_runner.maybe_enable_batch_invariant_mode). relax admits torch_native through SGLang's own
+# add_deterministic_attention_backend_choices and leaves batch-invariant mode off: the seeded sampler
+# (Gumbel noise hashed from seed and position) is what makes a resumed run sample what the original would;
+# a batch of the same prompts gives the same logits on the CPU without batch invariance.
+# ----------------------------------------------------------------------------------------------------------
+def _admit_torch_native(module) -> None:
+    if "torch_native" not in module.DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        module.add_deterministic_attention_backend_choices(["torch_native"])
+
+
+def _skip_batch_invariant_mode(module) -> None:
+    module.ModelRunner.maybe_enable_batch_invariant_mode = lambda self: None
+
+
+def _uncompiled_seeded_multinomial(module) -> None:
+    # torch.compile'd upstream; on the CPU that means a C++ build at the first seeded request, and a graph break
+    # at the hash op anyway (relax's murmur_hash32_cpu, a torch function in relax.platform.sgl_kernel_cpu_ops).
+    module.multinomial_with_seed = module.multinomial_with_seed._torchdynamo_orig_callable
+
+
+_SEEDED_SAMPLING = {
+    "sglang.srt.arg_groups.choices": _admit_torch_native,
+    "sglang.srt.model_executor.model_runner": _skip_batch_invariant_mode,
+    "sglang.srt.layers.sampler": _uncompiled_seeded_multinomial,
+}

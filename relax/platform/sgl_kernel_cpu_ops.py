@@ -80,6 +80,41 @@ def assign_req_to_token_pool_cpu(
 register_cpu_op("assign_req_to_token_pool_cpu", assign_req_to_token_pool_cpu)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _MASK32
+
+
+def _murmur3_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    k = _rotl32((k * 0xCC9E2D51) & _MASK32, 15)
+    k = (k * 0x1B873593) & _MASK32
+    return (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _MASK32
+
+
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3 (32-bit) of each (seed, position, column) as uint32 [rows, cols]: the semantics of SGLang's
+    Triton murmur_hash32_kernel (sglang/kernels/ops/sampling/murmur_hash.py), which seeded sampling hashes into
+    Gumbel noise. int64 arithmetic masked to 32 bits: products wrap modulo 2**64, their low 32 bits are exact."""
+    seed = seed.to(torch.int64).view(-1, 1)
+    h = torch.zeros_like(seed)
+    for block in (seed & _MASK32, (seed >> 32) & _MASK32, positions.to(torch.int64).view(-1, 1) & _MASK32):
+        h = _murmur3_mix(h, block)
+    h = _murmur3_mix(h, col_indices.to(torch.int64).view(1, -1) & _MASK32) ^ 16
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _MASK32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _MASK32
+    h ^= h >> 16
+    return h.to(torch.uint32)
+
+
+register_cpu_op(
+    "murmur_hash32_cpu", murmur_hash32_cpu, schema="(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor"
+)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Gated DeltaNet (Qwen3.5 / Qwen3-Next): the ops SGLang 0.5.23 calls on the CPU engine, served by
 # relax.kernels.sglang_cpu_ops (torch references; argument order as SGLang passes them). Those read as

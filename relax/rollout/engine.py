@@ -59,6 +59,10 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
     stop: tuple[str, ...] = ()  # stop strings
     ignore_eos: bool = False  # SGLang then also ignores stop_token_ids: only max_new_tokens ends a response
+    # Request i of a generate call samples with SGLang's sampling_seed seed + i (None: the engine's own random
+    # stream). SGLang 0.5.23 honours it only with enable_deterministic_inference (--sglang-enable-deterministic-
+    # inference); then a request's tokens depend on its seed and logits alone, not on what ran before.
+    seed: int | None = None
 
     def __post_init__(self):
         problems = []
@@ -306,10 +310,11 @@ class RolloutEngine:
         if not prompts:
             return []
         requests = [list(prompt) for prompt in prompts for _ in range(sampling.n)]
+        params = sampling.sglang_params()
+        if sampling.seed is not None:
+            params = [{**params, "sampling_seed": sampling.seed + i} for i in range(len(requests))]
         outputs = self._run(
-            self._live().async_generate(
-                input_ids=requests, sampling_params=sampling.sglang_params(), return_logprob=True
-            )
+            self._live().async_generate(input_ids=requests, sampling_params=params, return_logprob=True)
         )
         completions = [_completion(output) for output in outputs]
         return [completions[i : i + sampling.n] for i in range(0, len(completions), sampling.n)]

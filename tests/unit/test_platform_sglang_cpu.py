@@ -1,5 +1,6 @@
 """The CPU platform's SGLang pieces: the sgl_kernel stand-in, its torch ops, the torchvision placeholder."""
 
+import struct
 import subprocess
 import sys
 import textwrap
@@ -8,7 +9,7 @@ import types
 import pytest
 import torch
 
-from relax.platform.sgl_kernel_cpu_ops import assign_req_to_token_pool_cpu
+from relax.platform.sgl_kernel_cpu_ops import assign_req_to_token_pool_cpu, murmur_hash32_cpu
 
 
 def test_assign_req_to_token_pool_writes_each_requests_slots_into_its_row():
@@ -25,6 +26,34 @@ def test_assign_req_to_token_pool_writes_each_requests_slots_into_its_row():
     with pytest.raises(ValueError, match="pool_len 9"):
         assign_req_to_token_pool_cpu(torch.tensor([0]), req_to_token, torch.tensor([0]), torch.tensor([1]),
                                      out_cache_loc, 9)
+
+
+def _murmur3_32(data: bytes) -> int:
+    """MurmurHash3 x86_32 with seed 0, written from its specification (bytes a multiple of 4 long)."""
+    rotl = lambda x, r: ((x << r) | (x >> (32 - r))) & 0xFFFFFFFF  # noqa: E731
+    h = 0
+    for (k,) in struct.iter_unpack("<I", data):
+        k = (rotl((k * 0xCC9E2D51) & 0xFFFFFFFF, 15) * 0x1B873593) & 0xFFFFFFFF
+        h = (rotl(h ^ k, 13) * 5 + 0xE6546B64) & 0xFFFFFFFF
+    h ^= len(data)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def test_murmur_hash32_hashes_seed_position_and_column_like_sglangs_kernel():
+    # SGLang's Triton kernel hashes the 16 bytes (seed as uint64, position, column as uint32) with seed 0.
+    assert _murmur3_32(b"test") == 0xBA6BD213  # the reference itself, against a published value
+    seeds = torch.tensor([0, 1, 2**40 + 7, 2**62 + 12345], dtype=torch.int64)
+    positions = torch.tensor([0, 5, 17, 100000])
+    hashed = murmur_hash32_cpu(seeds.to(torch.uint64), positions, torch.arange(300))
+    assert hashed.dtype == torch.uint32 and hashed.shape == (4, 300)
+    for row in range(4):
+        for column in (0, 1, 299):
+            expected = _murmur3_32(struct.pack("<QII", int(seeds[row]), int(positions[row]), column))
+            assert int(hashed[row, column].to(torch.int64)) == expected
 
 
 def _run(script: str) -> subprocess.CompletedProcess:
