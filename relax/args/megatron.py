@@ -400,10 +400,13 @@ def family_transformer_config(transformer, given: dict, hf: dict, error):
     ignored by the actor: it is an error naming the flag."""
     from relax.train.model import transformer_config
 
+    problem = f"--hf-checkpoint's config.json: relax's Megatron actor cannot build this {hf.get('model_type')} model"
     try:
         family = transformer_config(hf, transformer)
-    except (ValueError, KeyError, AssertionError, TypeError) as exc:
-        error(f"--hf-checkpoint's config.json: relax's Megatron actor cannot build this model: {exc}")
+    except KeyError as exc:
+        error(f"{problem}: its family mapping reads {exc}, which config.json lacks")
+    except (ValueError, AssertionError, TypeError) as exc:
+        error(f"{problem}: {exc}")
     for name in sorted(given.keys() & {f.name for f in dataclasses.fields(transformer)}):
         yours, theirs = _meaning(name, transformer), _meaning(name, family)
         if yours != theirs:

@@ -1,6 +1,7 @@
 """Megatron flags land in real megatron-core config objects; the HF config supplies the architecture."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,6 +218,15 @@ def test_a_model_the_actor_cannot_build_fails_the_dry_run(tmp_path, capsys):
     err = parse_error([*RUN, "--hf-checkpoint", write_hf_config(tmp_path, model_type="llama")], capsys)
     assert "config.json: model_type 'llama'" in err and "is not supported by relax's Megatron actor" in err
     assert "supported model types" in err
+
+
+def test_a_config_json_without_a_field_the_family_reads_fails_naming_it(tmp_path, capsys):
+    config_path = Path(write_hf_config(tmp_path)) / "config.json"
+    config = json.loads(config_path.read_text())
+    del config["intermediate_size"]
+    config_path.write_text(json.dumps(config))
+    err = parse_error([*RUN, "--hf-checkpoint", str(tmp_path)], capsys)
+    assert "cannot build this qwen3 model: its family mapping reads 'intermediate_size', which config.json lacks" in err
 
 
 def test_moe_and_gated_deltanet_sizes_come_from_the_hf_checkpoint(tmp_path):
