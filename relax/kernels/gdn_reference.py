@@ -230,19 +230,27 @@ def _sequences(q, cu_seqlens):
 
 def _run_per_sequence(step_fn, q, k, v, g, beta, scale, initial_state, output_final_state,
                       use_qk_l2norm_in_kernel, cu_seqlens):
+    """Run `step_fn` over every sequence. Sequences of one length run in one call with their heads stacked
+    (heads never interact), so a batch of equal-length rollouts costs one call, not one per sequence."""
     seqs, num_seqs = _sequences(q, cu_seqlens)
     if initial_state is not None and initial_state.shape[0] != num_seqs:
         raise ValueError(f"initial_state has {initial_state.shape[0]} states for {num_seqs} sequences")
     num_v_heads, head_k_dim, head_v_dim = v.shape[-2], q.shape[-1], v.shape[-1]
-    outputs, finals = [], []
-    for n, (b, tokens) in enumerate(seqs):
-        qh, kh, vh, gh, bh = _prepare_heads(q[b, tokens], k[b, tokens], v[b, tokens], g[b, tokens],
-                                            beta[b, tokens], scale, use_qk_l2norm_in_kernel)
-        state = (q.new_zeros(num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32)
-                 if initial_state is None else initial_state[n].float())
+    by_length: dict[int, list[int]] = {}
+    for n, (_, tokens) in enumerate(seqs):
+        by_length.setdefault(len(range(q.shape[1])[tokens]), []).append(n)
+    outputs, finals = [None] * num_seqs, [None] * num_seqs
+    for members in by_length.values():
+        prepared = [_prepare_heads(q[b, tokens], k[b, tokens], v[b, tokens], g[b, tokens], beta[b, tokens], scale,
+                                   use_qk_l2norm_in_kernel) for b, tokens in (seqs[n] for n in members)]
+        qh, kh, vh, gh, bh = (torch.cat(parts) for parts in zip(*prepared))
+        if initial_state is None:
+            state = q.new_zeros(len(members) * num_v_heads, head_k_dim, head_v_dim, dtype=torch.float32)
+        else:
+            state = initial_state[members].float().flatten(0, 1)
         o, state = step_fn(qh, kh, vh, gh, bh, state)
-        outputs.append(o.transpose(0, 1))
-        finals.append(state)
+        for n, o_n, state_n in zip(members, o.split(num_v_heads), state.split(num_v_heads)):
+            outputs[n], finals[n] = o_n.transpose(0, 1), state_n
     if cu_seqlens is None:
         o = torch.stack(outputs)
     else:
@@ -282,6 +290,7 @@ def _chunked_steps(q, k, v, g, beta, state, chunk_size):
     Padding tokens carry beta = 0 and g = 0, so they change nothing.
     """
     num_heads, length = q.shape[0], q.shape[1]
+    chunk_size = max(1, min(chunk_size, length))  # a short sequence is one chunk of its own length, not padded
     pad = (-length) % chunk_size
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
@@ -294,9 +303,10 @@ def _chunked_steps(q, k, v, g, beta, state, chunk_size):
     # e^(c_t - c_s) for s <= t; masked before exp so no overflow from the upper triangle.
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     system = torch.eye(chunk_size, device=q.device) + (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
-    u_values = torch.linalg.solve_triangular(system, beta[..., None] * v, upper=False, unitriangular=True)
-    u_state = torch.linalg.solve_triangular(system, (beta * cum.exp())[..., None] * k, upper=False,
-                                            unitriangular=True)
+    # One solve for both right-hand sides: A U = beta v and A W = beta e^c k.
+    u_values, u_state = torch.linalg.solve_triangular(
+        system, torch.cat([beta[..., None] * v, (beta * cum.exp())[..., None] * k], dim=-1), upper=False,
+        unitriangular=True).split([v.shape[-1], k.shape[-1]], dim=-1)
     attn = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp()[..., None]
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]

@@ -66,20 +66,25 @@ def causal_conv1d_fwd(x, weight, bias, conv_states, query_start_loc, cache_indic
     """Prefill conv over packed sequences. x: [conv_dim, total_tokens]; sequence i spans
     query_start_loc[i]:query_start_loc[i+1], starts from conv_states[cache_indices[i]] when has_initial_state[i]
     (else zeros), and leaves its last W-1 inputs there. Sequences whose slot is pad_slot_id are skipped (zero
-    output). Returns the output [conv_dim, total_tokens]."""
+    output). Returns the output [conv_dim, total_tokens]. Sequences of one length are convolved as one batch."""
     _refuse_vnni(is_vnni)
     out = torch.zeros_like(x)
     activation = "silu" if silu_activation else None
-    bounds = query_start_loc.tolist()
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        slot = int(cache_indices[i])
-        if slot == pad_slot_id:
-            continue
-        initial = conv_states[slot].unsqueeze(0) if bool(has_initial_state[i]) else None
-        y, final = ref.causal_conv1d(x[None, :, start:end], weight, bias, initial_states=initial,
-                                     return_final_states=True, activation=activation)
-        out[:, start:end] = y[0]
-        conv_states[slot] = final[0].to(conv_states.dtype)
+    bounds, slots = query_start_loc.tolist(), cache_indices.tolist()
+    by_length: dict[int, list[int]] = {}
+    for i, slot in enumerate(slots[:len(bounds) - 1]):
+        if slot != pad_slot_id:
+            by_length.setdefault(bounds[i + 1] - bounds[i], []).append(i)
+    for length, members in by_length.items():
+        spans = [slice(bounds[i], bounds[i] + length) for i in members]
+        member_slots = torch.tensor([slots[i] for i in members])
+        starts = has_initial_state[members].reshape(-1, 1, 1)
+        initial = torch.where(starts, conv_states[member_slots], torch.zeros((), dtype=conv_states.dtype))
+        y, final = ref.causal_conv1d(torch.stack([x[:, span] for span in spans]), weight, bias,
+                                     initial_states=initial, return_final_states=True, activation=activation)
+        for span, y_i in zip(spans, y):
+            out[:, span] = y_i
+        conv_states[member_slots] = final.to(conv_states.dtype)
     return out
 
 
@@ -121,16 +126,17 @@ def fused_sigmoid_gating_delta_rule_update(A_log, dt_bias, q, k, v, a, b, initia
     Returns o [1, T, Hv, V]."""
     g, beta = ref.gdn_gating(A_log, a, b, dt_bias, softplus_beta, softplus_threshold)
     o = torch.zeros_like(v)
-    bounds = cu_seqlens.tolist()
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        slot = int(initial_state_indices[i])
-        if slot < 0:
-            continue
-        tokens = slice(start, end)
-        out, final = ref.recurrent_gated_delta_rule(
-            q[:, tokens], k[:, tokens], v[:, tokens], g[None, tokens], beta[None, tokens],
-            initial_state=ref.state_from_pool_layout(initial_state_source[slot:slot + 1]),
-            output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        o[:, tokens] = out
-        initial_state_source[slot] = ref.state_to_pool_layout(final[0]).to(initial_state_source.dtype)
+    bounds, slots = cu_seqlens.tolist(), initial_state_indices.tolist()
+    live = [i for i, slot in enumerate(slots[:len(bounds) - 1]) if slot >= 0]
+    if not live:
+        return o
+    tokens = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in live])
+    live_bounds = torch.tensor([0] + [bounds[i + 1] - bounds[i] for i in live]).cumsum(0)
+    live_slots = torch.tensor([slots[i] for i in live])
+    out, final = ref.recurrent_gated_delta_rule(
+        q[:, tokens], k[:, tokens], v[:, tokens], g[None, tokens], beta[None, tokens],
+        initial_state=ref.state_from_pool_layout(initial_state_source[live_slots]), output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=live_bounds)
+    o[:, tokens] = out
+    initial_state_source[live_slots] = ref.state_to_pool_layout(final).to(initial_state_source.dtype)
     return o

@@ -185,3 +185,17 @@ def test_gdn_decode_matches_hf_qwen3_next_decode_path():
     torch.testing.assert_close(out, expected, **TOL)
     torch.testing.assert_close(state_pool[slots], ref.state_to_pool_layout(new_state.detach()), **TOL)
     torch.testing.assert_close(conv_pool[slots], ref.conv_state_from_hf(hf_conv))
+
+
+def test_equal_length_sequences_run_together_yet_stay_separate():
+    # lengths 5, 4, 5, 6: the two of length 5 share one call (heads stacked); each keeps its own state
+    q, k, v, g, beta, h0 = make_inputs(1, 20, 2, 4, 8, 8, seed=3)
+    h0 = torch.cat([h0 * (n + 1) for n in range(4)])
+    cu = torch.tensor([0, 5, 9, 14, 20])
+    for forward in (ref.chunk_gated_delta_rule, ref.recurrent_gated_delta_rule):
+        o, s = forward(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        for n, (start, end) in enumerate(zip(cu.tolist()[:-1], cu.tolist()[1:])):
+            part = [t[:, start:end] for t in (q, k, v, g, beta)]
+            o_n, s_n = ref.recurrent_gated_delta_rule(*part, initial_state=h0[n:n + 1], output_final_state=True)
+            torch.testing.assert_close(o[:, start:end], o_n, **TOL)
+            torch.testing.assert_close(s[n:n + 1], s_n, **TOL)

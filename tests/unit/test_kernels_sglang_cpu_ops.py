@@ -67,6 +67,23 @@ def test_causal_conv1d_fwd_packed_sequences_with_and_without_initial_state():
                               True)
 
 
+def test_causal_conv1d_fwd_equal_length_sequences_batched_with_their_own_states():
+    dim, width = 6, 4
+    weight = torch.randn(dim, width)
+    x = torch.randn(dim, 9)
+    query_start_loc = torch.tensor([0, 3, 6, 9])  # three sequences of 3 tokens: one call
+    cache_indices, has_initial_state = torch.tensor([2, 0, 1]), torch.tensor([True, False, True])
+    pool = torch.randn(3, dim, width - 1)
+    before = pool.clone()
+    out = ops.causal_conv1d_fwd(x, weight, None, pool, query_start_loc, cache_indices, has_initial_state, False, -1,
+                                False)
+    for start, slot, has_initial in ((0, 2, True), (3, 0, False), (6, 1, True)):
+        initial = before[slot:slot + 1] if has_initial else None
+        y, final = ref.causal_conv1d(x[None, :, start:start + 3], weight, None, initial, True, None)
+        torch.testing.assert_close(out[:, start:start + 3], y[0])
+        torch.testing.assert_close(pool[slot], final[0])
+
+
 def test_causal_conv1d_update_skips_pad_slot_rows():
     dim, width = 6, 3
     weight = torch.randn(dim, width)
