@@ -85,5 +85,16 @@ def leftover_processes(marker: dict[str, str], wait_s: float = 10.0) -> list[psu
     return left
 
 
+def kill_marked(marker: dict[str, str]) -> None:
+    """SIGKILL every marked process and wait for them (a failed test's cleanup: the run may be stuck)."""
+    processes = marked_processes(marker)
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
 def describe(processes: list[psutil.Process]) -> str:
     return ", ".join(f"{process.pid} ({title(process)[:80]})" for process in processes) or "none"

@@ -4,7 +4,6 @@ soon, with a message naming the worker that died and where its log is, and no pr
 The bound on the driver's exit is a hang guard (a dead worker must not leave the driver waiting forever),
 not a timing test."""
 
-import json
 import os
 import re
 import subprocess
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import describe, leftover_processes, run_marker, wait_for_process
+from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120
@@ -56,8 +55,8 @@ def test_worker_killed_mid_run_fails_the_run_naming_it_and_leaves_no_process(tmp
                         f"killed:\n{log_path.read_text()[-6000:]}")
         waited = time.monotonic() - killed_at
     finally:
-        if run.poll() is None:
-            run.kill()
+        if run.poll() is None:  # the test failed: end the whole run, not only its driver
+            kill_marked(marker)
             run.wait()
     output = log_path.read_text()
     assert run.returncode != 0, output[-6000:]

@@ -49,7 +49,7 @@ def test_submitted_tiny_run_gets_the_submitting_shell_in_every_worker(tmp_path):
     for name in WORKER_TITLES:
         assert seen[name], f"no process titled {name!r} was seen while the job ran; seen: {seen}"
         for pid, values in seen[name].items():
-            assert values == exported, f"{name} (pid {pid}) started with {values}, not the submitting shell's {exported}"
+            assert values == exported, f"{name} (pid {pid}) started with {values}, not the shell's {exported}"
 
 
 def _watch_environments(cluster: LocalCluster, submit: subprocess.Popen, names: list[str],
