@@ -1,6 +1,7 @@
 """Placement: one placement group of device bundles, ordered by node and device, and the actors on it.
 
     placement = create_placement(platform, num_devices=8)           # bundles sorted by node, then device
+    placement = create_node_placement(platform, num_nodes=2, devices_per_node=8)   # and checked per node
     trainers = create_training_actors(TrainActor, placement)         # rank i on bundle i, share 0.4
     engines = create_engine_actors(Engine, placement, devices_per_engine=2)   # share 0.2 of its first bundle
     ...
@@ -177,6 +178,36 @@ def create_placement(
     except BaseException:
         remove_placement_group(group)
         raise
+
+
+def create_node_placement(platform, num_nodes: int, devices_per_node: int, **options) -> Placement:
+    """`num_nodes` x `devices_per_node` bundles (relax train's --num-nodes / --num-devices-per-node), checked.
+
+    Ray has no "n bundles on each node" strategy: one device per node is spread strictly, more are packed (a
+    node whose Ray resources hold exactly `devices_per_node` devices then takes that many bundles). The layout
+    Ray granted is checked, so a node with room for more bundles cannot silently take another node's share.
+    """
+    strategy = "STRICT_SPREAD" if devices_per_node == 1 and num_nodes > 1 else "PACK"
+    placement = create_placement(platform, num_nodes * devices_per_node, strategy=strategy, **options)
+    problem = node_layout_problem(placement.bundles, num_nodes, devices_per_node)
+    if problem:
+        placement.remove()
+        raise RuntimeError(problem)
+    return placement
+
+
+def node_layout_problem(bundles: list[Bundle], num_nodes: int, devices_per_node: int) -> str | None:
+    """What is wrong with granted bundles for a `num_nodes` x `devices_per_node` run, or None."""
+    per_node = Counter(bundle.node_id for bundle in bundles)
+    if len(per_node) == num_nodes and set(per_node.values()) == {devices_per_node}:
+        return None
+    granted = ", ".join(f"{count} on node {node[:8]}" for node, count in per_node.items())
+    return (
+        f"placement: --num-nodes {num_nodes} --num-devices-per-node {devices_per_node} asked for "
+        f"{devices_per_node} bundle(s) on each of {num_nodes} node(s), but Ray granted {granted}; "
+        f"give each node exactly {devices_per_node} device(s) in its Ray resources (ray start --num-gpus / "
+        "--resources), or set --num-nodes and --num-devices-per-node to the cluster's real layout"
+    )
 
 
 def _probe_and_sort(platform, group: PlacementGroup, resources: dict[str, float]) -> Placement:

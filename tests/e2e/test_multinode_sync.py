@@ -14,7 +14,7 @@ import ray
 from relax.args import parse_train_args
 from relax.loop import _actor_settings, hand_devices_to_actor, hand_devices_to_engines, train
 from relax.platform import get_platform
-from relax.ray.placement import create_engine_actors, create_placement, create_training_actors
+from relax.ray.placement import create_engine_actors, create_node_placement, create_training_actors
 from relax.rollout.data import Prompt
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample
@@ -62,8 +62,7 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
     ])
     r = config.relax
     platform = get_platform("cpu")
-    # One bundle per node: the CPU platform's bundles are CPUs, and each node here has room for both.
-    placement = create_placement(platform, num_devices=r.num_nodes * r.num_devices_per_node, strategy="STRICT_SPREAD")
+    placement = create_node_placement(platform, r.num_nodes, r.num_devices_per_node)
     trainers = engines = None
     try:
         trainers = create_training_actors(

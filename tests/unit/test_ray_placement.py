@@ -16,6 +16,7 @@ from relax.ray.placement import (
     bundle_sort_key,
     engine_envs,
     local_device_index,
+    node_layout_problem,
     noset_visible_devices_env,
     training_envs,
 )
@@ -160,3 +161,13 @@ def test_worker_failure_names_the_actor_an_error_came_from():
 
     unknown = RayActorError("ff" * 16, "someone else's actor")
     assert worker_failure(unknown, [trainers, engines]) is unknown
+
+
+def test_node_layout_problem_accepts_the_asked_layout_and_names_a_packed_one():
+    spread = [bundle(0, "10.0.0.1", "node-a"), bundle(1, "10.0.0.2", "node-b")]
+    assert node_layout_problem(spread, num_nodes=2, devices_per_node=1) is None
+    packed = [bundle(i, "10.0.0.1", "node-a") for i in range(4)]
+    problem = node_layout_problem(packed, num_nodes=2, devices_per_node=2)
+    assert "--num-nodes 2 --num-devices-per-node 2" in problem and "4 on node node-a" in problem
+    uneven = [*packed[:3], bundle(3, "10.0.0.2", "node-b")]
+    assert "3 on node node-a, 1 on node node-b" in node_layout_problem(uneven, num_nodes=2, devices_per_node=2)
