@@ -1,0 +1,216 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated full attention) through relax's Megatron actor on one GPU, with
+flash-linear-attention's Triton kernels inside megatron-core's GatedDeltaNet.
+
+    python benchmarks/qwen35_train.py --size 300m --steps 20
+
+1. Parity (fla's kernel on the GPU): a small random Qwen3.5 in float32 (relax.tiny_model, head dims 64): the actor's response-token logprobs
+   (MegatronActor.compute_logprobs) against HF transformers' Qwen3_5ForCausalLM on the same GPU; max abs diff.
+2. Training: a random Qwen3.5 of a few hundred million parameters (3 GDN layers to 1 full-attention layer) in
+   bf16, MegatronActor.train_step on a fixed batch of patterned sequences (each an arithmetic progression of
+   token ids mod the vocabulary, random start and stride) with advantage +1 on every response token (on-policy,
+   so the policy-gradient step raises their log-likelihood): the response tokens' mean negative logprob before
+   every step (from compute_logprobs) is the loss that must fall; seconds per train step alongside.
+--train-gdn-kernel picks the chunked GDN for training: fla 0.6.0 refuses its own backward on Hopper GPUs with
+Triton >= 3.4 and < 3.7.1 (wrong results, fla issue #640; the lent H200 has Triton 3.6.0 and Triton 3.7.1 is too
+large to carry), so there training runs on relax.kernels' torch reference (autograd backward). The kernel used
+is printed.
+"""
+
+import argparse
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+_GDN = dict(linear_conv_kernel_dim=4, full_attention_interval=4)
+SIZES = {
+    # parity: 4 layers (3 GDN + 1 full attention), head dims 64
+    "small": dict(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, **_GDN,
+    ),
+    # ~0.3B: 16 layers (12 GDN + 4 full attention), Qwen3.5-style head layout at hidden 1024
+    "300m": dict(
+        hidden_size=1024, intermediate_size=3584, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, **_GDN,
+    ),
+}
+
+
+def write_checkpoint(work_dir: Path, size: str) -> str:
+    from relax.tiny_model import build_tiny_model
+
+    out_dir = work_dir / f"qwen3_5_{size}"
+    if (out_dir / "config.json").is_file():
+        return str(out_dir)
+    shape = SIZES[size]
+    layer_types = [
+        "full_attention" if (i + 1) % shape["full_attention_interval"] == 0 else "linear_attention"
+        for i in range(shape["num_hidden_layers"])
+    ]
+    return str(build_tiny_model(out_dir, "qwen3_5", **shape, layer_types=layer_types))
+
+
+def init_distributed(device: str):
+    from relax.platform import get_platform
+
+    platform = get_platform(device)
+    os.environ.update(platform.worker_env())
+    platform.prepare_megatron()
+    if platform.device_type != "cpu":
+        platform.set_device(0)
+    if not torch.distributed.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        torch.distributed.init_process_group(
+            platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+    return platform
+
+
+def make_actor(hf_dir: str, platform, dtype: torch.dtype, lr: float, micro_batch_size: int):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from relax.train.actor import ActorSettings, MegatronActor
+    from relax.train.model import read_hf_config, transformer_config
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    bf16 = dtype == torch.bfloat16
+    transformer = transformer_config(read_hf_config(hf_dir), bf16=bf16, params_dtype=dtype, perform_initialization=False)
+    optimizer = OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
+    settings = ActorSettings(micro_batch_size=micro_batch_size, keep_reference=False)
+    return MegatronActor(hf_dir, transformer, optimizer, DistributedDataParallelConfig(), settings, platform=platform)
+
+
+def patterned_batch(vocab_size: int, count: int, seq: int, seed: int):
+    """Arithmetic progressions of token ids mod the vocabulary; the second half of each row is the response."""
+    from relax.train.batch import RolloutBatch
+
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, vocab_size, (count,), generator=generator)
+    strides = torch.randint(1, 7, (count,), generator=generator)
+    tokens = [(start + stride * torch.arange(seq)) % vocab_size for start, stride in zip(starts, strides)]
+    response = seq // 2
+    return RolloutBatch(tokens, [response] * count, advantages=[torch.ones(response) for _ in range(count)])
+
+
+def logprob_parity(hf_dir: str, platform, seq: int = 96) -> dict:
+    """Max abs diff of response-token logprobs, actor vs HF transformers, float32, same device."""
+    import transformers
+
+    actor = make_actor(hf_dir, platform, torch.float32, lr=1e-4, micro_batch_size=2)
+    generator = torch.Generator().manual_seed(5)
+    vocab = actor.hf["vocab_size"]
+    from relax.train.batch import RolloutBatch
+
+    lengths = [(seq, 40), (seq // 2 + 7, 20), (33, 9)]  # (tokens, response tokens): padded rows of several lengths
+    batch = RolloutBatch(
+        [torch.randint(0, vocab, (n,), generator=generator) for n, _ in lengths], [r for _, r in lengths]
+    )
+    ours = actor.compute_logprobs(batch)
+    device = platform.current_device()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
+    diffs = []
+    with torch.no_grad():
+        for tokens, length, actual in zip(batch.tokens, batch.response_lengths, ours):
+            logits = reference(tokens[None].to(device)).logits[0, -length - 1 : -1].float()
+            expected = logits.log_softmax(-1).gather(-1, tokens[-length:, None].to(device)).squeeze(-1).cpu()
+            diffs.append((actual - expected).abs().max().item())
+    del actor, reference
+    return {"max_abs_diff": max(diffs), "per_sample": diffs}
+
+
+def use_gdn_kernel(kernel: str) -> str:
+    """Point megatron-core's GatedDeltaNet at a chunked GDN: "fla" (flash-linear-attention's Triton kernel, what
+    megatron imports when fla is installed) or "reference" (relax.kernels' torch version, autograd for backward).
+    Returns the qualified name in use."""
+    from megatron.core.ssm import gated_delta_net
+
+    from relax.kernels import gdn_reference
+
+    if kernel == "reference":
+        gated_delta_net.chunk_gated_delta_rule = gdn_reference.chunk_gated_delta_rule
+    elif kernel == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        gated_delta_net.chunk_gated_delta_rule = chunk_gated_delta_rule
+    else:
+        raise ValueError(f"unknown GDN kernel {kernel!r}: fla or reference")
+    function = gated_delta_net.chunk_gated_delta_rule
+    return f"{function.__module__}.{function.__name__}"
+
+
+def train(hf_dir: str, platform, steps: int, samples: int, seq: int, micro_batch_size: int, lr: float) -> dict:
+    from megatron.core.ssm import gated_delta_net
+
+    actor = make_actor(hf_dir, platform, torch.bfloat16, lr=lr, micro_batch_size=micro_batch_size)
+    parameters = sum(p.numel() for p in actor.model.parameters())
+    batch = patterned_batch(actor.hf["vocab_size"], samples, seq, seed=0)
+    nll, seconds, grad_norms = [], [], []
+    for _ in range(steps + 1):
+        logprobs = actor.compute_logprobs(batch)
+        nll.append(-torch.cat(logprobs).mean().item())
+        if len(nll) > steps:
+            break
+        platform.device_module.synchronize()
+        start = time.perf_counter()
+        metrics = actor.train_step(batch)
+        platform.device_module.synchronize()
+        seconds.append(time.perf_counter() - start)
+        grad_norms.append(metrics["grad_norm"])
+    return {
+        "parameters_m": parameters / 1e6,
+        "gdn_kernel": f"{gated_delta_net.chunk_gated_delta_rule.__module__}.{gated_delta_net.chunk_gated_delta_rule.__name__}",
+        "nll_before_each_step": nll,
+        "seconds_per_step": seconds,
+        "grad_norms": grad_norms,
+        "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if platform.device_type == "cuda" else None,
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--size", choices=sorted(SIZES), default="300m")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--train-gdn-kernel", choices=("fla", "reference"), default="reference",
+        help="chunked GDN for training (fla 0.6.0 refuses its backward on Hopper with Triton < 3.7.1: fla#640)",
+    )
+    parser.add_argument("--no-parity", action="store_true", help="skip part 1 (tests/gpu/test_qwen35_actor_gpu.py has it)")
+    parser.add_argument("--work-dir", default="/tmp/relax_qwen35")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    platform = init_distributed(args.device)
+    work_dir = Path(args.work_dir)
+    results = {}
+    if not args.no_parity:
+        results["parity_kernel"] = use_gdn_kernel("fla" if args.device == "cuda" else "reference")
+        results["parity_small_fp32"] = logprob_parity(write_checkpoint(work_dir, "small"), platform)
+        print("parity", json.dumps(results["parity_small_fp32"]), flush=True)
+    start = time.perf_counter()
+    hf_dir = write_checkpoint(work_dir, args.size)
+    print(f"wrote {args.size} checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
+    use_gdn_kernel(args.train_gdn_kernel)
+    results["train"] = train(hf_dir, platform, args.steps, args.samples, args.seq, args.micro_batch_size, args.lr)
+    print(json.dumps(results, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), **results}))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
