@@ -46,8 +46,25 @@ def _train(argv: list[str]) -> int:
         print(format_config(config))
         return 0
     from relax.loop import run
+    from relax.run_state import CheckpointError, RunStopped, StopOnSignal
 
-    output_dir = run(config)
+    # SIGINT / SIGTERM: the current step finishes, then a save (with --save) and the loop's cleanup (engines,
+    # actors, the local Ray it started); a second signal abandons the step. Exit 128 + signal (130, 143).
+    stop = StopOnSignal()
+    try:
+        with stop:
+            output_dir = run(config, stop)
+    except CheckpointError as error:
+        print(f"relax train: {error}", file=sys.stderr)
+        return 2
+    except RunStopped as stopped:
+        print(f"relax train: {stopped}", file=sys.stderr)
+        return 128 + stopped.signum
+    except KeyboardInterrupt:
+        if stop.signum is None:  # not one of ours: Python's own SIGINT handling from before the handlers
+            raise
+        print("relax train: stopped at once by a second signal, the step abandoned; nothing saved", file=sys.stderr)
+        return 128 + stop.signum
     print(f"relax train: done; metrics, TensorBoard events and the reward curve are in {output_dir}")
     return 0
 

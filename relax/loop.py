@@ -14,6 +14,7 @@ actor's weights, is not built yet.
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -27,6 +28,7 @@ from relax.rollout.dump import load_rollout_data, save_rollout_data
 from relax.rollout.groups import Sample, apply_overlong_penalty, fill_with_informative_groups, group_by_prompt
 from relax.rollout.rewards import RewardInput, load_reward_fn, score
 from relax.rollout.worker import EngineWorker
+from relax.run_state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.actor import ActorSettings
 from relax.train.advantages import compute_advantages
 from relax.train.batch import RolloutBatch
@@ -36,10 +38,13 @@ from relax.train.worker import TrainWorker
 ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
 
 
-def run(config) -> Path:
-    """Train as `config` (relax.args.TrainConfig) says; returns the output directory."""
+def run(config, stop: StopOnSignal | None = None) -> Path:
+    """Train as `config` (relax.args.TrainConfig) says; returns the output directory. With `stop` (entered by
+    the `relax train` driver), a signal ends the run after its current step with RunStopped."""
     r = config.relax
     refuse_unbuilt_settings(r)
+    stop = stop or StopOnSignal()  # not entered: never signalled
+    checkpoint = read_checkpoint(r.load, r.hf_checkpoint, r.seed, r.num_steps) if r.load else None
     from relax.platform import get_platform
     from transformers import AutoTokenizer
 
@@ -50,6 +55,8 @@ def run(config) -> Path:
         prompts, report = load_prompts(_data_config(r), tokenizer)
         print(report.summary(), flush=True)
         loader = PromptLoader(prompts, seed=r.seed, shuffle=r.rollout_shuffle)
+        if checkpoint is not None:
+            loader = checkpoint.loader(prompts)
         reward_fn = load_reward_fn(r.reward_fn)
     sampling = SamplingConfig(
         n=r.n_samples_per_prompt,
@@ -64,7 +71,10 @@ def run(config) -> Path:
     started_ray = _init_ray()
     placement = create_placement(platform, num_devices=r.num_nodes * r.num_devices_per_node)
     trainers = engines = None
-    log = MetricsLog(Path(r.output_dir), r.num_steps, wandb_project=r.wandb_project if r.use_wandb else None)
+    start_step, saved = checkpoint.next_step if checkpoint else 0, None
+    log = MetricsLog(
+        Path(r.output_dir), r.num_steps, first_step=start_step, wandb_project=r.wandb_project if r.use_wandb else None
+    )
     try:
         # The actor first, then to sleep, so the engines start with the device memory to themselves.
         if not r.debug_rollout_only:
@@ -82,17 +92,26 @@ def run(config) -> Path:
                 devices_per_engine=r.rollout_num_devices_per_engine, memory_saver_on=memory_saver_on,
                 args=(config.sglang, r.hf_checkpoint, platform.name, r.rollout_num_devices_per_engine, memory_saver_on),
             )
+        if checkpoint is not None:
+            resume_actor(checkpoint, engines, trainers, r)
 
-        for step in range(r.num_steps):
-            timer, train_metrics = PhaseTimer(), {}
+        for step in range(start_step, r.num_steps):
+            if stop.requested:  # a signal came during the previous step (or the setup), which has ended
+                last_step = step - 1 if step > start_step else None
+                raise stop_run(stop.signum, last_step, saved, engines, trainers, loader, r)
+            timer, train_metrics, saved = PhaseTimer(), {}, None
+            step_sampling = replace(sampling, seed=sampling_seed(r.seed, step))
             with timer("perf/step_time"):
                 with timer("perf/rollout_time"):
-                    samples, rollout_metrics = collect_rollout(step, engines, loader, sampling, reward_fn, r)
+                    samples, rollout_metrics = collect_rollout(step, engines, loader, step_sampling, reward_fn, r)
                 if trainers is not None:  # None under --debug-rollout-only
                     with timer("perf/train_wait_time"):
                         hand_devices_to_actor(engines, trainers)
                     with timer("perf/train_time"):
                         train_metrics = train(trainers, samples, r)
+                    if save_due(r, step):  # while the actor is awake
+                        with timer("perf/save_time"):
+                            saved = save(r.save, step, trainers, loader, r.seed)
                     with timer("perf/weight_sync_time"):
                         hand_devices_to_engines(engines, trainers, r)
             log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds})
@@ -151,9 +170,10 @@ def generate_and_score(engines, prompts, sampling: SamplingConfig, reward_fn) ->
     """Spread the prompts over the engines, sample `n` responses each, score them. Samples come back
     prompt by prompt (n consecutive samples per prompt)."""
     shares = [prompts[i :: len(engines)] for i in range(len(engines))]
-    outputs = ray.get(
-        [engine.generate.remote([p.token_ids for p in share], sampling) for engine, share in zip(engines.actors, shares)]
-    )
+    outputs = ray.get([
+        engine.generate.remote([p.token_ids for p in share], _seeded_from(sampling, i * len(prompts) * sampling.n))
+        for i, (engine, share) in enumerate(zip(engines.actors, shares))
+    ])
     samples = [
         Sample(prompt, c.token_ids, c.logprobs, c.finish_reason, c.text)
         for share, groups in zip(shares, outputs)
@@ -167,6 +187,11 @@ def generate_and_score(engines, prompts, sampling: SamplingConfig, reward_fn) ->
     for sample, value, was_failure in zip(samples, scores, failed):
         sample.reward, sample.reward_failed = value, was_failure
     return samples
+
+
+def _seeded_from(sampling: SamplingConfig, offset: int) -> SamplingConfig:
+    """Each engine's requests get their own sampling seeds: an engine numbers its requests from sampling.seed."""
+    return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + offset)
 
 
 def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -211,6 +236,23 @@ def hand_devices_to_engines(engines, trainers, r) -> list[dict] | None:
     return reports
 
 
+def resume_actor(checkpoint, engines, trainers, r) -> None:
+    """Load the actor's checkpoint (awake, the engines' memory released) and push its weights to the engines,
+    which started from --hf-checkpoint."""
+    hand_devices_to_actor(engines, trainers)
+    ray.get(trainers.call("load_checkpoint", str(checkpoint.actor_dir)))
+    hand_devices_to_engines(engines, trainers, r)
+
+
+def stop_run(signum: int, last_step: int | None, saved, engines, trainers, loader, r) -> RunStopped:
+    """The run ends after `last_step` (None: before its first step) on a signal. With --save, that step's state
+    is saved unless it just was (the actor woken for it: the engines are not needed any more)."""
+    if r.save and last_step is not None and saved is None:
+        hand_devices_to_actor(engines, trainers)
+        saved = save(r.save, last_step, trainers, loader, r.seed)
+    return RunStopped(signum, last_step, saved)
+
+
 def rollout_batch(samples: list[Sample], r) -> RolloutBatch:
     """Token sequences and per-token advantages of the samples, for the training ranks."""
     lengths = [len(s.response_token_ids) for s in samples]
@@ -251,8 +293,10 @@ class PhaseTimer:
 # Settings `relax train` accepts (so run scripts dry-run and keep them) that the loop does not carry out yet:
 # refused here rather than ignored. Each entry: (is it asked for?, what to do instead).
 _UNBUILT = {
-    "--save / --save-interval": (lambda r: r.save is not None, "drop them: the loop does not checkpoint yet"),
-    "--load": (lambda r: r.load is not None, "drop it: the loop does not resume yet"),
+    "--save / --load with --debug-rollout-only": (
+        lambda r: r.debug_rollout_only and (r.save is not None or r.load is not None),
+        "drop them: without a training actor there is nothing to checkpoint",
+    ),
     "--no-colocate": (lambda r: not r.colocate, "drop it: only the colocated mode exists"),
     "--log-interval > 1": (lambda r: r.log_interval != 1, "drop it: every step is logged"),
 }

@@ -1,0 +1,219 @@
+"""What a run saves at the end of a step and resumes from (--save, --save-interval, --load), and how the
+`relax train` driver stops on SIGINT / SIGTERM.
+
+Layout of a --save directory:
+
+    SAVE/step_000003/actor/     the actor's sharded Megatron checkpoint: model, optimizer, LR scheduler,
+                                each rank's RNG states (relax.train.checkpoint)
+    SAVE/step_000003/run.json   the loop's own state: the next step, the prompt loader's state, the seed
+    SAVE/latest                 the name of the newest complete step directory
+
+step_N holds the state after step N (the `step` of metrics.jsonl). A save writes step_N.partial, renames it
+to step_N when everything is in, then replaces `latest` (both renames are atomic): a save that crashes halfway
+leaves only a .partial directory, which --load never takes and the next save of that step replaces.
+--load takes a --save directory (its `latest`) or one step directory. On several nodes, --save must be a
+directory every training rank and the driver see (a shared filesystem): the ranks write the actor's shards.
+
+What a resumed run repeats exactly: the data order (the loader's state), the actor's weights, optimizer,
+scheduler and RNG states, and the rollouts' sampling seeds, which derive from (--seed, step) alone
+(sampling_seed). SGLang honours per-request seeds only with --sglang-enable-deterministic-inference; without
+it a resumed run samples differently from the original from its first step on.
+"""
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+LATEST = "latest"
+PARTIAL_SUFFIX = ".partial"  # a step directory while it is written
+RUN_STATE_FILE = "run.json"
+ACTOR_DIR = "actor"
+
+
+class CheckpointError(ValueError):
+    """--load names something that is not a resumable checkpoint of this run; the message says why and the fix."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def save_due(r, step: int) -> bool:
+    """Save after this step? Every --save-interval steps and after the last step, when --save is set."""
+    if r.save is None:
+        return False
+    return step == r.num_steps - 1 or (r.save_interval is not None and (step + 1) % r.save_interval == 0)
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The first per-request sampling seed of a step's rollout: a function of (--seed, step) only, so a resumed
+    run samples what the original did. Requests of the step use this seed + their index (< 2**20 apart)."""
+    return random.Random(f"{seed}:sampling:{step}").getrandbits(40) << 20
+
+
+def save(save_dir: str | Path, step: int, trainers, loader, seed: int) -> Path:
+    """Save the state after `step`: the actor's checkpoint (collective over the training ranks, which must be
+    awake), then the loop's state, then `latest`. Returns the step directory."""
+    import ray
+
+    directory = Path(save_dir) / step_dir_name(step)
+    partial = directory.with_name(directory.name + PARTIAL_SUFFIX)
+    if partial.exists():  # left by a save that did not finish
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    ray.get(trainers.call("save_checkpoint", str(partial / ACTOR_DIR), step))
+    state = {"next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None}
+    _write_atomically(partial / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
+    if directory.exists():  # this step saved before (a resumed run saving into the same directory)
+        shutil.rmtree(directory)
+    os.replace(partial, directory)
+    _write_atomically(Path(save_dir) / LATEST, directory.name + "\n")
+    return directory
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    directory: Path  # one step directory
+    next_step: int
+    seed: int
+    loader_state: dict
+
+    @property
+    def actor_dir(self) -> Path:
+        return self.directory / ACTOR_DIR
+
+    def loader(self, prompts):
+        """The prompt loader where the checkpointed run left it."""
+        from relax.rollout.data import PromptLoader
+
+        if self.loader_state is None:
+            raise CheckpointError(
+                f"checkpoint {self.directory} was made on replayed rollouts (--load-rollout-data) and has no prompt "
+                "loader position; resume it with --load-rollout-data too"
+            )
+        return PromptLoader.from_state_dict(prompts, self.loader_state)
+
+
+def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_steps: int) -> Checkpoint:
+    """The checkpoint --load names, checked against this run before anything starts: it is complete, made with
+    the same --seed, from a model of the same architecture as --hf-checkpoint, and has steps left to run."""
+    directory = _step_directory(Path(load))
+    state_file, actor_dir = directory / RUN_STATE_FILE, directory / ACTOR_DIR
+    missing = [str(p) for p in (state_file, actor_dir / "metadata.json") if not p.is_file()]
+    if missing:
+        raise CheckpointError(
+            f"--load {load}: checkpoint {directory} is incomplete (missing {', '.join(missing)}); "
+            f"load an earlier step directory of {directory.parent}, or drop --load to start from --hf-checkpoint"
+        )
+    state = json.loads(state_file.read_text())
+    if state["seed"] != seed:
+        raise CheckpointError(
+            f"--load {load}: the checkpoint was made with --seed {state['seed']}, this run has --seed {seed}; "
+            f"resume with --seed {state['seed']} (the data order and sampling seeds derive from it)"
+        )
+    if state["next_step"] >= num_steps:
+        raise CheckpointError(
+            f"--load {load}: the checkpoint is after step {state['next_step'] - 1} and --num-steps is {num_steps}: "
+            f"nothing is left to run; raise --num-steps above {state['next_step']}"
+        )
+    _check_same_architecture(actor_dir, Path(hf_checkpoint), load)
+    return Checkpoint(directory, state["next_step"], state["seed"], state["loader"])
+
+
+def _step_directory(load: Path) -> Path:
+    if (load / RUN_STATE_FILE).is_file() or (load / ACTOR_DIR).is_dir():
+        return load
+    latest = load / LATEST
+    if latest.is_file():
+        return load / latest.read_text().strip()
+    if not load.is_dir():
+        raise CheckpointError(f"--load {load}: no such directory; pass a directory written by --save")
+    raise CheckpointError(
+        f"--load {load}: no checkpoint there (neither {LATEST} nor {RUN_STATE_FILE}; a save that did not finish "
+        f"writes no {LATEST}); pass the --save directory of a run or one of its step_* directories, or drop --load"
+    )
+
+
+def _check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None:
+    """The actor is built from --hf-checkpoint's config.json; the checkpoint's tensors must fit it."""
+    from relax.train.checkpoint import HF_FILES_DIR
+    from relax.train.model import family_of, read_hf_config
+
+    def architecture(hf: dict) -> dict:
+        fields = {"model_type": hf.get("model_type"), "vocab_size": hf.get("vocab_size")}
+        fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)
+        return {**fields, **family_of(hf).config_fields(hf)}
+
+    saved = architecture(read_hf_config(actor_dir / HF_FILES_DIR))
+    current = architecture(read_hf_config(hf_checkpoint))
+    differences = [f"{key}: {saved[key]!r} vs {current.get(key)!r}" for key in saved if saved[key] != current.get(key)]
+    if differences:
+        raise CheckpointError(
+            f"--load {load}: the checkpoint's model differs from --hf-checkpoint {hf_checkpoint} "
+            f"(checkpoint vs --hf-checkpoint: {'; '.join(differences)}); pass the --hf-checkpoint the run started from"
+        )
+
+
+# --- stopping on a signal ----------------------------------------------------------------------------------
+
+
+class RunStopped(Exception):
+    """The run stopped early on a signal; `relax train` exits with 128 + signum."""
+
+    def __init__(self, signum: int, last_step: int | None, saved: Path | None):
+        self.signum, self.last_step, self.saved = signum, last_step, saved
+        done = "before its first step ended" if last_step is None else f"after step {last_step}"
+        where = f"; checkpoint in {saved}" if saved else ("; no --save, nothing saved" if last_step is not None else "")
+        super().__init__(f"stopped by {signal.Signals(signum).name} {done}{where}")
+
+
+class StopOnSignal:
+    """SIGINT / SIGTERM in the driver. The first signal lets the current step finish (so the run ends on a
+    consistent state that can be saved: a half-done step has rolled out and perhaps trained on data whose
+    loader position and weights no checkpoint can describe); the loop asks `requested` after each step. A
+    second signal abandons the step at once (KeyboardInterrupt); either way the loop's cleanup runs."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._previous = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: abandoning the step")
+        self.signum = signum
+        print(
+            f"relax train: {signal.Signals(signum).name} received; finishing the current step, then saving (if --save) "
+            "and stopping; send it again to stop at once without saving",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self):
+        for signum in self.SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        return False

@@ -1,0 +1,104 @@
+"""relax.run_state without the stack: when saves are due, the sampling seeds, how --load finds (and refuses)
+checkpoints, and the driver's signal handling. The checkpoints here are directories with the files a save
+writes, not real actor checkpoints (tests/e2e/test_loop_resume.py saves and loads real ones)."""
+
+import json
+import os
+import shutil
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from relax.run_state import (
+    LATEST,
+    PARTIAL_SUFFIX,
+    CheckpointError,
+    RunStopped,
+    StopOnSignal,
+    read_checkpoint,
+    sampling_seed,
+    save_due,
+    step_dir_name,
+)
+from relax.tiny_model import build_tiny_model
+
+
+def test_saves_are_due_every_interval_and_at_the_last_step():
+    r = SimpleNamespace(save="ckpt", save_interval=3, num_steps=8)
+    assert [step for step in range(8) if save_due(r, step)] == [2, 5, 7]
+    assert [step for step in range(8) if save_due(SimpleNamespace(**{**vars(r), "save_interval": None}), step)] == [7]
+    assert not any(save_due(SimpleNamespace(**{**vars(r), "save": None}), step) for step in range(8))
+
+
+def test_sampling_seeds_depend_on_seed_and_step_only():
+    assert sampling_seed(1234, 5) == sampling_seed(1234, 5)
+    seeds = {sampling_seed(1234, step) for step in range(1000)} | {sampling_seed(7, step) for step in range(1000)}
+    assert len(seeds) == 2000
+    # A step's requests use seed + index; the next step's seeds must not overlap them.
+    assert all(seed % 2**20 == 0 and 0 <= seed < 2**63 for seed in seeds)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return build_tiny_model(root / "model", "qwen3"), build_tiny_model(root / "wider", "qwen3", hidden_size=96)
+
+
+def fake_save(save_dir, step, model_dir, seed=1234, complete=True):
+    """The files a save writes after `step` (an empty dist-checkpoint metadata stands for the actor's tensors);
+    not complete: as a save that crashed before its end leaves them."""
+    directory = save_dir / (step_dir_name(step) + ("" if complete else PARTIAL_SUFFIX))
+    (directory / "actor" / "hf").mkdir(parents=True)
+    shutil.copy(model_dir / "config.json", directory / "actor" / "hf" / "config.json")
+    (directory / "actor" / "metadata.json").write_text("{}")
+    if complete:
+        loader = {"epoch": 0, "index": 8 * (step + 1), "seed": seed, "shuffle": True, "num_prompts": 100}
+        (directory / "run.json").write_text(json.dumps({"next_step": step + 1, "seed": seed, "loader": loader}))
+        (save_dir / LATEST).write_text(directory.name + "\n")
+    return directory
+
+
+def test_load_takes_the_latest_complete_step_or_a_named_step(tmp_path, models):
+    model, _ = models
+    first = fake_save(tmp_path, 1, model)
+    fake_save(tmp_path, 3, model)
+    fake_save(tmp_path, 5, model, complete=False)  # a save that crashed: `latest` still names step 3
+    checkpoint = read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
+    assert (checkpoint.directory.name, checkpoint.next_step, checkpoint.loader_state["index"]) == ("step_000003", 4, 32)
+    assert read_checkpoint(first, model, seed=1234, num_steps=10).next_step == 2
+
+
+def test_load_refuses_what_it_cannot_resume_naming_the_path_and_the_fix(tmp_path, models):
+    model, wider = models
+    with pytest.raises(CheckpointError, match=f"--load {tmp_path / 'none'}: no such directory"):
+        read_checkpoint(tmp_path / "none", model, seed=1234, num_steps=10)
+    with pytest.raises(CheckpointError, match=f"--load {tmp_path}: no checkpoint there .* or drop --load"):
+        read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
+    unfinished = fake_save(tmp_path / "crashed", 2, model, complete=False)
+    with pytest.raises(CheckpointError, match="no checkpoint there"):
+        read_checkpoint(tmp_path / "crashed", model, seed=1234, num_steps=10)
+    with pytest.raises(CheckpointError, match=f"checkpoint {unfinished} is incomplete .*run.json"):
+        read_checkpoint(unfinished, model, seed=1234, num_steps=10)
+
+    fake_save(tmp_path / "saves", 3, model)
+    with pytest.raises(CheckpointError, match="differs from --hf-checkpoint .*hidden_size: 64 vs 96.* started from"):
+        read_checkpoint(tmp_path / "saves", wider, seed=1234, num_steps=10)
+    with pytest.raises(CheckpointError, match="made with --seed 1234, this run has --seed 5; resume with --seed 1234"):
+        read_checkpoint(tmp_path / "saves", model, seed=5, num_steps=10)
+    with pytest.raises(CheckpointError, match="after step 3 and --num-steps is 4: .* raise --num-steps above 4"):
+        read_checkpoint(tmp_path / "saves", model, seed=1234, num_steps=4)
+
+
+def test_first_signal_asks_to_stop_second_abandons_and_handlers_are_restored(capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    with StopOnSignal() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.signum == signal.SIGTERM
+        assert "SIGTERM received; finishing the current step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt, match="second SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert str(RunStopped(signal.SIGTERM, 4, None)) == "stopped by SIGTERM after step 4; no --save, nothing saved"
+    assert str(RunStopped(signal.SIGINT, None, None)) == "stopped by SIGINT before its first step ended"
