@@ -169,6 +169,14 @@ def checkpoint_flags_consistent(config, platform):
         return "--save-interval needs --save"
 
 
+def experts_are_separate_mlps(config, platform):
+    if config.megatron.transformer.moe_grouped_gemm:
+        return (
+            "--moe-grouped-gemm is not supported: relax's actor builds every expert as its own MLP (megatron-core's "
+            "local spec, SequentialMLP), which its HF weight mapping follows; remove it"
+        )
+
+
 RULES = [
     required_flags,
     model_parallel_fits_devices,
@@ -185,6 +193,7 @@ RULES = [
     batching_flags_consistent,
     sampling_flags_consistent,
     checkpoint_flags_consistent,
+    experts_are_separate_mlps,
 ]
 
 

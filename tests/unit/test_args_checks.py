@@ -126,6 +126,9 @@ RULES = {
         "--overlong-buffer-len 1024 must be below --rollout-max-response-len 1024",
     ),
     "save interval needs save": ([*RUN, "--save-interval", "10"], "--save-interval needs --save"),
+    "experts are separate MLPs": (
+        [*RUN, "--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm is not supported"
+    ),
 }
 
 
