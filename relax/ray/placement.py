@@ -331,21 +331,26 @@ def _whereabouts(actor) -> dict:
 
 
 def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:
-    """A WorkerFailed naming the actor of `groups` (ActorGroups or None) that `error` came from, with Ray's
-    account of why; `error` itself when it names none of them. A task error comes back from ray.get as
-    Ray's own exception type, which carries the failed actor's id only in its text. A worker whose call on
-    another one failed because that one died (a rank pushing weights to a dead engine) raises an error that
-    is also a RayActorError of the dead one: the dead one is named."""
+    """A WorkerFailed naming the actor of `groups` (ActorGroups or None) where `error` started, with Ray's
+    account of why; `error` itself when it names none of them.
+
+    A worker whose call on another one failed (a rank pushing weights to an engine that died or raised)
+    raises that one's error, which Ray relays as the cause of its own: the innermost is where it started.
+    A task error comes back from ray.get as Ray's own exception type, which carries the failed actor's id
+    only in its text; an actor's death carries it as actor_id."""
+    origin = error
+    while isinstance(getattr(origin, "cause", None), ray.exceptions.RayError):
+        origin = origin.cause
     groups = [group for group in groups if group is not None]
     actors = [(group, index, actor._actor_id.hex()) for group in groups for index, actor in enumerate(group.actors)]
-    if isinstance(error, ray.exceptions.RayActorError):
-        named = [(group, index) for group, index, actor_id in actors if actor_id == error.actor_id]
-        reason = str(error)
+    if isinstance(origin, ray.exceptions.RayActorError):
+        named = [(group, index) for group, index, actor_id in actors if actor_id == origin.actor_id]
+        reason = str(origin)
     else:
-        text = str(error)
+        text = str(origin)
         mentioned = [(text.find(actor_id), group, index) for group, index, actor_id in actors if actor_id in text]
         named = [min(mentioned, key=lambda found: found[0])[1:]] if mentioned else []
-        cause = getattr(error, "cause", None)
+        cause = getattr(origin, "cause", None)
         reason = f"{type(cause).__name__}: {cause}" if cause is not None else text
     if not named:
         return error
