@@ -22,9 +22,6 @@ import uuid
 import psutil
 
 MARKER_VAR = "RELAX_TEST_RUN_ID"
-# Names (process titles) of the processes a colocated run starts, for messages and for picking one to kill.
-RUN_PROCESS_NAMES = ("raylet", "gcs_server", "sglang::scheduler", "sglang::detokenizer", "ray::TrainWorker",
-                     "ray::EngineWorker")
 
 
 def run_marker() -> dict[str, str]:
@@ -59,7 +56,8 @@ def marked_processes(marker: dict[str, str]) -> list[psutil.Process]:
 
 
 def named(processes: list[psutil.Process], name: str) -> list[psutil.Process]:
-    """Those of `processes` whose title contains `name` (one of RUN_PROCESS_NAMES, say)."""
+    """Those of `processes` whose title contains `name`: raylet, gcs_server, ray::TrainWorker,
+    ray::EngineWorker, sglang::scheduler, sglang::detokenizer, ..."""
     return [process for process in processes if name in title(process)]
 
 
