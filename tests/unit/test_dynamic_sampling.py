@@ -9,6 +9,7 @@ import pytest
 import relax.loop
 from relax.loop import collect_rollout
 from relax.rollout.data import Prompt, PromptLoader
+from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import DynamicSamplingError, Sample
 
 
@@ -39,7 +40,7 @@ def scripted_generation(monkeypatch):
 
 
 def _collect(loader, r):
-    return collect_rollout(0, engines=None, loader=loader, sampling=None, reward_fn=None, r=r)
+    return collect_rollout(0, engines=None, loader=loader, sampling=SamplingConfig(n=2), reward_fn=None, r=r)
 
 
 def test_groups_with_equal_rewards_are_dropped_and_rounds_refill(scripted_generation):
