@@ -39,6 +39,8 @@ def test_submitted_tiny_run_gets_the_submitting_shell_in_every_worker(tmp_path):
             )
             seen = _watch_environments(cluster, submit, list(exported), timeout_s=600)
         assert submit.returncode == 0, log_path.read_text()[-8000:]
+        # The job's driver ended its actors and engines; the cluster, not the job's, stays up.
+        assert not _run_processes_left(cluster, wait_s=10), _run_processes_left(cluster, wait_s=0)
         raylets = [process for process in cluster.processes() if "raylet" in title(process)]
     assert cluster.processes() == [], "processes of the test cluster were left running"
 
@@ -70,3 +72,14 @@ def _watch_environments(cluster: LocalCluster, submit: subprocess.Popen, names: 
                         seen[name][process.pid] = {variable: env.get(variable) for variable in names}
         time.sleep(0.2)
     return seen
+
+
+def _run_processes_left(cluster: LocalCluster, wait_s: float) -> list[str]:
+    """Titles of the run's processes (WORKER_TITLES) still in the cluster after up to `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        titles = [title(process) for process in cluster.processes()]
+        left = [text for text in titles if any(name in text for name in WORKER_TITLES)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.5)
