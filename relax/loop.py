@@ -12,6 +12,7 @@ released), then sleeps. Exporting from a sleeping actor's host copy, which would
 actor's weights, is not built yet.
 """
 
+import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -36,6 +37,7 @@ from relax.train.losses import LossSettings
 from relax.train.worker import TrainWorker
 
 ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
+ROUND_SEED_STRIDE = 2**16  # sampling seeds per dynamic-sampling round (a step has 2**24: run_state.sampling_seed)
 
 
 def run(config, stop: StopOnSignal | None = None) -> Path:
@@ -69,6 +71,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
     memory_saver_on = r.colocate and platform.has_memory_saver
 
     started_ray = _init_ray()
+    stop.take_back()  # ray.init set its own SIGTERM handler
     placement = create_placement(platform, num_devices=r.num_nodes * r.num_devices_per_node)
     trainers = engines = None
     start_step, saved = checkpoint.next_step if checkpoint else 0, None
@@ -157,9 +160,11 @@ def generate_informative_groups(engines, loader, sampling, reward_fn, r) -> tupl
     --rollout-batch-size groups whose rewards differ are kept; the run stops with the counts after
     --dynamic-sampling-max-rounds rounds rather than train on a short batch."""
     prompts_per_round = r.over_sampling_batch_size or r.rollout_batch_size
+    rounds = itertools.count()
 
     def one_round(_groups_still_needed: int):  # a whole round each time: most groups may be dropped again
-        samples = generate_and_score(engines, loader.take(prompts_per_round), sampling, reward_fn)
+        round_sampling = _seeded_from(sampling, next(rounds) * ROUND_SEED_STRIDE)  # new prompts, new seeds
+        samples = generate_and_score(engines, loader.take(prompts_per_round), round_sampling, reward_fn)
         return group_by_prompt(samples, r.n_samples_per_prompt)
 
     groups, stats = fill_with_informative_groups(one_round, r.rollout_batch_size, r.dynamic_sampling_max_rounds)

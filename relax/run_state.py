@@ -52,8 +52,9 @@ def save_due(r, step: int) -> bool:
 
 def sampling_seed(seed: int, step: int) -> int:
     """The first per-request sampling seed of a step's rollout: a function of (--seed, step) only, so a resumed
-    run samples what the original did. Requests of the step use this seed + their index (< 2**20 apart)."""
-    return random.Random(f"{seed}:sampling:{step}").getrandbits(40) << 20
+    run samples what the original did. The step's requests use this seed + an offset below 2**24 (their index,
+    per engine and dynamic-sampling round); SGLang takes seeds below 2**63."""
+    return random.Random(f"{seed}:sampling:{step}").getrandbits(38) << 24
 
 
 def save(save_dir: str | Path, step: int, trainers, loader, seed: int) -> Path:
@@ -212,6 +213,12 @@ class StopOnSignal:
         for signum in self.SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         return self
+
+    def take_back(self) -> None:
+        """Install the handlers again if entered: ray.init replaces the driver's SIGTERM handler (with one that
+        calls sys.exit at once)."""
+        for signum in self._previous:
+            signal.signal(signum, self._handle)
 
     def __exit__(self, *exc):
         for signum, handler in self._previous.items():
