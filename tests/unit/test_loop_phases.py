@@ -63,6 +63,7 @@ def _run_settings(**changes):
 
 def test_settings_the_loop_does_not_carry_out_are_refused_not_ignored():
     refuse_unbuilt_settings(_run_settings())  # the defaults pass
-    with pytest.raises(SystemExit, match=r"--save / --save-interval \(drop them.*--log-interval > 1"):
-        refuse_unbuilt_settings(_run_settings(save="ckpt", log_interval=2))
+    refuse_unbuilt_settings(_run_settings(save="ckpt", load="ckpt"))  # the loop checkpoints and resumes
+    with pytest.raises(SystemExit, match=r"--save / --load with --debug-rollout-only \(drop them.*--log-interval > 1"):
+        refuse_unbuilt_settings(_run_settings(save="ckpt", debug_rollout_only=True, log_interval=2))
     refuse_unbuilt_settings(_run_settings(num_nodes=2))  # engines on other nodes take weights by broadcast
