@@ -66,6 +66,23 @@ FAMILIES = {
     ),
 }
 
+# Vision-language checkpoints laid out as Qwen3.5 is published (Qwen3_5ForConditionalGeneration: config.json with
+# text_config + vision_config, tensors model.language_model.*, model.visual.*, lm_head.weight): the text family's
+# fields under text_config (rope_parameters with an interleaved mrope_section, as the released configs have; an
+# MoE text_config without intermediate_size, as theirs) and a one-block vision tower.
+VISION_LANGUAGE_FAMILIES = {
+    "qwen3_5_vl": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration, "qwen3_5"),
+    "qwen3_5_moe_vl": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration, "qwen3_5_moe"),
+}
+_TINY_VISION = dict(
+    depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
+    spatial_merge_size=2, num_position_embeddings=16, out_hidden_size=_COMMON["hidden_size"],
+)
+_MROPE = dict(
+    rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25, mrope_section=[1, 1, 0], mrope_interleaved=True
+)
+ALL_FAMILIES = sorted([*FAMILIES, *VISION_LANGUAGE_FAMILIES])
+
 
 def _byte_level_symbol(char: str) -> str:
     """The symbol byte-level BPE uses for an ASCII character: printable ones stand for themselves, the
@@ -101,22 +118,32 @@ def build_tokenizer(out_dir: str | Path) -> transformers.PreTrainedTokenizerFast
 
 
 def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, **config_overrides) -> Path:
-    """Write a random tiny model of `family` with its tokenizer to `out_dir` and return the directory."""
-    if family not in FAMILIES:
-        raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(FAMILIES)}")
-    config_cls, model_cls, family_fields = FAMILIES[family]
+    """Write a random tiny model of `family` with its tokenizer to `out_dir` and return the directory.
+    For a vision-language family, `config_overrides` go to its text_config."""
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {ALL_FAMILIES}")
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(out_dir)
-    config = config_cls(
-        **{**_COMMON, **family_fields, **config_overrides},
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    token_ids = dict(
+        vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
     )
+    if family in VISION_LANGUAGE_FAMILIES:
+        config_cls, model_cls, text_family = VISION_LANGUAGE_FAMILIES[family]
+        text_fields = {**_COMMON, **FAMILIES[text_family][2], "rope_parameters": _MROPE, **config_overrides}
+        if "num_experts" in text_fields:
+            del text_fields["intermediate_size"]
+        config = config_cls(
+            text_config={**text_fields, **token_ids}, vision_config=_TINY_VISION, tie_word_embeddings=False
+        )
+    else:
+        config_cls, model_cls, family_fields = FAMILIES[family]
+        config = config_cls(**{**_COMMON, **family_fields, **config_overrides}, **token_ids)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if family in VISION_LANGUAGE_FAMILIES:
+        _add_mtp_tensors(out_dir / "model.safetensors", _COMMON["hidden_size"])
     transformers.GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(out_dir)
@@ -124,11 +151,23 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
     return out_dir
 
 
+def _add_mtp_tensors(weights_file: Path, hidden_size: int) -> None:
+    """The released Qwen3.5 checkpoints also hold a multi-token-prediction head (mtp.*), which transformers
+    builds no module for (and ignores when loading): a few random tensors named as theirs stand in for it."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights_file)
+    tensors["mtp.fc.weight"] = torch.randn(hidden_size, 2 * hidden_size)
+    for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
+        tensors[norm] = torch.randn(hidden_size)
+    save_file(tensors, weights_file, metadata={"format": "pt"})
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(description="Write a tiny random HF checkpoint with its tokenizer.")
-    parser.add_argument("--family", default="qwen3", choices=sorted(FAMILIES))
+    parser.add_argument("--family", default="qwen3", choices=ALL_FAMILIES)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="directory to write (created if missing)")
     args = parser.parse_args(argv)

@@ -3,6 +3,10 @@ qwen3_5.py, qwen3_next.py, gdn_spec.py; no TransformerEngine, relax.kernels' tor
 HF transformers' (fp32, max abs diff <= 1e-4) on an 80-token batch (the chunked GDN runs two 64-token chunks) at
 TP=1 and TP=2 (with sequence parallelism) and on the actor's right-padded rows with their attention mask, the
 exported weights are the checkpoint's exactly, and a backward pass reaches every parameter.
+The same for the language model of Qwen3.5 vision-language checkpoints (dense and MoE, laid out as the released
+Qwen3.5 ones, relax/train/model/checkpoint_layout.py): logits equal Qwen3_5(Moe)ForConditionalGeneration's on
+text-only input, and the export holds exactly the checkpoint's language-model tensors under their names (the vision
+tower and MTP head are not trained).
 
 Two spawned ranks share one gloo group, started once for this module: TP=1 runs as two replicas.
 """
@@ -14,6 +18,7 @@ import torch
 
 from relax.tiny_model import build_tiny_model
 from relax.train.model import read_hf_config
+from relax.train.model.checkpoint_layout import checkpoint_layout, trained_names
 
 from spawned_ranks import SpawnedRanks
 
@@ -31,7 +36,7 @@ def run_on_ranks():
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    families = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+    families = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_5_vl", "qwen3_5_moe_vl")
     return {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in families}
 
 
@@ -67,6 +72,8 @@ def _parity(hf_dir: str, tp: int) -> dict:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(0)
     hf = read_hf_config(hf_dir)
+    layout = checkpoint_layout(hf)
+    vocab_size = layout.text_config["vocab_size"]
     config = transformer_config(
         hf, tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=True,
         perform_initialization=False,
@@ -74,17 +81,20 @@ def _parity(hf_dir: str, tp: int) -> dict:
     model = build_gpt_model(hf, config)
     load_hf_weights(model, hf_dir)
     generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, hf["vocab_size"], (2, SEQUENCE_LENGTH), generator=generator)
+    input_ids = torch.randint(0, vocab_size, (2, SEQUENCE_LENGTH), generator=generator)
     position_ids = torch.arange(SEQUENCE_LENGTH).expand(2, -1)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    # The whole vision-language model for a VL checkpoint: its text-only forward (3D rope positions) is the reference.
+    auto_class = transformers.AutoModelForImageTextToText if layout.vision_language else transformers.AutoModelForCausalLM
+    reference = auto_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(input_ids).logits
     logits = gather_from_tensor_model_parallel_region(model(input_ids, position_ids, None))
     logits.float().logsumexp(-1).mean().backward()
     without_grad = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
-    padded_diff = _padded_rows_max_abs_diff(model, reference, hf["vocab_size"])
+    padded_diff = _padded_rows_max_abs_diff(model, reference, vocab_size)
     exported = dict(export_hf_weights(model, hf))
     on_disk = load_file(os.path.join(hf_dir, "model.safetensors"))
+    on_disk = {name: tensor for name, tensor in on_disk.items() if name in trained_names(on_disk)}
     return {
         "logits_max_abs_diff": (logits.detach() - expected).abs().max().item(),
         "padded_rows_max_abs_diff": padded_diff,
@@ -95,7 +105,7 @@ def _parity(hf_dir: str, tp: int) -> dict:
 
 
 @pytest.mark.parametrize("family, tp", [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5_moe", 1), ("qwen3_5_moe", 2),
-                                        ("qwen3_next", 2)])
+                                        ("qwen3_next", 2), ("qwen3_5_vl", 2), ("qwen3_5_moe_vl", 1)])
 def test_logits_equal_hf_export_is_exact_and_backward_reaches_every_parameter(run_on_ranks, hf_dirs, family, tp):
     for rank, result in enumerate(run_on_ranks(_parity, hf_dirs[family], tp)):
         assert result["logits_max_abs_diff"] <= 1e-4, (rank, result)

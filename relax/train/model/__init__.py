@@ -8,7 +8,9 @@ One module per family (qwen2.py, qwen3.py, qwen3_moe.py) holds its mapping and n
   top_level_rules(hf)               Megatron name -> Rule for embedding, final norm, output layer
   layer_rules(hf)                   the same for `decoder.layers.{i}.*` ({layer} in HF names)
   expert_rules(hf)                  the same for `mlp.experts.local_experts.{j}.*` ({expert} in HF names)
-The layout kinds of a Rule (how HF tensors fuse and how TP cuts them) are in layouts.py.
+The layout kinds of a Rule (how HF tensors fuse and how TP cuts them) are in layouts.py. The functions here take
+config.json as it is; checkpoint_layout.py finds the language model in it (a text model, or Qwen3.5's
+vision-language checkpoints) and renames the family's tensor names to the checkpoint's.
 
 megatron.core must be importable when these functions run: on the CPU call
 `relax.platform.get_platform("cpu").prepare_megatron()` before importing megatron.
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
+from relax.train.model.checkpoint_layout import checkpoint_layout, describe_frozen, is_frozen
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
 FAMILIES = {
@@ -41,8 +44,9 @@ def read_hf_config(hf_dir: str | Path) -> dict:
 
 
 def family_of(hf: dict):
-    """The family module for an HF config; unsupported architectures name the supported ones."""
-    model_type = hf.get("model_type")
+    """The family module of an HF config's language model; unsupported architectures name the supported ones."""
+    text = checkpoint_layout(hf).text_config
+    model_type = text.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(
             f"model_type {model_type!r} (architectures {hf.get('architectures')}) is not supported by relax's "
@@ -69,6 +73,7 @@ def transformer_config(hf: dict, base=None, **overrides):
     """
     from megatron.core.transformer import TransformerConfig
 
+    hf = checkpoint_layout(hf).text_config
     if hf.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     _rope_theta(hf)  # fail early on an unsupported RoPE
@@ -91,6 +96,7 @@ def build_gpt_model(hf: dict, config, pre_process: bool | None = None, post_proc
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    hf = checkpoint_layout(hf).text_config
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     if hf["vocab_size"] % tp_size:
         raise ValueError(
@@ -172,13 +178,16 @@ class _Mapping:
         from megatron.core import parallel_state as ps
 
         self.model = unwrap(model)
-        self.hf = hf
+        layout = checkpoint_layout(hf)
+        self.hf = hf = layout.text_config
         self.family = family_of(hf)
         config = self.model.config
         self.attention = AttentionLayout(config.num_attention_heads, config.num_query_groups, config.kv_channels)
-        self.top = self.family.top_level_rules(hf)
-        self.layer = self.family.layer_rules(hf)
-        self.expert = self.family.expert_rules(hf)
+        # The family's rules with the checkpoint's tensor names.
+        self.top, self.layer, self.expert = (
+            {name: Rule(rule.kind, tuple(map(layout.checkpoint_name, rule.hf_names))) for name, rule in rules.items()}
+            for rules in (self.family.top_level_rules(hf), self.family.layer_rules(hf), self.family.expert_rules(hf))
+        )
         self.tied = bool(hf.get("tie_word_embeddings", False))
         self.num_experts = config.num_moe_experts or 0
         self.ep_size = ps.get_expert_model_parallel_world_size() if self.num_experts else 1
@@ -271,12 +280,17 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
     """Copy an HF checkpoint into this rank's shard of `model` (one PP stage, one TP/EP rank).
 
     Every tensor is read lazily, only the ones this stage needs. A tensor the model needs but the checkpoint
-    lacks, a tensor of the wrong shape, or a checkpoint tensor the family does not map, is an error naming it.
+    lacks, a tensor of the wrong shape, or a checkpoint tensor the family does not map, is an error naming it;
+    the frozen ones (checkpoint_layout.FROZEN_PREFIXES: vision tower, MTP head) are left alone, in one line.
     """
     hf = read_hf_config(hf_dir)
     mapping = _Mapping(model, hf)
     checkpoint = HFCheckpoint(hf_dir)
-    unexpected = checkpoint.names() - mapping.all_hf_names()
+    not_mapped = checkpoint.names() - mapping.all_hf_names()
+    frozen = {name for name in not_mapped if is_frozen(name)}
+    unexpected = not_mapped - frozen
+    if frozen and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        print(f"{hf_dir}: {describe_frozen(frozen)}", flush=True)
     if unexpected:
         raise ValueError(
             f"{hf_dir}: tensors not mapped by family {mapping.family.__name__}: {sorted(unexpected)[:10]}"

@@ -12,11 +12,15 @@ MODEL_TYPES = ("qwen2",)
 
 def config_fields(hf: dict) -> dict:
     """TransformerConfig fields for this architecture (what config.json fixes)."""
+    return {**fields_without_dense_mlp(hf), "ffn_hidden_size": hf["intermediate_size"]}
+
+
+def fields_without_dense_mlp(hf: dict) -> dict:
+    """config_fields but the dense MLP's size, which an all-MoE model (Qwen3.5-MoE) has not got."""
     num_heads = hf["num_attention_heads"]
     return dict(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
-        ffn_hidden_size=hf["intermediate_size"],
         num_attention_heads=num_heads,
         num_query_groups=hf.get("num_key_value_heads", num_heads),
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // num_heads,

@@ -42,7 +42,10 @@ def config_fields(hf: dict) -> dict:
         raise ValueError("qwen3_5 with attention_bias=true is not supported (the released models have none)")
     kinds = layer_types(hf)
     fields = {
-        **qwen2.config_fields(hf),
+        **qwen2.fields_without_dense_mlp(hf),
+        # Every layer of Qwen3.5-MoE is MoE and its config.json has no intermediate_size: megatron-core's
+        # ffn_hidden_size (read by dense layers only) is the experts' size there.
+        "ffn_hidden_size": hf["moe_intermediate_size"] if is_moe(hf) else hf["intermediate_size"],
         "add_qkv_bias": False,
         "qk_layernorm": True,
         "layernorm_zero_centered_gamma": True,

@@ -1,0 +1,81 @@
+"""Where the language model sits in an HF checkpoint, and which of its tensors relax leaves untouched.
+
+The family modules (qwen2.py, qwen3_5.py, ...) name tensors as a text-only checkpoint does ("text names"):
+`model.embed_tokens.weight`, `model.layers.{i}.*`, `model.norm.weight`, `lm_head.weight`. Two layouts hold them:
+
+- text: config.json is the language model's (Qwen3ForCausalLM, Qwen3_5ForCausalLM, ...); checkpoint names are
+  the text names.
+- vision-language: Qwen3.5 as published (Qwen/Qwen3.5-9B: model_type "qwen3_5", Qwen3_5ForConditionalGeneration;
+  Qwen/Qwen3.5-35B-A3B: "qwen3_5_moe", Qwen3_5MoeForConditionalGeneration). The language model's fields are
+  config.json's text_config (model_type qwen3_5_text / qwen3_5_moe_text), except tie_word_embeddings, which
+  transformers and SGLang read from the top level; its tensors are `model.language_model.*` and `lm_head.weight`
+  (transformers 5.19 modeling_qwen3_5.py: Qwen3_5ForConditionalGeneration.model.language_model; SGLang 0.5.23
+  models/qwen3_5.py loads these names).
+
+relax trains the language model only. Tensors under FROZEN_PREFIXES (the vision tower, the multi-token-prediction
+head) are frozen in either layout: loading names them and skips them, exports leave them out, the engine's
+completeness check does not wait for them, and checkpoint_to_hf copies them into its output unchanged. Any other
+tensor the family does not map is still an error.
+"""
+
+from collections import Counter
+from dataclasses import dataclass
+
+# config.json model_type of a vision-language checkpoint -> the text_config model_type relax trains.
+VISION_LANGUAGE_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+FROZEN_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token prediction"}
+# Fields of the whole model that its language model follows (transformers ties lm_head by the top-level value).
+INHERITED_FIELDS = {"tie_word_embeddings": False}
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    text_config: dict  # the language model's config, as a text-only config.json would hold it
+    vision_language: bool
+
+    def checkpoint_name(self, text_name: str) -> str:
+        """The checkpoint's name of a tensor the family names `text_name`."""
+        if self.vision_language and text_name.startswith("model."):
+            return LANGUAGE_MODEL_PREFIX + text_name[len("model.") :]
+        return text_name
+
+
+def checkpoint_layout(hf: dict) -> CheckpointLayout:
+    """The layout of a checkpoint from its config.json (a text config passes through unchanged)."""
+    if "text_config" not in hf:
+        return CheckpointLayout(hf, vision_language=False)
+    model_type = hf.get("model_type")
+    if model_type not in VISION_LANGUAGE_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} (architectures {hf.get('architectures')}) has a text_config, but relax "
+            f"trains the language model only of these multimodal model types: {sorted(VISION_LANGUAGE_MODEL_TYPES)}"
+        )
+    text = dict(hf["text_config"])
+    expected = VISION_LANGUAGE_MODEL_TYPES[model_type]
+    if text.get("model_type", expected) != expected:
+        raise ValueError(
+            f"config.json of model_type {model_type!r} has a text_config of model_type {text['model_type']!r}; "
+            f"expected {expected!r}"
+        )
+    text["model_type"] = expected
+    text.update({field: hf.get(field, default) for field, default in INHERITED_FIELDS.items()})
+    return CheckpointLayout(text, vision_language=True)
+
+
+def is_frozen(name: str) -> bool:
+    return name.startswith(tuple(FROZEN_PREFIXES))
+
+
+def trained_names(names) -> set[str]:
+    """The checkpoint tensors the actor trains (and sends to the engines): all but the frozen ones."""
+    return {name for name in names if not is_frozen(name)}
+
+
+def describe_frozen(names) -> str:
+    """One line saying how many tensors under which prefixes stay frozen; empty when there are none."""
+    counts = Counter(prefix for name in names for prefix in FROZEN_PREFIXES if name.startswith(prefix))
+    if not counts:
+        return ""
+    parts = ", ".join(f"{prefix}* ({FROZEN_PREFIXES[prefix]}): {count}" for prefix, count in sorted(counts.items()))
+    return f"{sum(counts.values())} checkpoint tensors are kept frozen (not trained, not sent to engines): {parts}"
