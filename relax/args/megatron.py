@@ -294,7 +294,11 @@ def read_hf_config(checkpoint: str | None) -> dict | None:
 
 
 def hf_architecture(config: dict) -> dict:
-    """Megatron names -> values from an HF config.json."""
+    """Megatron names -> values from an HF config.json (its language model's fields: a vision-language
+    checkpoint's text_config, see relax/train/model/checkpoint_layout.py)."""
+    from relax.train.model.checkpoint_layout import checkpoint_layout
+
+    config = checkpoint_layout(config).text_config
     found = {
         name: config[key]
         for key, name in {**HF_SHAPE_KEYS, **HF_SETTING_KEYS}.items()

@@ -48,8 +48,9 @@ def checkpoint_layout(hf: dict) -> CheckpointLayout:
     model_type = hf.get("model_type")
     if model_type not in VISION_LANGUAGE_MODEL_TYPES:
         raise ValueError(
-            f"model_type {model_type!r} (architectures {hf.get('architectures')}) has a text_config, but relax "
-            f"trains the language model only of these multimodal model types: {sorted(VISION_LANGUAGE_MODEL_TYPES)}"
+            f"model_type {model_type!r} (architectures {hf.get('architectures')}) is a multimodal config relax does "
+            f"not read; supported model types with a text_config (relax trains their language model): "
+            f"{sorted(VISION_LANGUAGE_MODEL_TYPES)}"
         )
     text = dict(hf["text_config"])
     expected = VISION_LANGUAGE_MODEL_TYPES[model_type]
