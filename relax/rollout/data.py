@@ -9,8 +9,8 @@ the row number and what is wrong, not halfway through training. With `skip_bad_r
 counted and listed in the load report instead. Prompts over `max_prompt_tokens` are filtered (and
 counted) separately: they are not errors.
 
-PromptLoader serves the prompts in epochs, each a permutation seeded by (seed, epoch), and its position
-(epoch, index) is all a checkpoint needs to resume exactly where it stopped.
+PromptLoader serves the prompts in epochs, each a permutation seeded by (seed, epoch); its state_dict
+(position, seed, shuffle, prompt count) is all a checkpoint needs to resume exactly where it stopped.
 """
 
 import json
