@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ from relax.run_state import (
     StopOnSignal,
     read_checkpoint,
     sampling_seed,
+    save,
     save_due,
     step_dir_name,
 )
@@ -88,6 +90,47 @@ def test_load_refuses_what_it_cannot_resume_naming_the_path_and_the_fix(tmp_path
         read_checkpoint(tmp_path / "saves", model, seed=5, num_steps=10)
     with pytest.raises(CheckpointError, match="after step 3 and --num-steps is 4: .* raise --num-steps above 4"):
         read_checkpoint(tmp_path / "saves", model, seed=1234, num_steps=4)
+
+
+class ActorSaves:
+    """Stands in for the training actors' group: `call("save_checkpoint", dir, step)` writes what a real save
+    writes there (an empty dist-checkpoint metadata, the HF config), or fails like a crash mid-save."""
+
+    def __init__(self, model_dir):
+        self.model_dir, self.fail = model_dir, False
+
+    def call(self, method, directory, step):
+        assert method == "save_checkpoint"
+        (Path(directory) / "hf").mkdir(parents=True)
+        shutil.copy(self.model_dir / "config.json", Path(directory) / "hf" / "config.json")
+        if self.fail:
+            raise RuntimeError("a training rank died mid-save")
+        (Path(directory) / "metadata.json").write_text("{}")
+        return []
+
+
+def test_a_save_is_taken_only_once_complete_and_a_crashed_one_is_replaced(tmp_path, models, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)  # ActorSaves works in this process
+    model, _ = models
+    loader = SimpleNamespace(state_dict=lambda: {"epoch": 0, "index": 16, "seed": 1234, "shuffle": True,
+                                                 "num_prompts": 100})
+    actors = ActorSaves(model)
+    assert save(tmp_path, 1, actors, loader, seed=1234) == tmp_path / "step_000001"
+
+    actors.fail = True
+    with pytest.raises(RuntimeError, match="mid-save"):
+        save(tmp_path, 3, actors, loader, seed=1234)
+    assert (tmp_path / ("step_000003" + PARTIAL_SUFFIX)).is_dir() and not (tmp_path / "step_000003").exists()
+    assert read_checkpoint(tmp_path, model, seed=1234, num_steps=10).next_step == 2  # still the last complete one
+
+    actors.fail = False
+    save(tmp_path, 3, actors, loader, seed=1234)
+    save(tmp_path, 3, actors, loader, seed=1234)  # saved again: a resumed run writing into the same directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000003"]
+    checkpoint = read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
+    assert (checkpoint.next_step, checkpoint.loader_state["index"]) == (4, 16)
 
 
 def test_first_signal_asks_to_stop_second_abandons_and_handlers_are_restored(capsys):
