@@ -7,7 +7,8 @@ of 128, SwiGLU 5504, vocabulary 151936, untied), written once. Both sides use th
 TransformerConfig (bf16, megatron's local layer spec, no TransformerEngine), megatron's DDP and its Adam
 optimizer, and the same tokens per step (micro-batches of full-length rows):
     megatron-core  GPTModel + forward_backward_func with GPT's own labels loss (vocab-parallel cross entropy),
-                   the causal mask made inside the attention (attention_mask=None)
+                   the causal mask made inside the attention (attention_mask=None); and again with an explicit
+                   [rows, 1, seq, seq] causal mask (megatron_core_explicit_mask), the kind the actor passes
     relax          MegatronActor.train_step on a RolloutBatch of the same shape (half of each row a response):
                    the actor's padding-aware attention mask, fp32 per-token logprobs over the vocabulary, the
                    PPO-clip policy loss
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 QWEN3_1_7B = dict(
     hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
@@ -53,6 +55,9 @@ def write_checkpoint(out_dir: Path, shape: dict, device: torch.device) -> Path:
     with device:
         model = transformers.Qwen3ForCausalLM(config)
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the sides run in child processes on the same GPU
     return out_dir
 
 
@@ -94,8 +99,10 @@ def _timed(step, args, platform) -> dict:
     }
 
 
-def megatron_baseline(hf: dict, args, platform) -> dict:
-    """Plain megatron-core: GPTModel (local spec), DDP, Adam, forward_backward_func, GPT's labels loss."""
+def megatron_baseline(hf: dict, args, platform, explicit_mask: bool = False) -> dict:
+    """Plain megatron-core: GPTModel (local spec), DDP, Adam, forward_backward_func, GPT's labels loss.
+    explicit_mask: pass a [rows, 1, seq, seq] causal mask, as the actor passes its padding-aware one, instead of
+    None (the attention then makes its own causal mask)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -124,11 +131,15 @@ def megatron_baseline(hf: dict, args, platform) -> dict:
     shape = (args.micro_batch_size, args.seq)
     batches = [torch.randint(0, hf["vocab_size"], shape, device=device, generator=generator) for _ in range(args.micro_batches)]
     position_ids = torch.arange(args.seq, device=device).expand(shape)
+    attention_mask = None
+    if explicit_mask:  # True = masked, megatron's convention
+        causal = torch.ones(args.seq, args.seq, dtype=torch.bool, device=device).triu(1)
+        attention_mask = causal.expand(args.micro_batch_size, 1, args.seq, args.seq)
 
     def forward_step(data_iterator, model):
         tokens = next(data_iterator)
         labels = torch.roll(tokens, -1, dims=1)
-        losses = model(tokens, position_ids, None, labels=labels)
+        losses = model(tokens, position_ids, attention_mask, labels=labels)
 
         def loss_func(output):
             loss = output.float().mean()
@@ -181,20 +192,14 @@ def relax_actor(hf_dir: str, hf: dict, args, platform) -> dict:
     return result
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.7b")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--work-dir", default="/tmp/relax_train_throughput")
-    parser.add_argument("--out", help="write the results as JSON here")
-    args = parser.parse_args(argv)
+SIDES = ("megatron_core", "megatron_core_explicit_mask", "relax")
 
+
+def run_side(name: str, args, results) -> None:
+    """One side in its own process (a fresh device allocator: a side run after another one in the same process
+    ran out of memory on the H200), its result put on `results`."""
     from relax.platform import get_platform
+    from relax.train.model import read_hf_config
 
     platform = get_platform(args.device)
     os.environ.update(platform.worker_env())
@@ -205,39 +210,60 @@ def main(argv=None) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     torch.distributed.init_process_group(platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    from relax.train.model import read_hf_config
+    hf_dir = str(Path(args.work_dir) / f"qwen3_{args.shape}")
+    hf = read_hf_config(hf_dir)
+    if name == "relax":
+        results.put(relax_actor(hf_dir, hf, args, platform))
+    else:
+        results.put(megatron_baseline(hf, args, platform, explicit_mask=name == "megatron_core_explicit_mask"))
+    torch.distributed.destroy_process_group()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.7b")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--work-dir", default="/tmp/relax_train_throughput")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    from relax.platform import get_platform
 
     shape = SHAPES[args.shape]
-    hf_dir = str(write_checkpoint(Path(args.work_dir) / f"qwen3_{args.shape}", shape, platform.current_device()))
-    hf = read_hf_config(hf_dir)
-    parameters = sum(
-        n for n in (
-            hf["vocab_size"] * hf["hidden_size"] * 2,
-            hf["num_hidden_layers"] * (
-                hf["hidden_size"] * (hf["num_attention_heads"] + 2 * hf["num_key_value_heads"]) * hf["head_dim"]
-                + hf["num_attention_heads"] * hf["head_dim"] * hf["hidden_size"]
-                + 3 * hf["hidden_size"] * hf["intermediate_size"]
-            ),
-        )
-    )
+    write_checkpoint(Path(args.work_dir) / f"qwen3_{args.shape}", shape, get_platform(args.device).current_device())
     tokens = args.seq * args.micro_batch_size * args.micro_batches
     flops = flops_per_step(shape, args.seq, tokens)
-    results = {"parameters_b": parameters / 1e9, "tokens_per_step": tokens}
-    sides = (
-        ("megatron_core", lambda: megatron_baseline(hf, args, platform)),
-        ("relax", lambda: relax_actor(hf_dir, hf, args, platform)),
+    parameters = (
+        shape["vocab_size"] * shape["hidden_size"] * (1 if shape["tie_word_embeddings"] else 2)
+        + shape["num_hidden_layers"] * (
+            shape["hidden_size"] * (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * shape["head_dim"]
+            + shape["num_attention_heads"] * shape["head_dim"] * shape["hidden_size"]
+            + 3 * shape["hidden_size"] * shape["intermediate_size"]
+        )
     )
-    for name, run in sides:
-        result = run()
+    results = {"parameters_b": parameters / 1e9, "tokens_per_step": tokens}
+    context = mp.get_context("spawn")
+    for name in args.sides:
+        queue = context.Queue()
+        process = context.Process(target=run_side, args=(name, args, queue))
+        process.start()
+        result = queue.get()
+        process.join()
         result["tokens_per_s"] = tokens / result["seconds_per_step"]
         result["mfu"] = flops / result["seconds_per_step"] / PEAK_FLOPS
         results[name] = result
         print(name, json.dumps(result), flush=True)
-    results["relax_over_megatron_core"] = results["relax"]["tokens_per_s"] / results["megatron_core"]["tokens_per_s"]
+    if "relax" in results and "megatron_core" in results:
+        results["relax_over_megatron_core"] = results["relax"]["tokens_per_s"] / results["megatron_core"]["tokens_per_s"]
     print(json.dumps(results, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), **results}))
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
