@@ -41,13 +41,14 @@ def test_submitted_tiny_run_gets_the_submitting_shell_in_every_worker(tmp_path):
         assert submit.returncode == 0, log_path.read_text()[-8000:]
         # The job's driver ended its actors and engines; the cluster, not the job's, stays up.
         assert not _run_processes_left(cluster, wait_s=10), _run_processes_left(cluster, wait_s=0)
-        raylets = [process for process in cluster.processes() if "raylet" in title(process)]
+        raylet_envs = [environ(process) for process in cluster.processes()
+                       if title(process).partition(" ")[0].endswith("/raylet")]  # the raylet binary itself
     assert cluster.processes() == [], "processes of the test cluster were left running"
 
     records = [json.loads(line) for line in (tmp_path / "output" / "metrics.jsonl").read_text().splitlines()]
     assert [record["step"] for record in records] == list(range(NUM_STEPS))
     # The cluster was started without them: the job's runtime_env is the only way they could arrive.
-    assert raylets and all(not set(exported) & set(environ(raylet)) for raylet in raylets)
+    assert raylet_envs and all(env and not set(exported) & set(env) for env in raylet_envs)
     for name in WORKER_TITLES:
         assert seen[name], f"no process titled {name!r} was seen while the job ran; seen: {seen}"
         for pid, values in seen[name].items():
