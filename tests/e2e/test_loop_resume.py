@@ -45,6 +45,8 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(tmp_path):
 
     resumed = tiny_run(tmp_path / "resumed", "--load", str(after_step_1))
     assert [r["step"] for r in resumed] == [2, 3]
+    # Step 2 checks the loaded weights, data position and sampling seeds; step 3 also the optimizer, scheduler and
+    # RNG states: its weights come out of step 2's Adam update.
     for original, again in zip(whole[2:], resumed):
         for key in EXACT_KEYS:
             assert again[key] == original[key], f"step {original['step']} {key}: {again[key]} != {original[key]}"
