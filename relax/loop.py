@@ -22,7 +22,7 @@ import ray
 import torch
 
 from relax.metrics import MetricsLog
-from relax.ray.placement import create_engine_actors, create_placement, create_training_actors, worker_failure
+from relax.ray.placement import create_engine_actors, create_node_placement, create_training_actors, worker_failure
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import load_rollout_data, save_rollout_data
@@ -72,7 +72,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
 
     started_ray = _init_ray()
     stop.take_back()  # ray.init set its own SIGTERM handler
-    placement = create_placement(platform, num_devices=r.num_nodes * r.num_devices_per_node)
+    placement = create_node_placement(platform, r.num_nodes, r.num_devices_per_node)
     trainers = engines = None
     start_step, saved = checkpoint.next_step if checkpoint else 0, None
     log = MetricsLog(
