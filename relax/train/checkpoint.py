@@ -4,7 +4,9 @@ A checkpoint directory holds the model and optimizer as sharded tensors (dist_ch
 format: the model loads at any TP/PP layout; the distributed optimizer's state, saved "dp_reshardable",
 needs the same TP/PP layout and may change only the DP size), the LR scheduler, step and Adam step counts
 as common state, each rank's RNG states, and under hf/ the non-weight files of the HF model it started
-from (config.json, tokenizer, generation config), so that `checkpoint_to_hf` needs nothing else.
+from (config.json, tokenizer, generation config) and the tensors the actor does not train (a Qwen3.5
+vision-language checkpoint's vision tower and MTP head, relax/train/model/checkpoint_layout.py), so that
+`checkpoint_to_hf` needs nothing else and writes a whole checkpoint again.
 
 All functions are collective over the actor's ranks.
 """
@@ -16,10 +18,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
-from relax.train.model import build_gpt_model, export_hf_weights, read_hf_config, transformer_config, unwrap
+from relax.train.model import (
+    HFCheckpoint,
+    build_gpt_model,
+    export_hf_weights,
+    read_hf_config,
+    transformer_config,
+    unwrap,
+)
+from relax.train.model.checkpoint_layout import is_frozen
 
 HF_FILES_DIR = "hf"
+FROZEN_FILE = "frozen.safetensors"  # under HF_FILES_DIR
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "dp_reshardable"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json")
 
@@ -77,6 +89,7 @@ def save_checkpoint(actor, directory: str | Path, step: int) -> None:
         if any(directory.iterdir()):
             raise FileExistsError(f"checkpoint directory {directory} is not empty; save each step to a new one")
         _copy_hf_files(actor.hf_dir, directory / HF_FILES_DIR)
+        _save_frozen_tensors(actor.hf_dir, directory / HF_FILES_DIR / FROZEN_FILE)
     torch.distributed.barrier()
     dist_checkpointing.save(_sharded_state(actor, step, _rng_state(actor.platform)), str(directory))
     torch.distributed.barrier()
@@ -152,33 +165,55 @@ def _copy_hf_files(source: Path, destination: Path) -> None:
             shutil.copy2(path, destination / path.name)
 
 
+def _frozen_names(hf_dir: Path) -> list[str]:
+    """The frozen tensors among `hf_dir`'s safetensors (headers only; none without safetensors)."""
+    if not any(Path(hf_dir).glob("*.safetensors")):
+        return []
+    return sorted(name for name in HFCheckpoint(hf_dir).names() if is_frozen(name))
+
+
+def _save_frozen_tensors(hf_dir: Path, out_file: Path) -> dict[str, int]:
+    """Copy the frozen tensors among `hf_dir`'s safetensors (if any) to `out_file`; their sizes in bytes."""
+    names = _frozen_names(hf_dir)
+    if not names:
+        return {}
+    checkpoint = HFCheckpoint(hf_dir)
+    frozen = {name: checkpoint.get(name) for name in names}
+    save_file(frozen, str(out_file), metadata={"format": "pt"})
+    return {name: t.numel() * t.element_size() for name, t in frozen.items()}
+
+
 def save_hf(model, hf_files_dir: str | Path, out_dir: str | Path) -> None:
     """Write `model` (this rank's shard of a Megatron GPTModel) as an HF directory: safetensors (one file
-    per pipeline stage, with an index when there are several) and the files of `hf_files_dir`."""
+    per pipeline stage, one more for the frozen tensors of `hf_files_dir`'s safetensors, and an index when
+    there are several) and the other files of `hf_files_dir`."""
     from megatron.core import parallel_state
-    from safetensors.torch import save_file
 
     hf = read_hf_config(hf_files_dir)
     out_dir = Path(out_dir)
     tensors = {name: tensor.contiguous() for name, tensor in export_hf_weights(model, hf)}  # collective
     stage = parallel_state.get_pipeline_model_parallel_rank()
     stages = parallel_state.get_pipeline_model_parallel_world_size()
-    file_name = "model.safetensors" if stages == 1 else f"model-{stage + 1:05d}-of-{stages:05d}.safetensors"
+    files = stages + (1 if _frozen_names(Path(hf_files_dir)) else 0)  # the frozen tensors come last
+    file_name = "model.safetensors" if files == 1 else f"model-{stage + 1:05d}-of-{files:05d}.safetensors"
     writes = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
     if writes:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
-    files_of_stages = [None] * stages
+    weight_files = [None] * stages
     torch.distributed.all_gather_object(
-        files_of_stages,
+        weight_files,
         (file_name, {name: t.numel() * t.element_size() for name, t in tensors.items()}),
         group=parallel_state.get_pipeline_model_parallel_group(),
     )
     if torch.distributed.get_rank() == 0:
         _copy_hf_files(Path(hf_files_dir), out_dir)
-        if stages > 1:
-            weight_map = {name: file for file, sizes in files_of_stages for name in sizes}
-            total_size = sum(size for _, sizes in files_of_stages for size in sizes.values())
+        if files > stages:
+            frozen_file = f"model-{files:05d}-of-{files:05d}.safetensors"
+            weight_files.append((frozen_file, _save_frozen_tensors(Path(hf_files_dir), out_dir / frozen_file)))
+        if files > 1:
+            weight_map = {name: file for file, sizes in weight_files for name in sizes}
+            total_size = sum(size for _, sizes in weight_files for size in sizes.values())
             index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
             (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     torch.distributed.barrier()

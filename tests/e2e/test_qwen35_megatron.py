@@ -112,3 +112,58 @@ def test_logits_equal_hf_export_is_exact_and_backward_reaches_every_parameter(ru
         assert result["padded_rows_max_abs_diff"] <= 1e-4, (rank, result)
         assert result["names_differ"] == [] and result["not_equal"] == [], (rank, result)
         assert result["without_grad"] == [], (rank, result)
+
+
+def _vl_actor_saves_and_converts(hf_dir: str, checkpoint_dir: str, out_dir: str) -> dict:
+    """A TP=2 actor of a vision-language checkpoint, its weights moved off the checkpoint's, saved as an actor
+    checkpoint and converted back to HF at TP=1 (resharded): the export it had, for the comparison."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from relax.train.actor import ActorSettings, MegatronActor
+    from relax.train.checkpoint import checkpoint_to_hf, save_checkpoint
+    from relax.train.model import export_hf_weights, transformer_config, unwrap
+
+    transformer = transformer_config(
+        read_hf_config(hf_dir), tensor_model_parallel_size=2, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, perform_initialization=False,
+    )
+    actor = MegatronActor(
+        hf_dir, transformer, OptimizerConfig(optimizer="adam", lr=1e-3), DistributedDataParallelConfig(),
+        ActorSettings(keep_reference=False),
+    )
+    with torch.no_grad():  # stands in for training: every trained tensor changes
+        for param in unwrap(actor.model).parameters():
+            param.add_(0.5)
+    exported = dict(export_hf_weights(actor.model, actor.hf))
+    save_checkpoint(actor, checkpoint_dir, step=1)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    checkpoint_to_hf(checkpoint_dir, out_dir)
+    return exported
+
+
+def test_a_vision_language_actor_checkpoint_converts_to_a_whole_vision_language_checkpoint(
+    run_on_ranks, hf_dirs, tmp_path
+):
+    """checkpoint_to_hf of a Qwen3.5 VL actor: the trained tensors as the actor had them, under the checkpoint's
+    names, the vision tower and MTP head unchanged, and transformers loads it as the VL model."""
+    import transformers
+    from safetensors import safe_open
+
+    from relax.train.model import HFCheckpoint
+
+    hf_dir, out_dir = hf_dirs["qwen3_5_vl"], tmp_path / "hf"
+    exported, _ = run_on_ranks(_vl_actor_saves_and_converts, hf_dir, str(tmp_path / "step1"), str(out_dir))
+    original, converted = HFCheckpoint(hf_dir), HFCheckpoint(out_dir)
+    assert converted.names() == original.names()
+    frozen = original.names() - trained_names(original.names())
+    assert frozen and set(exported) == original.names() - frozen
+    assert all(torch.equal(converted.get(name), exported[name]) for name in exported)
+    assert all(not torch.equal(converted.get(name), original.get(name)) for name in exported)
+    assert all(torch.equal(converted.get(name), original.get(name)) for name in frozen)
+    with safe_open(str(out_dir / "model-00001-of-00002.safetensors"), framework="pt") as trained_file:
+        assert set(trained_file.keys()) == set(exported)  # the frozen ones in a file of their own, with an index
+    model = transformers.AutoModelForImageTextToText.from_pretrained(out_dir, dtype=torch.float32)
+    assert torch.equal(model.state_dict()["model.visual.pos_embed.weight"], original.get("model.visual.pos_embed.weight"))
