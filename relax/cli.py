@@ -46,6 +46,7 @@ def _train(argv: list[str]) -> int:
         print(format_config(config))
         return 0
     from relax.loop import run
+    from relax.ray.placement import WorkerFailed
     from relax.run_state import CheckpointError, RunStopped, StopOnSignal
 
     # SIGINT / SIGTERM: the current step finishes, then a save (with --save) and the loop's cleanup (engines,
@@ -57,6 +58,9 @@ def _train(argv: list[str]) -> int:
     except CheckpointError as error:
         print(f"relax train: {error}", file=sys.stderr)
         return 2
+    except WorkerFailed as failure:  # the worker's own traceback is in its log, which the message names
+        print(f"relax train: {failure}", file=sys.stderr)
+        return 1
     except RunStopped as stopped:
         print(f"relax train: {stopped}", file=sys.stderr)
         return 128 + stopped.signum
