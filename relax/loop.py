@@ -12,10 +12,10 @@ released), then sleeps. Exporting from a sleeping actor's host copy, which would
 actor's weights, is not built yet.
 """
 
-import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import ray
@@ -26,8 +26,11 @@ from relax.ray.placement import create_engine_actors, create_node_placement, cre
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import load_rollout_data, save_rollout_data
-from relax.rollout.groups import Sample, apply_overlong_penalty, fill_with_informative_groups, group_by_prompt
-from relax.rollout.rewards import RewardInput, load_reward_fn, score
+from relax.rollout.groups import Sample, apply_overlong_penalty
+from relax.rollout.rewards import load_reward_fn
+from relax.rollout.rollout import (
+    Generate, generate_and_score, generate_informative_groups, offset_seed, reward_and_length_metrics, take_prompts,
+)
 from relax.rollout.worker import EngineWorker
 from relax.run_state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.actor import ActorSettings
@@ -37,7 +40,6 @@ from relax.train.losses import LossSettings
 from relax.train.worker import TrainWorker
 
 ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
-ROUND_SEED_STRIDE = 2**16  # sampling seeds per dynamic-sampling round (a step has 2**24: run_state.sampling_seed)
 
 
 def run(config, stop: StopOnSignal | None = None) -> Path:
@@ -98,6 +100,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
         if checkpoint is not None:
             resume_actor(checkpoint, engines, trainers, r)
 
+        generate = partial(generate_on_engines, engines)
         for step in range(start_step, r.num_steps):
             if stop.requested:  # a signal came during the previous step (or the setup), which has ended
                 last_step = step - 1 if step > start_step else None
@@ -106,7 +109,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
             step_sampling = replace(sampling, seed=sampling_seed(r.seed, step))
             with timer("perf/step_time"):
                 with timer("perf/rollout_time"):
-                    samples, rollout_metrics = collect_rollout(step, engines, loader, step_sampling, reward_fn, r)
+                    samples, rollout_metrics = collect_rollout(step, generate, loader, step_sampling, reward_fn, r)
                 if trainers is not None:  # None under --debug-rollout-only
                     with timer("perf/train_wait_time"):
                         hand_devices_to_actor(engines, trainers)
@@ -136,7 +139,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
 # --- phases ----------------------------------------------------------------------------------------------
 
 
-def collect_rollout(step, engines, loader, sampling: SamplingConfig, reward_fn, r) -> tuple[list[Sample], dict]:
+def collect_rollout(step, generate: Generate, loader, sampling, reward_fn, r) -> tuple[list[Sample], dict]:
     """This step's scored samples (prompt by prompt) and their metrics: replayed from --load-rollout-data,
     else generated (under --dynamic-sampling, refilled with informative groups); saved to --save-rollout-data.
     The overlong penalty comes last, so saved rewards and reward metrics are the reward function's own."""
@@ -144,9 +147,13 @@ def collect_rollout(step, engines, loader, sampling: SamplingConfig, reward_fn, 
     if r.load_rollout_data:
         samples = load_rollout_data(r.load_rollout_data, step, r.rollout_batch_size, r.n_samples_per_prompt)
     elif r.dynamic_sampling:
-        samples, sampling_metrics = generate_informative_groups(engines, loader, sampling, reward_fn, r)
+        samples, sampling_metrics = generate_informative_groups(
+            generate, loader, sampling, reward_fn, num_groups=r.rollout_batch_size,
+            prompts_per_round=r.over_sampling_batch_size or r.rollout_batch_size,
+            max_rounds=r.dynamic_sampling_max_rounds,
+        )
     else:
-        samples = generate_and_score(engines, loader.take(r.rollout_batch_size), sampling, reward_fn)
+        samples = generate_and_score(generate, take_prompts(loader, r.rollout_batch_size), sampling, reward_fn)
     if r.save_rollout_data:
         save_rollout_data(r.save_rollout_data, step, samples, r.n_samples_per_prompt)
     metrics = {**reward_and_length_metrics(samples), **sampling_metrics}
@@ -155,61 +162,18 @@ def collect_rollout(step, engines, loader, sampling: SamplingConfig, reward_fn, 
     return samples, metrics
 
 
-def generate_informative_groups(engines, loader, sampling, reward_fn, r) -> tuple[list[Sample], dict]:
-    """DAPO dynamic sampling: rounds of --over-sampling-batch-size prompts (default --rollout-batch-size) until
-    --rollout-batch-size groups whose rewards differ are kept; the run stops with the counts after
-    --dynamic-sampling-max-rounds rounds rather than train on a short batch."""
-    prompts_per_round = r.over_sampling_batch_size or r.rollout_batch_size
-    rounds = itertools.count()
-
-    def one_round(_groups_still_needed: int):  # a whole round each time: most groups may be dropped again
-        round_sampling = _seeded_from(sampling, next(rounds) * ROUND_SEED_STRIDE)  # new prompts, new seeds
-        samples = generate_and_score(engines, loader.take(prompts_per_round), round_sampling, reward_fn)
-        return group_by_prompt(samples, r.n_samples_per_prompt)
-
-    groups, stats = fill_with_informative_groups(one_round, r.rollout_batch_size, r.dynamic_sampling_max_rounds)
-    return [sample for group in groups for sample in group.samples], stats.metrics()
-
-
-def generate_and_score(engines, prompts, sampling: SamplingConfig, reward_fn) -> list[Sample]:
-    """Spread the prompts over the engines, sample `n` responses each, score them. Samples come back
-    prompt by prompt (n consecutive samples per prompt)."""
-    shares = [prompts[i :: len(engines)] for i in range(len(engines))]
-    outputs = ray.get([
-        engine.generate.remote([p.token_ids for p in share], _seeded_from(sampling, i * len(prompts) * sampling.n))
-        for i, (engine, share) in enumerate(zip(engines.actors, shares))
+def generate_on_engines(engines, prompts: list[list[int]], sampling: SamplingConfig) -> list[list]:
+    """A `generate` (relax.rollout.rollout) over the engine actors: prompt i goes to engine i % len(engines),
+    whose requests are seeded from sampling.seed + its index x the call's request count (an engine numbers
+    its requests from its seed), so no two requests share a seed. Completions come back in prompt order."""
+    shares = ray.get([
+        engine.generate.remote(prompts[i :: len(engines)], offset_seed(sampling, i * len(prompts) * sampling.n))
+        for i, engine in enumerate(engines.actors)
     ])
-    samples = [
-        Sample(prompt, c.token_ids, c.logprobs, c.finish_reason, c.text)
-        for share, groups in zip(shares, outputs)
-        for prompt, completions in zip(share, groups)
-        for c in completions
-    ]
-    scores, failed, _ = score(
-        reward_fn,
-        [RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason) for s in samples],
-    )
-    for sample, value, was_failure in zip(samples, scores, failed):
-        sample.reward, sample.reward_failed = value, was_failure
-    return samples
-
-
-def _seeded_from(sampling: SamplingConfig, offset: int) -> SamplingConfig:
-    """Each engine's requests get their own sampling seeds: an engine numbers its requests from sampling.seed."""
-    return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + offset)
-
-
-def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:
-    rewards = torch.tensor([s.reward for s in samples])
-    lengths = torch.tensor([len(s.response_token_ids) for s in samples], dtype=torch.float32)
-    return {
-        "rollout/reward_mean": rewards.mean().item(),
-        "rollout/reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
-        "rollout/reward_failures": float(sum(s.reward_failed for s in samples)),
-        "rollout/response_length_mean": lengths.mean().item(),
-        "rollout/response_length_max": lengths.max().item(),
-        "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
-    }
+    completions = [None] * len(prompts)
+    for i, share in enumerate(shares):
+        completions[i :: len(engines)] = share
+    return completions
 
 
 def hand_devices_to_actor(engines, trainers) -> None:

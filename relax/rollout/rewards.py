@@ -44,11 +44,6 @@ class RewardReport:
         if len(self.errors) < MAX_REPORTED_FAILURES:
             self.errors.append(what)
 
-    def merge(self, other: "RewardReport"):
-        self.samples += other.samples
-        self.failures += other.failures
-        self.errors.extend(other.errors[: MAX_REPORTED_FAILURES - len(self.errors)])
-
 
 # --- built-ins ---------------------------------------------------------------------------------------
 

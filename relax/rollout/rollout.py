@@ -1,114 +1,90 @@
-"""One rollout: prompts from the loader -> n samples each from the engine -> rewards -> groups.
+"""The rollout phase, wherever the engines run: prompts -> sampling.n responses each -> rewards -> samples,
+with DAPO dynamic sampling and the rollout metrics.
 
-    result = rollout(engine, loader, reward_fn, RolloutConfig(sampling=..., num_prompts=32))
-    result.groups         # num_prompts groups of sampling.n samples (token ids, logprobs, reward)
-    result.metrics        # reward / length / truncation / failure / dynamic-sampling statistics
+`generate(token_id_prompts, sampling)` is any callable returning sampling.n Completions per prompt, in prompt
+order, each request sampled with its own seed counted from sampling.seed: an in-process RolloutEngine.generate
+(request i: seed + i), or the loop's spread of the prompts over the Ray engine actors
+(relax.loop.generate_on_engines).
+
+    samples = generate_and_score(engine.generate, loader.take(32), sampling, reward_fn)
+    metrics = reward_and_length_metrics(samples)
 """
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import replace
+from typing import Callable
+
+import torch
 
 from relax.rollout.data import Prompt, PromptLoader
-from relax.rollout.engine import SamplingConfig
-from relax.rollout.groups import (
-    DynamicSamplingStats,
-    Group,
-    Sample,
-    apply_overlong_penalty,
-    fill_with_informative_groups,
-    group_by_prompt,
-)
-from relax.rollout.rewards import RewardFn, RewardInput, RewardReport, score
+from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.groups import Sample, fill_with_informative_groups, group_by_prompt
+from relax.rollout.rewards import RewardFn, RewardInput, score
+
+Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
+
+ROUND_SEED_STRIDE = 2**16  # sampling seeds per dynamic-sampling round (a step has 2**24: run_state.sampling_seed)
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    sampling: SamplingConfig
-    num_prompts: int  # groups per rollout
-    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and refill
-    max_dynamic_sampling_rounds: int = 10
-    overlong_buffer_tokens: int = 0  # > 0: DAPO soft overlong penalty over the last this many tokens
-    reward_failure_score: float = 0.0  # the reward of a sample whose reward function raised
-
-
-@dataclass
-class RolloutResult:
-    groups: list[Group]
-    reward_report: RewardReport
-    dynamic_sampling: DynamicSamplingStats | None = None
-    metrics: dict = field(default_factory=dict)
-
-
-def generate_groups(
-    engine, prompts: list[Prompt], reward_fn: RewardFn, config: RolloutConfig
-) -> tuple[list[Group], RewardReport]:
-    """Sample config.sampling.n responses per prompt in one batched engine call, score and group them."""
-    completions = engine.generate([prompt.token_ids for prompt in prompts], config.sampling)
+def generate_and_score(
+    generate: Generate, prompts: list[Prompt], sampling: SamplingConfig, reward_fn: RewardFn
+) -> list[Sample]:
+    """sampling.n scored samples per prompt, prompt by prompt (n consecutive samples each) in prompt order."""
+    completions = generate([prompt.token_ids for prompt in prompts], sampling)
     samples = [
-        Sample(
-            prompt=prompt,
-            response_token_ids=completion.token_ids,
-            response_logprobs=completion.logprobs,
-            finish_reason=completion.finish_reason,
-            response_text=completion.text,
-        )
+        Sample(prompt, c.token_ids, c.logprobs, c.finish_reason, c.text)
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
-        for completion in prompt_completions
+        for c in prompt_completions
     ]
-    reward_inputs = [
-        RewardInput(
-            prompt=s.prompt.text,
-            response=s.response_text,
-            label=s.prompt.label,
-            metadata=s.prompt.metadata,
-            finish_reason=s.finish_reason,
-        )
-        for s in samples
-    ]
-    scores, failed, report = score(reward_fn, reward_inputs, config.reward_failure_score)
-    for sample, value, sample_failed in zip(samples, scores, failed):
-        sample.reward, sample.reward_failed = value, sample_failed
-    if config.overlong_buffer_tokens > 0:
-        apply_overlong_penalty(samples, config.sampling.max_new_tokens, config.overlong_buffer_tokens)
-    return group_by_prompt(samples, config.sampling.n), report
+    scores, failed, _ = score(
+        reward_fn,
+        [RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason) for s in samples],
+    )
+    for sample, value, was_failure in zip(samples, scores, failed):
+        sample.reward, sample.reward_failed = value, was_failure
+    return samples
 
 
-def rollout(engine, loader: PromptLoader, reward_fn: RewardFn, config: RolloutConfig) -> RolloutResult:
-    reward_report = RewardReport()
-
-    def next_groups(count: int) -> list[Group]:
-        prompts = loader.take(count)
-        if not prompts:
-            return []
-        groups, report = generate_groups(engine, prompts, reward_fn, config)
-        reward_report.merge(report)
-        return groups
-
-    stats = None
-    if config.dynamic_sampling:
-        groups, stats = fill_with_informative_groups(
-            next_groups, config.num_prompts, config.max_dynamic_sampling_rounds
-        )
-    else:
-        groups = next_groups(config.num_prompts)
-        if len(groups) < config.num_prompts:
-            raise RuntimeError(
-                f"prompt data ran out: {len(groups)} of {config.num_prompts} prompts left (loader at {loader.position})"
-            )
-    result = RolloutResult(groups=groups, reward_report=reward_report, dynamic_sampling=stats)
-    result.metrics = rollout_metrics(result)
-    return result
+def take_prompts(loader: PromptLoader, count: int) -> list[Prompt]:
+    """The loader's next `count` prompts; a loader that runs out is an error, never a short batch."""
+    prompts = loader.take(count)
+    if len(prompts) < count:
+        raise RuntimeError(f"prompt data ran out: {len(prompts)} of {count} prompts left (loader at {loader.position})")
+    return prompts
 
 
-def rollout_metrics(result: RolloutResult) -> dict[str, float]:
-    samples = [sample for group in result.groups for sample in group.samples]
-    lengths = [len(sample.response_token_ids) for sample in samples]
-    metrics = {
-        "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
-        "rollout/response_len_mean": sum(lengths) / len(lengths),
-        "rollout/response_len_max": max(lengths),
-        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
-        "rollout/reward_failures": result.reward_report.failures,
+def generate_informative_groups(
+    generate: Generate, loader: PromptLoader, sampling: SamplingConfig, reward_fn: RewardFn,
+    num_groups: int, prompts_per_round: int, max_rounds: int,
+) -> tuple[list[Sample], dict[str, float]]:
+    """DAPO dynamic sampling: rounds of `prompts_per_round` new prompts, each round with its own sampling seeds,
+    until `num_groups` groups whose rewards differ are kept (relax.rollout.groups.fill_with_informative_groups:
+    it fails with the counts after `max_rounds` rounds). Returns their samples and the round statistics."""
+    rounds = itertools.count()
+
+    def one_round(_groups_still_needed: int):  # a whole round each time: most groups may be dropped again
+        round_sampling = offset_seed(sampling, next(rounds) * ROUND_SEED_STRIDE)
+        samples = generate_and_score(generate, loader.take(prompts_per_round), round_sampling, reward_fn)
+        return group_by_prompt(samples, sampling.n)
+
+    groups, stats = fill_with_informative_groups(one_round, num_groups, max_rounds)
+    return [sample for group in groups for sample in group.samples], stats.metrics()
+
+
+def offset_seed(sampling: SamplingConfig, offset: int) -> SamplingConfig:
+    """`sampling` numbering its requests' seeds from sampling.seed + offset (no seed: unchanged)."""
+    return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + offset)
+
+
+def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:
+    """The rollout/ metrics of samples (of the reward function's rewards: before any overlong penalty)."""
+    rewards = torch.tensor([s.reward for s in samples])
+    lengths = torch.tensor([len(s.response_token_ids) for s in samples], dtype=torch.float32)
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "rollout/reward_failures": float(sum(s.reward_failed for s in samples)),
+        "rollout/response_length_mean": lengths.mean().item(),
+        "rollout/response_length_max": lengths.max().item(),
+        "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
-    if result.dynamic_sampling is not None:
-        metrics.update(result.dynamic_sampling.metrics())
-    return metrics

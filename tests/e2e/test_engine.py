@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from relax.platform import get_platform
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import EngineDeadError, RolloutEngine, SamplingConfig, WeightUpdateError, engine_files
+from relax.rollout.groups import group_by_prompt
 from relax.rollout.rewards import RewardInput, load_reward_fn
-from relax.rollout.rollout import RolloutConfig, rollout
+from relax.rollout.rollout import generate_and_score, reward_and_length_metrics, take_prompts
 from relax.rollout.synthetic import copy_digit_reward, write_task
 from relax.sync.bucket import bucket_specs, serialize_bucket, split_into_buckets
 from relax.tiny_model import build_tiny_model
@@ -182,15 +183,18 @@ def test_rollout_on_a_synthetic_task(engine, models, tmp_path):
     prompts, report = load_prompts(PromptDataConfig(str(data), metadata_key="metadata"), tokenizer)
     assert report.kept == 12
     loader = PromptLoader(prompts, seed=0)
-    config = RolloutConfig(sampling=SamplingConfig(n=4, temperature=1.0, max_new_tokens=4), num_prompts=6)
-    result = rollout(engine, loader, load_reward_fn("copy_digit"), config)
+    sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=4)
+    taken = take_prompts(loader, 6)
+    samples = generate_and_score(engine.generate, taken, sampling, load_reward_fn("copy_digit"))
     assert loader.position.index == 6
-    assert [len(group.samples) for group in result.groups] == [4] * 6
-    for group in result.groups:
+    groups = group_by_prompt(samples, 4)
+    assert [group.prompt for group in groups] == taken and [len(group.samples) for group in groups] == [4] * 6
+    for group in groups:
         for sample in group.samples:
             assert 1 <= len(sample.response_token_ids) == len(sample.response_logprobs) <= 4
             assert sample.response_text == tokenizer.decode(sample.response_token_ids, skip_special_tokens=True)
             assert sample.reward == copy_digit_reward(RewardInput("", sample.response_text, group.prompt.label))
             assert sample.finish_reason in ("stop", "length")
-    assert result.reward_report.samples == 24 and result.reward_report.failures == 0
-    assert 0 <= result.metrics["rollout/reward_mean"] <= 1
+    metrics = reward_and_length_metrics(samples)
+    assert len(samples) == 24 and metrics["rollout/reward_failures"] == 0
+    assert 0 <= metrics["rollout/reward_mean"] <= 1 and 1 <= metrics["rollout/response_length_mean"] <= 4

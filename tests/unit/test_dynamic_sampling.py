@@ -1,16 +1,19 @@
-"""DAPO dynamic sampling in the loop: whole rounds of --over-sampling-batch-size prompts until
---rollout-batch-size informative groups are kept, bounded by --dynamic-sampling-max-rounds, every count in
-the metrics. The engines are replaced by a scripted generate_and_score (relax's own phase, not SGLang)."""
+"""DAPO in the loop's collect_rollout: dynamic sampling (whole rounds of --over-sampling-batch-size prompts
+until --rollout-batch-size informative groups are kept, bounded by --dynamic-sampling-max-rounds, every count
+in the metrics) and the soft overlong penalty. The engines are replaced by a scripted `generate` (relax's own
+phase, not SGLang) whose responses are the rewards to give."""
 
 import argparse
 
 import pytest
 
-import relax.loop
 from relax.loop import collect_rollout
 from relax.rollout.data import Prompt, PromptLoader
-from relax.rollout.engine import SamplingConfig
-from relax.rollout.groups import DynamicSamplingError, Sample
+from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.groups import DynamicSamplingError
+from relax.rollout.rewards import RewardFn
+
+REWARD_AS_WRITTEN = RewardFn(lambda sample: float(sample.response), "reward as written", False, False)
 
 
 def _settings(**changes):
@@ -23,30 +26,30 @@ def _settings(**changes):
 
 
 @pytest.fixture
-def scripted_generation(monkeypatch):
-    """Prompt i's two samples score rewards[i] (a pair); records the prompt rows of each round."""
+def scripted_generation():
+    """Prompt [i]'s two samples score rewards[i] (a pair); records the prompt rows of each round."""
     rounds = []
 
     def install(rewards):
-        def generate_and_score(engines, prompts, sampling, reward_fn):
-            rounds.append([p.row for p in prompts])
-            return [Sample(p, [7], [-1.0], "stop", reward=float(value)) for p in prompts for value in rewards[p.row]]
+        def generate(prompts, sampling):
+            rounds.append([prompt[0] for prompt in prompts])
+            return [[Completion([7], [-1.0], "stop", str(value)) for value in rewards[prompt[0]]] for prompt in prompts]
 
-        monkeypatch.setattr(relax.loop, "generate_and_score", generate_and_score)
-        loader = PromptLoader([Prompt(row, [1], f"p{row}") for row in range(len(rewards))], shuffle=False)
-        return loader, rounds
+        loader = PromptLoader([Prompt(row, [row], f"p{row}") for row in range(len(rewards))], shuffle=False)
+        return generate, loader, rounds
 
     return install
 
 
-def _collect(loader, r):
-    return collect_rollout(0, engines=None, loader=loader, sampling=SamplingConfig(n=2), reward_fn=None, r=r)
+def _collect(generate, loader, r):
+    return collect_rollout(0, generate, loader, sampling=SamplingConfig(n=2), reward_fn=REWARD_AS_WRITTEN, r=r)
 
 
 def test_groups_with_equal_rewards_are_dropped_and_rounds_refill(scripted_generation):
     # rows 0, 2, 3 and 5 teach nothing; 1, 4, 6 (and 7) do
-    loader, rounds = scripted_generation([(1, 1), (0, 1), (0, 0), (1, 1), (1, 0), (0, 0), (0.5, 1), (0, 1), (0, 0)])
-    samples, metrics = _collect(loader, _settings())
+    rewards = [(1, 1), (0, 1), (0, 0), (1, 1), (1, 0), (0, 0), (0.5, 1), (0, 1), (0, 0)]
+    generate, loader, rounds = scripted_generation(rewards)
+    samples, metrics = _collect(generate, loader, _settings())
     assert rounds == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # whole rounds of --rollout-batch-size prompts
     assert [s.prompt.row for s in samples] == [1, 1, 4, 4, 6, 6]  # prompt by prompt, in generation order
     assert metrics["rollout/kept_groups"] == 3 and metrics["rollout/generation_rounds"] == 3
@@ -58,16 +61,16 @@ def test_groups_with_equal_rewards_are_dropped_and_rounds_refill(scripted_genera
 
 
 def test_over_sampling_batch_size_sets_the_prompts_per_round(scripted_generation):
-    loader, rounds = scripted_generation([(0, 1)] * 10)
-    samples, metrics = _collect(loader, _settings(over_sampling_batch_size=5))
+    generate, loader, rounds = scripted_generation([(0, 1)] * 10)
+    samples, metrics = _collect(generate, loader, _settings(over_sampling_batch_size=5))
     assert rounds == [[0, 1, 2, 3, 4]]
     assert len(samples) == 6 and metrics["rollout/surplus_groups"] == 2 and metrics["rollout/generation_rounds"] == 1
 
 
 def test_the_round_bound_stops_the_run_with_counts_instead_of_a_short_batch(scripted_generation):
-    loader, rounds = scripted_generation([(0, 1), (1, 1), (1, 1), (0, 0), (1, 1), (1, 1)] * 2)
+    generate, loader, rounds = scripted_generation([(0, 1), (1, 1), (1, 1), (0, 0), (1, 1), (1, 1)] * 2)
     with pytest.raises(DynamicSamplingError) as info:
-        _collect(loader, _settings(dynamic_sampling_max_rounds=2))
+        _collect(generate, loader, _settings(dynamic_sampling_max_rounds=2))
     assert len(rounds) == 2
     message = str(info.value)
     assert "kept 1 of 3 groups after 2 rounds: 5 of 6 groups had equal rewards" in message
@@ -75,7 +78,18 @@ def test_the_round_bound_stops_the_run_with_counts_instead_of_a_short_batch(scri
 
 
 def test_without_dynamic_sampling_every_group_is_kept(scripted_generation):
-    loader, rounds = scripted_generation([(1, 1), (0, 0), (0, 1)])
-    samples, metrics = _collect(loader, _settings(dynamic_sampling=False))
+    generate, loader, rounds = scripted_generation([(1, 1), (0, 0), (0, 1)])
+    samples, metrics = _collect(generate, loader, _settings(dynamic_sampling=False))
     assert rounds == [[0, 1, 2]] and len(samples) == 6
     assert "rollout/kept_groups" not in metrics
+
+
+def test_overlong_penalty_comes_after_the_reward_metrics():
+    def generate(prompts, sampling):
+        return [[Completion([7], [-1.0], "stop", "1"), Completion([7] * 4, [-1.0] * 4, "length", "1")] for _ in prompts]
+
+    loader = PromptLoader([Prompt(0, [0], "p0")])
+    r = _settings(dynamic_sampling=False, rollout_batch_size=1, overlong_buffer_len=2)
+    samples, metrics = _collect(generate, loader, r)
+    assert [s.reward for s in samples] == [1.0, 1.0 - 1.0]  # 4 tokens of at most 4, the last 2 a buffer: -1
+    assert metrics["rollout/reward_mean"] == 1.0  # the reward function's own

@@ -1,22 +1,30 @@
-"""relax.rollout.rollout with a scripted stand-in for the engine (the real engine: tests/e2e/test_engine.py)."""
+"""relax.rollout.rollout with a scripted `generate` in place of the engines (the real engine:
+tests/e2e/test_engine.py; the loop's collect_rollout around it: tests/unit/test_dynamic_sampling.py)."""
 
 import pytest
 
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
-from relax.rollout.rewards import load_reward_fn
-from relax.rollout.rollout import RolloutConfig, rollout
+from relax.rollout.groups import group_by_prompt
+from relax.rollout.rewards import RewardFn, load_reward_fn
+from relax.rollout.rollout import (
+    ROUND_SEED_STRIDE,
+    generate_and_score,
+    generate_informative_groups,
+    reward_and_length_metrics,
+    take_prompts,
+)
 
 
-class ScriptedEngine:
-    """Answers prompt i with the texts script[i] (one per sample); records the batches it was sent."""
+class ScriptedGenerate:
+    """Answers prompt [i] with the texts script[i] (one per sample); records each call's prompts and seed."""
 
     def __init__(self, script):
         self.script = script
-        self.batches = []
+        self.calls = []
 
-    def generate(self, prompts, sampling):
-        self.batches.append(len(prompts))
+    def __call__(self, prompts, sampling):
+        self.calls.append(([prompt[0] for prompt in prompts], sampling.seed))
         return [
             [
                 Completion(token_ids=list(range(len(text))), logprobs=[-1.0] * len(text),
@@ -31,51 +39,56 @@ def prompts(count):
     return [Prompt(row=i + 1, token_ids=[i], text=f"copy {i}:", label=str(i)) for i in range(count)]
 
 
-def test_rollout_groups_rewards_and_metrics():
-    engine = ScriptedEngine({0: ["0", "1"], 1: ["1", "1x"]})
-    config = RolloutConfig(sampling=SamplingConfig(n=2, max_new_tokens=2), num_prompts=2)
-    result = rollout(engine, PromptLoader(prompts(2), shuffle=False), load_reward_fn("exact_match"), config)
-    assert [g.prompt.label for g in result.groups] == ["0", "1"]
-    assert [g.rewards for g in result.groups] == [[1.0, 0.0], [1.0, 0.0]]
-    assert result.groups[1].samples[1].response_logprobs == [-1.0, -1.0]
-    assert result.metrics["rollout/reward_mean"] == 0.5
-    assert result.metrics["rollout/truncated_ratio"] == 0.25
-    assert engine.batches == [2]  # one batched call
+def test_samples_come_scored_prompt_by_prompt_with_their_metrics():
+    generate = ScriptedGenerate({0: ["0", "1"], 1: ["1", "1x"]})
+    sampling = SamplingConfig(n=2, max_new_tokens=2)
+    samples = generate_and_score(generate, prompts(2), sampling, load_reward_fn("exact_match"))
+    groups = group_by_prompt(samples, 2)
+    assert [g.prompt.label for g in groups] == ["0", "1"]
+    assert [g.rewards for g in groups] == [[1.0, 0.0], [1.0, 0.0]]
+    assert [s.response_text for s in samples] == ["0", "1", "1", "1x"]
+    assert groups[1].samples[1].response_logprobs == [-1.0, -1.0]
+    metrics = reward_and_length_metrics(samples)
+    assert metrics["rollout/reward_mean"] == 0.5 and metrics["rollout/reward_std"] == pytest.approx(0.57735, abs=1e-5)
+    assert metrics["rollout/response_length_mean"] == 1.25 and metrics["rollout/response_length_max"] == 2
+    assert metrics["rollout/truncated_fraction"] == 0.25 and metrics["rollout/reward_failures"] == 0
+    assert generate.calls == [([0, 1], None)]  # one batched call
 
 
-def test_rollout_dynamic_sampling_refills_from_the_loader():
+def test_a_generate_that_loses_a_prompt_is_an_error():
+    generate = ScriptedGenerate({0: ["0"], 1: ["1"]})
+    with pytest.raises(ValueError, match="zip"):
+        generate_and_score(lambda ids, sampling: generate(ids, sampling)[:1], prompts(2), SamplingConfig(n=1),
+                           load_reward_fn("exact_match"))
+
+
+def test_dynamic_sampling_refills_from_the_loader_with_new_seeds_each_round():
     # prompts 0 and 2 give all-equal rewards and are dropped; 1 and 3 are kept
-    engine = ScriptedEngine({0: ["0", "0"], 1: ["1", "2"], 2: ["5", "6"], 3: ["3", "x"]})
-    config = RolloutConfig(sampling=SamplingConfig(n=2), num_prompts=2, dynamic_sampling=True)
+    generate = ScriptedGenerate({0: ["0", "0"], 1: ["1", "2"], 2: ["5", "6"], 3: ["3", "x"]})
     loader = PromptLoader(prompts(4), shuffle=False)
-    result = rollout(engine, loader, load_reward_fn("exact_match"), config)
-    assert [g.prompt.label for g in result.groups] == ["1", "3"]
-    assert engine.batches == [2, 1, 1]
-    assert result.metrics["rollout/dropped_groups"] == 2
-    assert result.reward_report.samples == 8
+    samples, metrics = generate_informative_groups(
+        generate, loader, SamplingConfig(n=2, seed=5), load_reward_fn("exact_match"),
+        num_groups=2, prompts_per_round=2, max_rounds=10,
+    )
+    assert [s.prompt.label for s in samples] == ["1", "1", "3", "3"]
+    assert generate.calls == [([0, 1], 5), ([2, 3], 5 + ROUND_SEED_STRIDE)]  # whole rounds, every sample scored
+    assert metrics["rollout/dropped_groups"] == 2 and metrics["rollout/generation_rounds"] == 2
 
 
-def test_rollout_reward_failures_are_counted():
+def test_reward_failures_are_counted():
     def reward(sample):
         if sample.response == "boom":
             raise ValueError("bad")
         return 1.0
 
-    from relax.rollout.rewards import RewardFn
-
-    engine = ScriptedEngine({0: ["boom", "ok"]})
-    config = RolloutConfig(sampling=SamplingConfig(n=2), num_prompts=1, reward_failure_score=-1.0)
-    result = rollout(engine, PromptLoader(prompts(1)), RewardFn(reward, "r", False, False), config)
-    assert result.groups[0].rewards == [-1.0, 1.0]
-    assert result.groups[0].samples[0].reward_failed
-    assert result.metrics["rollout/reward_failures"] == 1
+    samples = generate_and_score(ScriptedGenerate({0: ["boom", "ok"]}), prompts(1), SamplingConfig(n=2),
+                                 RewardFn(reward, "r", False, False))
+    assert [s.reward for s in samples] == [0.0, 1.0]  # the failure score
+    assert [s.reward_failed for s in samples] == [True, False]
+    assert reward_and_length_metrics(samples)["rollout/reward_failures"] == 1
 
 
-def test_rollout_overlong_penalty_and_exhausted_data():
-    engine = ScriptedEngine({0: ["0", "0abc"]})
-    config = RolloutConfig(sampling=SamplingConfig(n=2, max_new_tokens=4), num_prompts=1, overlong_buffer_tokens=2)
-    result = rollout(engine, PromptLoader(prompts(1)), load_reward_fn("exact_match"), config)
-    assert result.groups[0].rewards == [1.0, 0.0 - 1.0]
+def test_a_loader_that_runs_out_is_an_error_not_a_short_batch():
+    assert [p.row for p in take_prompts(PromptLoader(prompts(2), shuffle=False, num_epochs=1), 2)] == [1, 2]
     with pytest.raises(RuntimeError, match="prompt data ran out: 1 of 2 prompts left"):
-        rollout(engine, PromptLoader(prompts(1), num_epochs=1), load_reward_fn("exact_match"),
-                RolloutConfig(sampling=SamplingConfig(n=2), num_prompts=2))
+        take_prompts(PromptLoader(prompts(1), num_epochs=1), 2)
