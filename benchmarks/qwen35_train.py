@@ -3,8 +3,9 @@ flash-linear-attention's Triton kernels inside megatron-core's GatedDeltaNet.
 
     python benchmarks/qwen35_train.py --size 300m --steps 20
 
-1. Parity (fla's kernel on the GPU): a small random Qwen3.5 in float32 (relax.tiny_model, head dims 64): the actor's response-token logprobs
-   (MegatronActor.compute_logprobs) against HF transformers' Qwen3_5ForCausalLM on the same GPU; max abs diff.
+1. Parity (fla's kernel on the GPU): a small random Qwen3.5 in float32 (relax.tiny_model, head dims 64): the actor's
+   response-token logprobs (MegatronActor.compute_logprobs) against HF transformers' Qwen3_5ForCausalLM on the same
+   GPU; max abs diff.
 2. Training: a random Qwen3.5 of a few hundred million parameters (3 GDN layers to 1 full-attention layer) in
    bf16, MegatronActor.train_step on a fixed batch of patterned sequences (each an arithmetic progression of
    token ids mod the vocabulary, random start and stride) with advantage +1 on every response token (on-policy,
@@ -85,7 +86,8 @@ def make_actor(hf_dir: str, platform, dtype: torch.dtype, lr: float, micro_batch
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     bf16 = dtype == torch.bfloat16
-    transformer = transformer_config(read_hf_config(hf_dir), bf16=bf16, params_dtype=dtype, perform_initialization=False)
+    hf = read_hf_config(hf_dir)
+    transformer = transformer_config(hf, bf16=bf16, params_dtype=dtype, perform_initialization=False)
     optimizer = OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
     settings = ActorSettings(micro_batch_size=micro_batch_size, keep_reference=False)
     return MegatronActor(hf_dir, transformer, optimizer, DistributedDataParallelConfig(), settings, platform=platform)
@@ -154,6 +156,7 @@ def train(hf_dir: str, platform, steps: int, samples: int, seq: int, micro_batch
 
     actor = make_actor(hf_dir, platform, torch.bfloat16, lr=lr, micro_batch_size=micro_batch_size)
     parameters = sum(p.numel() for p in actor.model.parameters())
+    kernel = gated_delta_net.chunk_gated_delta_rule
     batch = patterned_batch(actor.hf["vocab_size"], samples, seq, seed=0)
     nll, seconds, grad_norms = [], [], []
     for _ in range(steps + 1):
@@ -169,7 +172,7 @@ def train(hf_dir: str, platform, steps: int, samples: int, seq: int, micro_batch
         grad_norms.append(metrics["grad_norm"])
     return {
         "parameters_m": parameters / 1e6,
-        "gdn_kernel": f"{gated_delta_net.chunk_gated_delta_rule.__module__}.{gated_delta_net.chunk_gated_delta_rule.__name__}",
+        "gdn_kernel": f"{kernel.__module__}.{kernel.__name__}",
         "nll_before_each_step": nll,
         "seconds_per_step": seconds,
         "grad_norms": grad_norms,
@@ -190,7 +193,9 @@ def main(argv=None) -> None:
         "--train-gdn-kernel", choices=("fla", "reference"), default="reference",
         help="chunked GDN for training (fla 0.6.0 refuses its backward on Hopper with Triton < 3.7.1: fla#640)",
     )
-    parser.add_argument("--no-parity", action="store_true", help="skip part 1 (tests/gpu/test_qwen35_actor_gpu.py has it)")
+    parser.add_argument(
+        "--no-parity", action="store_true", help="skip part 1 (tests/gpu/test_qwen35_actor_gpu.py has it)"
+    )
     parser.add_argument("--work-dir", default="/tmp/relax_qwen35")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)

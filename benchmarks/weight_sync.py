@@ -220,7 +220,9 @@ def _serve(device_name, index, hf_dir, dtype_name, conn) -> None:
                     if name not in params:
                         raise KeyError(f"received {name!r}, which the HF model has no parameter of")
                     if params[name].shape != tensor.shape:
-                        raise ValueError(f"{name}: received {tuple(tensor.shape)}, model has {tuple(params[name].shape)}")
+                        raise ValueError(
+                            f"{name}: received {tuple(tensor.shape)}, model has {tuple(params[name].shape)}"
+                        )
                     params[name].copy_(tensor)
                     updated.add(id(params[name]))
             if device.type == "cuda":
@@ -269,7 +271,9 @@ def _build_actor(hf_dir: str, args, platform):
     )
     optimizer = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
     settings = ActorSettings(
-        micro_batch_size=args.micro_batch_size, keep_reference=False, distributed_timeout_minutes=args.group_timeout_minutes
+        micro_batch_size=args.micro_batch_size,
+        keep_reference=False,
+        distributed_timeout_minutes=args.group_timeout_minutes,
     )
     if args.destroy_delay_s is not None:  # the platform's pause after destroying process groups, overridden
         platform = dataclasses.replace(platform, destroy_process_group_delay_s=args.destroy_delay_s)
@@ -415,9 +419,8 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     verify_lists = [(tokens.tolist(), length) for tokens, length in zip(verify.tokens, verify.response_lengths)]
     if sender:
         result["initial_receiver_logprobs"] = _ask(receivers[:1], "logprobs", verify_lists)[0]
-    state_bytes = sum(
-        storage.nbytes() for storage in {t.untyped_storage().data_ptr(): t.untyped_storage() for t in actor._training_state_tensors()}.values()
-    )
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in actor._training_state_tensors()}
+    state_bytes = sum(storage.nbytes() for storage in storages.values())
     timeouts_before = _group_timeouts(actor, device.type)
     actor.sleep()  # the loop starts with the engines generating and the actor asleep
     result["checks"]["groups_usable_asleep"] = _groups_usable()
@@ -446,7 +449,8 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     # Verification, outside the timed steps: the actor wakes (weights as pushed) and compares.
     actor.wake()
     result["checks"]["groups_usable_awake"] = _groups_usable()
-    result["checks"]["timeouts"] = [str(t) for t in timeouts_before], [str(t) for t in _group_timeouts(actor, device.type)]
+    timeouts_after = _group_timeouts(actor, device.type)
+    result["checks"]["timeouts"] = [str(t) for t in timeouts_before], [str(t) for t in timeouts_after]
     sync()
     # Each rank reads the receiver on its own device (every rank's export is the whole model) and compares exactly.
     received = pickle.loads(_ask(receivers[rank : rank + 1], "weights")[0])
@@ -593,7 +597,8 @@ def parse_args(argv=None):
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--group-timeout-minutes", type=int, default=7)
     parser.add_argument(
-        "--destroy-delay-s", type=float, help="seconds to pause after destroying process groups (default: the platform's)"
+        "--destroy-delay-s", type=float,
+        help="seconds to pause after destroying process groups (default: the platform's)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per training rank")
     parser.add_argument("--timeout-s", type=float, default=540)
@@ -610,7 +615,8 @@ def main(argv=None) -> None:
         hf_dir = str(Path(args.work_dir) / args.size)  # written by an earlier run with the same --work-dir
     if hf_dir is None:
         start = time.perf_counter()
-        hf_dir = str(write_random_qwen3(Path(args.work_dir) / args.size, args.size, getattr(torch, args.dtype), args.device))
+        out_dir = Path(args.work_dir) / args.size
+        hf_dir = str(write_random_qwen3(out_dir, args.size, getattr(torch, args.dtype), args.device))
         print(f"wrote {args.size} checkpoint to {hf_dir} in {time.perf_counter() - start:.1f} s", flush=True)
     start = time.perf_counter()
     results = run(hf_dir, args)
