@@ -16,7 +16,8 @@ Two things differ from calling sglang.Engine directly:
   params_dict"), so relax refuses unknown names, wrong shapes, duplicates and incomplete updates itself,
   naming the tensor. The expected names and shapes are read once from the checkpoint's safetensors
   headers (no tensor data): the HF names and shapes the engine's loader accepted at start are exactly
-  the ones a later update must use.
+  the ones a later update must use. A complete update is one of every tensor the actor trains: the
+  checkpoint's tensors but the frozen vision tower and MTP head (relax/train/model/checkpoint_layout.py).
 """
 
 import asyncio
@@ -32,6 +33,7 @@ from pathlib import Path
 import psutil
 
 from relax.sync import bucket as weight_bucket
+from relax.train.model.checkpoint_layout import trained_names
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +195,7 @@ class RolloutEngine:
         self.model_path = model_path
         self.tp_size = tp_size
         self._expected_shapes = checkpoint_tensor_shapes(model_path)
+        self._trained_names = trained_names(self._expected_shapes)
         self._update_session: set[str] | None = None
         self._engine = sglang.Engine(server_args=ServerArgs(**fields))
         self.server_args = self._engine.server_args
@@ -435,18 +438,18 @@ class RolloutEngine:
 
     def end_weight_update(self, expect_complete: bool = True):
         """Close the update and flush the prefix cache (it holds KV computed with the old weights).
-        With expect_complete, every checkpoint tensor must have been sent; otherwise the engine would
-        run on a mix of old and new weights, and this raises naming what is missing."""
+        With expect_complete, every checkpoint tensor the actor trains must have been sent; otherwise the
+        engine would run on a mix of old and new weights, and this raises naming what is missing."""
         if self._update_session is None:
             raise WeightUpdateError("end_weight_update without begin_weight_update()")
         sent, self._update_session = self._update_session, None
         self._end_engine_update()
         self.flush_cache()
-        missing = sorted(set(self._expected_shapes) - sent)
+        missing = sorted(self._trained_names - sent)
         if expect_complete and missing:
             raise WeightUpdateError(
-                f"incomplete weight update: {len(missing)} of {len(self._expected_shapes)} checkpoint tensors were "
-                f"not sent, e.g. {missing[:5]}; the engine now mixes old and new weights"
+                f"incomplete weight update: {len(missing)} of {len(self._trained_names)} checkpoint tensors that "
+                f"the actor trains were not sent, e.g. {missing[:5]}; the engine now mixes old and new weights"
             )
 
     def _end_engine_update(self):
