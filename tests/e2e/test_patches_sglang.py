@@ -205,3 +205,41 @@ def test_fused_gdn_decode_switch_generates_like_the_default_path_and_hf(patched_
         assert on["ids"] == off["ids"], f"{len(prompt)}-token prompt: switch on {on['ids']}, off {off['ids']}"
         diff = max(abs(a - b) for a, b in zip(on["logprobs"], off["logprobs"]))
         assert diff <= 1e-4, f"{len(prompt)}-token prompt: logprobs with the switch on and off differ by {diff:.2e}"
+
+
+IMPORT_WITH_SWITCH = textwrap.dedent(
+    """
+    import logging, sys
+    from relax.platform import get_platform
+
+    get_platform("cpu").prepare_sglang()
+    if sys.argv[2] == "blocked":
+        sys.modules["relax.kernels.sglang_gdn_decode"] = None  # import raises ImportError: relax is not there
+    logging.basicConfig(level=logging.WARNING)
+    from sglang.srt.models import qwen3_5
+
+    assert qwen3_5.__file__.startswith(sys.argv[1]), qwen3_5.__file__
+    hook = qwen3_5._relax_gdn_decode
+    print("HOOK", None if hook is None else f"{hook.__module__}.{hook.__name__}")
+    """
+)
+
+
+@pytest.mark.parametrize("switch,relax_glue,expected", [
+    (None, "importable", "HOOK None"),  # unset: off
+    ("0", "importable", "HOOK None"),
+    ("1", "importable", "HOOK relax.kernels.sglang_gdn_decode.qwen3_5_decode"),
+    ("1", "blocked", "HOOK None"),
+])
+def test_fused_gdn_decode_switch_is_off_by_default_and_falls_back_without_relax(patched_root, tmp_path, switch,
+                                                                                relax_glue, expected):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "RELAX_DEVICE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(patched_root), str(REPO)])
+    if switch is not None:
+        env["SGLANG_RELAX_FUSED_GDN_DECODE"] = switch
+    run = subprocess.run([sys.executable, "-c", IMPORT_WITH_SWITCH, str(patched_root), relax_glue],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert expected in run.stdout.splitlines(), run.stdout
+    # without relax the model says so once, and SGLang's own decode path stays in place
+    assert ("relax is not importable" in run.stderr) == (relax_glue == "blocked"), run.stderr[-3000:]
