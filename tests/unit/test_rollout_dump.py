@@ -157,7 +157,7 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
         load_rollout_data=str(tmp_path / "in_{step}.jsonl"), save_rollout_data=str(tmp_path / "out_{step}.jsonl"),
         overlong_buffer_len=1,
     )
-    samples, metrics = collect_rollout(1, engines=None, loader=None, sampling=None, reward_fn=None, r=r)
+    samples, metrics = collect_rollout(1, generate=None, loader=None, sampling=None, reward_fn=None, r=r)
     # Saved again unchanged: the file holds the reward function's scores, the penalty comes after.
     assert (tmp_path / "out_1.jsonl").read_text() == (tmp_path / "in_1.jsonl").read_text()
     assert metrics["rollout/reward_mean"] == pytest.approx((1 / 3 + 0.0 - 1.5 + 2.0) / 4)
@@ -165,4 +165,4 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
     # 3 tokens of at most 3 with a 1-token buffer: -1; shorter responses keep their reward
     assert [s.reward for s in samples] == [1 / 3, 0.0, -2.5, 2.0]
     with pytest.raises(RolloutDataError, match=r"step 2: .*in_2\.jsonl does not exist"):
-        collect_rollout(2, engines=None, loader=None, sampling=None, reward_fn=None, r=r)
+        collect_rollout(2, generate=None, loader=None, sampling=None, reward_fn=None, r=r)
