@@ -67,9 +67,10 @@ FAMILIES = {
 }
 
 # Vision-language checkpoints laid out as Qwen3.5 is published (Qwen3_5ForConditionalGeneration: config.json with
-# text_config + vision_config, tensors model.language_model.*, model.visual.*, lm_head.weight): the text family's
-# fields under text_config (rope_parameters with an interleaved mrope_section, as the released configs have; an
-# MoE text_config without intermediate_size, as theirs) and a one-block vision tower.
+# text_config + vision_config, tensors model.language_model.*, model.visual.*, lm_head.weight, mtp.*): the text
+# family's fields under text_config (rope_parameters with an interleaved mrope_section, as the released configs
+# have; an MoE text_config without intermediate_size and each layer's experts fused in two tensors, as
+# Qwen3.5-35B-A3B's) and a one-block vision tower.
 VISION_LANGUAGE_FAMILIES = {
     "qwen3_5_vl": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration, "qwen3_5"),
     "qwen3_5_moe_vl": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration, "qwen3_5_moe"),
@@ -143,7 +144,7 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
     model = model_cls(config).to(torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     if family in VISION_LANGUAGE_FAMILIES:
-        _add_mtp_tensors(out_dir / "model.safetensors", _COMMON["hidden_size"])
+        _lay_out_as_released(out_dir / "model.safetensors", config.text_config)
     transformers.GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     ).save_pretrained(out_dir)
@@ -151,15 +152,27 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
     return out_dir
 
 
-def _add_mtp_tensors(weights_file: Path, hidden_size: int) -> None:
-    """The released Qwen3.5 checkpoints also hold a multi-token-prediction head (mtp.*), which transformers
-    builds no module for (and ignores when loading): a few random tensors named as theirs stand in for it."""
+def _lay_out_as_released(weights_file: Path, text_config) -> None:
+    """What save_pretrained writes differs from the released Qwen3.5 checkpoints in two ways, made good here:
+    they hold a multi-token-prediction head (mtp.*), which transformers builds no module for (and ignores when
+    loading): a few random tensors named as theirs stand in for it; and Qwen3.5-35B-A3B stores each layer's
+    experts fused (transformers 5's layout, which it loads as well), where save_pretrained writes one tensor
+    per expert: gate_up_proj [experts, 2 x moe_intermediate, hidden] (gate rows first), down_proj
+    [experts, hidden, moe_intermediate]."""
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(weights_file)
-    tensors["mtp.fc.weight"] = torch.randn(hidden_size, 2 * hidden_size)
+    hidden = text_config.hidden_size
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden)
     for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight"):
-        tensors[norm] = torch.randn(hidden_size)
+        tensors[norm] = torch.randn(hidden)
+    for layer in range(text_config.num_hidden_layers if getattr(text_config, "num_experts", None) else 0):
+        prefix = f"model.language_model.layers.{layer}.mlp.experts."
+        experts = range(text_config.num_experts)
+        tensors[prefix + "gate_up_proj"] = torch.stack(
+            [torch.cat([tensors.pop(f"{prefix}{j}.{part}_proj.weight") for part in ("gate", "up")]) for j in experts]
+        )
+        tensors[prefix + "down_proj"] = torch.stack([tensors.pop(f"{prefix}{j}.down_proj.weight") for j in experts])
     save_file(tensors, weights_file, metadata={"format": "pt"})
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 
 from relax.sync import bucket as weight_bucket
-from relax.train.model.checkpoint_layout import trained_names
+from relax.train.model.checkpoint_layout import per_expert_shapes, trained_names
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ def _free_port() -> int:
 
 
 def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the safetensors files of a local HF checkpoint (headers only)."""
+    """Name -> shape of every tensor in the safetensors files of a local HF checkpoint (headers only), fused
+    experts tensors per expert, as relax sends them (relax/train/model/checkpoint_layout.py)."""
     from safetensors import safe_open
 
     files = sorted(Path(model_path).glob("*.safetensors"))
@@ -124,7 +125,7 @@ def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
+    return per_expert_shapes(shapes)
 
 
 def _explicit_fields(server_args) -> dict:

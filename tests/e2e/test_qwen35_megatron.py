@@ -6,12 +6,10 @@ exported weights are the checkpoint's exactly, and a backward pass reaches every
 The same for the language model of Qwen3.5 vision-language checkpoints (dense and MoE, laid out as the released
 Qwen3.5 ones, relax/train/model/checkpoint_layout.py): logits equal Qwen3_5(Moe)ForConditionalGeneration's on
 text-only input, and the export holds exactly the checkpoint's language-model tensors under their names (the vision
-tower and MTP head are not trained).
+tower and MTP head are not trained; the MoE one's fused experts are exported per expert).
 
 Two spawned ranks share one gloo group, started once for this module: TP=1 runs as two replicas.
 """
-
-import os
 
 import pytest
 import torch
@@ -65,9 +63,7 @@ def _parity(hf_dir: str, tp: int) -> dict:
     import transformers
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
-    from safetensors.torch import load_file
-
-    from relax.train.model import build_gpt_model, export_hf_weights, load_hf_weights, transformer_config
+    from relax.train.model import HFCheckpoint, build_gpt_model, export_hf_weights, load_hf_weights, transformer_config
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(0)
@@ -84,7 +80,9 @@ def _parity(hf_dir: str, tp: int) -> dict:
     input_ids = torch.randint(0, vocab_size, (2, SEQUENCE_LENGTH), generator=generator)
     position_ids = torch.arange(SEQUENCE_LENGTH).expand(2, -1)
     # The whole vision-language model for a VL checkpoint: its text-only forward (3D rope positions) is the reference.
-    auto_class = transformers.AutoModelForImageTextToText if layout.vision_language else transformers.AutoModelForCausalLM
+    auto_class = (
+        transformers.AutoModelForImageTextToText if layout.vision_language else transformers.AutoModelForCausalLM
+    )
     reference = auto_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(input_ids).logits
@@ -93,8 +91,9 @@ def _parity(hf_dir: str, tp: int) -> dict:
     without_grad = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     padded_diff = _padded_rows_max_abs_diff(model, reference, vocab_size)
     exported = dict(export_hf_weights(model, hf))
-    on_disk = load_file(os.path.join(hf_dir, "model.safetensors"))
-    on_disk = {name: tensor for name, tensor in on_disk.items() if name in trained_names(on_disk)}
+    # What the checkpoint holds, fused experts per expert (the MoE VL one stores them fused, as the released one)
+    checkpoint = HFCheckpoint(hf_dir)
+    on_disk = {name: checkpoint.get(name) for name in trained_names(checkpoint.names())}
     return {
         "logits_max_abs_diff": (logits.detach() - expected).abs().max().item(),
         "padded_rows_max_abs_diff": padded_diff,
@@ -166,4 +165,5 @@ def test_a_vision_language_actor_checkpoint_converts_to_a_whole_vision_language_
     with safe_open(str(out_dir / "model-00001-of-00002.safetensors"), framework="pt") as trained_file:
         assert set(trained_file.keys()) == set(exported)  # the frozen ones in a file of their own, with an index
     model = transformers.AutoModelForImageTextToText.from_pretrained(out_dir, dtype=torch.float32)
-    assert torch.equal(model.state_dict()["model.visual.pos_embed.weight"], original.get("model.visual.pos_embed.weight"))
+    vision_weight = "model.visual.pos_embed.weight"
+    assert torch.equal(model.state_dict()[vision_weight], original.get(vision_weight))

@@ -4,18 +4,27 @@ tensor names), the frozen tensors, and the dry run of such a checkpoint."""
 import json
 
 import pytest
+import torch
+import transformers
 
 from relax.args import format_config, parse_train_args
 from relax.tiny_model import build_tiny_model
 from relax.train.model import family_of, qwen3_5
-from relax.train.model.checkpoint_layout import checkpoint_layout, describe_frozen, is_frozen, trained_names
+from relax.train.model.checkpoint_layout import (
+    checkpoint_layout,
+    describe_frozen,
+    is_frozen,
+    per_expert_shapes,
+    trained_names,
+)
 
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
 
 
 @pytest.fixture(scope="module")
 def vl_dirs(tmp_path_factory):
-    return {family: build_tiny_model(tmp_path_factory.mktemp(family), family) for family in ("qwen3_5_vl", "qwen3_5_moe_vl")}
+    families = ("qwen3_5_vl", "qwen3_5_moe_vl")
+    return {family: build_tiny_model(tmp_path_factory.mktemp(family), family) for family in families}
 
 
 def test_a_text_config_is_its_own_language_model():
@@ -70,8 +79,35 @@ def test_tiny_vision_language_checkpoints_are_laid_out_as_the_released_ones(vl_d
         prefixes = ("model.language_model.", "model.visual.", "mtp.", "lm_head.weight")
         assert all(name.startswith(prefixes) for name in names), names
         assert all(any(name.startswith(prefix) for name in names) for prefix in prefixes), names
-    # Like Qwen/Qwen3.5-35B-A3B's text_config: no dense intermediate_size.
+    # Like Qwen/Qwen3.5-35B-A3B: no dense intermediate_size in text_config, each layer's experts in two tensors.
     assert "intermediate_size" not in json.loads((vl_dirs["qwen3_5_moe_vl"] / "config.json").read_text())["text_config"]
+    with safe_open(str(vl_dirs["qwen3_5_moe_vl"] / "model.safetensors"), framework="pt") as f:
+        assert f.get_slice("model.language_model.layers.0.mlp.experts.gate_up_proj").get_shape() == [4, 64, 64]
+        assert not any(".experts.0." in name for name in f.keys())
+
+
+def test_fused_experts_read_as_the_per_expert_tensors_transformers_saves(vl_dirs, tmp_path):
+    """The fused tiny MoE checkpoint, loaded by transformers and read per expert by relax, holds the tensors
+    transformers writes one per expert (save_pretrained of a model built from per-expert tensors)."""
+    from relax.train.model import HFCheckpoint
+
+    fused = HFCheckpoint(vl_dirs["qwen3_5_moe_vl"])
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vl_dirs["qwen3_5_moe_vl"], dtype=torch.float32)
+    experts = model.model.language_model.layers[1].mlp.experts  # transformers' own fused parameters
+    for j in range(4):
+        prefix = f"model.language_model.layers.1.mlp.experts.{j}."
+        gate, up = experts.gate_up_proj[j].detach().chunk(2)
+        assert torch.equal(fused.get(prefix + "gate_proj.weight"), gate)
+        assert torch.equal(fused.get(prefix + "up_proj.weight"), up)
+        assert torch.equal(fused.get(prefix + "down_proj.weight"), experts.down_proj[j].detach())
+        assert fused.shape(prefix + "gate_proj.weight") == [32, 64]
+    assert "model.language_model.layers.1.mlp.experts.gate_up_proj" not in fused.names()
+    shapes = per_expert_shapes({"x.mlp.experts.gate_up_proj": (2, 8, 4), "x.mlp.experts.down_proj": (2, 4, 4)})
+    assert shapes == {
+        "x.mlp.experts.0.gate_proj.weight": (4, 4), "x.mlp.experts.0.up_proj.weight": (4, 4),
+        "x.mlp.experts.1.gate_proj.weight": (4, 4), "x.mlp.experts.1.up_proj.weight": (4, 4),
+        "x.mlp.experts.0.down_proj.weight": (4, 4), "x.mlp.experts.1.down_proj.weight": (4, 4),
+    }
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_vl", "qwen3_5_moe_vl"])

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
-from relax.train.model.checkpoint_layout import checkpoint_layout, describe_frozen, is_frozen
+from relax.train.model.checkpoint_layout import checkpoint_layout, describe_frozen, is_frozen, per_expert_views
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
 FAMILIES = {
@@ -254,7 +254,8 @@ def _whole_shape(kind: str, shard_shape: torch.Size, tp_size: int) -> list[int]:
 
 
 class HFCheckpoint:
-    """Lazy reader of an HF directory's safetensors (one file or an index of shards)."""
+    """Lazy reader of an HF directory's safetensors (one file or an index of shards). Fused experts tensors
+    (checkpoint_layout.per_expert_views) are read as their per-expert tensors."""
 
     def __init__(self, hf_dir: str | Path):
         from safetensors import safe_open
@@ -265,15 +266,27 @@ class HFCheckpoint:
             raise FileNotFoundError(f"no *.safetensors files in {hf_dir}")
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         self._file_of = {name: handle for handle in self._handles for name in handle.keys()}
+        self._expert_views = {}
+        for name, handle in list(self._file_of.items()):
+            views = per_expert_views(name, handle.get_slice(name).get_shape())
+            if views:
+                self._expert_views.update(views)
+                del self._file_of[name]
+                self._file_of.update(dict.fromkeys(views, handle))
 
     def names(self) -> set[str]:
         return set(self._file_of)
 
     def shape(self, name: str) -> list[int]:
+        if name in self._expert_views:
+            return list(self._expert_views[name].shape)
         return list(self._file_of[name].get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._file_of[name].get_tensor(name)
+        view = self._expert_views.get(name)
+        if view is None:
+            return self._file_of[name].get_tensor(name)
+        return self._file_of[name].get_slice(view.fused_name)[view.expert : view.expert + 1][0, view.rows].contiguous()
 
 
 def load_hf_weights(model, hf_dir: str | Path) -> None:

@@ -16,8 +16,15 @@ relax trains the language model only. Tensors under FROZEN_PREFIXES (the vision 
 head) are frozen in either layout: loading names them and skips them, exports leave them out, the engine's
 completeness check does not wait for them, and checkpoint_to_hf copies them into its output unchanged. Any other
 tensor the family does not map is still an error.
+
+Fused experts: Qwen/Qwen3.5-35B-A3B stores each layer's routed experts as two tensors (transformers 5's layout),
+`...mlp.experts.gate_up_proj` [experts, 2 x moe_intermediate, hidden] (gate rows, then up rows) and
+`...mlp.experts.down_proj` [experts, hidden, moe_intermediate]. relax reads them as the per-expert tensors the
+family maps (`...mlp.experts.{j}.gate_proj.weight`, ...; per_expert_views) and sends and writes per-expert
+tensors, which SGLang's and transformers' Qwen3.5-MoE loaders read as well.
 """
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -62,6 +69,46 @@ def checkpoint_layout(hf: dict) -> CheckpointLayout:
     text["model_type"] = expected
     text.update({field: hf.get(field, default) for field, default in INHERITED_FIELDS.items()})
     return CheckpointLayout(text, vision_language=True)
+
+
+_FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts\.)(gate_up_proj|down_proj)")
+
+
+@dataclass(frozen=True)
+class ExpertView:
+    """A per-expert tensor inside a fused experts tensor: fused[expert][rows]."""
+
+    fused_name: str
+    expert: int
+    rows: slice
+    shape: tuple[int, ...]
+
+
+def per_expert_views(name: str, shape) -> dict[str, ExpertView]:
+    """The per-expert tensors of a fused experts tensor `name` of `shape`; empty for any other tensor."""
+    match = _FUSED_EXPERTS.fullmatch(name)
+    if match is None:
+        return {}
+    prefix, kind = match.groups()
+    experts, rows, columns = shape
+    if kind == "down_proj":
+        whole = slice(None)
+        return {f"{prefix}{j}.down_proj.weight": ExpertView(name, j, whole, (rows, columns)) for j in range(experts)}
+    half = rows // 2
+    return {
+        f"{prefix}{j}.{part}_proj.weight": ExpertView(name, j, slice(start, start + half), (half, columns))
+        for j in range(experts)
+        for part, start in (("gate", 0), ("up", half))
+    }
+
+
+def per_expert_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of a checkpoint's tensors as relax reads and sends them: fused experts per expert."""
+    result = {}
+    for name, shape in shapes.items():
+        views = per_expert_views(name, shape)
+        result.update({view_name: view.shape for view_name, view in views.items()} if views else {name: shape})
+    return result
 
 
 def is_frozen(name: str) -> bool:
