@@ -11,6 +11,7 @@ order, each request sampled with its own seed counted from sampling.seed: an in-
 """
 
 import itertools
+import sys
 from dataclasses import replace
 from typing import Callable
 
@@ -36,12 +37,18 @@ def generate_and_score(
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
     ]
-    scores, failed, _ = score(
+    scores, failed, report = score(
         reward_fn,
         [RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason) for s in samples],
     )
     for sample, value, was_failure in zip(samples, scores, failed):
         sample.reward, sample.reward_failed = value, was_failure
+    if report.failures:  # scored 0 and counted in the metrics; the reasons must reach the user too
+        print(
+            f"relax: reward function {reward_fn.name!r} raised on {report.failures} of {len(samples)} samples "
+            f"(each scored 0.0); first: {'; '.join(report.errors[:3])}",
+            file=sys.stderr, flush=True,
+        )
     return samples
 
 

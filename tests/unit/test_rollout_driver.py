@@ -75,7 +75,7 @@ def test_dynamic_sampling_refills_from_the_loader_with_new_seeds_each_round():
     assert metrics["rollout/dropped_groups"] == 2 and metrics["rollout/generation_rounds"] == 2
 
 
-def test_reward_failures_are_counted():
+def test_reward_failures_are_counted_and_their_reasons_printed(capsys):
     def reward(sample):
         if sample.response == "boom":
             raise ValueError("bad")
@@ -86,6 +86,8 @@ def test_reward_failures_are_counted():
     assert [s.reward for s in samples] == [0.0, 1.0]  # the failure score
     assert [s.reward_failed for s in samples] == [True, False]
     assert reward_and_length_metrics(samples)["rollout/reward_failures"] == 1
+    printed = capsys.readouterr().err
+    assert "reward function 'r' raised on 1 of 2 samples" in printed and "ValueError: bad" in printed
 
 
 def test_a_loader_that_runs_out_is_an_error_not_a_short_batch():
