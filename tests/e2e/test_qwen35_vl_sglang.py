@@ -1,9 +1,9 @@
-"""A tiny Qwen3.5 vision-language checkpoint (laid out as the released ones: relax.tiny_model qwen3_5_vl) in SGLang
-0.5.23's own CPU engine, driven by relax's RolloutEngine: it generates what HF's Qwen3_5ForConditionalGeneration
-generates on text-only prompts; an update exported by relax's Megatron mapping (model.language_model.* and lm_head,
-no vision tower or MTP tensors) passes the engine's completeness check, after which the engine generates what HF
-generates with the updated weights; a tensor under its text-only name, and an update without one trained tensor,
-are refused.
+"""Tiny Qwen3.5 vision-language checkpoints, dense and MoE (laid out as the released ones: relax.tiny_model
+qwen3_5_vl, qwen3_5_moe_vl with fused experts) in SGLang 0.5.23's own CPU engine, driven by relax's RolloutEngine:
+it generates what HF's Qwen3_5(Moe)ForConditionalGeneration generates on text-only prompts; an update exported by
+relax's Megatron mapping (model.language_model.* and lm_head, experts per expert, no vision tower or MTP tensors)
+passes the engine's completeness check, after which the engine generates what HF generates with the updated
+weights; a tensor under its text-only name, and an update without one trained tensor, are refused.
 
 Text-only serving on the CPU: SGLang builds Qwen3.5's multimodal processor with transformers' AutoProcessor, whose
 video processors need torchvision (not in the CPU stack: the import fails), and SGLang 0.5.23's --language-model-only
@@ -49,11 +49,11 @@ def _export(config_dir: str, weights_dir: str, out_file: str) -> None:
     save_file({name: tensor.contiguous() for name, tensor in export_hf_weights(model, hf)}, out_file)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen35_vl")
-    first = build_tiny_model(root / "first", "qwen3_5_vl", seed=0)
-    second = build_tiny_model(root / "second", "qwen3_5_vl", seed=1)
+@pytest.fixture(params=["qwen3_5_vl", "qwen3_5_moe_vl"])
+def checkpoints(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    first = build_tiny_model(root / "first", request.param, seed=0)
+    second = build_tiny_model(root / "second", request.param, seed=1)
     served = root / "served"  # the engine's copy: declares text-only serving (see the module doc)
     shutil.copytree(first, served)
     config = json.loads((served / "config.json").read_text())
