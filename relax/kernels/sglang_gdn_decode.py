@@ -26,9 +26,6 @@ from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
 
 logger = logging.getLogger(__name__)
 
-# On an H200 (docs/benchmarks.md, "GDN decode (H200)"): 16 resident programs per SM, 4 warps, 2 stages.
-_GPU_PROGRAMS_PER_SM = 16
-_GPU_OPTIONS = dict(num_warps=4, num_stages=2)
 # Under TRITON_INTERPRET programs run one after another on the host: the grid size only sets the loop length.
 _INTERPRETER_PROGRAMS = 4
 
@@ -39,29 +36,17 @@ def _interpreting() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def launch_for_device(device: torch.device) -> TritonLaunch:
-    """The launch record for `device`, from what the active Triton driver reports about it.
+    """The launch record for `device`: its platform's grid (relax.platform: SMs x 16 programs with 4 warps on
+    NVIDIA, one program per vector core on Ascend), or a few programs under TRITON_INTERPRET (CPU tests)."""
+    from relax.platform import platform_facts
 
-    NVIDIA (multiprocessor_count): SMs x 16 programs, num_warps 4, num_stages 2. Ascend with triton-ascend
-    (num_vectorcore; the kernel has no matrix unit work): one program per vector core and no launch keywords,
-    as triton-ascend's porting rules ask. Under TRITON_INTERPRET (CPU tests) a few programs.
-    """
     if _interpreting():
         return TritonLaunch(num_programs=_INTERPRETER_PROGRAMS)
-    if device.type == "cpu":
-        raise RuntimeError(
-            "SGLANG_RELAX_FUSED_GDN_DECODE=1 on a CPU engine: Triton has no CPU backend. Set TRITON_INTERPRET=1 "
-            "as well (tests and debugging only: the interpreter is slow), or unset SGLANG_RELAX_FUSED_GDN_DECODE"
-        )
-    properties = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
-    if "num_vectorcore" in properties:
-        return TritonLaunch(num_programs=int(properties["num_vectorcore"]))
-    if "multiprocessor_count" in properties:
-        return TritonLaunch(num_programs=int(properties["multiprocessor_count"]) * _GPU_PROGRAMS_PER_SM,
-                            options=dict(_GPU_OPTIONS))
-    raise RuntimeError(
-        f"SGLANG_RELAX_FUSED_GDN_DECODE=1: the Triton driver for {device} reports neither num_vectorcore (Ascend) "
-        f"nor multiprocessor_count (NVIDIA) ({sorted(properties)}); unset the variable to use SGLang's own path"
-    )
+    try:
+        num_programs, options = platform_facts(device.type).triton_grid(device.index or 0)
+    except RuntimeError as error:
+        raise RuntimeError(f"SGLANG_RELAX_FUSED_GDN_DECODE=1 on {device}: {error}; or unset the variable") from error
+    return TritonLaunch(num_programs=num_programs, options=options)
 
 
 def conv_pool_as_channels_by_taps(conv_states: torch.Tensor, conv_dim: int, width: int) -> torch.Tensor | None:

@@ -55,6 +55,7 @@ class Platform:
     _load_memory_saver: Callable[[], Any] = field(repr=False)
     _prepare_megatron: Callable[[Mapping[str, Any]], None] = field(repr=False)
     _prepare_sglang: Callable[[], None] = field(repr=False)
+    _triton_grid: Callable[[int], tuple[int, dict]] = field(repr=False)
 
     @property
     def device_type(self) -> str:
@@ -108,6 +109,11 @@ class Platform:
     def prepare_sglang(self) -> None:
         """Everything that must happen before sglang is imported. Idempotent."""
         self._prepare_sglang()
+
+    def triton_grid(self, device_index: int) -> tuple[int, dict]:
+        """How relax's 1-D-grid Triton kernels launch on device `device_index`: (the most programs worth
+        launching, extra launch keywords such as num_warps). Raises where Triton cannot compile (the CPU)."""
+        return self._triton_grid(device_index)
 
     def device_count(self) -> int:
         return self.device_module.device_count()

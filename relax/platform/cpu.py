@@ -118,6 +118,13 @@ SGLANG_SERVER_DEFAULTS = {
     "disable_overlap_schedule": True,
 }
 
+def _triton_grid(device_index: int) -> tuple[int, dict]:
+    raise RuntimeError(
+        "Triton has no CPU backend: on the CPU its kernels run only interpreted (TRITON_INTERPRET=1, set before "
+        "the kernels are imported; slow, for tests and debugging)"
+    )
+
+
 PLATFORM = Platform(
     name="cpu",
     dist_backend="gloo",
@@ -138,4 +145,5 @@ PLATFORM = Platform(
     _load_memory_saver=lambda: NoMemorySaver,
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
+    _triton_grid=_triton_grid,
 )

@@ -65,6 +65,17 @@ def _device_module():
     return torch.cuda
 
 
+# On an H200 (docs/benchmarks.md, "GDN decode (H200)"): 16 resident programs per SM, 4 warps, 2 stages.
+_PROGRAMS_PER_SM = 16
+
+
+def _triton_grid(device_index: int) -> tuple[int, dict]:
+    import triton
+
+    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return properties["multiprocessor_count"] * _PROGRAMS_PER_SM, {"num_warps": 4, "num_stages": 2}
+
+
 PLATFORM = Platform(
     name="cuda",
     dist_backend="nccl",
@@ -85,4 +96,5 @@ PLATFORM = Platform(
     _load_memory_saver=_load_memory_saver,
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
+    _triton_grid=_triton_grid,
 )

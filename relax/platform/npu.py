@@ -122,6 +122,15 @@ def _device_module():
     return torch.npu
 
 
+def _triton_grid(device_index: int) -> tuple[int, dict]:
+    """One program per vector core (relax's kernels have no matrix-unit work) and no num_warps/num_stages,
+    as triton-ascend's porting rules ask. Unverified: no NPU was available."""
+    import triton
+
+    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
+    return int(properties["num_vectorcore"]), {}
+
+
 PLATFORM = Platform(
     name="npu",
     dist_backend="hccl",
@@ -140,4 +149,5 @@ PLATFORM = Platform(
     _load_memory_saver=_load_memory_saver,
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
+    _triton_grid=_triton_grid,
 )
