@@ -153,11 +153,13 @@ def _check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None
     """The actor is built from --hf-checkpoint's config.json; the checkpoint's tensors must fit it."""
     from relax.train.checkpoint import HF_FILES_DIR
     from relax.train.model import family_of, read_hf_config
+    from relax.train.model.checkpoint_layout import checkpoint_layout
 
     def architecture(hf: dict) -> dict:
-        fields = {"model_type": hf.get("model_type"), "vocab_size": hf.get("vocab_size")}
-        fields["tie_word_embeddings"] = hf.get("tie_word_embeddings", False)
-        return {**fields, **family_of(hf).config_fields(hf)}
+        text = checkpoint_layout(hf).text_config  # a vision-language checkpoint's language model
+        fields = {"model_type": hf.get("model_type"), "vocab_size": text.get("vocab_size")}
+        fields["tie_word_embeddings"] = text.get("tie_word_embeddings", False)
+        return {**fields, **family_of(text).config_fields(text)}
 
     saved = architecture(read_hf_config(actor_dir / HF_FILES_DIR))
     current = architecture(read_hf_config(hf_checkpoint))

@@ -25,6 +25,7 @@ import torch
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
 from relax.train.losses import LossSettings, aggregation_denominator, policy_loss
 from relax.train.model import build_gpt_model, load_hf_weights, read_hf_config, transformer_config, unwrap
+from relax.train.model.checkpoint_layout import checkpoint_layout
 from relax.train.offload import HostCopies
 from relax.train.process_groups import ReloadableGroups
 
@@ -224,7 +225,7 @@ class MegatronActor:
             batch,
             settings.micro_batch_size,
             settings.max_tokens_per_micro_batch,
-            pad_token_id=self.hf.get("pad_token_id") or 0,
+            pad_token_id=checkpoint_layout(self.hf).text_config.get("pad_token_id") or 0,
             uniform_shape=uniform_shape,
         )
 

@@ -149,3 +149,12 @@ def test_first_signal_asks_to_stop_second_abandons_and_handlers_are_restored(cap
     assert signal.getsignal(signal.SIGTERM) is before
     assert str(RunStopped(signal.SIGTERM, 4, None)) == "stopped by SIGTERM after step 4; no --save, nothing saved"
     assert str(RunStopped(signal.SIGINT, None, None)) == "stopped by SIGINT before its first step ended"
+
+
+def test_a_vision_language_checkpoint_is_compared_by_its_language_model(tmp_path):
+    model = build_tiny_model(tmp_path / "vl", "qwen3_5_vl")
+    wider = build_tiny_model(tmp_path / "vl_wider", "qwen3_5_vl", hidden_size=96)
+    fake_save(tmp_path / "saves", 1, model)
+    assert read_checkpoint(tmp_path / "saves", model, seed=1234, num_steps=4).next_step == 2
+    with pytest.raises(CheckpointError, match="hidden_size: 64 vs 96"):
+        read_checkpoint(tmp_path / "saves", wider, seed=1234, num_steps=4)
