@@ -7,6 +7,10 @@ sleep; resume the engines. The phases are plain functions below `run`.
 Debug modes run the same phases without one side: --debug-rollout-only creates no training actor (generate,
 score, save); --debug-train-only creates no engines and trains on rollouts replayed by --load-rollout-data.
 
+The driver waits on every phase through relax.ray.placement.wait_for, which also watches every actor of the
+run (and an engine's SGLang processes): a worker that dies fails the run within seconds, whichever phase
+the driver is waiting on.
+
 Weight push order: the actor pushes while awake (engines' weights resumed, their KV cache still
 released), then sleeps. Exporting from a sleeping actor's host copy, which would lower the peak by the
 actor's weights, is not built yet.
@@ -22,7 +26,9 @@ import ray
 import torch
 
 from relax.metrics import MetricsLog
-from relax.ray.placement import create_engine_actors, create_node_placement, create_training_actors, worker_failure
+from relax.ray.placement import (
+    create_engine_actors, create_node_placement, create_training_actors, wait_for, worker_failure,
+)
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import load_rollout_data, save_rollout_data
@@ -90,7 +96,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                     r.update_weight_buffer_size,
                 ),
             )
-            ray.get(trainers.call("sleep"))
+            wait_for(trainers.call("sleep"), placement)
         if not r.debug_train_only:
             engines = create_engine_actors(
                 EngineWorker, placement,
@@ -122,7 +128,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                         hand_devices_to_engines(engines, trainers, r)
             log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds})
         if trainers is not None and engines is not None:
-            ray.get(trainers.call("close_weight_sync"))  # the broadcast groups to engines on other nodes
+            wait_for(trainers.call("close_weight_sync"), placement)  # the broadcast groups to engines on other nodes
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
         raise worker_failure(error, [trainers, engines]) from error
     finally:
@@ -166,10 +172,10 @@ def generate_on_engines(engines, prompts: list[list[int]], sampling: SamplingCon
     """A `generate` (relax.rollout.rollout) over the engine actors: prompt i goes to engine i % len(engines),
     whose requests are seeded from sampling.seed + its index x the call's request count (an engine numbers
     its requests from its seed), so no two requests share a seed. Completions come back in prompt order."""
-    shares = ray.get([
+    shares = wait_for([
         engine.generate.remote(prompts[i :: len(engines)], offset_seed(sampling, i * len(prompts) * sampling.n))
         for i, engine in enumerate(engines.actors)
-    ])
+    ], engines.placement)
     completions = [None] * len(prompts)
     for i, share in enumerate(shares):
         completions[i :: len(engines)] = share
@@ -179,14 +185,15 @@ def generate_on_engines(engines, prompts: list[list[int]], sampling: SamplingCon
 def hand_devices_to_actor(engines, trainers) -> None:
     """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
     if engines is not None:
-        ray.get(engines.call("release_memory_occupation", ENGINE_MEMORY))
-    ray.get(trainers.call("wake"))
+        wait_for(engines.call("release_memory_occupation", ENGINE_MEMORY), engines.placement)
+    wait_for(trainers.call("wake"), trainers.placement)
 
 
 def train(trainers, samples: list[Sample], r) -> dict[str, float]:
     """Advantages; old-policy (and reference) logprobs and the optimizer steps on every rank; mean metrics."""
     batch = rollout_batch(samples, r)
-    return _mean_over_steps(ray.get(trainers.call("train", batch, r.global_batch_size, _uses_reference(r)))[0])
+    metrics = wait_for(trainers.call("train", batch, r.global_batch_size, _uses_reference(r)), trainers.placement)
+    return _mean_over_steps(metrics[0])
 
 
 def hand_devices_to_engines(engines, trainers, r) -> list[dict] | None:
@@ -195,13 +202,14 @@ def hand_devices_to_engines(engines, trainers, r) -> list[dict] | None:
     by broadcast: it is told every engine's node. Returns each rank's push report (TrainWorker.push_weights).
     Under --debug-train-only there are no engines: the actor only sleeps."""
     if engines is None:
-        ray.get(trainers.call("sleep"))
+        wait_for(trainers.call("sleep"), trainers.placement)
         return None
-    ray.get(engines.call("resume_memory_occupation", ["weights"]))
+    wait_for(engines.call("resume_memory_occupation", ["weights"]), engines.placement)
     engine_nodes = [bundle.node_id for bundle in engines.bundles]
-    reports = ray.get(trainers.call("push_weights", engines.actors, r.rollout_num_devices_per_engine, engine_nodes))
-    ray.get(trainers.call("sleep"))
-    ray.get(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]))
+    push = trainers.call("push_weights", engines.actors, r.rollout_num_devices_per_engine, engine_nodes)
+    reports = wait_for(push, trainers.placement)
+    wait_for(trainers.call("sleep"), trainers.placement)
+    wait_for(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]), engines.placement)
     return reports
 
 
@@ -209,7 +217,7 @@ def resume_actor(checkpoint, engines, trainers, r) -> None:
     """Load the actor's checkpoint (awake, the engines' memory released) and push its weights to the engines,
     which started from --hf-checkpoint."""
     hand_devices_to_actor(engines, trainers)
-    ray.get(trainers.call("load_checkpoint", str(checkpoint.actor_dir)))
+    wait_for(trainers.call("load_checkpoint", str(checkpoint.actor_dir)), trainers.placement)
     hand_devices_to_engines(engines, trainers, r)
 
 

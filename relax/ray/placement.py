@@ -23,14 +23,15 @@ import ipaddress
 import os
 import socket
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from relax.platform import Platform
 from relax.ray.runtime_env import worker_env_vars
+from relax.ray.watch import ProcessWatcher, process_records
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -41,6 +42,8 @@ ENGINE_RANK_ENV = "RELAX_ENGINE_RANK"
 NUM_ENGINES_ENV = "RELAX_NUM_ENGINES"
 ENGINE_DEVICES_ENV = "RELAX_ENGINE_DEVICES"  # logical indices of all of an engine's devices, comma-separated
 _PER_ACTOR_ENV = (LOCAL_DEVICE_ENV, ENGINE_RANK_ENV, NUM_ENGINES_ENV, ENGINE_DEVICES_ENV)
+
+_WAIT_POLL_S = 1.0
 
 # What a probe takes of its bundle: enough to be given the bundle's device, little enough to fit beside
 # anything (Ray counts resources in units of 1e-4).
@@ -76,6 +79,8 @@ class Placement:
     bundles: list[Bundle]  # ordered by node (IP, then node id), then device
     master_addr: str  # for torch.distributed: the node of the first bundle
     master_port: int  # a port that was free on that node when the placement was made
+    # The ActorGroups placed here and not killed: wait_for(refs, placement) watches their actors.
+    groups: list = field(default_factory=list, repr=False)
 
     @property
     def num_devices(self) -> int:
@@ -283,8 +288,11 @@ class ActorGroup:
             ).remote(*args, **(kwargs or {}))
             for bundle, env in zip(self.bundles, envs)
         ]
-        # Asked now, answered once each actor is up (after its __init__); read only to name a failed actor.
+        # Asked now, answered once each actor is up (after its __init__): to name a failed actor, and the
+        # processes the liveness watch polls.
         self._whereabouts = [actor.__ray_call__.remote(_whereabouts) for actor in self.actors]
+        self._watches: dict = {}  # watch ref -> its ProcessWatcher, one per node (started by watch())
+        placement.groups.append(self)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -294,8 +302,38 @@ class ActorGroup:
         return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
 
     def kill(self) -> None:
+        for watcher in self._watches.values():  # first: they would report the actors' deaths
+            ray.kill(watcher)
         for actor in self.actors:
             ray.kill(actor)
+        if self in self.placement.groups:
+            self.placement.groups.remove(self)
+
+    def watch(self) -> list:
+        """Refs that stay pending while every actor of the group runs, with the processes it cannot work
+        without (relax.ray.watch); one per node, it completes within about a second of such a process's
+        end. Started at the first call (a ProcessWatcher actor on each node, no CPU taken), ended by kill()."""
+        if not self._watches:
+            for node_id in dict.fromkeys(bundle.node_id for bundle in self.bundles):
+                indices = [index for index, bundle in enumerate(self.bundles) if bundle.node_id == node_id]
+                watcher = ray.remote(ProcessWatcher).options(
+                    num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+                ).remote()
+                self._watches[watcher.watch.remote(indices, *(self._whereabouts[i] for i in indices))] = watcher
+        return list(self._watches)
+
+    def watch_failure(self, ref) -> "WorkerFailed":
+        """What a completed watch ref of this group (from watch()) says: which actor is gone, or why the
+        watch itself ended."""
+        try:
+            gone = ray.get(ref)
+        except ray.exceptions.RayError as error:  # an actor died in its __init__, or the watcher died
+            failure = worker_failure(error, [self])
+            if isinstance(failure, WorkerFailed):
+                return failure
+            return WorkerFailed(f"the liveness watch of the {self.role}s on one node ended (the node lost?): {error}")
+        what = "its process" if gone["own"] else f"its process {gone['title']!r}"
+        return WorkerFailed(f"{self.describe(gone['index'])} failed: {what} (pid {gone['pid']}) {gone['state']}")
 
     def describe(self, index: int) -> str:
         """`engine 0 (EngineWorker, pid 123 on 10.0.0.1; log: .../worker-...-123.err, .out beside it)`, as far
@@ -317,17 +355,39 @@ class ActorGroup:
 
 
 def _whereabouts(actor) -> dict:
-    """Where the actor this runs in (through Ray's __ray_call__) runs and logs. Ray points an actor's
-    stdout and stderr at its log files, worker-<id>-<job>-<pid>.out and .err."""
+    """Where the actor this runs in (through Ray's __ray_call__) runs and logs, and the processes the
+    liveness watch polls: its own, then those its `watched_child_pids()` names, if it has that method
+    (relax.ray.watch). Ray points an actor's stdout and stderr at its log files, worker-<id>-<job>-<pid>.out
+    and .err."""
     try:
         log = os.readlink("/proc/self/fd/2")
     except OSError:
         log = ""
+    children = actor.watched_child_pids() if hasattr(actor, "watched_child_pids") else []
     return {
         "pid": os.getpid(),
         "node_ip": ray.util.get_node_ip_address(),
         "log": log.removesuffix(".err") if log.endswith(".err") else "",
+        "processes": process_records([os.getpid(), *children]),
     }
+
+
+def wait_for(refs: list, placement: Placement) -> list:
+    """ray.get(refs), while watching the actors of every group on `placement` (ActorGroup.watch): raises
+    WorkerFailed as soon as one of them is gone, instead of waiting on refs that may never complete, or
+    complete only for the driver to meet the dead worker at its next call, a phase later. A ref that
+    fails raises as ray.get raises it, at once."""
+    watches = {ref: group for group in placement.groups for ref in group.watch()}
+    pending = list(refs)
+    while pending:
+        # With a timeout, the driver's Python signal handlers run between the waits.
+        ready, _ = ray.wait(pending + list(watches), num_returns=1, timeout=_WAIT_POLL_S)
+        for ref in ready:
+            if ref in watches:
+                raise watches[ref].watch_failure(ref)
+            ray.get(ref)
+            pending.remove(ref)
+    return ray.get(refs)
 
 
 def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:

@@ -7,8 +7,6 @@ sglang.srt.utils.kill_itself_when_parent_died), so they end with this actor's pr
 one: relax needs no watchdog of its own for them.
 """
 
-import os
-
 from relax.ray.placement import local_device_index
 from relax.rollout.engine import RolloutEngine
 
@@ -26,9 +24,11 @@ class EngineWorker:
             enable_memory_saver=enable_memory_saver,
         )
 
-    def pids(self) -> list[int]:
-        """This actor's process and the engine's scheduler/detokenizer processes."""
-        return [os.getpid(), *self.engine.child_pids]
+    def watched_child_pids(self) -> list[int]:
+        """The engine's scheduler and detokenizer processes, for the driver's liveness watch
+        (relax.ray.watch): a SIGKILLed scheduler ends nothing else, and the engine would notice only at
+        its next call."""
+        return self.engine.child_pids
 
     def generate(self, prompts: list[list[int]], sampling):
         return self.engine.generate(prompts, sampling)

@@ -1,0 +1,68 @@
+"""Liveness watch of placed actors: one ProcessWatcher actor per node and actor group polls the processes of
+the group's actors on its node, and its `watch` call returns as soon as one of them is gone.
+
+The driver waits on a phase's refs and on these watch refs together (relax.ray.placement.wait_for), so a
+worker that dies is reported within seconds, whatever phase the driver is waiting on, not at the driver's
+next call on that worker (which may come a whole phase later).
+
+Why a watcher process rather than a watch method in each worker's own concurrency group: in a sync Ray actor
+with any concurrency group, every method runs on a pool thread instead of the main thread that ran
+__init__ (measured on Ray 2.60), and a thread-local device selection (torch.cuda.set_device, NPU alike)
+made in __init__ would not hold in the worker's methods.
+
+A worker class may say which processes besides its own it cannot work without by a method
+`watched_child_pids() -> list[int]` (EngineWorker: SGLang's scheduler and detokenizer, which a SIGKILL
+ends without the engine actor noticing until its next call).
+"""
+
+import time
+
+import psutil
+
+POLL_S = 1.0
+
+
+def process_records(pids: list[int]) -> list[dict]:
+    """pid, start time (so a reused pid is not taken for the process) and title of each process."""
+    records = []
+    for pid in pids:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            title = " ".join(process.cmdline()) or process.name()
+            records.append({"pid": pid, "created": process.create_time(), "title": title[:60]})
+    return records
+
+
+def process_state(record: dict) -> str | None:
+    """None while the recorded process runs, else what became of it."""
+    try:
+        process = psutil.Process(record["pid"])
+        if process.create_time() != record["created"]:
+            return "exited (its pid now belongs to another process)"
+        if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            return "exited (a zombie now)"
+    except psutil.NoSuchProcess:
+        return "exited"
+    return None
+
+
+class ProcessWatcher:
+    """Runs on one node (a Ray actor); watches the processes of actors that run there."""
+
+    def watch(self, indices: list[int], *whereabouts: dict) -> dict:
+        """Return when a process of actor `indices[k]` (`whereabouts[k]["processes"]`, its own first) is
+        gone: that actor's index, the process and what became of it. Never returns while all run.
+
+        The whereabouts are Ray refs resolved before this starts: an actor that died in its __init__ makes
+        this call fail with that actor's error."""
+        watched = [
+            (index, record, position == 0)
+            for index, where in zip(indices, whereabouts, strict=True)
+            for position, record in enumerate(where["processes"])
+        ]
+        while True:
+            for index, record, own in watched:
+                state = process_state(record)
+                if state is not None:
+                    return {"index": index, "own": own, **record, "state": state}
+            time.sleep(POLL_S)

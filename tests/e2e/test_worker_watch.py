@@ -1,0 +1,133 @@
+"""The liveness watch (relax.ray.watch, wait_for in relax.ray.placement) on a real two-node Ray cluster on this
+machine (two_node_cluster, tests/e2e/conftest.py): while the driver waits on one group's slow calls, an actor
+of another group (one with no call pending, so only the watch can notice) or a child process an actor
+depends on is killed, and the wait fails at once, naming the actor, its pid, node and log.
+
+The bound on each wait is a hang guard (the slow calls take 60 s; a wait that ends well before them ended
+because of the death), not a timing test."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+
+from relax.platform import platform_facts
+from relax.ray.placement import WorkerFailed, create_engine_actors, create_placement, create_training_actors, wait_for
+
+SLOW_CALL_S = 60
+HANG_GUARD_S = 30
+
+
+class Sleeper:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def sleep(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def fail(self):
+        raise ValueError("this call fails")
+
+
+class ChildKeeper(Sleeper):
+    """Like EngineWorker with SGLang's scheduler: a child process it cannot work without."""
+
+    def __init__(self):
+        # The child ends when this actor does (it polls for its parent), so a killed actor leaves none.
+        self.child = subprocess.Popen([sys.executable, "-c", (
+            "import os, time\nparent = os.getppid()\nwhile os.getppid() == parent:\n    time.sleep(0.2)"
+        )])
+
+    def watched_child_pids(self) -> list[int]:
+        return [self.child.pid]
+
+
+class DiesInInit:
+    def __init__(self):
+        os._exit(1)
+
+
+# Workers cannot import this test module: Ray ships its classes by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def placement(two_node_cluster):
+    """One CPU bundle on each of the two nodes; the groups made on it are killed afterwards."""
+    placement = create_placement(platform_facts("cpu"), num_devices=2, strategy="STRICT_SPREAD")
+    yield placement
+    for group in list(placement.groups):
+        group.kill()
+    placement.remove()
+
+
+def _kill_soon(pid: int, delay_s: float = 2.0) -> None:
+    """SIGKILL `pid` a moment from now, while the test's driver waits."""
+    threading.Timer(delay_s, os.kill, (pid, signal.SIGKILL)).start()
+
+
+def _waited_failure(refs, placement) -> tuple[str, float]:
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as failure:
+        wait_for(refs, placement)
+    return str(failure.value), time.monotonic() - start
+
+
+def test_wait_returns_the_results_and_raises_a_failed_call_as_ray_get_does(placement):
+    ranks = create_training_actors(Sleeper, placement)
+    assert wait_for(ranks.call("sleep", 0.1), placement) == [0.1, 0.1]
+    with pytest.raises(ray.exceptions.RayTaskError, match="this call fails"):
+        wait_for(ranks.call("fail"), placement)
+
+
+def test_an_actor_of_an_idle_group_killed_during_another_groups_call_fails_the_wait_naming_it(placement):
+    ranks = create_training_actors(Sleeper, placement)
+    engines = create_engine_actors(Sleeper, placement, devices_per_engine=1)
+    pids = wait_for(engines.call("pid"), placement)
+    _kill_soon(pids[1])  # engine 1 runs on the second node
+    message, waited = _waited_failure(ranks.call("sleep", SLOW_CALL_S), placement)
+    assert waited < HANG_GUARD_S, f"the wait ended {waited:.0f} s after it began: {message}"
+    assert message.startswith(f"engine 1 (Sleeper, pid {pids[1]} on "), message
+    assert f"failed: its process (pid {pids[1]}) exited" in message, message
+    assert "log: " in message and ".err" in message, message
+
+
+def test_a_dead_child_process_of_an_actor_fails_the_wait_naming_the_actor_and_the_process(placement):
+    ranks = create_training_actors(Sleeper, placement)
+    engines = create_engine_actors(ChildKeeper, placement, devices_per_engine=1)
+    actor_pids = wait_for(engines.call("pid"), placement)
+    (child_pid,) = ray.get(engines.actors[0].watched_child_pids.remote())
+    _kill_soon(child_pid)
+    message, waited = _waited_failure(ranks.call("sleep", SLOW_CALL_S), placement)
+    assert waited < HANG_GUARD_S, f"the wait ended {waited:.0f} s after it began: {message}"
+    assert message.startswith(f"engine 0 (ChildKeeper, pid {actor_pids[0]} on "), message
+    assert "failed: its process '" in message and f"(pid {child_pid}) exited" in message, message
+
+
+def test_an_actor_that_dies_in_its_init_fails_the_wait_naming_it(placement):
+    ranks = create_training_actors(Sleeper, placement)
+    create_engine_actors(DiesInInit, placement, devices_per_engine=1)
+    message, waited = _waited_failure(ranks.call("sleep", SLOW_CALL_S), placement)
+    assert waited < HANG_GUARD_S, f"the wait ended {waited:.0f} s after it began: {message}"
+    assert re.match(r"engine [01] \(DiesInInit, actor id \w+\) failed: ", message), message
+    assert "died" in message, message
+
+
+def test_kill_ends_the_watchers_too(placement):
+    ranks = create_training_actors(Sleeper, placement)
+    watches = ranks.watch()
+    assert len(watches) == 2  # one watcher per node
+    ranks.kill()
+    ended, _ = ray.wait(watches, num_returns=len(watches), timeout=HANG_GUARD_S)
+    assert len(ended) == len(watches)
+    for watch in watches:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(watch)
+    assert placement.groups == []
