@@ -27,9 +27,18 @@ class RMSNorm(torch.nn.Module):
     """RMSNorm computed in float32: x / rms(x) * (1 + weight) with zero-centred gamma, else * weight.
 
     Takes megatron's norm arguments (config, hidden_size, eps). `zero_centered_gamma=None` follows
-    config.layernorm_zero_centered_gamma; a spec's params can fix it (the GDN output norm does)."""
+    config.layernorm_zero_centered_gamma; a spec's params can fix it (the GDN output norm does). `tp_local_heads=True`:
+    the norm sees only this tensor-parallel rank's heads (the GDN output norm), so the weight's gradient is summed
+    over the TP ranks in backward."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-6, zero_centered_gamma: bool | None = None):
+    def __init__(
+        self,
+        config,
+        hidden_size: int,
+        eps: float = 1e-6,
+        zero_centered_gamma: bool | None = None,
+        tp_local_heads: bool = False,
+    ):
         super().__init__()
         self.eps = eps
         self.zero_centered_gamma = (
@@ -37,13 +46,31 @@ class RMSNorm(torch.nn.Module):
         )
         initial = torch.zeros if self.zero_centered_gamma else torch.ones
         self.weight = torch.nn.Parameter(initial(hidden_size, dtype=config.params_dtype))
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+        if tp_local_heads:
+            # finalize_model_grads sums a replicated weight's gradient over TP only under sequence parallelism (and
+            # q/k_layernorm by name): without it each rank kept its own heads' part and the replicas drifted apart.
+            # Summed here in backward instead, in both cases, so finalize_model_grads must not sum it again.
+            setattr(self.weight, "sequence_parallel", False)
+            self.weight.register_hook(_sum_over_tensor_parallel_ranks)
+        else:
+            setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         scale = 1.0 + self.weight.float() if self.zero_centered_gamma else self.weight.float()
         return (normed * scale).to(x.dtype)
+
+
+def _sum_over_tensor_parallel_ranks(grad: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return grad
+    grad = grad.clone()
+    torch.distributed.all_reduce(grad, group=group)
+    return grad
 
 
 def refuse_packed_rows(attention_mask: torch.Tensor) -> None:
@@ -87,7 +114,7 @@ def gated_delta_net_spec():
         module=_one_sequence_per_row_gated_delta_net(),
         submodules=GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear,
-            out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False}),
+            out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False, "tp_local_heads": True}),
             out_proj=RowParallelLinear,
         ),
     )
