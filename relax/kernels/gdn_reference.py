@@ -300,8 +300,11 @@ def _chunked_steps(q, k, v, g, beta, state, chunk_size):
 
     cum = g.cumsum(-1)
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    # e^(c_t - c_s) for s <= t; masked before exp so no overflow from the upper triangle.
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    # segment[t, s] = c_t - c_s (s <= t) summed over g_(s+1..t) itself, down the rows of g_i kept below the diagonal:
+    # the difference of two cumulative sums is off by ulps of c, which with per-token gates of -1e3 (chunk sums of
+    # -1e5, fp32) made decays off by percents and gate gradients off by up to 4x (test_gdn_reference_gradients.py).
+    segment = g[..., :, None].expand(*g.shape, chunk_size).masked_fill(~causal.tril(-1), 0.0).cumsum(-2)
+    decay = segment.masked_fill(~causal, float("-inf")).exp()  # masked: no overflow from the upper triangle
     system = torch.eye(chunk_size, device=q.device) + (beta[..., None] * (k @ k.transpose(-1, -2)) * decay).tril(-1)
     # One solve for both right-hand sides: A U = beta v and A W = beta e^c k.
     u_values, u_state = torch.linalg.solve_triangular(
@@ -309,7 +312,7 @@ def _chunked_steps(q, k, v, g, beta, state, chunk_size):
         unitriangular=True).split([v.shape[-1], k.shape[-1]], dim=-1)
     attn = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    k_to_end = k * decay[..., -1, :, None]  # e^(c_last - c_s)
 
     outputs = []
     for c in range(num_chunks):
