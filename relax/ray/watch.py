@@ -28,7 +28,8 @@ def process_records(pids: list[int]) -> list[dict]:
     for pid in pids:
         process = psutil.Process(pid)
         with process.oneshot():
-            title = " ".join(process.cmdline()) or process.name()
+            # Whitespace collapsed: setproctitle pads titles (sglang::scheduler) with spaces.
+            title = " ".join(" ".join(process.cmdline()).split()) or process.name()
             records.append({"pid": pid, "created": process.create_time(), "title": title[:60]})
     return records
 

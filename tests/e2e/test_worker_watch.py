@@ -77,7 +77,9 @@ def _waited_failure(refs, placement) -> tuple[str, float]:
     start = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
         wait_for(refs, placement)
-    return str(failure.value), time.monotonic() - start
+    waited = time.monotonic() - start
+    print(f"after {waited:.1f} s: {failure.value}")
+    return str(failure.value), waited
 
 
 def test_wait_returns_the_results_and_raises_a_failed_call_as_ray_get_does(placement):
