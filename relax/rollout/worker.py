@@ -4,7 +4,8 @@ The engine's first device is the actor's logical device index (RELAX_LOCAL_DEVIC
 The methods are the engine wrapper's, so the driver and the training ranks call them through Ray.
 SGLang's scheduler and detokenizer ask the kernel to SIGKILL them when their parent dies (PR_SET_PDEATHSIG,
 sglang.srt.utils.kill_itself_when_parent_died), so they end with this actor's process, even a SIGKILLed
-one: relax needs no watchdog of its own for them.
+one: relax needs no watchdog of its own for them. Their own death is reported by the driver's liveness
+watch (relax.ray.watch), which polls the processes watched_child_pids names.
 """
 
 from relax.ray.placement import local_device_index
