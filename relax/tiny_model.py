@@ -142,6 +142,12 @@ def build_tiny_model(out_dir: str | Path, family: str = "qwen3", seed: int = 0, 
         config = config_cls(**{**_COMMON, **family_fields, **config_overrides}, **token_ids)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
+    # HF initialises the pad token's embedding row to zeros (padding_idx); released checkpoints have a trained one.
+    # A zero row sampled into a response meets RMSNorm at zero, whose gradient there is 1/sqrt(eps) = 1000x: the
+    # actor's first gradient norm was 1e3 (tiny) to 1e7 (300M), all in that row. So it is drawn like the others.
+    with torch.no_grad():
+        pad_row = model.get_input_embeddings().weight[tokenizer.pad_token_id]
+        pad_row.normal_(0.0, config.get_text_config().initializer_range)
     model.save_pretrained(out_dir, safe_serialization=True)
     if family in VISION_LANGUAGE_FAMILIES:
         _lay_out_as_released(out_dir / "model.safetensors", config.text_config)
