@@ -10,9 +10,10 @@ import subprocess
 import sys
 import textwrap
 
-import torch
 
 from relax.tiny_model import build_tiny_model
+
+from hf_reference import hf_greedy
 
 PROMPTS = [[5, 17, 30, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48], [12]]
 NEW_TOKENS = 12
@@ -49,20 +50,6 @@ ENGINE_SCRIPT = textwrap.dedent(
 )
 
 
-def _hf_greedy(model_dir, prompts):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 def test_engine_greedy_equals_hf_and_shutdown_leaves_no_process(tmp_path):
     model_dir = build_tiny_model(tmp_path / "qwen3", family="qwen3")
     run = subprocess.run(
@@ -73,6 +60,6 @@ def test_engine_greedy_equals_hf_and_shutdown_leaves_no_process(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-5000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["output_ids"] == _hf_greedy(model_dir, PROMPTS)
+    assert result["output_ids"] == [ids for ids, _ in hf_greedy(model_dir, PROMPTS, NEW_TOKENS)]
     assert result["started"], "the engine should run its scheduler in child processes"
     assert result["alive_after_shutdown"] == [], "SGLang processes left running after shutdown"

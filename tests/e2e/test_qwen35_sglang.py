@@ -16,9 +16,10 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from relax.tiny_model import build_tiny_model
+
+from hf_reference import hf_greedy
 
 PROMPTS = [[5, 17], [40, 41, 42, 43, 44, 45, 46, 47, 48], [3 + (7 * i) % 50 for i in range(131)]]
 NEW_TOKENS = 6
@@ -64,22 +65,7 @@ ENGINE_SCRIPT = textwrap.dedent(
 
 
 def _hf_greedy(model_dir):
-    """HF's greedy continuation of each prompt and the logprob of each chosen token (float32, no cache reuse
-    across prompts)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in PROMPTS:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                output_logits=True, return_dict_in_generate=True,
-            )
-        ids = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[token].item() for step, token in zip(out.logits, ids)]
-        outputs.append({"ids": ids, "logprobs": logprobs})
-    return outputs
+    return [{"ids": ids, "logprobs": logprobs} for ids, logprobs in hf_greedy(model_dir, PROMPTS, NEW_TOKENS)]
 
 
 def _assert_same_generation(engine_out, hf_out, what):

@@ -16,7 +16,6 @@ import json
 import shutil
 
 import pytest
-import torch
 import transformers
 
 from relax.platform import get_platform
@@ -25,6 +24,7 @@ from relax.tiny_model import build_tiny_model
 from relax.train.model import read_hf_config
 from relax.train.model.checkpoint_layout import trained_names
 
+from hf_reference import hf_greedy
 from spawned_ranks import SpawnedRanks
 
 PROMPTS = [[5, 17], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
@@ -67,25 +67,9 @@ def checkpoints(request, tmp_path_factory):
     return {"first": first, "second": second, "served": served, "exported": exported}
 
 
-def _hf_greedy(model_dir):
-    """HF's vision-language model's greedy continuation of each text-only prompt and each token's logprob, one
-    whole forward per token (generate's min_new_tokens would hide the EOS token, which SGLang's ignore_eos keeps)."""
-    model = transformers.AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in PROMPTS:
-        ids, logprobs = list(prompt), []
-        with torch.no_grad():
-            for _ in range(NEW_TOKENS):
-                step = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1], -1)
-                ids.append(int(step.argmax()))
-                logprobs.append(step[ids[-1]].item())
-        outputs.append((ids[len(prompt):], logprobs))
-    return outputs
-
-
 def _assert_generates_like_hf(engine, model_dir, what):
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    for prompt, (completion,), (ids, logprobs) in zip(PROMPTS, engine.generate(PROMPTS, greedy), _hf_greedy(model_dir)):
+    for prompt, (completion,), (ids, logprobs) in zip(PROMPTS, engine.generate(PROMPTS, greedy), hf_greedy(model_dir, PROMPTS, NEW_TOKENS, transformers.AutoModelForImageTextToText)):
         assert completion.token_ids == ids, f"{what}: greedy tokens differ for the {len(prompt)}-token prompt"
         diff = max(abs(a - b) for a, b in zip(completion.logprobs, logprobs))
         assert diff <= LOGPROB_TOLERANCE, f"{what}: logprobs of the {len(prompt)}-token prompt differ by {diff:.2e}"
