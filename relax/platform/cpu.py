@@ -105,8 +105,15 @@ SGLANG_SERVER_DEFAULTS = {
     "attention_backend": "torch_native",  # the only attention backend with a CPU path without sgl-kernel
     "disable_cuda_graph": True,
     "skip_server_warmup": True,
-    # The default (0.719) makes a 14 GB KV cache and a 51 s start; 0.05 is plenty for tiny models.
-    "mem_fraction_static": 0.05,
+    # SGLang sizes its pools from the host's free memory, measured before and after loading the weights: the
+    # pools get what is left of mem_fraction_static x (free memory before), and a start fails ("Loaded weights
+    # leave no GPU memory", "Not enough GPU memory for hybrid ... state cache") when other processes took more
+    # than that meanwhile (a second engine, a training rank, parallel jobs). At 0.05 that margin (about 1 GB)
+    # was seen to run out; 0.25 leaves several GB, and the two caps below keep the pools small (SGLang's
+    # default fraction, 0.719, made a 14 GB KV cache and a 51 s start).
+    "mem_fraction_static": 0.25,
+    "max_total_tokens": 65536,
+    "max_mamba_cache_size": 512,  # Qwen3.5 / Qwen3-Next state slots (about 3 per running request)
     # With "auto", one prompt of a batch diverged from HF's greedy tokens; float32 matches exactly.
     "dtype": "float32",
     # Hybrid GDN / mamba models (Qwen3.5, Qwen3-Next): SGLang 0.5.23 picks the radix cache's "extra_buffer"
