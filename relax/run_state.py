@@ -60,14 +60,14 @@ def sampling_seed(seed: int, step: int) -> int:
 def save(save_dir: str | Path, step: int, trainers, loader, seed: int) -> Path:
     """Save the state after `step`: the actor's checkpoint (collective over the training ranks, which must be
     awake), then the loop's state, then `latest`. Returns the step directory."""
-    import ray
+    from relax.ray.placement import wait_for
 
     directory = Path(save_dir) / step_dir_name(step)
     partial = directory.with_name(directory.name + PARTIAL_SUFFIX)
     if partial.exists():  # left by a save that did not finish
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    ray.get(trainers.call("save_checkpoint", str(partial / ACTOR_DIR), step))
+    wait_for(trainers.call("save_checkpoint", str(partial / ACTOR_DIR), step), trainers.placement)
     state = {"next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None}
     _write_atomically(partial / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
     if directory.exists():  # this step saved before (a resumed run saving into the same directory)

@@ -96,6 +96,8 @@ class ActorSaves:
     """Stands in for the training actors' group: `call("save_checkpoint", dir, step)` writes what a real save
     writes there (an empty dist-checkpoint metadata, the HF config), or fails like a crash mid-save."""
 
+    placement = SimpleNamespace(groups=[])  # no actors for wait_for to watch
+
     def __init__(self, model_dir):
         self.model_dir, self.fail = model_dir, False
 
