@@ -56,26 +56,10 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
     stop = stop or StopOnSignal()  # not entered: never signalled
     checkpoint = read_checkpoint(r.load, r.hf_checkpoint, r.seed, r.num_steps) if r.load else None
     from relax.platform import get_platform
-    from transformers import AutoTokenizer
 
     platform = get_platform(r.device)
-    tokenizer = AutoTokenizer.from_pretrained(r.hf_checkpoint)
-    loader = reward_fn = None  # replayed rollouts (--load-rollout-data) need neither
-    if not r.load_rollout_data:
-        prompts, report = load_prompts(_data_config(r), tokenizer)
-        print(report.summary(), flush=True)
-        loader = PromptLoader(prompts, seed=r.seed, shuffle=r.rollout_shuffle)
-        if checkpoint is not None:
-            loader = checkpoint.loader(prompts)
-        reward_fn = load_reward_fn(r.reward_fn)
-    sampling = SamplingConfig(
-        n=r.n_samples_per_prompt,
-        temperature=r.rollout_temperature,
-        top_p=r.rollout_top_p,
-        top_k=r.rollout_top_k,
-        max_new_tokens=r.rollout_max_response_len,
-        stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
-    )
+    loader, reward_fn = _prompt_loader_and_reward(r, checkpoint)
+    sampling = _sampling_config(r)
     memory_saver_on = r.colocate and platform.has_memory_saver
 
     started_ray = _init_ray()
@@ -287,6 +271,30 @@ def refuse_unbuilt_settings(r) -> None:
             + "; ".join(asked)
         )
 
+
+
+def _prompt_loader_and_reward(r, checkpoint):
+    """The prompt loader (at the checkpoint's position when resuming) and the reward function; neither is
+    needed when rollouts are replayed (--load-rollout-data)."""
+    if r.load_rollout_data:
+        return None, None
+    from transformers import AutoTokenizer
+
+    prompts, report = load_prompts(_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
+    print(report.summary(), flush=True)
+    loader = checkpoint.loader(prompts) if checkpoint else PromptLoader(prompts, seed=r.seed, shuffle=r.rollout_shuffle)
+    return loader, load_reward_fn(r.reward_fn)
+
+
+def _sampling_config(r) -> SamplingConfig:
+    return SamplingConfig(
+        n=r.n_samples_per_prompt,
+        temperature=r.rollout_temperature,
+        top_p=r.rollout_top_p,
+        top_k=r.rollout_top_k,
+        max_new_tokens=r.rollout_max_response_len,
+        stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
+    )
 
 
 def _data_config(r) -> PromptDataConfig:
