@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import psutil
 
+from relax.ports import free_port
+
 # Environment of every node and of every client of the cluster (drivers, job submission).
 # Token auth is off explicitly: with RAY_AUTH_MODE unset, `ray start` turns it on as soon as an earlier
 # ray.init() has left ~/.ray/auth_token behind, and clients then fail with "Authentication required".
@@ -33,13 +34,6 @@ CLUSTER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
 
 _STARTED_LINE = "Ray runtime started"
 _START_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LocalCluster:

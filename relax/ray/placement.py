@@ -21,7 +21,6 @@ get the logical index of their first device (SGLang's base_gpu_id) and of all of
 
 import ipaddress
 import os
-import socket
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from relax.platform import Platform
+from relax.ports import free_port
 from relax.ray.runtime_env import worker_env_vars
 from relax.ray.watch import ProcessWatcher, process_records
 
@@ -123,9 +123,7 @@ class _BundleProbe:
         }
 
     def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
+        return free_port(host="")  # torch.distributed's master port: ranks on other nodes connect to it
 
 
 def bundle_sort_key(bundle: Bundle) -> tuple:

@@ -23,7 +23,6 @@ Two things differ from calling sglang.Engine directly:
 import asyncio
 import logging
 import signal
-import socket
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from relax.ports import free_port
 from relax.sync import bucket as weight_bucket
 from relax.train.model.checkpoint_layout import per_expert_shapes, trained_names
 
@@ -103,12 +103,6 @@ class Completion:
     text: str  # the response decoded without special tokens
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in the safetensors files of a local HF checkpoint (headers only), fused
     experts tensors per expert, as relax sends them (relax/train/model/checkpoint_layout.py)."""
@@ -176,8 +170,8 @@ class RolloutEngine:
             "tp_size": tp_size,
             "base_gpu_id": base_gpu_id,
             "enable_memory_saver": enable_memory_saver,
-            "port": port or _free_port(),
-            "nccl_port": nccl_port or _free_port(),
+            "port": port or free_port(),
+            "nccl_port": nccl_port or free_port(),
             "custom_sigquit_handler": _log_child_failure,
         }
         user_fields = _explicit_fields(server_args)

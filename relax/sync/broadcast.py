@@ -22,22 +22,16 @@ by close().
     routes.close()                 # at shutdown
 """
 
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
 
+from relax.ports import free_port
 from relax.sync.bucket import bucket_dtypes, bucket_specs, flatten_bucket, serialize_flattened
 
 SAME_NODE = "same_node"
 BROADCAST = "broadcast"
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class BroadcastGroup:
@@ -66,7 +60,7 @@ class BroadcastGroup:
         # so both ends agree on the rendezvous (a TCP store on this node, keys prefixed by the group name).
         from sglang.srt.utils import init_custom_process_group
 
-        address, port = ray.util.get_node_ip_address(), _free_port()
+        address, port = ray.util.get_node_ip_address(), free_port(host="")
         joins = [
             engine.init_weights_update_group.remote(
                 address, port, 1 + index * self.engine_tp_size, self.world_size, self.name, self.platform.dist_backend
