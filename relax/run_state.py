@@ -29,6 +29,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax.files import write_text_atomically
+
 LATEST = "latest"
 PARTIAL_SUFFIX = ".partial"  # a step directory while it is written
 RUN_STATE_FILE = "run.json"
@@ -69,21 +71,12 @@ def save(save_dir: str | Path, step: int, trainers, loader, seed: int) -> Path:
     partial.mkdir(parents=True)
     wait_for(trainers.call("save_checkpoint", str(partial / ACTOR_DIR), step), trainers.placement)
     state = {"next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None}
-    _write_atomically(partial / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
+    write_text_atomically(partial / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
     if directory.exists():  # this step saved before (a resumed run saving into the same directory)
         shutil.rmtree(directory)
     os.replace(partial, directory)
-    _write_atomically(Path(save_dir) / LATEST, directory.name + "\n")
+    write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
     return directory
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
 
 
 @dataclass(frozen=True)

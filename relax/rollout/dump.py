@@ -21,9 +21,9 @@ run that dies mid-write leaves no half file under the step's name.
 
 import json
 import math
-import os
 from pathlib import Path
 
+from relax.files import write_text_atomically
 from relax.rollout.data import Prompt
 from relax.rollout.groups import Sample, group_by_prompt
 
@@ -93,9 +93,7 @@ def save_rollout_data(pattern: str, step: int, samples: list[Sample], samples_pe
                 f"is not a JSON value ({e})"
             ) from None
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(partial, path)
+    write_text_atomically(path, "\n".join(lines) + "\n")
     return path
 
 
