@@ -272,7 +272,6 @@ def refuse_unbuilt_settings(r) -> None:
         )
 
 
-
 def _prompt_loader_and_reward(r, checkpoint):
     """The prompt loader (at the checkpoint's position when resuming) and the reward function; neither is
     needed when rollouts are replayed (--load-rollout-data)."""

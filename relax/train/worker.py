@@ -4,8 +4,6 @@ The driver (relax.loop) calls every rank with the same arguments; each rank keep
 share of the samples, so the driver never needs to know the parallel layout.
 """
 
-import os
-
 import torch
 
 from relax.ray.placement import local_device_index
@@ -34,9 +32,6 @@ class TrainWorker:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.bucket_bytes = bucket_bytes
         self.weight_routes = None  # relax.sync.broadcast.WeightRoutes, made at this sending rank's first push
-
-    def pid(self) -> int:
-        return os.getpid()
 
     def _shard(self, batch: RolloutBatch) -> RolloutBatch:
         """This rank's data-parallel share: every dp_size-th sample."""
