@@ -19,11 +19,12 @@ barrier:
     push            the weights under HF names (relax.sync.export.weight_buckets, TP shards gathered), bucket by
                     bucket from rank 0 (data- and tensor-parallel rank 0, the rank TrainWorker.push_weights sends
                     from) to every receiver: packed by relax.sync.bucket.flatten_bucket (sglang's
-                    FlattenedTensorBucket, as serialize_bucket packs), pickled with torch's ForkingPickler (CUDA IPC
-                    handles on a GPU, shared memory on the CPU: what sglang's MultiprocessingSerializer does), each
+                    FlattenedTensorBucket, as serialize_bucket packs), pickled as serialize_flattened does (CUDA IPC
+                    handles on a GPU through torch's ForkingPickler, the bytes themselves on the CPU), each
                     bucket kept alive until every receiver has copied it
     sleep           MegatronActor.sleep(): training state to host memory, process groups destroyed
-Not serialize_bucket itself: its serializer is in sglang.srt.utils, which needs SGLang's whole dependency set.
+On a GPU not serialize_flattened itself: its IPC serializer is in sglang.srt.utils, which needs SGLang's whole
+dependency set.
 The push's time is split into export (gathers, HF names), pack (flatten + pickle), deliver (receivers unpickle,
 i.e. open the handle, and copy), from marks taken after a device synchronize.
 
@@ -159,8 +160,6 @@ def _serve(device_name, index, hf_dir, dtype_name, conn) -> None:
 
     platform = get_platform(device_name)
     platform.prepare_sglang()
-    if platform.sharing_strategy is not None:
-        torch.multiprocessing.set_sharing_strategy(platform.sharing_strategy)
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     torch.set_num_threads(1)
@@ -212,7 +211,7 @@ def _serve(device_name, index, hf_dir, dtype_name, conn) -> None:
             updated, reply = set(), None
         elif command == "bucket":
             start = time.perf_counter()
-            content = pickle.loads(arg)  # opens the IPC handle (maps shared memory on the CPU)
+            content = pickle.loads(arg)  # opens the IPC handle (on the CPU: rebuilds the bytes)
             unpickled = time.perf_counter()
             bucket = FlattenedTensorBucket(flattened_tensor=content["flattened_tensor"], metadata=content["metadata"])
             with torch.no_grad():
@@ -336,7 +335,7 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     from relax.sync.export import weight_buckets
 
     platform.prepare_sglang()  # relax.sync.bucket.flatten_bucket imports sglang's FlattenedTensorBucket
-    from relax.sync.bucket import flatten_bucket
+    from relax.sync.bucket import flatten_bucket, serialize_flattened
 
     device = platform.current_device()
     cuda = device.type == "cuda"
@@ -344,8 +343,6 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     actor = _build_actor(hf_dir, args, platform)
     sender = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
     assert sender == (rank == 0), "rank 0 is data- and tensor-parallel rank 0"
-    if platform.sharing_strategy is not None:
-        torch.multiprocessing.set_sharing_strategy(platform.sharing_strategy)
     vocab = actor.hf["vocab_size"]
     dp_rank = parallel_state.get_data_parallel_rank()
     result = {"phases": [], "checks": {}, "metrics": []}
@@ -394,8 +391,13 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
             parts["export"] += lap()  # gathering TP shards, converting to HF names
             bucket = flatten_bucket(named)
             content = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
-            # One pickle per receiver: each opens its own handle (as serialize_bucket makes one per engine rank).
-            payloads = [bytes(ForkingPickler.dumps(content)) for _ in receivers]
+            if platform.same_node_transport == "inline":
+                payloads = serialize_flattened(bucket, platform, len(receivers))
+            else:
+                # serialize_flattened's IPC route imports sglang.srt.utils, which needs SGLang's whole
+                # dependency set; this is what its MultiprocessingSerializer does: one pickle per receiver,
+                # each opening its own handle.
+                payloads = [bytes(ForkingPickler.dumps(content)) for _ in receivers]
             parts["pack"] += lap()
             for conn, payload in zip(receivers, payloads):
                 conn.send(("bucket", payload))

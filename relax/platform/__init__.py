@@ -40,10 +40,8 @@ class Platform:
     # Must the engine release its memory for training to fit beside it? Not where memory is host memory.
     colocation_needs_release: bool
     # How a trainer hands tensors to an engine process on the same node: "ipc" (device IPC handles,
-    # zero-copy) or "shared_memory" (CPU tensors in /dev/shm).
+    # zero-copy) or "inline" (the bytes of CPU tensors inside the payload).
     same_node_transport: str
-    # torch.multiprocessing sharing strategy the sender must set; None keeps torch's default.
-    sharing_strategy: Optional[str]
     # Seconds to wait after destroying process groups before creating new ones on the same devices.
     destroy_process_group_delay_s: float
     # ServerArgs field overrides the engine wrapper applies on this platform (before the user's flags).

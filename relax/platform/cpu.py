@@ -139,10 +139,11 @@ PLATFORM = Platform(
     ray_resource=None,
     memory_saver=None,
     colocation_needs_release=False,  # the engine and the trainer share host memory
-    same_node_transport="shared_memory",
-    # torch's default (file_descriptor) fails between Ray actors ("AuthenticationError: digest sent
-    # was rejected") and crashes SGLang's scheduler; file_system names /dev/shm files instead.
-    sharing_strategy="file_system",
+    # torch's shared-memory handles both fail between Ray actors: file_descriptor on multiprocessing's
+    # authkey ("AuthenticationError: digest sent was rejected", which crashes SGLang's scheduler), and
+    # file_system when its torch_shm_manager does not answer in time under load ("Shared memory manager
+    # connection has timed out"). Copying the bytes costs little at the model sizes a CPU runs.
+    same_node_transport="inline",
     destroy_process_group_delay_s=0.0,
     sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
     _load_device_module=lambda: CpuDeviceModule,

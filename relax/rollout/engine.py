@@ -379,9 +379,8 @@ class RolloutEngine:
 
     def update_weights_from_serialized_bucket(self, specs: list[tuple[str, tuple[int, ...]]], payloads: list[bytes]):
         """Send one bucket packed by another process (the training actor) with
-        relax.sync.bucket.serialize_bucket: `specs` is bucket_specs(bucket), `payloads` its payloads (they
-        hold shared-memory / IPC handles, not the data, so they cross process boundaries cheaply). The
-        sender keeps the bucket alive until this returns. Checked like update_weights_from_tensor."""
+        relax.sync.bucket.serialize_bucket: `specs` is bucket_specs(bucket), `payloads` its payloads (on a
+        device they hold IPC handles, not the data; on CPU the bytes themselves). The sender keeps the bucket alive until this returns. Checked like update_weights_from_tensor."""
         self._check_bucket(specs)
         self._send_bucket([name for name, _ in specs], payloads)
 

@@ -1,7 +1,7 @@
 """How a sending training rank reaches each engine: by handle on its own node, by a broadcast group elsewhere.
 
-Engines on the sender's node take each bucket as a payload of handles (shared memory on CPU, device IPC
-handles on GPU/NPU; relax.sync.bucket). Handles do not cross nodes, so the engines on other nodes join one
+Engines on the sender's node take each bucket as a payload (device IPC handles on GPU/NPU, the bytes on
+CPU; relax.sync.bucket). Handles do not cross nodes, so the engines on other nodes join one
 process group with the sender and receive each bucket by broadcast, through SGLang's own distributed
 weight update (Engine.init_weights_update_group / update_weights_from_distributed with
 load_format="flattened_bucket"; sglang/srt/model_executor/model_runner_components/weight_updater.py):

@@ -2,16 +2,18 @@
 
 A bucket is a list of (HF name, tensor) packed by sglang.srt.weight_sync.tensor_bucket's
 FlattenedTensorBucket into one uint8 tensor plus per-tensor metadata, then serialized with SGLang's
-MultiprocessingSerializer: the payload holds a handle to the data, not the data (CUDA/NPU IPC handles
-on accelerators, shared memory on CPU). The engine loads it with load_format="flattened_bucket".
+MultiprocessingSerializer: on accelerators the payload holds an IPC handle to the data, not the data;
+on CPU it holds the bytes (the platform's same_node_transport says why). The engine loads it with
+load_format="flattened_bucket".
 
-The sender must keep the bucket's tensor alive until the engine has answered the update call (the
+The sender must keep the bucket's tensor alive until the engine has answered the update call (a
 handle points into it); Engine.update_weights_from_tensor only returns after the engine has copied it.
 
 Engines on other nodes get the same flattened tensor by broadcast instead (relax.sync.broadcast): they
 allocate it from bucket_specs and bucket_dtypes, so both ends must pack in flatten_bucket's order.
 """
 
+import pickle
 from typing import Iterable, Iterator
 
 import torch
@@ -66,17 +68,16 @@ def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]], platform, tp
 def serialize_flattened(bucket, platform, tp_size: int = 1) -> list[bytes]:
     """Per-TP-rank payloads of a bucket from flatten_bucket (see serialize_bucket)."""
     platform.prepare_sglang()
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    if platform.sharing_strategy is not None:
-        # CPU tensors travel as shared memory; the strategy decides how (see the platform record).
-        torch.multiprocessing.set_sharing_strategy(platform.sharing_strategy)
-    if platform.same_node_transport == "ipc":
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-        # SGLang's receiver finds the device of an IPC handle by UUID; its patched reductions write it.
-        monkey_patch_torch_reductions()
     content = {"flattened_tensor": bucket.get_flattened_tensor(), "metadata": bucket.get_metadata()}
+    if platform.same_node_transport == "inline":
+        # Plain pickle writes a CPU tensor's bytes into the payload (ForkingPickler would share it);
+        # SGLang's receiving unpickler rebuilds it. Every rank can read the same payload.
+        return [pickle.dumps(content, protocol=pickle.HIGHEST_PROTOCOL)] * tp_size
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    # SGLang's receiver finds the device of an IPC handle by UUID; its patched reductions write it.
+    monkey_patch_torch_reductions()
     # One payload per rank: each rank deserializes only its own, so IPC reference counts stay per rank.
     return [MultiprocessingSerializer.serialize(content) for _ in range(tp_size)]
 

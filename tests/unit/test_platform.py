@@ -54,7 +54,7 @@ def test_explicit_devices_this_machine_lacks_fail_clearly():
 @pytest.mark.parametrize(
     "name, backend, visible, resource, saver, transport, delay",
     [
-        ("cpu", "gloo", None, None, None, "shared_memory", 0),
+        ("cpu", "gloo", None, None, None, "inline", 0),
         ("cuda", "nccl", "CUDA_VISIBLE_DEVICES", "GPU", "torch_memory_saver", "ipc", 3),
         ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU", "torch_memory_saver", "ipc", 0),
     ],
@@ -127,7 +127,7 @@ def test_cpu_record():
     assert (platform.device_type, platform.dist_backend) == ("cpu", "gloo")
     assert platform.visible_devices_env is None and platform.ray_resource is None
     assert not platform.has_memory_saver
-    assert (platform.same_node_transport, platform.sharing_strategy) == ("shared_memory", "file_system")
+    assert platform.same_node_transport == "inline"
     assert platform.destroy_process_group_delay_s == 0
     assert platform.device_count() == 1 and platform.current_device() == torch.device("cpu")
     assert platform.worker_env() == {}

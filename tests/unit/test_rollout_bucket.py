@@ -15,7 +15,7 @@ def test_split_into_buckets_by_bytes():
         list(split_into_buckets(tensors, 0))
 
 
-def test_payload_round_trip_through_shared_memory():
+def test_cpu_payload_carries_the_bytes_through_sglangs_unpickler():
     platform = get_platform("cpu")
     platform.prepare_sglang()  # before the first sglang import of the test session
     from sglang.srt.utils import MultiprocessingSerializer
@@ -28,9 +28,8 @@ def test_payload_round_trip_through_shared_memory():
     ]
     bucket, payloads = serialize_bucket(named, platform, tp_size=2)
     assert len(payloads) == 2
-    assert torch.multiprocessing.get_sharing_strategy() == "file_system"
     received = MultiprocessingSerializer.deserialize(payloads[1])
-    assert received["flattened_tensor"].is_shared()
+    assert not received["flattened_tensor"].is_shared()  # a copy: no torch shared-memory manager involved
     # wider dtypes first, so every slice is aligned for its dtype
     assert [m.name for m in received["metadata"]] == [named[0][0], named[2][0], named[1][0]]
     assert bucket_specs(bucket) == [(named[0][0], (4, 3)), (named[2][0], (2, 3)), (named[1][0], (3,))]
