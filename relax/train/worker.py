@@ -101,7 +101,7 @@ class TrainWorker:
         relax.rollout.worker.EngineWorker) on the nodes `engine_nodes` (Ray node ids, one per engine).
         Collective over ranks (the export gathers TP/EP shards); the first data- and tensor-parallel rank of
         each pipeline stage sends its stage's layers (relax.sync.broadcast): to engines on its own node as
-        handles (IPC on a device, shared memory on CPU; only the handles cross Ray), to engines on other
+        payloads (IPC handles on a device, only the handles cross Ray; the bytes on CPU), to engines on other
         nodes by broadcast through a process group it makes at its first push and keeps until
         close_weight_sync(). Every engine has copied a bucket before the next is packed. The engines refuse
         an update that misses a tensor. Returns the bytes this rank sent to each engine and, per engine, the
