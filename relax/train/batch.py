@@ -7,6 +7,10 @@ Micro-batches are formed in rollout order. Without a token budget, `micro_batch_
 micro-batch, one padded row each. With a token budget (dynamic batch size), consecutive samples are
 packed into one row while the row stays within the budget; a row holds several sequences separated by a
 block-diagonal causal mask, and each sequence's positions start at 0, so packing changes no logit.
+A micro-batch whose rows hold one sequence each carries no mask: its padding follows the sequence, so the
+attention's own causal mask gives the same logits without a [rows, 1, seq, seq] mask built on the host and
+copied per micro-batch (megatron-core's local attention with such a mask peaked 34 GB higher on an H200 at
+4 x 2048 tokens, docs/benchmarks.md).
 """
 
 from dataclasses import dataclass, field
@@ -58,7 +62,7 @@ class MicroBatch:
 
     tokens: torch.Tensor  # [rows, seq]
     position_ids: torch.Tensor  # [rows, seq]
-    attention_mask: torch.Tensor  # [rows, 1, seq, seq] bool, True = masked out
+    attention_mask: torch.Tensor | None  # [rows, 1, seq, seq] bool, True = masked out; None: causal
     sample_indices: list[int]  # into the RolloutBatch
     # per sample: (row, first logit position, response length); the logit at position p predicts token p + 1
     spans: list[tuple[int, int, int]] = field(default_factory=list)
@@ -67,7 +71,7 @@ class MicroBatch:
         return MicroBatch(
             self.tokens.to(device),
             self.position_ids.to(device),
-            self.attention_mask.to(device),
+            None if self.attention_mask is None else self.attention_mask.to(device),
             self.sample_indices,
             self.spans,
         )
@@ -144,8 +148,9 @@ def make_micro_batches(
             num_rows, seq = plan_shape(batch, [rows])[1:]
         tokens = torch.full((num_rows, seq), pad_token_id, dtype=torch.long)
         position_ids = torch.zeros((num_rows, seq), dtype=torch.long)
+        packed = any(len(row) > 1 for row in rows)
         # Padding attends to itself only, so no softmax row is empty; its outputs are never read.
-        allowed = torch.eye(seq, dtype=torch.bool).repeat(num_rows, 1, 1)
+        allowed = torch.eye(seq, dtype=torch.bool).repeat(num_rows, 1, 1) if packed else None
         sample_indices, spans = [], []
         for r, row in enumerate(rows):
             offset = 0
@@ -153,10 +158,12 @@ def make_micro_batches(
                 n = batch.tokens[i].numel()
                 tokens[r, offset : offset + n] = batch.tokens[i]
                 position_ids[r, offset : offset + n] = torch.arange(n)
-                allowed[r, offset : offset + n, offset : offset + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                if packed:
+                    allowed[r, offset : offset + n, offset : offset + n] = torch.ones(n, n, dtype=torch.bool).tril()
                 response_length = batch.response_lengths[i]
                 sample_indices.append(i)
                 spans.append((r, offset + n - response_length - 1, response_length))
                 offset += n
-        micro_batches.append(MicroBatch(tokens, position_ids, ~allowed.unsqueeze(1), sample_indices, spans))
+        mask = ~allowed.unsqueeze(1) if packed else None
+        micro_batches.append(MicroBatch(tokens, position_ids, mask, sample_indices, spans))
     return micro_batches

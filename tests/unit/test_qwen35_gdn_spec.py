@@ -11,8 +11,11 @@ BATCH = RolloutBatch(tokens=[torch.arange(5), torch.arange(3), torch.arange(7)],
 
 
 def test_one_padded_sequence_per_row_passes():
-    for micro_batch in make_micro_batches(BATCH, micro_batch_size=3):
-        refuse_packed_rows(micro_batch.attention_mask)
+    # unpacked micro-batches carry no mask (the attention's causal one is exact), so GDN has nothing to refuse
+    assert all(mb.attention_mask is None for mb in make_micro_batches(BATCH, micro_batch_size=3))
+    allowed = torch.ones(7, 7, dtype=torch.bool).tril()
+    allowed[5:, :] = torch.eye(7, dtype=torch.bool)[5:]  # a causal sequence of 5, then padding that sees itself
+    refuse_packed_rows(~allowed.view(1, 1, 7, 7))
 
 
 def test_rows_packing_several_sequences_are_refused():
