@@ -149,6 +149,8 @@ def batching_flags_consistent(config, platform):
 
 def sampling_flags_consistent(config, platform):
     r = config.relax
+    if r.dynamic_sampling_max_rounds is not None and not r.dynamic_sampling:
+        return "--dynamic-sampling-max-rounds only applies with --dynamic-sampling"
     if r.over_sampling_batch_size is not None:
         if not r.dynamic_sampling:
             return "--over-sampling-batch-size only applies with --dynamic-sampling"

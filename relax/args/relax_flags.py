@@ -6,6 +6,8 @@ the parsed namespace is split into the three configuration objects.
 
 import argparse
 
+from relax.rollout.groups import DEFAULT_MAX_ROUNDS
+
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
 DEVICE_CHOICES = ["auto", "cpu", "cuda", "npu"]
 
@@ -89,9 +91,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--dynamic-sampling-max-rounds",
         type=_positive_int,
         metavar="N",
-        default=10,
         help="With --dynamic-sampling: generation rounds per step before the run stops, with the counts of groups "
-        "kept and dropped, rather than train on a short batch (default: %(default)s).",
+        f"kept and dropped, rather than train on a short batch (default: {DEFAULT_MAX_ROUNDS}).",
     )
     g.add_argument(
         "--overlong-buffer-len",

@@ -75,8 +75,11 @@ class DynamicSamplingStats:
         }
 
 
+DEFAULT_MAX_ROUNDS = 10  # --dynamic-sampling-max-rounds when not given
+
+
 def fill_with_informative_groups(
-    generate_groups: Callable[[int], list[Group]], num_groups: int, max_rounds: int = 10
+    generate_groups: Callable[[int], list[Group]], num_groups: int, max_rounds: int = DEFAULT_MAX_ROUNDS
 ) -> tuple[list[Group], DynamicSamplingStats]:
     """Call generate_groups(k) for k more groups (it may return more), keeping only groups whose rewards
     differ, until num_groups are kept. Informative groups beyond num_groups are counted as surplus and not

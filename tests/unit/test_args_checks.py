@@ -117,6 +117,10 @@ RULES = {
         [*RUN, "--over-sampling-batch-size", "64"],
         "--over-sampling-batch-size only applies with --dynamic-sampling",
     ),
+    "round limit needs dynamic sampling": (
+        [*RUN, "--dynamic-sampling-max-rounds", "3"],
+        "--dynamic-sampling-max-rounds only applies with --dynamic-sampling",
+    ),
     "over-sampling at least the batch": (
         [*RUN, "--dynamic-sampling", "--over-sampling-batch-size", "16"],
         "--over-sampling-batch-size 16 is below --rollout-batch-size 32",
