@@ -15,13 +15,23 @@ optimizer, and the same tokens per step (micro-batches of full-length rows):
 Each side: 3 warm-up steps, then the mean of --steps timed steps (device synchronized). MFU counts the model
 FLOPs as Megatron's own formula does (matmuls x 3 for forward + backward, causal attention counted whole)
 against 989 TFLOP/s (H100/H200 dense bf16); the ratio relax / megatron-core is the figure to read.
+
+--profile adds, per side, after the timed steps: (1) torch.profiler over --profile-steps steps: device busy time
+against wall time, the top kernels and the top ops (by device time, or host time on the CPU); (2) the step cut
+into phases (host batch building, copies, forward, logprobs, loss, backward, grad all-reduce, optimizer step, the
+rest), timed with the device synchronized at every phase boundary. The synchronizations lose the overlap of host
+and device work, so the phases of one step add up to somewhat more than an untimed step. At the end the kernels
+and ops whose time differs most between megatron_core and relax are listed side by side.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import socket
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -37,6 +47,7 @@ TINY = dict(  # for a smoke run on the CPU (--device cpu --shape tiny)
 )
 SHAPES = {"1.7b": QWEN3_1_7B, "tiny": TINY}
 PEAK_FLOPS = 989e12
+KEPT_ROWS = 60  # kernels and ops kept per side, so the comparison finds one side's top rows on the other
 
 
 def write_checkpoint(out_dir: Path, shape: dict, device: torch.device) -> Path:
@@ -82,21 +93,155 @@ def _configs(hf: dict):
 
 
 def _timed(step, args, platform) -> dict:
-    """Mean seconds per step after warm-up, and the peak of allocated device memory (None on the CPU)."""
+    """Mean seconds per step after warm-up, the peaks of allocated and reserved device memory, and how often the
+    caching allocator had to free its cache and retry during the timed steps (each retry synchronizes the device;
+    None on the CPU)."""
     cuda = platform.device_type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for _ in range(args.warmup):
         step()
     platform.device_module.synchronize()
+    retries_before = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     platform.device_module.synchronize()
+    seconds = (time.perf_counter() - start) / args.steps
     return {
-        "seconds_per_step": (time.perf_counter() - start) / args.steps,
+        "seconds_per_step": seconds,
         "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 1e9 if cuda else None,
+        "alloc_retries_in_timed_steps": (
+            torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries_before if cuda else None
+        ),
     }
+
+
+class PhaseClock:
+    """Wall seconds per named phase of a step, the device synchronized at every phase boundary. Phases nest: a
+    phase's time excludes the phases inside it. What no phase covers is the step's "other"."""
+
+    def __init__(self, synchronize):
+        self.synchronize = synchronize
+        self.seconds = defaultdict(float)
+        self.steps_seconds = 0.0
+        self._open: list[str] = []
+        self._since = 0.0
+
+    def _switch(self) -> None:
+        self.synchronize()
+        now = time.perf_counter()
+        if self._open:
+            self.seconds[self._open[-1]] += now - self._since
+        self._since = now
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self._switch()
+        self._open.append(name)
+        try:
+            yield
+        finally:
+            self._switch()
+            self._open.pop()
+
+    def timed(self, name: str, function):
+        """`function` with each call timed as phase `name` (a plain function: it can replace a method too)."""
+
+        def timed_function(*args, **kwargs):
+            with self.phase(name):
+                return function(*args, **kwargs)
+
+        return timed_function
+
+    def run(self, step, steps: int) -> None:
+        for _ in range(steps):
+            self.synchronize()
+            start = time.perf_counter()
+            step()
+            self.synchronize()
+            self.steps_seconds += time.perf_counter() - start
+
+    def report(self, steps: int) -> dict:
+        """Milliseconds per step of each phase, slowest first, then "other" and the synchronized step's total."""
+        phases = dict(sorted(((k, 1e3 * v / steps) for k, v in self.seconds.items()), key=lambda kv: -kv[1]))
+        total = 1e3 * self.steps_seconds / steps
+        return {**phases, "other (not in a phase)": total - sum(phases.values()), "step (synchronized)": total}
+
+
+def _instrument_schedule(clock: PhaseClock, forward_name: str, model, optimizer, config) -> None:
+    """Phases both sides share: forward (the model call), backward, grad all-reduce, optimizer step, zeroing."""
+    from megatron.core.pipeline_parallel import schedules
+
+    model.forward = clock.timed(forward_name, model.forward)
+    schedules.backward_step = clock.timed("backward", schedules.backward_step)
+    config.finalize_model_grads_func = clock.timed(
+        "grad all-reduce (finalize_model_grads)", config.finalize_model_grads_func
+    )
+    optimizer.step = clock.timed("optimizer step (incl. grad norm, clip)", optimizer.step)
+    model.zero_grad_buffer = clock.timed("zero grads", model.zero_grad_buffer)
+    optimizer.zero_grad = clock.timed("zero grads", optimizer.zero_grad)
+
+
+def _short_kernel_name(name: str) -> str:
+    """A kernel's name without its parameter list, return type and the usual namespaces."""
+    depth, cut = 0, len(name)
+    for i, c in enumerate(name):  # the parameter list starts at the first "(" outside template brackets
+        depth += {"<": 1, ">": -1}.get(c, 0)
+        if c == "(" and depth == 0 and i > 0:
+            cut = i
+            break
+    name = name[:cut].removeprefix("void ")
+    name = re.sub(r"\(anonymous namespace\)::|at::native::|at::|c10::|std::", "", name)
+    return name[:110]
+
+
+def _profile_tables(step, args, platform) -> dict:
+    """torch.profiler over --profile-steps steps: milliseconds per step of device work (kernels, copies), the
+    device events and the ops by time (device time on a device, host time on the CPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_device = platform.device_type != "cpu"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_device else [])
+    platform.device_module.synchronize()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(args.profile_steps):
+            step()
+        platform.device_module.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - start) / args.profile_steps
+    per_step = 1e3 * args.profile_steps  # profiler microseconds -> milliseconds per step
+    kernels, ops = defaultdict(lambda: [0.0, 0.0]), {}
+    for event in prof.key_averages():
+        if event.device_type != DeviceType.CPU:
+            entry = kernels[_short_kernel_name(event.key)]
+            entry[0] += event.device_time_total / per_step
+            entry[1] += event.count / args.profile_steps
+        else:
+            ms = (event.self_device_time_total if on_device else event.self_cpu_time_total) / per_step
+            if ms > 0:
+                ops[event.key] = [ms, event.count / args.profile_steps]
+    return {
+        "wall_ms": wall_ms,
+        "device_busy_ms": sum(ms for ms, _ in kernels.values()) if on_device else None,
+        "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1][0])[:KEPT_ROWS]),
+        "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1][0])[:KEPT_ROWS]),
+    }
+
+
+def _measure(step, instrument, args, platform) -> dict:
+    """_timed, and with --profile the profiler tables and then the phases (instrument(clock) installs the timed
+    phases; it runs last because the synchronizations would distort everything after it)."""
+    result = _timed(step, args, platform)
+    if args.profile:
+        result["profile"] = _profile_tables(step, args, platform)
+        clock = PhaseClock(platform.device_module.synchronize)
+        instrument(clock)
+        clock.run(step, args.profile_steps)
+        result["profile"]["phases_ms"] = clock.report(args.profile_steps)
+    return result
 
 
 def megatron_baseline(hf: dict, args, platform, explicit_mask: bool = False) -> dict:
@@ -159,7 +304,10 @@ def megatron_baseline(hf: dict, args, platform, explicit_mask: bool = False) -> 
         )
         optimizer.step()
 
-    return _timed(step, args, platform)
+    def instrument(clock):  # the loss function (a mean) falls in "other"
+        _instrument_schedule(clock, "forward (model call, with GPT's labels cross entropy)", model, optimizer, config)
+
+    return _measure(step, instrument, args, platform)
 
 
 def relax_actor(hf_dir: str, hf: dict, args, platform) -> dict:
@@ -181,10 +329,60 @@ def relax_actor(hf_dir: str, hf: dict, args, platform) -> dict:
     def step():
         metrics.append(actor.train_step(batch))
 
-    return {**_timed(step, args, platform), "grad_norms": [m["grad_norm"] for m in metrics]}
+    def instrument(clock):
+        from relax.train import batch as batch_module
+
+        forward = "forward (model call: logits, copied to fp32 by Float16Module)"
+        _instrument_schedule(clock, forward, actor.model, actor.optimizer, actor.config)
+        actor._batch_denominators = clock.timed("host: batch denominators + all-reduce", actor._batch_denominators)
+        actor._micro_batches = clock.timed("host: micro-batches (tokens, positions, masks)", actor._micro_batches)
+        micro_batch = batch_module.MicroBatch
+        micro_batch.to = clock.timed("host-to-device copy of micro-batch inputs", micro_batch.to)
+        actor._token_logprobs = clock.timed("logprobs (cross entropy over the vocabulary)", actor._token_logprobs)
+        run = actor._run
+
+        def run_with_timed_loss(micro_batches, loss_func, forward_only):
+            return run(micro_batches, clock.timed("loss: padding, copies, policy loss", loss_func), forward_only)
+
+        actor._run = run_with_timed_loss
+
+    result = _measure(step, instrument, args, platform)
+    return {**result, "grad_norms": [m["grad_norm"] for m in metrics][: args.warmup + args.steps]}
 
 
 SIDES = ("megatron_core", "megatron_core_explicit_mask", "relax")
+
+
+def print_profile(name: str, profile: dict, rows: int) -> None:
+    busy = profile["device_busy_ms"]
+    idle = f", device busy {busy:.1f} ms ({busy / profile['wall_ms']:.0%})" if busy is not None else ""
+    print(f"--- {name}: profiled step {profile['wall_ms']:.1f} ms{idle}")
+    print("  phases, ms per step (device synchronized at each boundary):")
+    for phase, ms in profile["phases_ms"].items():
+        print(f"    {ms:9.1f}  {phase}")
+    for table, unit in (("kernels", "device"), ("ops", "self device" if busy is not None else "self host")):
+        if not profile[table]:
+            continue
+        print(f"  top {table} by {unit} ms per step (ms, calls per step, name):")
+        for key, (ms, calls) in list(profile[table].items())[:rows]:
+            print(f"    {ms:9.1f} {calls:7.0f}  {key}")
+
+
+def print_profile_difference(plain: dict, relax: dict, rows: int) -> None:
+    """The kernels and ops whose milliseconds per step differ most, relax minus megatron_core."""
+    for table in ("kernels", "ops"):
+        keys = set(plain[table]) | set(relax[table])
+        if not keys:
+            continue
+        difference = {k: relax[table].get(k, [0.0])[0] - plain[table].get(k, [0.0])[0] for k in keys}
+        print(f"--- {table}: relax - megatron_core, ms per step (relax, megatron_core, difference, name):")
+        for key in sorted(keys, key=lambda k: -abs(difference[k]))[:rows]:
+            print(
+                f"    {relax[table].get(key, [0.0])[0]:9.1f} {plain[table].get(key, [0.0])[0]:9.1f} "
+                f"{difference[key]:+9.1f}  {key}"
+            )
+    phases = relax["phases_ms"]["step (synchronized)"] - plain["phases_ms"]["step (synchronized)"]
+    print(f"--- synchronized step: relax - megatron_core = {phases:+.1f} ms")
 
 
 def run_side(name: str, args, results) -> None:
@@ -225,6 +423,9 @@ def main(argv=None) -> None:
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     parser.add_argument("--work-dir", default="/tmp/relax_train_throughput")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--profile", action="store_true", help="attribute each side's step (see the module doc)")
+    parser.add_argument("--profile-steps", type=int, default=2, help="steps profiled, and steps cut into phases")
+    parser.add_argument("--profile-rows", type=int, default=15, help="rows printed per table")
     args = parser.parse_args(argv)
 
     from relax.platform import get_platform
@@ -242,6 +443,7 @@ def main(argv=None) -> None:
         )
     )
     results = {"parameters_b": parameters / 1e9, "tokens_per_step": tokens}
+    profiles = {}
     context = mp.get_context("spawn")
     for name in args.sides:
         queue = context.Queue()
@@ -251,14 +453,19 @@ def main(argv=None) -> None:
         process.join()
         result["tokens_per_s"] = tokens / result["seconds_per_step"]
         result["mfu"] = flops / result["seconds_per_step"] / PEAK_FLOPS
+        profiles[name] = result.pop("profile", None)
         results[name] = result
         print(name, json.dumps(result), flush=True)
+        if profiles[name]:
+            print_profile(name, profiles[name], args.profile_rows)
     if "relax" in results and "megatron_core" in results:
         ratio = results["relax"]["tokens_per_s"] / results["megatron_core"]["tokens_per_s"]
         results["relax_over_megatron_core"] = ratio
-    print(json.dumps(results, indent=1))
+        if profiles["relax"] and profiles["megatron_core"]:
+            print_profile_difference(profiles["megatron_core"], profiles["relax"], args.profile_rows)
+    print(json.dumps(results))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), **results}))
+        Path(args.out).write_text(json.dumps({"args": vars(args), **results, "profiles": profiles}))
 
 
 if __name__ == "__main__":
