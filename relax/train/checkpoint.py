@@ -88,10 +88,13 @@ def save_checkpoint(actor, directory: str | Path, step: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         if any(directory.iterdir()):
             raise FileExistsError(f"checkpoint directory {directory} is not empty; save each step to a new one")
-        _copy_hf_files(actor.hf_dir, directory / HF_FILES_DIR)
-        _save_frozen_tensors(actor.hf_dir, directory / HF_FILES_DIR / FROZEN_FILE)
     torch.distributed.barrier()
     dist_checkpointing.save(_sharded_state(actor, step, _rng_state(actor.platform)), str(directory))
+    if torch.distributed.get_rank() == 0:
+        # After megatron's save, which warns "Overwriting old incomplete / corrupted checkpoint" into a
+        # directory that is not empty.
+        _copy_hf_files(actor.hf_dir, directory / HF_FILES_DIR)
+        _save_frozen_tensors(actor.hf_dir, directory / HF_FILES_DIR / FROZEN_FILE)
     torch.distributed.barrier()
 
 
