@@ -330,6 +330,7 @@ def _actor_settings(config) -> ActorSettings:
         temperature=r.rollout_temperature or 1.0,
         seed=r.seed,
         keep_reference=_uses_reference(r),
+        memory_saver=r.colocate,  # the workers run beside a memory saver only when colocated
         lr_warmup_steps=scheduler.lr_warmup_iters,
         lr_decay_steps=scheduler.lr_decay_iters or r.num_steps,
         lr_decay_style=scheduler.lr_decay_style,

@@ -5,6 +5,7 @@ The record's selection and environment logic is unit-tested on CPU (tests/unit/t
 running on a GPU is exercised by tests/gpu only.
 """
 
+import functools
 from typing import Optional
 
 from relax.platform import Platform, alloc_conf_has_expandable_segments, frozen, refuse_feature_args
@@ -40,6 +41,7 @@ def _check_worker_env(env, memory_saver_on: bool) -> None:
         )
 
 
+@functools.cache  # the hook mode can be set only before the saver's first use: once per process
 def _load_memory_saver():
     import torch_memory_saver
 

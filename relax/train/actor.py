@@ -26,7 +26,7 @@ from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan
 from relax.train.losses import LossSettings, aggregation_denominator, policy_loss
 from relax.train.model import build_gpt_model, load_hf_weights, read_hf_config, transformer_config, unwrap
 from relax.train.model.checkpoint_layout import checkpoint_layout
-from relax.train.offload import HostCopies
+from relax.train.offload import training_memory
 from relax.train.process_groups import ReloadableGroups
 
 
@@ -40,6 +40,9 @@ class ActorSettings:
     temperature: float = 1.0  # logits are divided by it, as the rollout engine sampled
     seed: int = 1234
     keep_reference: bool = True  # keep a host copy of the initial weights for reference logprobs
+    # Sleep through the platform's memory saver where it has one (relax.train.offload), else host copies.
+    # Off where the workers run without one (not colocated: e.g. expandable segments on an NPU).
+    memory_saver: bool = True
     # OptimizerParamScheduler; lr, min_lr and weight decay come from the OptimizerConfig
     lr_warmup_steps: int = 0
     lr_decay_steps: int = 1  # steps over which lr goes from lr to min_lr ("constant" ignores it)
@@ -93,10 +96,11 @@ class MegatronActor:
         self.hf = read_hf_config(hf_dir)
         # Every group made while the actor builds itself can be destroyed on sleep and rebuilt on wake.
         self.process_groups = ReloadableGroups(self.platform.destroy_process_group_delay_s)
+        # Where the training state lives so that sleep can hand its device memory back.
+        self.memory = training_memory(self.platform, self._training_state_tensors, self.settings.memory_saver)
         with self.process_groups.recording():
             self._build(transformer, optimizer, ddp)
         self.reference_weights = self._host_copy() if self.settings.keep_reference else None
-        self._asleep: HostCopies | None = None
 
     def _build(self, transformer, optimizer, ddp) -> None:
         from megatron.core import parallel_state
@@ -122,8 +126,12 @@ class MegatronActor:
         load_hf_weights(model, self.hf_dir)
         if self.config.fp16 or self.config.bf16:
             model = Float16Module(self.config, model)
-        self.model = DistributedDataParallel(config=self.config, ddp_config=ddp, module=model)
-        self.optimizer = get_megatron_optimizer(optimizer, [self.model])
+        # DDP's buffers and the optimizer's main parameters are made inside the memory route's region (the
+        # weights are loaded outside: its temporaries must not stay in the region, relax.train.offload).
+        with self.memory.allocating():
+            self.model = DistributedDataParallel(config=self.config, ddp_config=ddp, module=model)
+            self.optimizer = get_megatron_optimizer(optimizer, [self.model])
+        self._adopt_parameters()
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if self.settings.lr_warmup_steps else optimizer.lr,
@@ -148,7 +156,8 @@ class MegatronActor:
 
     def _training_state_tensors(self):
         """Every tensor of the training state: parameters, their grads, DDP's flat buffers, the optimizer's
-        main parameters and state (Adam's moments appear after the first step)."""
+        main parameters and state (Adam's moments appear after the first step). Not the main parameters'
+        grads, which each step makes from the main_grads and sleep drops."""
         for param in self.model.parameters():
             yield param
             if getattr(param, "main_grad", None) is not None:
@@ -159,27 +168,48 @@ class MegatronActor:
             yield buffer.grad_data
         for optimizer in self._optimizers():
             for group in optimizer.optimizer.param_groups:
-                for param in group["params"]:
-                    yield param
-                    if param.grad is not None:
-                        yield param.grad
+                yield from group["params"]
             for state in optimizer.optimizer.state.values():
                 yield from (value for value in state.values() if torch.is_tensor(value))
 
+    def _adopt_parameters(self) -> None:
+        """Parameters that DDP does not keep in its own buffer (it does with the distributed optimizer) move
+        into the memory route's region. Megatron gives every parameter its own storage."""
+        in_buffers = {
+            buffer.param_data.untyped_storage().data_ptr()
+            for buffer in [*self.model.buffers, *self.model.expert_parallel_buffers]
+            if buffer.param_data is not None
+        }
+        for param in self.model.parameters():
+            if param.untyped_storage().data_ptr() not in in_buffers:
+                param.data = self.memory.adopt(param.data)
+
+    def _adopt_optimizer_state(self) -> None:
+        """Optimizer state made outside the memory route's region (Adam's moments at the first step, a
+        loaded checkpoint's) moves into it; a tensor shared by several parameters stays shared."""
+        for optimizer in self._optimizers():
+            adopted = {}
+            for state in optimizer.optimizer.state.values():
+                for key, value in state.items():
+                    if torch.is_tensor(value):
+                        if id(value) not in adopted:
+                            adopted[id(value)] = self.memory.adopt(value)
+                        state[key] = adopted[id(value)]
+
     @property
     def asleep(self) -> bool:
-        return self._asleep is not None
+        return self.memory.released
 
     def sleep(self) -> None:
-        """Hand back the device memory of weights, grads and optimizer state (copied to host memory) and
-        destroy the actor's process groups. Collective over the actor's ranks."""
+        """Hand back the device memory of weights, grads and optimizer state (relax.train.offload: paused
+        by the platform's memory saver, or copied to host memory) and destroy the actor's process groups.
+        Collective over the actor's ranks."""
         if self.asleep:
             raise RuntimeError("the actor is already asleep")
-        copies = HostCopies(self._training_state_tensors(), self.platform.device_type)
-        copies.release()
-        self._asleep = copies
+        self.optimizer.zero_grad()  # the main parameters' grads: the next step makes them again
+        self._adopt_optimizer_state()
+        self.memory.release()
         self.process_groups.destroy()
-        self.platform.device_module.empty_cache()  # from the caching allocator back to the device
 
     def wake(self) -> None:
         """Rebuild the process groups as they were made, and bring weights, grads and optimizer state back
@@ -187,8 +217,7 @@ class MegatronActor:
         if not self.asleep:
             raise RuntimeError("the actor is not asleep")
         self.process_groups.rebuild()
-        self._asleep.restore()
-        self._asleep = None
+        self.memory.restore()
 
     def _check_awake(self) -> None:
         if self.asleep:
