@@ -5,7 +5,7 @@ advantages.py   GRPO, DAPO, GSPO, RLOO, REINFORCE++ advantages
 model/          HF <-> Megatron model families: build a GPTModel from config.json, load and export weights
 batch.py        rollout samples and their micro-batches (padded, or packed by a token budget)
 actor.py        MegatronActor: logprobs, reference logprobs, train step, sleep and wake
-offload.py      the training state copied to host memory and back (sleep/wake)
+offload.py      the training state's device memory handed back and taken again (sleep/wake): memory saver or host copies
 process_groups.py  process groups destroyed on sleep and rebuilt on wake
 checkpoint.py   dist_checkpointing save/load, export to an HF directory
 """

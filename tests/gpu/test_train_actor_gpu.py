@@ -1,13 +1,17 @@
 """The Megatron actor on a CUDA GPU (one process, world size 1): logprobs equal HF's on the device, and
 sleep hands the training state's device memory back and wake restores it bit for bit, so training goes on
-exactly as if the actor had never slept; also with bf16 parameters (Float16Module, fp32 main params).
-Skipped without a CUDA GPU or megatron-core.
+exactly as if the actor had never slept; fp32 and bf16 (Float16Module, fp32 main params), with and without
+the distributed optimizer, through torch_memory_saver (the CUDA record's memory saver: while asleep every
+tensor of the training state is paused inside its region and the saver's host backup holds its bytes) and
+through host copies (ActorSettings.memory_saver=False). Skipped without a CUDA GPU or megatron-core.
 
-Run on the lent H200 with: pip install --no-deps megatron-core==0.16.1 &&
-    python -m pytest tests/gpu/test_train_actor_gpu.py
+Run on the lent H200 from the repository root with the wheels in .whl (megatron-core, torch_memory_saver):
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
+    PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q -x tests/gpu/test_train_actor_gpu.py
 (tests/gpu has no conftest: the CPU platform preparation lives in tests/unit and tests/e2e only.)
 """
 
+import gc
 import importlib.util
 import socket
 
@@ -48,25 +52,30 @@ def _batch(vocab_size):
     return RolloutBatch(tokens, [r for _, r in SHAPES], advantages=advantages)
 
 
-def _actor(hf_dir, bf16=False):
+def _actor(hf_dir, bf16=False, memory_saver=True, distributed_optimizer=False):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
+    from relax.platform import get_platform
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.losses import LossSettings
     from relax.train.model import read_hf_config, transformer_config
 
+    gc.collect()  # the previous test's actor, before this one's groups and memory
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     dtype = torch.bfloat16 if bf16 else torch.float32
     hf = read_hf_config(hf_dir)
     transformer = transformer_config(hf, bf16=bf16, params_dtype=dtype, perform_initialization=False)
-    optimizer = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
-    settings = ActorSettings(loss=LossSettings(kl_coef=0.05, entropy_coef=0.01), micro_batch_size=2)
-    from relax.platform import get_platform
-
-    ddp = DistributedDataParallelConfig()
+    optimizer = OptimizerConfig(
+        optimizer="adam", lr=1e-3, clip_grad=1.0, bf16=bf16, params_dtype=dtype,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    settings = ActorSettings(
+        loss=LossSettings(kl_coef=0.05, entropy_coef=0.01), micro_batch_size=2, memory_saver=memory_saver
+    )
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     return MegatronActor(hf_dir, transformer, optimizer, ddp, settings, platform=get_platform("cuda"))
 
 
@@ -84,33 +93,69 @@ def test_logprobs_equal_hf_on_the_gpu(hf_dir):
         assert (actual - expected).abs().max() <= 1e-4
 
 
-def _run(hf_dir, bf16, sleep):
-    actor = _actor(hf_dir, bf16)
+def _sleep_and_wake(actor) -> dict:
+    """One sleep and wake, checked: the device memory freed and the training state's bytes; while asleep,
+    on the memory saver route, whether the saver's host backup of every tensor equals it; after wake,
+    whether every tensor is bit-identical."""
+    from relax.train.offload import SaverRegion
+
+    state = [t.detach().clone() for t in actor._training_state_tensors()]
+    state_bytes = actor.memory.nbytes
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_awake = torch.cuda.mem_get_info()[0]
+    actor.sleep()
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    backed_up = None
+    if isinstance(actor.memory, SaverRegion):
+        saver = actor.platform.load_memory_saver()
+        backups = [saver.get_cpu_backup(t) for t in actor._training_state_tensors() if t.is_cuda and t.numel()]
+        expected = [t for t in state if t.is_cuda and t.numel()]
+        backed_up = all(b is not None and torch.equal(b, e.cpu()) for b, e in zip(backups, expected, strict=True))
+    asleep_bytes = actor.memory.nbytes
+    actor.wake()
+    restored = list(actor._training_state_tensors())
+    identical = len(state) == len(restored) and all(torch.equal(a, b) for a, b in zip(state, restored))
+    return dict(
+        freed=freed, state_bytes=state_bytes, asleep_bytes=asleep_bytes, backed_up=backed_up, identical=identical
+    )
+
+
+def _run(hf_dir, sleep, **actor_args):
+    """Three optimizer steps (asleep between them when `sleep`): each step's metrics, the sleep checks and
+    the final weights."""
+    from relax.train.model import unwrap
+
+    actor = _actor(hf_dir, **actor_args)
     batch = _batch(actor.hf["vocab_size"])
     batch.old_logprobs = batch.ref_logprobs = actor.compute_logprobs(batch)
-    metrics, freed = [], []
-    for _ in range(3):
+    metrics, checks = [], []
+    for step in range(3):
+        if sleep and step:
+            checks.append(_sleep_and_wake(actor))
         metrics.append(actor.train_step(batch))
-        if sleep:
-            state = [t.detach().clone() for t in actor._training_state_tensors()]
-            torch.cuda.synchronize()
-            allocated = torch.cuda.memory_allocated()
-            actor.sleep()
-            freed.append(allocated - torch.cuda.memory_allocated())
-            actor.wake()
-            restored = list(actor._training_state_tensors())
-            assert len(state) == len(restored) and all(torch.equal(a, b) for a, b in zip(state, restored))
-            del state
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in actor._training_state_tensors()}
-    state_bytes = sum(storage.nbytes() for storage in storages.values())
-    return metrics, freed, state_bytes
+    weights = {name: p.detach().cpu() for name, p in unwrap(actor.model).named_parameters()}
+    return metrics, checks, weights, type(actor.memory).__name__
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_sleep_frees_device_memory_and_wake_changes_nothing(hf_dir, bf16):
-    awake, _, _ = _run(hf_dir, bf16, sleep=False)
-    slept, freed, state_bytes = _run(hf_dir, bf16, sleep=True)
+ROUTES = [
+    dict(bf16=False),
+    dict(bf16=True),
+    dict(bf16=True, distributed_optimizer=True),  # the parameters live in DDP's parameter buffer
+    dict(bf16=False, memory_saver=False),  # host copies (the route of platforms without a memory saver)
+]
+
+
+@pytest.mark.parametrize("actor_args", ROUTES, ids=["fp32", "bf16", "bf16-distopt", "fp32-host-copies"])
+def test_sleep_frees_device_memory_and_wake_changes_nothing(hf_dir, actor_args):
+    awake, _, awake_weights, _ = _run(hf_dir, sleep=False, **actor_args)
+    slept, checks, slept_weights, route = _run(hf_dir, sleep=True, **actor_args)
+    assert route == ("HostCopies" if actor_args.get("memory_saver") is False else "SaverRegion")
+    for check in checks:
+        assert check["identical"] and check["asleep_bytes"] == 0, check
+        assert check["freed"] >= check["state_bytes"] > 0, check
+        assert check["backed_up"] is (True if route == "SaverRegion" else None), check
     assert slept == awake
-    assert all(f >= state_bytes for f in freed), (freed, state_bytes)
+    assert all(torch.equal(slept_weights[name], awake_weights[name]) for name in awake_weights)
     losses = [m["loss"] for m in awake]
     assert losses[-1] < losses[0], losses
