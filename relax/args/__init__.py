@@ -28,6 +28,7 @@ from relax.args.relax_flags import DEVICE_CHOICES, add_relax_args
 from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
 from relax.args.strict import StrictArgumentParser
 from relax.platform import platform_facts, resolve_platform_name
+from relax.rollout.engine import server_defaults
 
 __all__ = ["TrainConfig", "MegatronConfig", "build_parser", "parse_train_args", "format_config"]
 
@@ -99,6 +100,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
             device=platform.name,
             enable_memory_saver=relax.colocate and platform.has_memory_saver,
         ),
+        defaults=server_defaults(platform),
     )
     config = TrainConfig(relax=relax, sglang=sglang, megatron=megatron)
     problems = check_config(config, platform)

@@ -162,22 +162,32 @@ def _config_keys(path: str, error) -> list[str]:
     return list(data)
 
 
-def build_server_args(namespace: argparse.Namespace, argv: list[str], managed: dict):
-    """A real ServerArgs from the `sglang_*` dests plus the managed fields relax fills (`managed`)."""
+def _given(action: argparse.Action, argv: list[str]) -> bool:
+    """Whether one of the action's --sglang-* spellings is in argv (relax's parser takes no abbreviations)."""
+    flags = [prefixed(option) for option in action.option_strings]
+    return any(token == flag or token.startswith(flag + "=") for token in argv for flag in flags)
+
+
+def build_server_args(namespace: argparse.Namespace, argv: list[str], managed: dict, defaults: dict):
+    """A real ServerArgs from the `sglang_*` dests, the managed fields relax fills (`managed`), and relax's
+    defaults for this platform (`defaults`, relax.rollout.engine.server_defaults) under every field whose
+    flag is not in argv: the ServerArgs the engine runs with, so --dry-run shows it."""
     from sglang.srt.server_args import ServerArgs
 
     values = {}
     for action in sglang_actions():
         if action.dest in MANAGED_BY_RELAX:
             values[action.dest] = action.default
+        elif action.dest in defaults and not _given(action, argv):
+            values[action.dest] = defaults[action.dest]
         else:
             values[action.dest] = getattr(namespace, f"{PREFIX}_{action.dest}")
     unknown = set(managed) - set(MANAGED_BY_RELAX)
     assert not unknown, f"not a relax-managed ServerArgs field: {unknown}"
     values.update(managed)
     # prepare_server_args records whether the flag was given (a model override reads it); so does relax.
-    flag = prefixed("--radix-eviction-policy")
-    values["_radix_eviction_policy_explicitly_set"] = any(a == flag or a.startswith(flag + "=") for a in argv)
+    radix_eviction_policy = next(a for a in sglang_actions() if a.dest == "radix_eviction_policy")
+    values["_radix_eviction_policy_explicitly_set"] = _given(radix_eviction_policy, argv)
     return ServerArgs.from_cli_args(argparse.Namespace(**values))
 
 

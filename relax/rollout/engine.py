@@ -122,10 +122,17 @@ def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return per_expert_shapes(shapes)
 
 
-def _explicit_fields(server_args) -> dict:
-    """The fields the user set: a dict as given, or a ServerArgs' fields that differ from SGLang's defaults."""
+def server_defaults(platform) -> dict:
+    """ServerArgs fields relax sets on `platform` (a relax.platform record) unless the user sets them."""
+    return {**RELAX_SERVER_DEFAULTS, **platform.sglang_server_defaults}
+
+
+def _chosen_fields(server_args, platform) -> dict:
+    """The fields to start from: a dict over relax's defaults for the platform, or a ServerArgs as it is
+    (relax.args.build_server_args has applied those defaults to the fields the user did not give): its
+    fields that differ from SGLang's defaults."""
     if isinstance(server_args, Mapping):
-        return dict(server_args)
+        return {**server_defaults(platform), **server_args}
     import msgspec
     from sglang.srt.server_args import ServerArgs
 
@@ -149,7 +156,7 @@ class RolloutEngine:
 
     def __init__(
         self,
-        server_args,  # sglang ServerArgs or a dict of ServerArgs fields (the --sglang-* namespace)
+        server_args,  # sglang ServerArgs (relax.args' config.sglang) or a dict of ServerArgs fields
         *,
         model_path: str,
         platform,  # a relax.platform record
@@ -174,14 +181,14 @@ class RolloutEngine:
             "nccl_port": nccl_port or free_port(),
             "custom_sigquit_handler": _log_child_failure,
         }
-        user_fields = _explicit_fields(server_args)
-        for name, value in user_fields.items():
+        chosen = _chosen_fields(server_args, platform)
+        for name, value in chosen.items():
             if name in managed and value != managed[name]:
                 raise ValueError(
                     f"SGLang field {name}={value!r} is managed by relax (relax sets {managed[name]!r}); "
                     "set it through relax's own argument, not through --sglang-*"
                 )
-        fields = {**RELAX_SERVER_DEFAULTS, **platform.sglang_server_defaults, **user_fields, **managed}
+        fields = {**chosen, **managed}
 
         import sglang
         from sglang.srt.server_args import ServerArgs

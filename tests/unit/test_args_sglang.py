@@ -8,6 +8,8 @@ import pytest
 
 from relax.args import build_parser, parse_train_args
 from relax.args.sglang import MANAGED_BY_RELAX, prepare_import, sglang_actions
+from relax.platform import get_platform
+from relax.rollout.engine import server_defaults
 from relax.tiny_model import build_tiny_model
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
@@ -19,6 +21,23 @@ BASE += ["--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "c
 def checkpoint(tmp_path):
     """A tiny Qwen3 checkpoint of BASE's size."""
     return str(build_tiny_model(tmp_path / "model", "qwen3"))
+
+
+def relax_defaults_as_sglang_flags() -> list[str]:
+    """relax's CPU defaults (relax.rollout.engine.server_defaults) spelt as SGLang flags: given before the
+    user's, SGLang's own parse takes them where the user gives nothing, as relax does."""
+    flags = []
+    by_dest = {action.dest: action for action in sglang_actions()}
+    for dest, value in server_defaults(get_platform("cpu")).items():
+        if dest in MANAGED_BY_RELAX:
+            continue
+        flag = by_dest[dest].option_strings[0]
+        if value is True:
+            flags.append(flag)
+        else:
+            assert value is not False, dest  # (no default turns a flag off today)
+            flags += [flag, str(value)]
+    return flags
 
 
 @pytest.fixture
@@ -99,9 +118,22 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefixed_flags_build_the_server_args_sglang_builds(case, checkpoint, sglang_own_parse):
     theirs_argv, ours_argv = CASES[case]
-    theirs = sglang_own_parse(["--model-path", checkpoint, "--device", "cpu", *theirs_argv])
+    theirs = sglang_own_parse(
+        ["--model-path", checkpoint, "--device", "cpu", *relax_defaults_as_sglang_flags(), *theirs_argv]
+    )
     ours = parse_train_args([*BASE, "--hf-checkpoint", checkpoint, *ours_argv]).sglang
     assert_same_server_args(ours, theirs)
+
+
+def test_a_given_flag_wins_over_relaxs_default_even_at_sglangs_default(checkpoint):
+    """The dry run shows what the engine runs with: relax's CPU defaults where nothing is given, and the user's
+    value where it is, also one equal to SGLang's own default (log_level's "info")."""
+    defaults = parse_train_args([*BASE, "--hf-checkpoint", checkpoint]).sglang
+    assert (defaults.log_level, defaults.attention_backend, defaults.mem_fraction_static) == (
+        "warning", "torch_native", 0.25
+    )
+    given = parse_train_args([*BASE, "--hf-checkpoint", checkpoint, "--sglang-log-level", "info"]).sglang
+    assert given.log_level == "info"
 
 
 def test_sglang_config_file_means_what_it_means_to_sglang(tmp_path, checkpoint, sglang_own_parse):
@@ -111,7 +143,10 @@ def test_sglang_config_file_means_what_it_means_to_sglang(tmp_path, checkpoint, 
         "cuda-graph-bs-decode: [1, 2]\nattention-backend: torch_native\nradix-eviction-policy: lfu\n"
     )
     override = ["--mem-fraction-static", "0.2"]  # the command line wins over the file
-    theirs = sglang_own_parse(["--model-path", checkpoint, "--device", "cpu", "--config", str(config), *override])
+    theirs = sglang_own_parse(
+        ["--model-path", checkpoint, "--device", "cpu", *relax_defaults_as_sglang_flags(), "--config", str(config),
+         *override]
+    )
     ours = parse_train_args(
         [*BASE, "--hf-checkpoint", checkpoint, "--sglang-config", str(config), "--sglang-mem-fraction-static", "0.2"]
     )

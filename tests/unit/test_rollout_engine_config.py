@@ -8,7 +8,7 @@ from relax.rollout.engine import (
     SamplingConfig,
     WeightUpdateError,
     _completion,
-    _explicit_fields,
+    _chosen_fields,
     checkpoint_tensor_shapes,
 )
 from relax.tiny_model import build_tiny_model
@@ -31,13 +31,18 @@ def test_managed_fields_are_refused_from_the_sglang_namespace(tmp_path):
         RolloutEngine({}, model_path=str(tmp_path), platform=cpu, enable_memory_saver=True)
 
 
-def test_explicit_fields_of_a_server_args():
-    get_platform("cpu").prepare_sglang()
+def test_chosen_fields_put_platform_defaults_under_a_dict_but_take_a_server_args_as_it_is():
+    cpu = get_platform("cpu")
+    cpu.prepare_sglang()
     from sglang.srt.server_args import ServerArgs
 
-    server_args = ServerArgs(model_path="m", tp_size=1, max_total_tokens=1024, log_level="debug")
-    assert _explicit_fields(server_args) == {"max_total_tokens": 1024, "log_level": "debug"}
-    assert _explicit_fields({"dtype": "auto"}) == {"dtype": "auto"}
+    # relax.args built this one, defaults applied: a field left at SGLang's default (log_level "info", which a
+    # user gave) stays there rather than taking relax's default ("warning") again.
+    server_args = ServerArgs(model_path="m", tp_size=1, max_total_tokens=1024, log_level="info")
+    assert _chosen_fields(server_args, cpu) == {"max_total_tokens": 1024}
+    chosen = _chosen_fields({"dtype": "auto", "max_total_tokens": 512}, cpu)
+    assert chosen["dtype"] == "auto" and chosen["max_total_tokens"] == 512
+    assert chosen["attention_backend"] == "torch_native" and chosen["log_level"] == "warning"
 
 
 def test_checkpoint_tensor_shapes(tmp_path):
