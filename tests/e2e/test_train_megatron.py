@@ -5,6 +5,7 @@ Every Megatron case runs on two spawned ranks sharing one gloo group, started on
 TP=1 runs as two data-parallel replicas; TP=2, PP=2 and EP=2 split the model across the two ranks.
 """
 
+import dataclasses
 import datetime
 import json
 import os
@@ -165,9 +166,15 @@ def _my_samples(actor):
     )
 
 
-def _actor(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False, **settings):
+def _actor(
+    hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False,
+    memory_saver_stand_in: bool = False, **settings,
+):
+    """memory_saver_stand_in: sleep through the memory saver route, with the CPU record's do-nothing saver."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
+    from relax.platform import get_platform
+    from relax.platform.cpu import NoMemorySaver
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.losses import LossSettings
     from relax.train.model import transformer_config
@@ -187,7 +194,10 @@ def _actor(hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optim
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     loss = LossSettings(kl_coef=0.05, entropy_coef=0.01)
     settings = ActorSettings(**{"loss": loss, "lr_decay_style": "linear", "lr_decay_steps": 4, **settings})
-    return MegatronActor(hf_dir, transformer, optimizer, ddp, settings)
+    platform = get_platform()
+    if memory_saver_stand_in:
+        platform = dataclasses.replace(platform, memory_saver="stand-in", _load_memory_saver=lambda: NoMemorySaver)
+    return MegatronActor(hf_dir, transformer, optimizer, ddp, settings, platform=platform)
 
 
 def _hf_logprob_difference(hf_dir: str, batch, logprobs, entropy=None) -> tuple[float, float]:
@@ -262,6 +272,7 @@ def _sleep_and_wake(actor) -> dict:
         "group_usable_asleep": group_usable_asleep,
         "timeouts": (timeouts_before, _group_timeouts(actor)),
         "num_groups": len(actor.process_groups.groups),
+        "route": type(actor.memory).__name__,
     }
 
 
@@ -406,9 +417,23 @@ def test_sleep_and_wake_between_steps_changes_nothing(ranks, hf_dirs, dp2_run):
     for rank_result, baseline in zip(run, dp2_run):
         for check in rank_result["sleep_checks"]:
             assert check["bytes_before"] > 0 and check["bytes_asleep"] == 0 and check["identical"], check
+            assert check["route"] == "HostCopies", check
             assert not check["group_usable_asleep"] and check["num_groups"] > 5, check
             before, after = check["timeouts"]
             assert before == after and seven_minutes in before, check
+        assert rank_result["metrics"] == baseline["metrics"]
+        assert all(torch.equal(rank_result["weights"][k], baseline["weights"][k]) for k in baseline["weights"])
+
+
+def test_sleep_through_a_memory_saver_trains_like_dp2(ranks, hf_dirs, dp2_run):
+    """The memory saver route's own logic (relax.train.offload.SaverRegion) on the CPU, with the CPU record's
+    do-nothing saver standing in (it releases nothing; tests/gpu runs torch_memory_saver): DDP's buffers and
+    the optimizer are built inside its region, the parameters and Adam's moments copied into it; the state
+    comes back bit-identical and metrics and final weights equal the run that never slept."""
+    run = ranks.run(_train, hf_dirs["qwen3"], dict(micro_batch_size=2, memory_saver_stand_in=True), 3, True)
+    for rank_result, baseline in zip(run, dp2_run):
+        for check in rank_result["sleep_checks"]:
+            assert check["route"] == "SaverRegion" and check["identical"], check
         assert rank_result["metrics"] == baseline["metrics"]
         assert all(torch.equal(rank_result["weights"][k], baseline["weights"][k]) for k in baseline["weights"])
 
