@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import re
 import socket
 import time
@@ -194,7 +195,7 @@ def _short_kernel_name(name: str) -> str:
             break
     name = name[:cut].removeprefix("void ")
     name = re.sub(r"\(anonymous namespace\)::|at::native::|at::|c10::|std::", "", name)
-    return name[:110]
+    return name[:90]
 
 
 def _profile_tables(step, args, platform) -> dict:
@@ -411,6 +412,19 @@ def run_side(name: str, args, results) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _result_of(name: str, process, results):
+    """The side's result; an error, not a hang, when the side's process died without one (its traceback is above)."""
+    while True:
+        try:
+            return results.get(timeout=5)
+        except queue.Empty:
+            if not process.is_alive():
+                try:
+                    return results.get(timeout=1)  # put just before it exited
+                except queue.Empty:
+                    raise RuntimeError(f"side {name} exited with code {process.exitcode} without a result") from None
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -443,13 +457,14 @@ def main(argv=None) -> None:
         )
     )
     results = {"parameters_b": parameters / 1e9, "tokens_per_step": tokens}
+    print(json.dumps(results), flush=True)
     profiles = {}
     context = mp.get_context("spawn")
     for name in args.sides:
-        queue = context.Queue()
-        process = context.Process(target=run_side, args=(name, args, queue))
+        side_results = context.Queue()
+        process = context.Process(target=run_side, args=(name, args, side_results))
         process.start()
-        result = queue.get()
+        result = _result_of(name, process, side_results)
         process.join()
         result["tokens_per_s"] = tokens / result["seconds_per_step"]
         result["mfu"] = flops / result["seconds_per_step"] / PEAK_FLOPS
@@ -463,7 +478,7 @@ def main(argv=None) -> None:
         results["relax_over_megatron_core"] = ratio
         if profiles["relax"] and profiles["megatron_core"]:
             print_profile_difference(profiles["megatron_core"], profiles["relax"], args.profile_rows)
-    print(json.dumps(results))
+        print(f"relax / megatron_core tokens per second: {ratio:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), **results, "profiles": profiles}))
 
