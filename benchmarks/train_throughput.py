@@ -348,7 +348,9 @@ def relax_actor(hf_dir: str, hf: dict, args, platform) -> dict:
         actor._run = run_with_timed_loss
 
     result = _measure(step, instrument, args, platform)
-    return {**result, "grad_norms": [m["grad_norm"] for m in metrics][: args.warmup + args.steps]}
+    grad_norms = [m["grad_norm"] for m in metrics][: args.warmup + args.steps]
+    # SaverRegion: DDP buffers and optimizer built in the memory saver's region (the colocated default)
+    return {**result, "memory_route": type(actor.memory).__name__, "grad_norms": grad_norms}
 
 
 SIDES = ("megatron_core", "megatron_core_explicit_mask", "relax")
