@@ -43,6 +43,16 @@ def hf_dir(tmp_path_factory):
     torch.distributed.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def wide_hf_dir(hf_dir, tmp_path_factory):
+    """The tiny model widened to about 27M parameters (a training state of some 430 MB in fp32), so that the
+    memory a sleep frees is measured well above what destroying the process groups frees."""
+    from relax.tiny_model import build_tiny_model
+
+    directory = tmp_path_factory.mktemp("qwen3_wide")
+    return str(build_tiny_model(directory, "qwen3", hidden_size=1024, intermediate_size=4096))
+
+
 def _batch(vocab_size):
     from relax.train.batch import RolloutBatch
 
@@ -94,20 +104,22 @@ def test_logprobs_equal_hf_on_the_gpu(hf_dir):
 
 
 def _sleep_and_wake(actor) -> dict:
-    """One sleep and wake, checked: the device memory freed and the training state's bytes; while asleep,
-    on the memory saver route, whether the saver's host backup of every tensor equals it; after wake,
-    whether every tensor is bit-identical."""
+    """One sleep and wake, checked: the device memory freed (the driver's free memory for the memory saver,
+    which unmaps the region; torch's allocated bytes for host copies, whose freed blocks may share cached
+    segments with other tensors) and the training state's bytes; while asleep, on the memory saver route,
+    whether the saver's host backup of every tensor equals it; after wake, whether every tensor is
+    bit-identical."""
     from relax.train.offload import SaverRegion
 
     state = [t.detach().clone() for t in actor._training_state_tensors()]
     state_bytes = actor.memory.nbytes
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    free_awake = torch.cuda.mem_get_info()[0]
+    free_awake, allocated_awake = torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated()
     actor.sleep()
-    freed = torch.cuda.mem_get_info()[0] - free_awake
-    backed_up = None
+    freed, backed_up = allocated_awake - torch.cuda.memory_allocated(), None
     if isinstance(actor.memory, SaverRegion):
+        freed = torch.cuda.mem_get_info()[0] - free_awake
         saver = actor.platform.load_memory_saver()
         backups = [saver.get_cpu_backup(t) for t in actor._training_state_tensors() if t.is_cuda and t.numel()]
         expected = [t for t in state if t.is_cuda and t.numel()]
@@ -147,9 +159,9 @@ ROUTES = [
 
 
 @pytest.mark.parametrize("actor_args", ROUTES, ids=["fp32", "bf16", "bf16-distopt", "fp32-host-copies"])
-def test_sleep_frees_device_memory_and_wake_changes_nothing(hf_dir, actor_args):
-    awake, _, awake_weights, _ = _run(hf_dir, sleep=False, **actor_args)
-    slept, checks, slept_weights, route = _run(hf_dir, sleep=True, **actor_args)
+def test_sleep_frees_device_memory_and_wake_changes_nothing(wide_hf_dir, actor_args):
+    awake, _, awake_weights, _ = _run(wide_hf_dir, sleep=False, **actor_args)
+    slept, checks, slept_weights, route = _run(wide_hf_dir, sleep=True, **actor_args)
     assert route == ("HostCopies" if actor_args.get("memory_saver") is False else "SaverRegion")
     for check in checks:
         assert check["identical"] and check["asleep_bytes"] == 0, check
