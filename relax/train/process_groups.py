@@ -13,6 +13,7 @@ private registry (distributed_c10d._world); a ReloadableGroup is registered ther
 its current real group. That registry is torch-internal: the e2e tests exercise it on the pinned torch.
 """
 
+import datetime
 import inspect
 import time
 from contextlib import contextmanager
@@ -53,7 +54,10 @@ class ReloadableGroup(dist.ProcessGroup):
 class ReloadableGroups:
     """The groups created inside `recording()`, destroyed and rebuilt together."""
 
-    def __init__(self, destroy_delay_s: float = 0.0):
+    def __init__(self, timeout: datetime.timedelta, destroy_delay_s: float = 0.0):
+        # For the groups made without a timeout (megatron-core 0.16 makes its expert data-parallel gloo group
+        # so), which torch would give its backend's default (gloo: 30 minutes) instead of the actor's.
+        self.timeout = timeout
         self.destroy_delay_s = destroy_delay_s  # the platform's pause after destroying (NCCL needs one)
         self._calls: list[tuple[dict, ReloadableGroup | None]] = []
         self.destroyed = False
@@ -65,6 +69,8 @@ class ReloadableGroups:
 
         def new_group(*args, **kwargs):
             kwargs = dict(inspect.signature(create).bind(*args, **kwargs).arguments)
+            if kwargs.get("timeout") is None:
+                kwargs["timeout"] = self.timeout
             group = create(**kwargs)
             reloadable = None if group is dist.GroupMember.NON_GROUP_MEMBER else ReloadableGroup(group)
             if reloadable is not None:

@@ -420,7 +420,7 @@ def test_sleep_and_wake_between_steps_changes_nothing(ranks, hf_dirs, dp2_run):
             assert check["route"] == "HostCopies", check
             assert not check["group_usable_asleep"] and check["num_groups"] > 5, check
             before, after = check["timeouts"]
-            assert before == after and seven_minutes in before, check
+            assert before == after and set(before) == {seven_minutes}, check  # none at torch's default
         assert rank_result["metrics"] == baseline["metrics"]
         assert all(torch.equal(rank_result["weights"][k], baseline["weights"][k]) for k in baseline["weights"])
 
