@@ -35,7 +35,8 @@ from relax.rollout.dump import load_rollout_data, save_rollout_data
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS, Sample, apply_overlong_penalty
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import (
-    Generate, generate_and_score, generate_informative_groups, offset_seed, reward_and_length_metrics, take_prompts,
+    Generate, completions_in_prompt_order, generate_and_score, generate_informative_groups, reward_and_length_metrics,
+    split_over_engines, take_prompts,
 )
 from relax.rollout.worker import EngineWorker
 from relax.run_state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
@@ -153,17 +154,15 @@ def collect_rollout(step, generate: Generate, loader, sampling, reward_fn, r) ->
 
 
 def generate_on_engines(engines, prompts: list[list[int]], sampling: SamplingConfig) -> list[list]:
-    """A `generate` (relax.rollout.rollout) over the engine actors: prompt i goes to engine i % len(engines),
-    whose requests are seeded from sampling.seed + its index x the call's request count (an engine numbers
-    its requests from its seed), so no two requests share a seed. Completions come back in prompt order."""
-    shares = wait_for([
-        engine.generate.remote(prompts[i :: len(engines)], offset_seed(sampling, i * len(prompts) * sampling.n))
-        for i, engine in enumerate(engines.actors)
-    ], engines.placement)
-    completions = [None] * len(prompts)
-    for i, share in enumerate(shares):
-        completions[i :: len(engines)] = share
-    return completions
+    """A `generate` (relax.rollout.rollout) over the engine actors: consecutive shares of the prompts, one per
+    engine that gets any, each request seeded as one engine would seed it (split_over_engines). Completions
+    come back in prompt order."""
+    shares = split_over_engines(prompts, sampling, len(engines))
+    answers = wait_for(
+        [engines.actors[share.engine].generate.remote(share.prompts, share.sampling) for share in shares],
+        engines.placement,
+    )
+    return completions_in_prompt_order(shares, answers)
 
 
 def hand_devices_to_actor(engines, trainers) -> None:

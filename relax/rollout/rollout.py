@@ -2,9 +2,10 @@
 with DAPO dynamic sampling and the rollout metrics.
 
 `generate(token_id_prompts, sampling)` is any callable returning sampling.n Completions per prompt, in prompt
-order, each request sampled with its own seed counted from sampling.seed: an in-process RolloutEngine.generate
-(request i: seed + i), or the loop's spread of the prompts over the Ray engine actors
-(relax.loop.generate_on_engines).
+order, request i of the call sampled with seed sampling.seed + i: an in-process RolloutEngine.generate, or the
+loop's spread of the prompts over the Ray engine actors (relax.loop.generate_on_engines, through
+split_over_engines and completions_in_prompt_order below: each request keeps the seed it would get from one
+engine, however many engines there are).
 
     samples = generate_and_score(engine.generate, loader.take(32), sampling, reward_fn)
     metrics = reward_and_length_metrics(samples)
@@ -13,7 +14,7 @@ order, each request sampled with its own seed counted from sampling.seed: an in-
 import itertools
 import sys
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -24,7 +25,8 @@ from relax.rollout.rewards import RewardFn, RewardInput, score
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
 
-ROUND_SEED_STRIDE = 2**16  # sampling seeds per dynamic-sampling round (a step has 2**24: run_state.sampling_seed)
+STEP_SEED_SPAN = 2**24  # sampling seeds per step (run_state.sampling_seed)
+ROUND_SEED_STRIDE = 2**16  # sampling seeds per dynamic-sampling round: its requests must fit
 
 
 def generate_and_score(
@@ -66,7 +68,19 @@ def generate_informative_groups(
 ) -> tuple[list[Sample], dict[str, float]]:
     """DAPO dynamic sampling: rounds of `prompts_per_round` new prompts, each round with its own sampling seeds,
     until `num_groups` groups whose rewards differ are kept (relax.rollout.groups.fill_with_informative_groups:
-    it fails with the counts after `max_rounds` rounds). Returns their samples and the round statistics."""
+    it fails with the counts after `max_rounds` rounds). Returns their samples and the round statistics.
+    Each round's requests take seeds of their own (ROUND_SEED_STRIDE apart), within the step's."""
+    if prompts_per_round * sampling.n > ROUND_SEED_STRIDE:
+        raise ValueError(
+            f"dynamic sampling: a round of {prompts_per_round} prompts x {sampling.n} samples is more than the "
+            f"{ROUND_SEED_STRIDE} requests a round has sampling seeds for; lower --over-sampling-batch-size (or "
+            "--rollout-batch-size, when it is not given) or --n-samples-per-prompt"
+        )
+    if max_rounds * ROUND_SEED_STRIDE > STEP_SEED_SPAN:
+        raise ValueError(
+            f"dynamic sampling: --dynamic-sampling-max-rounds {max_rounds} is more rounds than a step has sampling "
+            f"seeds for; give at most {STEP_SEED_SPAN // ROUND_SEED_STRIDE}"
+        )
     rounds = itertools.count()
 
     def one_round(_groups_still_needed: int):  # a whole round each time: most groups may be dropped again
@@ -81,6 +95,51 @@ def generate_informative_groups(
 def offset_seed(sampling: SamplingConfig, offset: int) -> SamplingConfig:
     """`sampling` numbering its requests' seeds from sampling.seed + offset (no seed: unchanged)."""
     return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + offset)
+
+
+class EngineShare(NamedTuple):
+    """The part of one generate call that one engine serves."""
+
+    engine: int  # the engine's index
+    prompts: list[list[int]]
+    sampling: SamplingConfig  # seeds from the call's seed + (the call's index of its first prompt) x n
+
+
+def split_over_engines(prompts: list[list[int]], sampling: SamplingConfig, num_engines: int) -> list[EngineShare]:
+    """One generate call spread over `num_engines` engines: consecutive shares of the prompts whose sizes differ by
+    at most one, one per engine that gets any (fewer prompts than engines: the last engines get none and are not
+    called). The share starting at prompt p numbers its seeds from sampling.seed + p x n, so request i of the
+    call samples with seed + i as it would on one engine: no two requests share a seed, and the call takes no
+    more seeds than on one engine."""
+    if num_engines < 1:
+        raise ValueError(f"split_over_engines: num_engines must be at least 1, got {num_engines}")
+    size, larger = divmod(len(prompts), num_engines)  # the first `larger` engines take one prompt more
+    shares, start = [], 0
+    for engine in range(min(num_engines, len(prompts))):
+        end = start + size + (engine < larger)
+        shares.append(EngineShare(engine, prompts[start:end], offset_seed(sampling, start * sampling.n)))
+        start = end
+    return shares
+
+
+def completions_in_prompt_order(
+    shares: list[EngineShare], answers: list[list[list[Completion]]]
+) -> list[list[Completion]]:
+    """The engines' answers (answers[k]: share k's completions, from its engine) as one generate call's result,
+    in prompt order. An engine that answered a different number of prompts, or of samples per prompt, is an
+    error naming it: a completion must never be lost or land on another prompt."""
+    if len(answers) != len(shares):
+        raise RuntimeError(f"{len(shares)} engines were asked to generate, but {len(answers)} answered")
+    completions = []
+    for share, answer in zip(shares, answers):
+        counts = [len(group) for group in answer]
+        if len(answer) != len(share.prompts) or any(count != share.sampling.n for count in counts):
+            raise RuntimeError(
+                f"engine {share.engine} answered {len(answer)} prompts with {counts} completions for "
+                f"{len(share.prompts)} prompts x {share.sampling.n} samples"
+            )
+        completions += answer
+    return completions
 
 
 def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:
