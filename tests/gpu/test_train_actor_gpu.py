@@ -134,20 +134,24 @@ def _sleep_and_wake(actor) -> dict:
 
 
 def _run(hf_dir, sleep, **actor_args):
-    """Three optimizer steps (asleep between them when `sleep`): each step's metrics, the sleep checks and
-    the final weights."""
+    """Three optimizer steps (asleep between them when `sleep`): each step's metrics, the sleep checks, the
+    final weights and whether every step changed them."""
     from relax.train.model import unwrap
+
+    def weights():
+        return {name: p.detach().cpu() for name, p in unwrap(actor.model).named_parameters()}
 
     actor = _actor(hf_dir, **actor_args)
     batch = _batch(actor.hf["vocab_size"])
     batch.old_logprobs = batch.ref_logprobs = actor.compute_logprobs(batch)
-    metrics, checks = [], []
+    metrics, checks, moved = [], [], []
     for step in range(3):
         if sleep and step:
             checks.append(_sleep_and_wake(actor))
+        before = weights()
         metrics.append(actor.train_step(batch))
-    weights = {name: p.detach().cpu() for name, p in unwrap(actor.model).named_parameters()}
-    return metrics, checks, weights, type(actor.memory).__name__
+        moved.append(any(not torch.equal(before[name], after) for name, after in weights().items()))
+    return metrics, checks, weights(), moved, type(actor.memory).__name__
 
 
 ROUTES = [
@@ -160,8 +164,8 @@ ROUTES = [
 
 @pytest.mark.parametrize("actor_args", ROUTES, ids=["fp32", "bf16", "bf16-distopt", "fp32-host-copies"])
 def test_sleep_frees_device_memory_and_wake_changes_nothing(wide_hf_dir, actor_args):
-    awake, _, awake_weights, _ = _run(wide_hf_dir, sleep=False, **actor_args)
-    slept, checks, slept_weights, route = _run(wide_hf_dir, sleep=True, **actor_args)
+    awake, _, awake_weights, moved, _ = _run(wide_hf_dir, sleep=False, **actor_args)
+    slept, checks, slept_weights, _, route = _run(wide_hf_dir, sleep=True, **actor_args)
     assert route == ("HostCopies" if actor_args.get("memory_saver") is False else "SaverRegion")
     for check in checks:
         assert check["identical"] and check["asleep_bytes"] == 0, check
@@ -169,5 +173,6 @@ def test_sleep_frees_device_memory_and_wake_changes_nothing(wide_hf_dir, actor_a
         assert check["backed_up"] is (True if route == "SaverRegion" else None), check
     assert slept == awake
     assert all(torch.equal(slept_weights[name], awake_weights[name]) for name in awake_weights)
-    losses = [m["loss"] for m in awake]
-    assert losses[-1] < losses[0], losses
+    # Every step trained (a loss that falls is not promised in three PPO steps at this learning rate, with
+    # the KL term and clipping).
+    assert all(moved), moved
