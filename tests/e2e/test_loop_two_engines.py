@@ -135,7 +135,8 @@ def test_two_engines_and_two_training_ranks_share_every_step_and_take_every_push
         saved = rollout_data_path(rollout_pattern, step).read_text().splitlines()[1:]
         groups = [json.loads(line) for line in saved]
         assert [g["prompt"]["token_ids"] for g in groups] == first["prompts"] + second["prompts"]
-        assert [[s["response_token_ids"] for s in g["samples"]] for g in groups] == first["responses"] + second["responses"]
+        responses = [[s["response_token_ids"] for s in g["samples"]] for g in groups]
+        assert responses == first["responses"] + second["responses"]
     assert calls[0][0]["seed"] != calls[0][1]["seed"]
 
     # Both engines started from the checkpoint and took every push: the same greedy outputs, changed by training.
