@@ -105,12 +105,14 @@ def test_two_engines_and_two_training_ranks_share_every_step_and_take_every_push
         "--num-nodes", "1", "--num-devices-per-node", "2", "--rollout-num-devices-per-engine", "1",
         "--save-rollout-data", rollout_pattern, "--output-dir", str(output),
     ])
+    assert not ray.is_initialized(), "run() must start its own Ray cluster here (another test left one connected)"
     marker = run_marker()
-    # The run's Ray cluster, its actors and SGLang's processes inherit both variables from this process.
+    # The run's Ray cluster, its actors and SGLang's processes inherit the marker and the records' directory.
     monkeypatch.setenv(MARKER_VAR, marker[MARKER_VAR])
     monkeypatch.setenv(RECORDS_ENV, str(records))
     for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_AUTH_MODE", "disabled")):
         monkeypatch.setenv(name, value)  # what run() sets for its local cluster, taken back after the test
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # else run() would join that cluster
     monkeypatch.setattr(relax.loop, "EngineWorker", RecordingEngineWorker)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
     try:
