@@ -68,12 +68,15 @@ def _store_shifted_window(window, state_ptr, channels, mask, channel_stride, tap
 
 
 @triton.jit
-def _gated_norm_store(o, z_ptr, weight, out_ptr, offs_head, mask_head, V: tl.constexpr, norm_eps):
-    """Store o / rms(o) * weight * silu(z) for one value head; o, weight, offsets: [BT, BV]."""
-    rstd = tl.rsqrt(tl.sum(o * o) / V + norm_eps)
-    z = tl.load(z_ptr + offs_head, mask=mask_head, other=0.0).to(tl.float32)
-    y = o * rstd * weight * z * tl.sigmoid(z)
-    tl.store(out_ptr + offs_head, y.to(out_ptr.dtype.element_ty), mask=mask_head)
+def _gated_norm_store(o, z_ptr, weight, out_ptr, offs, mask, tile_head, V: tl.constexpr, norm_eps):
+    """Store o / rms(o) * weight * silu(z) for a key head's group of value heads; o, weight, offs, mask:
+    [BGT, BV] (value tile of the group, row in tile), tile_head [BGT]: each tile's value head."""
+    tile_sq = tl.sum(o * o, axis=1)
+    head_sq = tl.sum(tl.where(tile_head[:, None] == tile_head[None, :], tile_sq[None, :], 0.0), axis=1)
+    rstd = tl.rsqrt(head_sq / V + norm_eps)
+    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = o * rstd[:, None] * weight * z * tl.sigmoid(z)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -84,39 +87,53 @@ def _gdn_decode_kernel(
     state_slot_stride,
     scale, norm_eps,
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NT: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr,
-    P: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, NT: tl.constexpr, BGT: tl.constexpr, BW: tl.constexpr,
+    P: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, EVEN: tl.constexpr,
+    TILE_STAGES: tl.constexpr, STATE_LOAD_EVICTION: tl.constexpr, STATE_STORE_CACHE: tl.constexpr,
 ):
     """One work item = one token row x one key head x one of its P parts (R = HV // HK value heads share the
-    key head's q/k conv channels).
+    key head's q/k conv channels). The group's R * NT value tiles of [BV, K] state rows are numbered
+    i = head * NT + tile; small per-row vectors are held as [BGT, BV] (tile i, row in tile; BGT = R * NT rounded
+    up to a power of two).
 
     P == 1: the part is the whole group, every value head and tile; it updates the q/k conv window itself.
-    P == R * SPLITS: a part is one value head and every SPLITS-th [BV, K] state tile of it. Every part reads the
+    P == R * SPLITS: a part is one value head and every SPLITS-th state tile of it. Every part reads the
     old q/k window, updates its tiles, stores its un-normalised outputs, then takes an arrival ticket; the last
     part to arrive (all others have read and stored by then) writes the shifted q/k window, applies the gated
     RMSNorm to the group's outputs and resets the ticket to zero for the next call.
-    A head's output is accumulated as [BT, BV] (tile, row in tile; BT = NT rounded up to a power of two).
+    All small inputs (q, k, v conv windows, gates) are read before the loop over state tiles, so that loop only
+    streams the state: TILE_STAGES > 1 lets the compiler prefetch the next tiles while one is updated.
     """
     R: tl.constexpr = HV // HK
     HEADS: tl.constexpr = R if P == 1 else 1  # value heads per part
     SPLITS: tl.constexpr = 1 if P == 1 else P // R  # parts per value head
     offs_k = tl.arange(0, BK)
     mask_k = offs_k < K
-    tiles = tl.arange(0, BT)
-    offs_head = tiles[:, None] * BV + tl.arange(0, BV)[None, :]  # [BT, BV] positions within a value head
-    mask_head = (tiles[:, None] < NT) & (offs_head < V)
-    norm_weight = tl.load(norm_weight_ptr + offs_head, mask=mask_head, other=0.0).to(tl.float32)
+    rows_in_tile = tl.arange(0, BV)
+    tiles = tl.arange(0, BGT)
+    tile_head = tiles // NT
+    pos_in_head = (tiles % NT)[:, None] * BV + rows_in_tile[None, :]  # [BGT, BV]
+    in_group = (tiles < R * NT)[:, None] & (pos_in_head < V)
+    group_offs = tile_head[:, None] * V + pos_in_head  # within the group's R * V values
+    norm_weight = tl.load(norm_weight_ptr + pos_in_head, mask=in_group, other=0.0).to(tl.float32)
+    # the same positions flattened, for the v conv channels
+    flat = tl.arange(0, BGT * BV)
+    flat_tile = flat // BV
+    flat_pos = (flat_tile % NT) * BV + flat % BV
+    flat_in_group = (flat_tile < R * NT) & (flat_pos < V)
     for item in range(tl.program_id(0), num_rows * HK * P, tl.num_programs(0)):
         row = item // (HK * P)
         hk = (item // P) % HK
         first_head = (item % P) // SPLITS  # within the group
         split = item % SPLITS
-        owned = mask_head & (tiles % SPLITS == split)[:, None]  # this part's tiles of each of its heads
+        first_tile = first_head * NT + split
+        end_tile = (first_head + HEADS) * NT
+        owned_tiles = (tiles >= first_tile) & (tiles < end_tile) & ((tiles % NT) % SPLITS == split)
+        owned = in_group & owned_tiles[:, None]
+        out_group = out_ptr + (row * HV + hk * R) * V
         slot = tl.load(slot_ptr + row).to(tl.int64)
         if slot < 0:  # padding row: no state touched, zero output
-            for jj in tl.static_range(HEADS):
-                out_head = out_ptr + (row * HV + hk * R + first_head + jj) * V
-                tl.store(out_head + offs_head, tl.zeros([BT, BV], dtype=out_ptr.dtype.element_ty), mask=owned)
+            tl.store(out_group + group_offs, tl.zeros([BGT, BV], dtype=out_ptr.dtype.element_ty), mask=owned)
         else:
             qkvz_row = qkvz_ptr + row * qkvz_row_stride
             ba_row = ba_ptr + row * ba_row_stride
@@ -145,45 +162,56 @@ def _gdn_decode_kernel(
             k = _conv_silu(k_window, conv_weight_ptr, conv_bias_ptr, k_channels, mask_k, W, BW, HAS_CONV_BIAS)
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
             k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
-
-            for jj in tl.static_range(HEADS):
-                j = first_head + jj
-                h = hk * R + j
-                x = tl.load(a_in + j).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+            # v of this part's tiles; their conv channels belong to this part alone: shifted right away
+            flat_owned = flat_in_group & (flat_tile >= first_tile) & (flat_tile < end_tile) & (
+                (flat_tile % NT) % SPLITS == split)
+            v_channels = 2 * HK * K + hk * R * V + (flat_tile // NT) * V + flat_pos
+            v_window = _conv_window(v_in + (flat_tile // NT) * V + flat_pos, conv_state, v_channels, flat_owned,
+                                    conv_channel_stride, conv_tap_stride, W, BW)
+            v = _conv_silu(v_window, conv_weight_ptr, conv_bias_ptr, v_channels, flat_owned, W, BW, HAS_CONV_BIAS)
+            _store_shifted_window(v_window, conv_state, v_channels, flat_owned, conv_channel_stride,
+                                  conv_tap_stride, W, BW)
+            v = tl.reshape(v, (BGT, BV))
+            kq = tl.sum(k * q)
+            state_group = state_ptr + slot * state_slot_stride + hk * R * V * K
+            o = tl.zeros([BGT, BV], dtype=tl.float32)
+            for i in tl.range(first_tile, end_tile, SPLITS, num_stages=TILE_STAGES):
+                head = i // NT
+                h = hk * R + head
+                x = tl.load(a_in + head).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
                 softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
                 decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
-                beta = tl.sigmoid(tl.load(b_in + j).to(tl.float32))
-                o = tl.zeros([BT, BV], dtype=tl.float32)
-                for t in range(split, NT, SPLITS):
-                    offs_v = t * BV + tl.arange(0, BV)
-                    mask_v = offs_v < V
-                    v_channels = 2 * HK * K + h * V + offs_v  # owned by this part alone: updated right away
-                    v_window = _conv_window(v_in + j * V + offs_v, conv_state, v_channels, mask_v,
-                                            conv_channel_stride, conv_tap_stride, W, BW)
-                    v = _conv_silu(v_window, conv_weight_ptr, conv_bias_ptr, v_channels, mask_v, W, BW,
-                                   HAS_CONV_BIAS)
-                    _store_shifted_window(v_window, conv_state, v_channels, mask_v, conv_channel_stride,
-                                          conv_tap_stride, W, BW)
-                    # State tile [BV, K] of the pool's [V, K] head: S = e^g S; S += beta (v - S k) k^T; o = S q.
-                    tile = state_ptr + slot * state_slot_stride + h * V * K + offs_v[:, None] * K + offs_k[None, :]
-                    tile_mask = mask_v[:, None] & mask_k[None, :]
-                    s = tl.load(tile, mask=tile_mask, other=0.0).to(tl.float32) * decay
-                    delta = (v - tl.sum(s * k[None, :], axis=1)) * beta
-                    s += delta[:, None] * k[None, :]
-                    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
-                    o = tl.where(tiles[:, None] == t, tl.sum(s * q[None, :], axis=1)[None, :], o)
-                out_head = out_ptr + (row * HV + h) * V
-                if P == 1:
-                    _gated_norm_store(o, z_in + j * V, norm_weight, out_head, offs_head, mask_head, V, norm_eps)
-                else:  # un-normalised, for the group's last part
-                    tl.store(out_head + offs_head, o.to(out_ptr.dtype.element_ty), mask=owned)
+                beta = tl.sigmoid(tl.load(b_in + head).to(tl.float32))
+                v_tile = tl.sum(tl.where(tiles[:, None] == i, v, 0.0), axis=0)
+                # State tile [BV, K] of the pool's [V, K] head: S' = e^g S + beta (v - e^g S k) k^T, o = S' q.
+                # Both products with the old S are taken at once: o = e^g S q + beta (v - e^g S k) (k . q).
+                offs_v = (i % NT) * BV + rows_in_tile
+                tile = state_group + head * V * K + offs_v[:, None] * K + offs_k[None, :]
+                if EVEN:
+                    s = tl.load(tile, eviction_policy=STATE_LOAD_EVICTION)
+                else:
+                    tile_mask = (offs_v < V)[:, None] & mask_k[None, :]
+                    s = tl.load(tile, mask=tile_mask, other=0.0, eviction_policy=STATE_LOAD_EVICTION)
+                s = s.to(tl.float32)
+                sk = tl.sum(s * k[None, :], axis=1)
+                sq = tl.sum(s * q[None, :], axis=1)
+                delta = (v_tile - decay * sk) * beta
+                s = s * decay + delta[:, None] * k[None, :]
+                if EVEN:
+                    tl.store(tile, s.to(state_ptr.dtype.element_ty), cache_modifier=STATE_STORE_CACHE)
+                else:
+                    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask,
+                             cache_modifier=STATE_STORE_CACHE)
+                o = tl.where(tiles[:, None] == i, (decay * sq + delta * kq)[None, :], o)
 
             if P == 1:
                 _store_shifted_window(q_window, conv_state, q_channels, mask_k, conv_channel_stride,
                                       conv_tap_stride, W, BW)
                 _store_shifted_window(k_window, conv_state, k_channels, mask_k, conv_channel_stride,
                                       conv_tap_stride, W, BW)
-            else:
+                _gated_norm_store(o, z_in, norm_weight, out_group, group_offs, in_group, tile_head, V, norm_eps)
+            else:  # un-normalised, for the group's last part
+                tl.store(out_group + group_offs, o.to(out_ptr.dtype.element_ty), mask=owned)
                 tl.debug_barrier()  # all of this program's reads and stores come before its ticket
                 ticket = tl.atomic_add(ticket_ptr + row * HK + hk, 1, sem="acq_rel")
                 if ticket == P - 1:  # the group's last part to arrive
@@ -191,11 +219,9 @@ def _gdn_decode_kernel(
                                           conv_tap_stride, W, BW)
                     _store_shifted_window(k_window, conv_state, k_channels, mask_k, conv_channel_stride,
                                           conv_tap_stride, W, BW)
-                    for head in tl.static_range(R):
-                        out_group_head = out_ptr + (row * HV + hk * R + head) * V
-                        o_raw = tl.load(out_group_head + offs_head, mask=mask_head, other=0.0).to(tl.float32)
-                        _gated_norm_store(o_raw, z_in + head * V, norm_weight, out_group_head, offs_head, mask_head,
-                                          V, norm_eps)
+                    o_raw = tl.load(out_group + group_offs, mask=in_group, other=0.0).to(tl.float32)
+                    _gated_norm_store(o_raw, z_in, norm_weight, out_group, group_offs, in_group, tile_head, V,
+                                      norm_eps)
                     tl.store(ticket_ptr + row * HK + hk, 0)
 
 
@@ -284,6 +310,7 @@ def gdn_decode(
     block_v: int = 64,
     programs_per_group: int = 1,
     tickets: torch.Tensor | None = None,
+    stream_state: bool = False,
 ) -> torch.Tensor:
     """Fused GDN decode step; same arguments and result as gdn_reference.gdn_decode, plus the launch record.
 
@@ -297,6 +324,9 @@ def gdn_decode(
         at small batch; the last to finish applies the norm, counted with `tickets`.
     tickets: int32 zeros, at least N * num_k_heads, used when programs_per_group > 1; the kernel leaves them
         zero, so one buffer serves every call (and CUDA-graph replays). Allocated per call when None.
+    stream_state: load the state with evict_first and store it with the streaming cache hint (".cs"): it is
+        touched once per step, so it should not push other data out of the cache.
+    The loop over state tiles is software-pipelined `launch.options["num_stages"]` deep where given.
     """
     num_v_heads = A_log.shape[0]
     _check(layout in QKVZ_LAYOUTS, f"layout={layout!r}: use one of {QKVZ_LAYOUTS}")
@@ -334,15 +364,20 @@ def gdn_decode(
                f"x {tickets.numel()}")
     out = mixed_qkvz.new_empty(rows, num_v_heads, head_v_dim)
     grid = (max(1, min(rows * num_k_heads * programs_per_group, launch.num_programs)),)
+    head_k_block = triton.next_power_of_2(head_k_dim)
     _gdn_decode_kernel[grid](
         mixed_qkvz, mixed_ba, conv_state_pool, conv_weight, conv_bias, state_pool, slot_indices,
         A_log, dt_bias, norm_weight, out, tickets,
         rows, mixed_qkvz.stride(0), mixed_ba.stride(0), *conv_state_pool.stride(), state_pool.stride(0),
         head_k_dim ** -0.5, norm_eps,
         HK=num_k_heads, HV=num_v_heads, K=head_k_dim, V=head_v_dim, W=width,
-        BK=triton.next_power_of_2(head_k_dim), BV=block_v, NT=num_tiles, BT=triton.next_power_of_2(num_tiles),
+        BK=head_k_block, BV=block_v, NT=num_tiles, BGT=triton.next_power_of_2(ratio * num_tiles),
         BW=triton.next_power_of_2(width), P=programs_per_group,
         INTERLEAVED=layout == "interleaved", HAS_CONV_BIAS=conv_bias is not None,
+        EVEN=head_k_block == head_k_dim and head_v_dim % block_v == 0,
+        TILE_STAGES=launch.options.get("num_stages"),
+        STATE_LOAD_EVICTION="evict_first" if stream_state else "",
+        STATE_STORE_CACHE=".cs" if stream_state else "",
         **launch.options,
     )
     return out

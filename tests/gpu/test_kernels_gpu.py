@@ -11,11 +11,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HK, HV, K, V, WIDTH = 16, 32, 128, 128, 4  # Qwen3.5-9B's linear-attention layers
 
 
-def cuda_launch():
+def cuda_launch(num_stages=2):
     from relax.kernels.gdn_triton import TritonLaunch
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return TritonLaunch(num_programs=sms * 16, options=dict(num_warps=4, num_stages=2))
+    return TritonLaunch(num_programs=sms * 16, options=dict(num_warps=4, num_stages=num_stages))
 
 
 def decode_case(layout, dtype, rows=6, slots=9):
@@ -50,10 +50,11 @@ def test_fused_decode_matches_reference(layout, dtype, tol):
     torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
 
 
-@pytest.mark.parametrize("block_v,programs_per_group", [(64, 1), (64, 4), (32, 8)])
-def test_fused_decode_many_rows_and_steps(block_v, programs_per_group):
+@pytest.mark.parametrize("block_v,programs_per_group,num_stages,stream_state",
+                         [(64, 1, 2, False), (64, 4, 2, False), (32, 8, 2, False), (32, 1, 4, True)])
+def test_fused_decode_many_rows_and_steps(block_v, programs_per_group, num_stages, stream_state):
     """256 rows x 16 key heads of concurrently finishing groups, three steps in a row on one ticket buffer:
-    a race between a group's parts would show up as a mismatch here."""
+    a race between a group's parts would show up as a mismatch here. num_stages > 1 prefetches state tiles."""
     from relax.kernels.gdn_triton import gdn_decode
 
     case = decode_case("contiguous", torch.float32, rows=256, slots=300)
@@ -61,8 +62,8 @@ def test_fused_decode_many_rows_and_steps(block_v, programs_per_group):
     expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     tickets = torch.zeros(256 * HK, dtype=torch.int32, device="cuda")
     for _ in range(3):
-        out = gdn_decode(**case, launch=cuda_launch(), block_v=block_v, programs_per_group=programs_per_group,
-                         tickets=tickets)
+        out = gdn_decode(**case, launch=cuda_launch(num_stages), block_v=block_v,
+                         programs_per_group=programs_per_group, tickets=tickets, stream_state=stream_state)
         expected = ref.gdn_decode(**expected_case)
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=2e-6, rtol=2e-5)
