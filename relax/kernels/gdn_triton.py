@@ -80,6 +80,17 @@ def _gated_norm_store(o, z_ptr, weight, out_ptr, offs, mask, tile_head, V: tl.co
 
 
 @triton.jit
+def _state_tile(state_group, i, end_tile, rows_in_tile, offs_k, mask_k, K: tl.constexpr, V: tl.constexpr,
+                NT: tl.constexpr, BV: tl.constexpr):
+    """Pointers [BV, K] to the group's state tile i (rows of value head i // NT) and their mask: rows past the
+    head's V, columns past K, and the whole tile once i reaches end_tile are masked."""
+    offs_v = (i % NT) * BV + rows_in_tile
+    pointers = state_group + (i // NT) * V * K + offs_v[:, None] * K + offs_k[None, :]
+    rows_left = tl.where(i < end_tile, V - (i % NT) * BV, 0)
+    return pointers, (rows_in_tile < rows_left)[:, None] & mask_k[None, :]
+
+
+@triton.jit
 def _gdn_decode_kernel(
     qkvz_ptr, ba_ptr, conv_state_ptr, conv_weight_ptr, conv_bias_ptr, state_ptr, slot_ptr,
     A_log_ptr, dt_bias_ptr, norm_weight_ptr, out_ptr, ticket_ptr,
@@ -101,8 +112,9 @@ def _gdn_decode_kernel(
     old q/k window, updates its tiles, stores its un-normalised outputs, then takes an arrival ticket; the last
     part to arrive (all others have read and stored by then) writes the shifted q/k window, applies the gated
     RMSNorm to the group's outputs and resets the ticket to zero for the next call.
-    All small inputs (q, k, v conv windows, gates) are read before the loop over state tiles, so that loop only
-    streams the state: TILE_STAGES > 1 lets the compiler prefetch the next tiles while one is updated.
+    The q/k/v conv windows are read before the loop over state tiles, so that loop mostly streams the state.
+    TILE_STAGES = 2: each state tile is loaded one step ahead (the first while the conv windows are read), so a
+    program keeps a load in flight while it updates a tile; 1: load, update, store one tile at a time.
     """
     R: tl.constexpr = HV // HK
     HEADS: tl.constexpr = R if P == 1 else 1  # value heads per part
@@ -135,6 +147,11 @@ def _gdn_decode_kernel(
         if slot < 0:  # padding row: no state touched, zero output
             tl.store(out_group + group_offs, tl.zeros([BGT, BV], dtype=out_ptr.dtype.element_ty), mask=owned)
         else:
+            state_group = state_ptr + slot * state_slot_stride + hk * R * V * K
+            if TILE_STAGES > 1:  # the first state tile is on its way while the small inputs are read
+                first, first_mask = _state_tile(state_group, first_tile, end_tile, rows_in_tile, offs_k, mask_k, K,
+                                                V, NT, BV)
+                s_next = tl.load(first, mask=first_mask, other=0.0, eviction_policy=STATE_LOAD_EVICTION)
             qkvz_row = qkvz_ptr + row * qkvz_row_stride
             ba_row = ba_ptr + row * ba_row_stride
             if INTERLEAVED:  # per key head: [q K | k K | v R*V | z R*V], [b R | a R]
@@ -173,9 +190,8 @@ def _gdn_decode_kernel(
                                   conv_tap_stride, W, BW)
             v = tl.reshape(v, (BGT, BV))
             kq = tl.sum(k * q)
-            state_group = state_ptr + slot * state_slot_stride + hk * R * V * K
             o = tl.zeros([BGT, BV], dtype=tl.float32)
-            for i in tl.range(first_tile, end_tile, SPLITS, num_stages=TILE_STAGES):
+            for i in range(first_tile, end_tile, SPLITS):
                 head = i // NT
                 h = hk * R + head
                 x = tl.load(a_in + head).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
@@ -185,12 +201,15 @@ def _gdn_decode_kernel(
                 v_tile = tl.sum(tl.where(tiles[:, None] == i, v, 0.0), axis=0)
                 # State tile [BV, K] of the pool's [V, K] head: S' = e^g S + beta (v - e^g S k) k^T, o = S' q.
                 # Both products with the old S are taken at once: o = e^g S q + beta (v - e^g S k) (k . q).
-                offs_v = (i % NT) * BV + rows_in_tile
-                tile = state_group + head * V * K + offs_v[:, None] * K + offs_k[None, :]
-                if EVEN:
+                tile, tile_mask = _state_tile(state_group, i, end_tile, rows_in_tile, offs_k, mask_k, K, V, NT, BV)
+                if TILE_STAGES > 1:  # this tile was loaded one step ahead; now the next one is
+                    s = s_next
+                    next_tile, next_mask = _state_tile(state_group, i + SPLITS, end_tile, rows_in_tile, offs_k,
+                                                       mask_k, K, V, NT, BV)
+                    s_next = tl.load(next_tile, mask=next_mask, other=0.0, eviction_policy=STATE_LOAD_EVICTION)
+                elif EVEN:
                     s = tl.load(tile, eviction_policy=STATE_LOAD_EVICTION)
                 else:
-                    tile_mask = (offs_v < V)[:, None] & mask_k[None, :]
                     s = tl.load(tile, mask=tile_mask, other=0.0, eviction_policy=STATE_LOAD_EVICTION)
                 s = s.to(tl.float32)
                 sk = tl.sum(s * k[None, :], axis=1)
@@ -326,7 +345,7 @@ def gdn_decode(
         zero, so one buffer serves every call (and CUDA-graph replays). Allocated per call when None.
     stream_state: load the state with evict_first and store it with the streaming cache hint (".cs"): it is
         touched once per step, so it should not push other data out of the cache.
-    The loop over state tiles is software-pipelined `launch.options["num_stages"]` deep where given.
+    Where `launch.options["num_stages"]` is 2 or more, each state tile is loaded one step ahead of its update.
     """
     num_v_heads = A_log.shape[0]
     _check(layout in QKVZ_LAYOUTS, f"layout={layout!r}: use one of {QKVZ_LAYOUTS}")
@@ -375,7 +394,7 @@ def gdn_decode(
         BW=triton.next_power_of_2(width), P=programs_per_group,
         INTERLEAVED=layout == "interleaved", HAS_CONV_BIAS=conv_bias is not None,
         EVEN=head_k_block == head_k_dim and head_v_dim % block_v == 0,
-        TILE_STAGES=launch.options.get("num_stages"),
+        TILE_STAGES=min(launch.options.get("num_stages", 1), 2),
         STATE_LOAD_EVICTION="evict_first" if stream_state else "",
         STATE_STORE_CACHE=".cs" if stream_state else "",
         **launch.options,

@@ -67,7 +67,8 @@ def _device_module():
     return torch.cuda
 
 
-# On an H200 (docs/benchmarks.md, "GDN decode (H200)"): 16 resident programs per SM, 4 warps, 2 stages.
+# On an H200 (docs/benchmarks.md, "GDN decode (H200)"): a grid of 16 programs per SM, 4 warps; num_stages=1,
+# i.e. gdn_decode loads each state tile when it updates it (the sweep there compares loading one step ahead).
 _PROGRAMS_PER_SM = 16
 
 
@@ -75,7 +76,7 @@ def _triton_grid(device_index: int) -> tuple[int, dict]:
     import triton
 
     properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    return properties["multiprocessor_count"] * _PROGRAMS_PER_SM, {"num_warps": 4, "num_stages": 2}
+    return properties["multiprocessor_count"] * _PROGRAMS_PER_SM, {"num_warps": 4, "num_stages": 1}
 
 
 PLATFORM = Platform(

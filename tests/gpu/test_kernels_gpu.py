@@ -51,10 +51,10 @@ def test_fused_decode_matches_reference(layout, dtype, tol):
 
 
 @pytest.mark.parametrize("block_v,programs_per_group,num_stages,stream_state",
-                         [(64, 1, 2, False), (64, 4, 2, False), (32, 8, 2, False), (32, 1, 4, True)])
+                         [(64, 1, 1, False), (64, 4, 2, False), (32, 8, 1, False), (16, 1, 2, True)])
 def test_fused_decode_many_rows_and_steps(block_v, programs_per_group, num_stages, stream_state):
     """256 rows x 16 key heads of concurrently finishing groups, three steps in a row on one ticket buffer:
-    a race between a group's parts would show up as a mismatch here. num_stages > 1 prefetches state tiles."""
+    a race between a group's parts would show up as a mismatch here. num_stages=2 prefetches state tiles."""
     from relax.kernels.gdn_triton import gdn_decode
 
     case = decode_case("contiguous", torch.float32, rows=256, slots=300)
