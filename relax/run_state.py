@@ -54,8 +54,8 @@ def save_due(r, step: int) -> bool:
 
 def sampling_seed(seed: int, step: int) -> int:
     """The first per-request sampling seed of a step's rollout: a function of (--seed, step) only, so a resumed
-    run samples what the original did. The step's requests use this seed + an offset below 2**24 (their index,
-    per engine and dynamic-sampling round); SGLang takes seeds below 2**63."""
+    run samples what the original did. The step's requests use this seed + an offset below 2**24 (their index
+    within the step's generate call, plus the dynamic-sampling round's offset); SGLang takes seeds below 2**63."""
     return random.Random(f"{seed}:sampling:{step}").getrandbits(38) << 24
 
 

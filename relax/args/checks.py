@@ -4,6 +4,8 @@ Each rule takes the TrainConfig and the relax.platform record of the run's devic
 """
 
 from relax.rollout.dump import pattern_problem
+from relax.rollout.groups import DEFAULT_MAX_ROUNDS
+from relax.rollout.rollout import dynamic_sampling_seeds_problem
 
 
 def world_size(relax) -> int:
@@ -151,6 +153,13 @@ def sampling_flags_consistent(config, platform):
     r = config.relax
     if r.dynamic_sampling_max_rounds is not None and not r.dynamic_sampling:
         return "--dynamic-sampling-max-rounds only applies with --dynamic-sampling"
+    if r.dynamic_sampling:
+        problem = dynamic_sampling_seeds_problem(
+            r.over_sampling_batch_size or r.rollout_batch_size, r.n_samples_per_prompt,
+            r.dynamic_sampling_max_rounds or DEFAULT_MAX_ROUNDS,
+        )
+        if problem:
+            return problem
     if r.over_sampling_batch_size is not None:
         if not r.dynamic_sampling:
             return "--over-sampling-batch-size only applies with --dynamic-sampling"

@@ -62,6 +62,23 @@ def take_prompts(loader: PromptLoader, count: int) -> list[Prompt]:
     return prompts
 
 
+def dynamic_sampling_seeds_problem(prompts_per_round: int, n: int, max_rounds: int) -> str | None:
+    """Why dynamic sampling's rounds would not fit the step's sampling seeds (each round's requests take
+    seeds of their own, ROUND_SEED_STRIDE apart, within the step's STEP_SEED_SPAN), or None."""
+    if prompts_per_round * n > ROUND_SEED_STRIDE:
+        return (
+            f"dynamic sampling: a round of {prompts_per_round} prompts x {n} samples is more than the "
+            f"{ROUND_SEED_STRIDE} requests a round has sampling seeds for; lower --over-sampling-batch-size (or "
+            "--rollout-batch-size, when it is not given) or --n-samples-per-prompt"
+        )
+    if max_rounds * ROUND_SEED_STRIDE > STEP_SEED_SPAN:
+        return (
+            f"dynamic sampling: --dynamic-sampling-max-rounds {max_rounds} is more rounds than a step has sampling "
+            f"seeds for; give at most {STEP_SEED_SPAN // ROUND_SEED_STRIDE}"
+        )
+    return None
+
+
 def generate_informative_groups(
     generate: Generate, loader: PromptLoader, sampling: SamplingConfig, reward_fn: RewardFn,
     num_groups: int, prompts_per_round: int, max_rounds: int,
@@ -70,17 +87,9 @@ def generate_informative_groups(
     until `num_groups` groups whose rewards differ are kept (relax.rollout.groups.fill_with_informative_groups:
     it fails with the counts after `max_rounds` rounds). Returns their samples and the round statistics.
     Each round's requests take seeds of their own (ROUND_SEED_STRIDE apart), within the step's."""
-    if prompts_per_round * sampling.n > ROUND_SEED_STRIDE:
-        raise ValueError(
-            f"dynamic sampling: a round of {prompts_per_round} prompts x {sampling.n} samples is more than the "
-            f"{ROUND_SEED_STRIDE} requests a round has sampling seeds for; lower --over-sampling-batch-size (or "
-            "--rollout-batch-size, when it is not given) or --n-samples-per-prompt"
-        )
-    if max_rounds * ROUND_SEED_STRIDE > STEP_SEED_SPAN:
-        raise ValueError(
-            f"dynamic sampling: --dynamic-sampling-max-rounds {max_rounds} is more rounds than a step has sampling "
-            f"seeds for; give at most {STEP_SEED_SPAN // ROUND_SEED_STRIDE}"
-        )
+    problem = dynamic_sampling_seeds_problem(prompts_per_round, sampling.n, max_rounds)
+    if problem:
+        raise ValueError(problem)
     rounds = itertools.count()
 
     def one_round(_groups_still_needed: int):  # a whole round each time: most groups may be dropped again

@@ -121,6 +121,10 @@ RULES = {
         [*RUN, "--dynamic-sampling-max-rounds", "3"],
         "--dynamic-sampling-max-rounds only applies with --dynamic-sampling",
     ),
+    "dynamic sampling rounds fit the step's seeds": (
+        [*RUN, "--dynamic-sampling", "--dynamic-sampling-max-rounds", "300"],
+        "--dynamic-sampling-max-rounds 300 is more rounds than a step has sampling seeds for; give at most 256",
+    ),
     "over-sampling at least the batch": (
         [*RUN, "--dynamic-sampling", "--over-sampling-batch-size", "16"],
         "--over-sampling-batch-size 16 is below --rollout-batch-size 32",
