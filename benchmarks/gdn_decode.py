@@ -164,7 +164,7 @@ SWEEP = [
     Settings(16, 1, 4, 16, 1), Settings(16, 1, 4, 16, 2), Settings(64, 1, 8, 16, 2, maxnreg=128),
     Settings(128, 1, 8, 16, 1, maxnreg=128), Settings(128, 1, 16, 16, 1), Settings(32, 1, 4, 16, 1, True),
     # a group split over programs (batch 1)
-    Settings(64, 2, 4, 16, 1), Settings(32, 4, 4, 16, 2), Settings(32, 8, 4, 16, 1), Settings(32, 8, 4, 16, 2),
+    Settings(64, 2, 4, 16, 1), Settings(32, 2, 4, 16, 1), Settings(32, 4, 4, 16, 2), Settings(32, 8, 4, 16, 1), Settings(32, 8, 4, 16, 2),
     Settings(16, 16, 4, 16, 1), Settings(16, 16, 4, 16, 2),
 ]
 
