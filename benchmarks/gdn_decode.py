@@ -58,11 +58,11 @@ def make_inputs(batch, device, seed=0, dtype=torch.bfloat16):
 
 
 def fused_step(inputs, settings):
-    block_v, programs_per_group, launch, stream_state = settings
+    block_v, programs_per_group, launch = settings
     return gdn_decode(inputs["mixed_qkvz"], inputs["mixed_ba"], inputs["conv_state_pool"], inputs["conv_weight"],
                       inputs["conv_bias"], inputs["state_pool"], inputs["slot_indices"], inputs["A_log"],
                       inputs["dt_bias"], inputs["norm_weight"], inputs["norm_eps"], HK, K, V, "contiguous",
-                      launch, block_v, programs_per_group, inputs["tickets"], stream_state)
+                      launch, block_v, programs_per_group, inputs["tickets"])
 
 
 def fla_chain_step(inputs):
@@ -139,7 +139,6 @@ class Settings(NamedTuple):
     num_warps: int
     programs_per_sm: int  # grid size = SMs x this
     num_stages: int  # 2: the kernel loads each state tile one step ahead of its update; 1: no prefetch
-    stream_state: bool = False  # evict_first loads and streaming (".cs") stores of the state
     maxnreg: int | None = None  # register cap per thread (more resident programs per SM, maybe spills)
 
     def step_settings(self):
@@ -148,12 +147,12 @@ class Settings(NamedTuple):
         if self.maxnreg:
             options["maxnreg"] = self.maxnreg
         return (self.block_v, self.programs_per_group,
-                TritonLaunch(num_programs=sms * self.programs_per_sm, options=options), self.stream_state)
+                TritonLaunch(num_programs=sms * self.programs_per_sm, options=options))
 
     def describe(self):
         return (f"block_v={self.block_v} programs_per_group={self.programs_per_group} num_warps={self.num_warps} "
                 f"programs/SM={self.programs_per_sm} num_stages={self.num_stages}"
-                + (" stream_state" if self.stream_state else "") + (f" maxnreg={self.maxnreg}" if self.maxnreg else ""))
+                + (f" maxnreg={self.maxnreg}" if self.maxnreg else ""))
 
 
 DEFAULT_SETTINGS = Settings(64, 1, 4, 16, 1)  # relax.platform.cuda's launch, gdn_decode's defaults
@@ -162,10 +161,10 @@ SWEEP = [
     Settings(64, 1, 4, 16, 1), Settings(64, 1, 4, 16, 2), Settings(64, 1, 4, 16, 2, maxnreg=168),
     Settings(32, 1, 4, 16, 1), Settings(32, 1, 4, 16, 2), Settings(32, 1, 4, 16, 2, maxnreg=128),
     Settings(16, 1, 4, 16, 1), Settings(16, 1, 4, 16, 2), Settings(64, 1, 8, 16, 2, maxnreg=128),
-    Settings(128, 1, 8, 16, 1, maxnreg=128), Settings(128, 1, 16, 16, 1), Settings(32, 1, 4, 16, 1, True),
+    Settings(128, 1, 8, 16, 1, maxnreg=128), Settings(128, 1, 16, 16, 1),
     # a group split over programs (batch 1)
-    Settings(64, 2, 4, 16, 1), Settings(32, 2, 4, 16, 1), Settings(32, 4, 4, 16, 2), Settings(32, 8, 4, 16, 1), Settings(32, 8, 4, 16, 2),
-    Settings(16, 16, 4, 16, 1), Settings(16, 16, 4, 16, 2),
+    Settings(64, 2, 4, 16, 1), Settings(32, 2, 4, 16, 1), Settings(32, 4, 4, 16, 2), Settings(32, 8, 4, 16, 1),
+    Settings(32, 8, 4, 16, 2), Settings(16, 16, 4, 16, 1), Settings(16, 16, 4, 16, 2),
 ]
 
 
@@ -213,7 +212,8 @@ def main():
                       v=v.reshape(batch, 1, HV, V).contiguous(), a=a.reshape(batch, 1, HV).contiguous(),
                       b=b.reshape(batch, 1, HV).contiguous())
         recurrent_us = graph_time_us(lambda: fla_recurrent_step(inputs))
-        rows.append((batch, times.get(DEFAULT_SETTINGS, float("nan")), times[best], best, fla_us, recurrent_us, out_diff, state_diff))
+        rows.append((batch, times.get(DEFAULT_SETTINGS, float("nan")), times[best], best, fla_us, recurrent_us,
+                     out_diff, state_diff))
         del inputs
         torch.cuda.empty_cache()
 

@@ -4,13 +4,15 @@ plus the launch record): gdn_decode (the fused step), causal_conv1d_update, gdn_
 Written to triton-ascend's porting rules so one source runs on NVIDIA GPUs and Ascend NPUs:
 - every launch is a 1-D grid of at most `launch.num_programs` programs (the device's core count, or cores times
   resident programs on a GPU), each looping over work items with a stride of the grid size;
-- launch keywords such as num_warps / num_stages come only from `launch.options` (empty on NPU), never from here;
+- launch keywords such as num_warps / num_stages come only from `launch.options` (empty on NPU), never from here
+  (gdn_decode also reads num_stages as how far ahead it loads state tiles: 2 = one tile ahead, else none);
 - on-chip buffers are bounded: the recurrent state is streamed in [block_v, K] tiles, never a whole [V, K] head;
 - the only cross-program hand-off (gdn_decode with programs_per_group > 1) is an int32 atomic_add with
   sem="acq_rel" after a debug_barrier, both in triton-ascend's supported set.
 The per-device values belong in relax.platform; tests and benchmarks build a TritonLaunch themselves.
-On an H200 (docs/benchmarks.md, "GDN decode (H200)"): num_warps=4, num_stages=2, 16 programs per SM, block_v=64;
-programs_per_group=1 from batch 64 up, and block_v=32 with programs_per_group=8 at batch 1.
+On an H200 (docs/benchmarks.md, "GDN decode (H200)"): num_warps=4, num_stages=1, 16 programs per SM, block_v=64
+(block_v=32 measured 2-3% faster) and programs_per_group=1 from batch 64 up; at batch 1, block_v=16 with
+programs_per_group=16 and num_stages=2.
 """
 
 from dataclasses import dataclass, field
@@ -100,7 +102,7 @@ def _gdn_decode_kernel(
     HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, NT: tl.constexpr, BGT: tl.constexpr, BW: tl.constexpr,
     P: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, EVEN: tl.constexpr,
-    TILE_STAGES: tl.constexpr, STATE_LOAD_EVICTION: tl.constexpr, STATE_STORE_CACHE: tl.constexpr,
+    TILE_STAGES: tl.constexpr,
 ):
     """One work item = one token row x one key head x one of its P parts (R = HV // HK value heads share the
     key head's q/k conv channels). The group's R * NT value tiles of [BV, K] state rows are numbered
@@ -151,7 +153,7 @@ def _gdn_decode_kernel(
             if TILE_STAGES > 1:  # the first state tile is on its way while the small inputs are read
                 first, first_mask = _state_tile(state_group, first_tile, end_tile, rows_in_tile, offs_k, mask_k, K,
                                                 V, NT, BV)
-                s_next = tl.load(first, mask=first_mask, other=0.0, eviction_policy=STATE_LOAD_EVICTION)
+                s_next = tl.load(first, mask=first_mask, other=0.0)
             qkvz_row = qkvz_ptr + row * qkvz_row_stride
             ba_row = ba_ptr + row * ba_row_stride
             if INTERLEAVED:  # per key head: [q K | k K | v R*V | z R*V], [b R | a R]
@@ -206,21 +208,20 @@ def _gdn_decode_kernel(
                     s = s_next
                     next_tile, next_mask = _state_tile(state_group, i + SPLITS, end_tile, rows_in_tile, offs_k,
                                                        mask_k, K, V, NT, BV)
-                    s_next = tl.load(next_tile, mask=next_mask, other=0.0, eviction_policy=STATE_LOAD_EVICTION)
+                    s_next = tl.load(next_tile, mask=next_mask, other=0.0)
                 elif EVEN:
-                    s = tl.load(tile, eviction_policy=STATE_LOAD_EVICTION)
+                    s = tl.load(tile)
                 else:
-                    s = tl.load(tile, mask=tile_mask, other=0.0, eviction_policy=STATE_LOAD_EVICTION)
+                    s = tl.load(tile, mask=tile_mask, other=0.0)
                 s = s.to(tl.float32)
                 sk = tl.sum(s * k[None, :], axis=1)
                 sq = tl.sum(s * q[None, :], axis=1)
                 delta = (v_tile - decay * sk) * beta
                 s = s * decay + delta[:, None] * k[None, :]
                 if EVEN:
-                    tl.store(tile, s.to(state_ptr.dtype.element_ty), cache_modifier=STATE_STORE_CACHE)
+                    tl.store(tile, s.to(state_ptr.dtype.element_ty))
                 else:
-                    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask,
-                             cache_modifier=STATE_STORE_CACHE)
+                    tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
                 o = tl.where(tiles[:, None] == i, (decay * sq + delta * kq)[None, :], o)
 
             if P == 1:
@@ -329,7 +330,6 @@ def gdn_decode(
     block_v: int = 64,
     programs_per_group: int = 1,
     tickets: torch.Tensor | None = None,
-    stream_state: bool = False,
 ) -> torch.Tensor:
     """Fused GDN decode step; same arguments and result as gdn_reference.gdn_decode, plus the launch record.
 
@@ -343,8 +343,6 @@ def gdn_decode(
         at small batch; the last to finish applies the norm, counted with `tickets`.
     tickets: int32 zeros, at least N * num_k_heads, used when programs_per_group > 1; the kernel leaves them
         zero, so one buffer serves every call (and CUDA-graph replays). Allocated per call when None.
-    stream_state: load the state with evict_first and store it with the streaming cache hint (".cs"): it is
-        touched once per step, so it should not push other data out of the cache.
     Where `launch.options["num_stages"]` is 2 or more, each state tile is loaded one step ahead of its update.
     """
     num_v_heads = A_log.shape[0]
@@ -395,8 +393,6 @@ def gdn_decode(
         INTERLEAVED=layout == "interleaved", HAS_CONV_BIAS=conv_bias is not None,
         EVEN=head_k_block == head_k_dim and head_v_dim % block_v == 0,
         TILE_STAGES=min(launch.options.get("num_stages", 1), 2),
-        STATE_LOAD_EVICTION="evict_first" if stream_state else "",
-        STATE_STORE_CACHE=".cs" if stream_state else "",
         **launch.options,
     )
     return out
