@@ -442,10 +442,15 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
         with phase(step, "push"):
             result["pushed_bytes"] = push()
         with phase(step, "sleep"):
-            allocated_awake = torch.cuda.memory_allocated() if cuda else None
+            if cuda:
+                allocated_awake, free_awake = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
             actor.sleep()
         if cuda:
-            result["phases"][-1]["freed_by_sleep"] = allocated_awake - torch.cuda.memory_allocated()
+            # Host copies shrink storages (torch's allocated bytes fall); the memory saver unmaps its region
+            # behind torch's back (the driver's free memory grows, torch still counts the blocks as allocated).
+            result["phases"][-1]["freed_by_sleep"] = max(
+                allocated_awake - torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0] - free_awake
+            )
     result["checks"]["state_bytes"] = state_bytes
 
     # Verification, outside the timed steps: the actor wakes (weights as pushed) and compares.
