@@ -199,7 +199,7 @@ def _serve(device_name, index, hf_dir, dtype_name, conn) -> None:
         elif command == "resume" and not platform.colocation_needs_release:
             reply = None
         elif command == "release":
-            released = HostCopies(params.values(), device.type)
+            released = HostCopies(params.values, platform.device_module, device.type)
             released.release()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
