@@ -188,6 +188,15 @@ def experts_are_separate_mlps(config, platform):
         )
 
 
+def no_context_parallelism(config, platform):
+    cp = config.megatron.transformer.context_parallel_size
+    if cp != 1:
+        return (
+            f"--context-parallel-size {cp} is not supported: the actor builds megatron-core's local layers, whose "
+            "attention has no context parallelism without TransformerEngine; use 1"
+        )
+
+
 RULES = [
     required_flags,
     model_parallel_fits_devices,
@@ -205,6 +214,7 @@ RULES = [
     sampling_flags_consistent,
     checkpoint_flags_consistent,
     experts_are_separate_mlps,
+    no_context_parallelism,
 ]
 
 

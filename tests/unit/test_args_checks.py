@@ -133,6 +133,10 @@ RULES = {
         [*RUN, "--overlong-buffer-len", "1024"],
         "--overlong-buffer-len 1024 must be below --rollout-max-response-len 1024",
     ),
+    "no context parallelism": (
+        [*RUN, "--context-parallel-size", "2"],
+        "--context-parallel-size 2 is not supported: the actor builds megatron-core's local layers",
+    ),
     "save interval needs save": ([*RUN, "--save-interval", "10"], "--save-interval needs --save"),
     "experts are separate MLPs": (
         [*RUN, "--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm is not supported"
