@@ -14,6 +14,12 @@ Roofline: the recurrent state read once and written once per token, B * Hv * K *
 kernel is also timed alone, and the outputs of both sides are compared from identical float32 inputs.
 
     python benchmarks/gdn_decode.py --batch-sizes 1 64 256 --sweep
+    python benchmarks/gdn_decode.py --policy
+
+--policy times what SGLang's glue runs (relax.kernels.sglang_gdn_decode: the platform's launch record through
+gdn_triton.decode_tiling) against the fla chain at batch 1 to 256, beside every other tiling the policy could
+have picked (unsplit, and each value head split 1, 2, 4, ... ways), so one run shows where splitting stops
+paying and whether the glue beats the fla chain at every batch size.
 """
 
 import argparse
@@ -23,7 +29,7 @@ import torch
 import triton
 
 from relax.kernels import gdn_reference as ref
-from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
+from relax.kernels.gdn_triton import DecodeTiling, TritonLaunch, decode_tiling, gdn_decode, split_tiling, unsplit_tiling
 
 HK, HV, K, V, WIDTH = 16, 32, 128, 128, 4
 CONV_DIM = 2 * HK * K + HV * V
@@ -57,12 +63,11 @@ def make_inputs(batch, device, seed=0, dtype=torch.bfloat16):
     )
 
 
-def fused_step(inputs, settings):
-    block_v, programs_per_group, launch = settings
+def fused_step(inputs, tiling: DecodeTiling):
     return gdn_decode(inputs["mixed_qkvz"], inputs["mixed_ba"], inputs["conv_state_pool"], inputs["conv_weight"],
                       inputs["conv_bias"], inputs["state_pool"], inputs["slot_indices"], inputs["A_log"],
                       inputs["dt_bias"], inputs["norm_weight"], inputs["norm_eps"], HK, K, V, "contiguous",
-                      launch, block_v, programs_per_group, inputs["tickets"])
+                      tiling.launch, tiling.block_v, tiling.programs_per_group, inputs["tickets"])
 
 
 def fla_chain_step(inputs):
@@ -103,11 +108,11 @@ def roofline_fraction(batch, microseconds):
     return state_bytes / (microseconds * 1e-6) / HBM_BYTES_PER_S
 
 
-def check_against_fla(batch, settings):
+def check_against_fla(batch, tiling):
     """Max |fused - fla chain| of the outputs and of the new states, from identical float32 inputs and states
     (in bf16 the two differ by where they round: fla stores the conv output and o in bf16, relax keeps fp32)."""
     inputs = make_inputs(batch, "cuda", seed=1, dtype=torch.float32)
-    out = fused_step(inputs, settings)
+    out = fused_step(inputs, tiling)
     fla_out, fla_state = fla_chain_step(inputs)
     new_state = ref.state_from_pool_layout(inputs["state_pool"][inputs["slot_indices"]])
     return (out.float() - fla_out.float()).abs().max().item(), (new_state - fla_state).abs().max().item()
@@ -141,13 +146,13 @@ class Settings(NamedTuple):
     num_stages: int  # 2: the kernel loads each state tile one step ahead of its update; 1: no prefetch
     maxnreg: int | None = None  # register cap per thread (more resident programs per SM, maybe spills)
 
-    def step_settings(self):
+    def tiling(self) -> DecodeTiling:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
         if self.maxnreg:
             options["maxnreg"] = self.maxnreg
-        return (self.block_v, self.programs_per_group,
-                TritonLaunch(num_programs=sms * self.programs_per_sm, options=options))
+        return DecodeTiling(self.block_v, self.programs_per_group,
+                            TritonLaunch(num_programs=sms * self.programs_per_sm, options=options))
 
     def describe(self):
         return (f"block_v={self.block_v} programs_per_group={self.programs_per_group} num_warps={self.num_warps} "
@@ -155,7 +160,7 @@ class Settings(NamedTuple):
                 + (f" maxnreg={self.maxnreg}" if self.maxnreg else ""))
 
 
-DEFAULT_SETTINGS = Settings(64, 1, 4, 16, 1)  # relax.platform.cuda's launch, gdn_decode's defaults
+DEFAULT_SETTINGS = Settings(64, 1, 4, 16, 1)  # relax.platform.cuda's grid and options, gdn_decode's own defaults
 SWEEP = [
     # one program per key-head group (batch >= 64); num_stages=2: each state tile loaded one step ahead
     Settings(64, 1, 4, 16, 1), Settings(64, 1, 4, 16, 2), Settings(64, 1, 4, 16, 2, maxnreg=168),
@@ -168,20 +173,83 @@ SWEEP = [
 ]
 
 
+POLICY_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+
+def policy_candidates(launch: TritonLaunch) -> dict[str, DecodeTiling]:
+    """Every tiling decode_tiling can pick at this shape on this device, by name."""
+    candidates = {"unsplit": unsplit_tiling(launch)}
+    splits = 1
+    while V // splits >= launch.decode_split_min_block_v:
+        candidates[f"split x{splits}"] = split_tiling(splits, HK, HV, V, launch)
+        splits *= 2
+    return candidates
+
+
+def run_policy(batch_sizes):
+    """The glue's tiling per batch size against the fla chain, beside the policy's other candidates."""
+    from relax.kernels.sglang_gdn_decode import launch_for_device
+
+    launch = launch_for_device(torch.device("cuda", torch.cuda.current_device()))
+    candidates = policy_candidates(launch)
+    print(f"launch record: {launch}")
+    rows = []
+    for batch in batch_sizes:
+        chosen = decode_tiling(batch, HK, HV, V, launch)
+        chosen_name = next(name for name, tiling in candidates.items() if tiling == chosen)
+        out_diff, state_diff = check_against_fla(batch, chosen)
+        inputs = make_inputs(batch, "cuda")
+        times = {}
+        for name, tiling in candidates.items():
+            times[name] = graph_time_us(lambda: fused_step(inputs, tiling))
+            print(f"B={batch} fused {name} ({tiling.describe()}): {times[name]:.1f} us "
+                  f"({roofline_fraction(batch, times[name]):.0%})" + (" <- the glue's choice" if name == chosen_name
+                                                                     else ""), flush=True)
+        fla_us = graph_time_us(lambda: fla_chain_step(inputs))
+        print(f"B={batch} fla chain: {fla_us:.1f} us", flush=True)
+        rows.append((batch, chosen_name, times, fla_us, out_diff, state_diff))
+        del inputs
+        torch.cuda.empty_cache()
+
+    print("\n| batch | glue's choice | glue (us) | fla chain (us) | speedup vs fla | glue % of roofline | fastest "
+          "candidate (us) | glue / fastest | " + " | ".join(f"{name} (us)" for name in candidates)
+          + " | max abs diff vs fla, fp32: out / state |")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(candidates) + "---|")
+    for batch, chosen_name, times, fla_us, out_diff, state_diff in rows:
+        glue_us, fastest = times[chosen_name], min(times, key=times.get)
+        print(f"| {batch} | {chosen_name} | {glue_us:.1f} | {fla_us:.1f} | {fla_us / glue_us:.2f}x "
+              f"| {roofline_fraction(batch, glue_us):.0%} | {fastest}, {times[fastest]:.1f} "
+              f"| {glue_us / times[fastest]:.2f} | " + " | ".join(f"{times[name]:.1f}" for name in candidates)
+              + f" | {out_diff:.1e} / {state_diff:.1e} |")
+    slower = [batch for batch, name, times, fla_us, _, _ in rows if times[name] >= fla_us]
+    off = [batch for batch, name, times, _, _, _ in rows if times[name] > 1.03 * min(times.values())]
+    print(f"\nglue faster than the fla chain at every batch size: {'yes' if not slower else f'no, not at {slower}'}")
+    print(f"glue's choice within 3% of the fastest candidate at every batch size: "
+          f"{'yes' if not off else f'no, not at {off}'}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--sweep", action="store_true",
-                        help="time the SWEEP settings at every batch size and report the fastest per batch size")
+    parser.add_argument("--batch-sizes", type=int, nargs="+",
+                        help=f"default: 1 64 256; with --policy {' '.join(map(str, POLICY_BATCH_SIZES))}")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", action="store_true",
+                      help="time the SWEEP settings at every batch size and report the fastest per batch size")
+    mode.add_argument("--policy", action="store_true",
+                      help="time the glue's tiling (decode_tiling) and the policy's other candidates against fla")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     copy_bw = copy_bandwidth_bytes_per_s()
     print(f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s ({copy_bw / HBM_BYTES_PER_S:.0%} of 4.8 TB/s)")
+    if args.policy:
+        run_policy(args.batch_sizes or POLICY_BATCH_SIZES)
+        return
+    args.batch_sizes = args.batch_sizes or [1, 64, 256]
 
     rows, sweep_times = [], {}
     for batch in args.batch_sizes:
         try:
-            diffs = [check_against_fla(batch, settings.step_settings())  # one program per group, and 8
+            diffs = [check_against_fla(batch, settings.tiling())  # one program per group, and 8
                      for settings in (DEFAULT_SETTINGS, Settings(32, 8, 4, 16, 2))]
             out_diff, state_diff = max(d[0] for d in diffs), max(d[1] for d in diffs)
         except Exception as error:
@@ -193,9 +261,9 @@ def main():
         times = {}
         for settings in ([DEFAULT_SETTINGS] + [s for s in SWEEP if s != DEFAULT_SETTINGS] if args.sweep
                          else [DEFAULT_SETTINGS]):
-            step_settings = settings.step_settings()
+            tiling = settings.tiling()
             try:
-                times[settings] = graph_time_us(lambda: fused_step(inputs, step_settings))
+                times[settings] = graph_time_us(lambda: fused_step(inputs, tiling))
             except Exception as error:  # one setting the compiler refuses must not end the sweep
                 if not args.sweep:
                     raise

@@ -9,27 +9,19 @@ Written to triton-ascend's porting rules so one source runs on NVIDIA GPUs and A
 - on-chip buffers are bounded: the recurrent state is streamed in [block_v, K] tiles, never a whole [V, K] head;
 - the only cross-program hand-off (gdn_decode with programs_per_group > 1) is an int32 atomic_add with
   sem="acq_rel" after a debug_barrier, both in triton-ascend's supported set.
-The per-device values belong in relax.platform; tests and benchmarks build a TritonLaunch themselves.
-On an H200 (docs/benchmarks.md, "GDN decode (H200)"): num_warps=4, num_stages=1, 16 programs per SM, block_v=64
-(block_v=32 measured 2-3% faster) and programs_per_group=1 from batch 64 up; at batch 1, block_v=16 with
-programs_per_group=16 and num_stages=2.
+The per-device values belong in relax.platform's TritonLaunch record (the H200's are in relax.platform.cuda);
+`decode_tiling` turns a record and a batch into one gdn_decode call's block_v / programs_per_group / launch.
+Tests and benchmarks may build a TritonLaunch themselves.
 """
 
-from dataclasses import dataclass, field
+import dataclasses
 
 import torch
 import triton
 import triton.language as tl
 
 from relax.kernels.gdn_reference import QKVZ_LAYOUTS
-
-
-@dataclass(frozen=True)
-class TritonLaunch:
-    """How Triton kernels are launched on one device kind."""
-
-    num_programs: int  # upper bound of the 1-D grid: NPU vector cores, or GPU SMs x programs resident per SM
-    options: dict = field(default_factory=dict)  # extra launch keywords (num_warps, num_stages); {} on NPU
+from relax.platform import TritonLaunch  # re-exported: tests and benchmarks build their own
 
 
 @triton.jit
@@ -308,6 +300,63 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, weight_ptr, out_ptr, num_rows, dim, eps
 def _check(condition: bool, message: str):
     if not condition:
         raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    """How one gdn_decode call divides its work: its block_v, programs_per_group and launch record."""
+
+    block_v: int
+    programs_per_group: int
+    launch: TritonLaunch
+
+    def describe(self) -> str:
+        options = dict(self.launch.options)
+        return f"block_v={self.block_v} programs_per_group={self.programs_per_group} options={options}"
+
+
+def unsplit_tiling(launch: TritonLaunch) -> DecodeTiling:
+    """One program per key head's group, with the device's tile."""
+    return DecodeTiling(launch.decode_block_v, 1, launch)
+
+
+def split_tiling(splits: int, num_k_heads: int, num_v_heads: int, head_v_dim: int,
+                 launch: TritonLaunch) -> DecodeTiling:
+    """Each value head of a group split `splits` ways (a power of two): programs_per_group = Hv // H * splits,
+    each program taking one value head and every splits-th state tile of it. The tile is the device's, made
+    smaller where needed so that each program gets at least one tile (head_v_dim // splits rows, rounded down to
+    a power of two): with splits = V / 16 on an H200 each program streams a single 16-row tile. The launch
+    takes the record's split options (tile prefetch on an H200)."""
+    _check(splits > 0 and splits & (splits - 1) == 0, f"splits={splits} must be a power of two")
+    _check(head_v_dim // splits >= 1, f"splits={splits} leaves no state rows of head_v_dim={head_v_dim}")
+    block_v = min(launch.decode_block_v, 1 << ((head_v_dim // splits).bit_length() - 1))
+    options = {**launch.options, **launch.decode_split_options}
+    return DecodeTiling(block_v, num_v_heads // num_k_heads * splits, dataclasses.replace(launch, options=options))
+
+
+def decode_tiling(rows: int, num_k_heads: int, num_v_heads: int, head_v_dim: int,
+                  launch: TritonLaunch) -> DecodeTiling:
+    """The launch policy of gdn_decode for a batch of `rows` on the device of `launch`.
+
+    With rows x num_k_heads work items of one program each, a small batch leaves most of a GPU idle (batch 1 of
+    Qwen3.5-9B: 16 programs on 132 SMs). So each value head is split into the most ways (a power of two) that
+    keeps rows x num_k_heads x programs_per_group within launch.decode_split_items and every tile at least
+    launch.decode_split_min_block_v rows; batches where even one program per value head exceeds that bound,
+    and records with decode_split_items = 0 (the NPU), run unsplit. Splitting costs a second read of q/k, an
+    arrival ticket and a re-read of the outputs per group, which measured slower from batch 64 up on an H200.
+    Every split choice has rows x num_k_heads <= decode_split_items, so a tickets buffer of
+    decode_split_items int32 serves any batch.
+    """
+    ratio = num_v_heads // num_k_heads
+    max_splits = head_v_dim // launch.decode_split_min_block_v
+    if rows * num_k_heads * ratio > launch.decode_split_items or max_splits < 1:
+        return unsplit_tiling(launch)
+    splits = 1
+    while splits * 2 <= max_splits and rows * num_k_heads * ratio * splits * 2 <= launch.decode_split_items:
+        splits *= 2
+    if ratio * splits == 1:  # one value head per key head and no room to split it: nothing to share
+        return unsplit_tiling(launch)
+    return split_tiling(splits, num_k_heads, num_v_heads, head_v_dim, launch)
 
 
 def gdn_decode(

@@ -13,40 +13,57 @@ patch stays a switch and one call:
 - projections: Qwen3.5's contiguous [q | k | v | z] and [b | a] of this TP rank (`layout="contiguous"`);
 - conv state pool: [num_slots, conv_dim, W-1] on CUDA and CPU, [num_slots, W-1, conv_dim] on Ascend (the NPU
   pool is window-major); both are handed to the kernel as a [num_slots, conv_dim, W-1] view with its strides;
-- recurrent state pool: [num_slots, Hv, V, K], the kernel's own layout; padding rows carry slot -1.
+- recurrent state pool: [num_slots, Hv, V, K], the kernel's own layout; padding rows carry slot -1;
+- launch: the platform's record (relax.platform), turned per batch by gdn_triton.decode_tiling into block_v and
+  programs_per_group (small batches split each key head's group over programs), with one persistent tickets
+  buffer per device for the split launches.
 """
 
 import functools
 import logging
 
 import torch
-import triton
 
-from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
+from relax.kernels.gdn_triton import TritonLaunch, decode_tiling, gdn_decode
 
 logger = logging.getLogger(__name__)
-
-# Under TRITON_INTERPRET programs run one after another on the host: the grid size only sets the loop length.
-_INTERPRETER_PROGRAMS = 4
-
-
-def _interpreting() -> bool:
-    return bool(triton.knobs.runtime.interpret)
 
 
 @functools.lru_cache(maxsize=None)
 def launch_for_device(device: torch.device) -> TritonLaunch:
-    """The launch record for `device`: its platform's grid (relax.platform: SMs x 16 programs with 4 warps on
-    NVIDIA, one program per vector core on Ascend), or a few programs under TRITON_INTERPRET (CPU tests)."""
+    """The launch record for `device` from its platform (relax.platform: SMs x 16 programs with 4 warps and the
+    H200's decode tiling on NVIDIA, one program per vector core on Ascend, a few programs under TRITON_INTERPRET
+    on the CPU)."""
     from relax.platform import platform_facts
 
-    if _interpreting():
-        return TritonLaunch(num_programs=_INTERPRETER_PROGRAMS)
     try:
-        num_programs, options = platform_facts(device.type).triton_grid(device.index or 0)
+        return platform_facts(device.type).triton_launch(device.index or 0)
     except RuntimeError as error:
         raise RuntimeError(f"SGLANG_RELAX_FUSED_GDN_DECODE=1 on {device}: {error}; or unset the variable") from error
-    return TritonLaunch(num_programs=num_programs, options=options)
+
+
+@functools.lru_cache(maxsize=None)
+def tickets_for_device(device: torch.device) -> torch.Tensor:
+    """The one arrival-ticket buffer every split gdn_decode call on `device` shares (the kernel leaves it zero).
+    Allocated once, at the first decode step, which SGLang runs in a CUDA-graph warm-up before any capture, so
+    captured graphs and eager steps all use the same buffer. decode_tiling splits only batches whose
+    rows x key heads fit in decode_split_items, so that many tickets serve every batch and layer."""
+    return torch.zeros(max(1, launch_for_device(device).decode_split_items), dtype=torch.int32, device=device)
+
+
+def fused_decode(projected_qkvz, projected_ba, conv_pool, conv_weight, conv_bias, ssm_states, cache_indices, A_log,
+                 dt_bias, norm_weight, norm_eps, num_k_heads, head_k_dim, head_v_dim) -> torch.Tensor:
+    """gdn_decode on SGLang's contiguous projections and pools, with the tiling decode_tiling chooses for this
+    batch on this device and the device's persistent tickets: [N, Hv, V]."""
+    device = projected_qkvz.device
+    tiling = decode_tiling(projected_qkvz.shape[0], num_k_heads, A_log.shape[0], head_v_dim,
+                           launch_for_device(device))
+    return gdn_decode(
+        projected_qkvz, projected_ba, conv_pool, conv_weight, conv_bias, ssm_states, cache_indices, A_log, dt_bias,
+        norm_weight, norm_eps, num_k_heads=num_k_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+        layout="contiguous", launch=tiling.launch, block_v=tiling.block_v,
+        programs_per_group=tiling.programs_per_group, tickets=tickets_for_device(device),
+    )
 
 
 def conv_pool_as_channels_by_taps(conv_states: torch.Tensor, conv_dim: int, width: int) -> torch.Tensor | None:
@@ -117,12 +134,9 @@ def qwen3_5_decode(module, forward_batch, projected_qkvz, projected_ba) -> torch
 
     launch = launch_for_device(projected_qkvz.device)
     _log_once(logging.INFO, f"relax fused GDN decode serves Qwen3.5 GDN decode steps ({launch})")
-    out = gdn_decode(
-        projected_qkvz, projected_ba, conv_pool, attn.conv_weights, attn.bias, ssm_states, cache_indices,
-        attn.A_log, attn.dt_bias, norm.weight, norm.eps,
-        num_k_heads=attn.num_k_heads, head_k_dim=attn.head_k_dim, head_v_dim=attn.head_v_dim, layout="contiguous",
-        launch=launch,
-    )
+    out = fused_decode(projected_qkvz, projected_ba, conv_pool, attn.conv_weights, attn.bias, ssm_states,
+                       cache_indices, attn.A_log, attn.dt_bias, norm.weight, norm.eps, attn.num_k_heads,
+                       attn.head_k_dim, attn.head_v_dim)
     # What SGLang's decode does after its recurrent kernel: copy states to the prefix cache's track slots.
     backend._track_mamba_state_decode(forward_batch, conv_states, ssm_states, cache_indices, attn.layer_id)
     return out.reshape(rows, -1)

@@ -29,6 +29,26 @@ DEVICE_ENV = "RELAX_DEVICE"  # overrides "auto" detection; workers inherit it, s
 
 
 @dataclass(frozen=True)
+class TritonLaunch:
+    """How relax's Triton kernels (relax.kernels.gdn_triton) launch on one device: the grid bound and launch
+    keywords every kernel takes, and the fused GDN decode kernel's tiling, which
+    relax.kernels.gdn_triton.decode_tiling turns into one call's block_v / programs_per_group / launch.
+    Tests and benchmarks may build one themselves; engines take their platform's `triton_launch`."""
+
+    num_programs: int  # upper bound of the 1-D grid: NPU vector cores, or GPU SMs x programs resident per SM
+    options: Mapping[str, Any] = field(default_factory=dict)  # launch keywords (num_warps, num_stages); {} on NPU
+    # gdn_decode: state rows per on-chip tile when one program does a key head's whole group of value heads.
+    decode_block_v: int = 64
+    # gdn_decode: a key head's group is split over several programs only while rows x key heads x programs per
+    # group stays at most this many work items (small batches, where one program per group leaves the device
+    # mostly idle); 0: never split.
+    decode_split_items: int = 0
+    decode_split_min_block_v: int = 16  # the smallest state tile a split may take
+    # launch keywords a split launch sets over `options` (e.g. num_stages=2: load each tile one step ahead)
+    decode_split_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Platform:
     name: str  # "cpu" | "cuda" | "npu"; also the torch device type and SGLang's ServerArgs.device
     dist_backend: str  # torch.distributed backend: gloo | nccl | hccl
@@ -53,7 +73,7 @@ class Platform:
     _load_memory_saver: Callable[[], Any] = field(repr=False)
     _prepare_megatron: Callable[[Mapping[str, Any]], None] = field(repr=False)
     _prepare_sglang: Callable[[], None] = field(repr=False)
-    _triton_grid: Callable[[int], tuple[int, dict]] = field(repr=False)
+    _triton_launch: Callable[[int], TritonLaunch] = field(repr=False)
 
     @property
     def device_type(self) -> str:
@@ -108,10 +128,11 @@ class Platform:
         """Everything that must happen before sglang is imported. Idempotent."""
         self._prepare_sglang()
 
-    def triton_grid(self, device_index: int) -> tuple[int, dict]:
-        """How relax's 1-D-grid Triton kernels launch on device `device_index`: (the most programs worth
-        launching, extra launch keywords such as num_warps). Raises where Triton cannot compile (the CPU)."""
-        return self._triton_grid(device_index)
+    def triton_launch(self, device_index: int) -> TritonLaunch:
+        """How relax's 1-D-grid Triton kernels launch on device `device_index`: the most programs worth
+        launching, extra launch keywords such as num_warps, and the fused GDN decode kernel's tiling. Raises
+        where Triton cannot compile (the CPU without TRITON_INTERPRET=1)."""
+        return self._triton_launch(device_index)
 
     def device_count(self) -> int:
         return self.device_module.device_count()

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from relax.platform import Platform, frozen, refuse_feature_args
+from relax.platform import Platform, TritonLaunch, frozen, refuse_feature_args
 
 
 class CpuDeviceModule:
@@ -125,11 +125,19 @@ SGLANG_SERVER_DEFAULTS = {
     "disable_overlap_schedule": True,
 }
 
-def _triton_grid(device_index: int) -> tuple[int, dict]:
-    raise RuntimeError(
-        "Triton has no CPU backend: on the CPU its kernels run only interpreted (TRITON_INTERPRET=1, set before "
-        "the kernels are imported; slow, for tests and debugging)"
-    )
+def _triton_launch(device_index: int) -> TritonLaunch:
+    """Under TRITON_INTERPRET=1 programs run one after another on the host, so the numbers only choose which code
+    paths run: a few programs looping over work items, 8-row tiles, and groups split at the tiny test models'
+    smallest batches (1 and 2 rows of 2 key heads), so CPU tests go through both of gdn_decode's work splits."""
+    import triton
+
+    if not triton.knobs.runtime.interpret:
+        raise RuntimeError(
+            "Triton has no CPU backend: on the CPU its kernels run only interpreted (TRITON_INTERPRET=1, set before "
+            "the kernels are imported; slow, for tests and debugging)"
+        )
+    return TritonLaunch(num_programs=4, decode_block_v=8, decode_split_items=8, decode_split_min_block_v=4,
+                        decode_split_options=frozen({"num_stages": 2}))
 
 
 PLATFORM = Platform(
@@ -153,5 +161,5 @@ PLATFORM = Platform(
     _load_memory_saver=lambda: NoMemorySaver,
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
-    _triton_grid=_triton_grid,
+    _triton_launch=_triton_launch,
 )

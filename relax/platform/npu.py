@@ -19,7 +19,7 @@ Memory saver: torch_memory_saver as built by sgl-kernel-npu for Ascend (hook mod
 import sys
 from typing import Any, Mapping, Optional
 
-from relax.platform import Platform, alloc_conf_has_expandable_segments, frozen
+from relax.platform import Platform, TritonLaunch, alloc_conf_has_expandable_segments, frozen
 
 ALLOC_CONF_ENV = "PYTORCH_NPU_ALLOC_CONF"
 MINDSPEED_ADAPTOR = "mindspeed.megatron_adaptor"
@@ -122,13 +122,14 @@ def _device_module():
     return torch.npu
 
 
-def _triton_grid(device_index: int) -> tuple[int, dict]:
+def _triton_launch(device_index: int) -> TritonLaunch:
     """One program per vector core (relax's kernels have no matrix-unit work) and no num_warps/num_stages,
-    as triton-ascend's porting rules ask. Unverified: no NPU was available."""
+    as triton-ascend's porting rules ask. gdn_decode keeps TritonLaunch's defaults (64-row tiles, never split
+    a key head's group): no other tiling was measured on an NPU. Unverified: no NPU was available."""
     import triton
 
     properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    return int(properties["num_vectorcore"]), {}
+    return TritonLaunch(num_programs=int(properties["num_vectorcore"]))
 
 
 PLATFORM = Platform(
@@ -148,5 +149,5 @@ PLATFORM = Platform(
     _load_memory_saver=_load_memory_saver,
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
-    _triton_grid=_triton_grid,
+    _triton_launch=_triton_launch,
 )

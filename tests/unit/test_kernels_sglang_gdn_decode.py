@@ -1,8 +1,9 @@
 """relax.kernels.sglang_gdn_decode's layout glue and launch choice (the engine-level check of the switch is
 tests/e2e/test_patches_sglang.py): SGLang's conv state pools in both layouts it allocates, CUDA/CPU
 [slots, conv_dim, W-1] and Ascend's window-major [slots, W-1, conv_dim], reach the fused kernel as views and give
-the reference's result, pools updated in place. Interpreted checks run in a subprocess (TRITON_INTERPRET must be
-set before the kernels are decorated)."""
+the reference's result, pools updated in place, with the tiling gdn_triton.decode_tiling picks (split at small
+batches, not at larger ones). Interpreted checks run in a subprocess (TRITON_INTERPRET must be set before the
+kernels are decorated)."""
 
 import os
 import subprocess
@@ -14,30 +15,42 @@ import torch
 from relax.kernels import gdn_reference as ref
 
 
-def check_window_major_conv_pool():
+def check_glue_decode_matches_reference():
+    """fused_decode (the glue's kernel call) with the CPU's interpreter record: 1 and 2 rows split each key head's
+    group, 3 rows do not; the conv pool is Ascend's window-major one at every batch; two steps each, so the second
+    reuses the persistent tickets the first left at zero."""
     from test_kernels_triton import decode_case
 
-    from relax.kernels.gdn_triton import gdn_decode
-    from relax.kernels.sglang_gdn_decode import conv_pool_as_channels_by_taps, launch_for_device
+    from relax.kernels.gdn_triton import decode_tiling
+    from relax.kernels.sglang_gdn_decode import (conv_pool_as_channels_by_taps, fused_decode, launch_for_device,
+                                                 tickets_for_device)
 
-    case = decode_case("contiguous")
-    expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
-    conv_dim, width = case["conv_weight"].shape
-    window_major = case.pop("conv_state_pool").transpose(1, 2).contiguous()  # as Ascend's pool holds it
-    view = conv_pool_as_channels_by_taps(window_major, conv_dim, width)
-    assert view.data_ptr() == window_major.data_ptr()  # a view: the kernel writes the engine's own pool
-    launch = launch_for_device(torch.device("cpu"))
-    out = gdn_decode(**case, conv_state_pool=view, launch=launch)
-    expected = ref.gdn_decode(**expected_case)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(window_major, expected_case["conv_state_pool"].transpose(1, 2))
-    torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=1e-5, rtol=1e-5)
+    cpu = torch.device("cpu")
+    for num_rows, programs_per_group in ((1, 4), (2, 2), (3, 1)):
+        case = decode_case("contiguous", num_rows=num_rows)
+        assert decode_tiling(num_rows, 2, 4, 12, launch_for_device(cpu)).programs_per_group == programs_per_group
+        expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        conv_dim, width = case["conv_weight"].shape
+        window_major = case["conv_state_pool"].transpose(1, 2).contiguous()  # as Ascend's pool holds it
+        view = conv_pool_as_channels_by_taps(window_major, conv_dim, width)
+        assert view.data_ptr() == window_major.data_ptr()  # a view: the kernel writes the engine's own pool
+        for step in range(2):
+            out = fused_decode(case["mixed_qkvz"], case["mixed_ba"], view, case["conv_weight"], case["conv_bias"],
+                               case["state_pool"], case["slot_indices"], case["A_log"], case["dt_bias"],
+                               case["norm_weight"], case["norm_eps"], 2, 16, 12)
+            expected = ref.gdn_decode(**expected_case)
+            message = f"{num_rows} rows, programs_per_group={programs_per_group}, step {step}"
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5, msg=message)
+            torch.testing.assert_close(window_major, expected_case["conv_state_pool"].transpose(1, 2), msg=message)
+            torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=1e-5, rtol=1e-5,
+                                       msg=message)
+            assert not tickets_for_device(cpu).any(), f"{message}: tickets must be left at zero"
 
 
-def test_window_major_conv_pool_matches_reference_interpreted():
+def test_glue_decode_split_and_unsplit_match_reference_interpreted():
     unit_dir = os.path.dirname(__file__)
     code = (f"import sys; sys.path.insert(0, {unit_dir!r}); "
-            "import test_kernels_sglang_gdn_decode as t; t.check_window_major_conv_pool()")
+            "import test_kernels_sglang_gdn_decode as t; t.check_glue_decode_matches_reference()")
     result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]

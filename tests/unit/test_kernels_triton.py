@@ -102,3 +102,66 @@ def test_fused_decode_rejects_a_pool_in_hf_layout():
     case["state_pool"] = ref.state_from_pool_layout(case["state_pool"])  # [slots, Hv, K, V]
     with pytest.raises(ValueError, match="pool layout"):
         gdn_decode(**case, launch=TritonLaunch(num_programs=1))
+
+
+# decode_tiling, the launch policy: (rows) -> (block_v, programs_per_group, num_stages) with the CUDA platform's
+# record of an H200 (132 SMs) at Qwen3.5-9B's shape. Batch 1, 64 and 256 are the measured choices
+# (docs/benchmarks.md, "GDN decode (H200)"); the others follow from the rule and are not measured yet.
+H200_TILINGS = {1: (16, 16, 2), 2: (32, 8, 2), 4: (32, 4, 2), 8: (32, 2, 2), 16: (32, 1, 1), 32: (32, 1, 1),
+                64: (32, 1, 1), 128: (32, 1, 1), 256: (32, 1, 1)}
+
+
+@pytest.mark.parametrize("rows", sorted(H200_TILINGS))
+def test_decode_tiling_on_an_h200_splits_small_batches_only(rows):
+    from relax.kernels.gdn_triton import decode_tiling
+    from relax.platform.cuda import launch_for_sms
+
+    launch = launch_for_sms(132)
+    tiling = decode_tiling(rows, 16, 32, 128, launch)
+    assert (tiling.block_v, tiling.programs_per_group, tiling.launch.options["num_stages"]) == H200_TILINGS[rows]
+    assert tiling.launch.num_programs == launch.num_programs and tiling.launch.options["num_warps"] == 4
+
+
+@pytest.mark.parametrize("hk,hv,dv", [(16, 32, 128), (2, 4, 12), (4, 4, 64), (8, 24, 256), (1, 1, 8)])
+def test_decode_tiling_choices_are_valid_kernel_arguments(hk, hv, dv):
+    from relax.kernels.gdn_triton import decode_tiling
+    from relax.platform import TritonLaunch
+    from relax.platform.cuda import launch_for_sms
+
+    for launch in (launch_for_sms(132), launch_for_sms(8), TritonLaunch(num_programs=4, decode_block_v=8,
+                                                                          decode_split_items=8,
+                                                                          decode_split_min_block_v=4)):
+        previous_parts = None
+        for rows in range(1, 300):
+            tiling = decode_tiling(rows, hk, hv, dv, launch)
+            parts, block_v = tiling.programs_per_group, tiling.block_v
+            assert block_v & (block_v - 1) == 0
+            if parts == 1:
+                assert block_v == launch.decode_block_v and tiling.launch == launch
+                continue
+            splits = parts // (hv // hk)
+            assert parts % (hv // hk) == 0 and splits <= -(-dv // block_v), "more parts than value tiles"
+            assert launch.decode_split_min_block_v <= block_v <= launch.decode_block_v
+            assert rows * hk <= rows * hk * parts <= launch.decode_split_items, "tickets buffer too small"
+            assert previous_parts is None or parts <= previous_parts, "more rows must not split more"
+            assert tiling.launch.options == {**launch.options, **launch.decode_split_options}
+            previous_parts = parts
+
+
+def test_decode_tiling_never_splits_with_the_default_record():
+    """The NPU's record keeps TritonLaunch's defaults: 64-row tiles, one program per key head's group."""
+    from relax.kernels.gdn_triton import decode_tiling
+    from relax.platform import TritonLaunch
+
+    launch = TritonLaunch(num_programs=48)
+    for rows in (1, 2, 64):
+        tiling = decode_tiling(rows, 16, 32, 128, launch)
+        assert (tiling.block_v, tiling.programs_per_group, tiling.launch) == (64, 1, launch)
+
+
+def test_split_tiling_rejects_a_split_that_is_not_a_power_of_two():
+    from relax.kernels.gdn_triton import split_tiling
+    from relax.platform.cuda import launch_for_sms
+
+    with pytest.raises(ValueError, match="power of two"):
+        split_tiling(3, 16, 32, 128, launch_for_sms(132))
