@@ -70,6 +70,32 @@ def test_fused_decode_many_rows_and_steps(block_v, programs_per_group, num_stage
     assert int(tickets.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16, 64])
+def test_glue_decode_with_the_platform_tiling_matches_reference(rows):
+    """What SGLang's glue runs: the CUDA platform's launch record through decode_tiling (on an H200 each group
+    split 16, 8, 4, 2 ways at 1, 2, 4, 8 rows, unsplit from 16 up) with the device's persistent tickets, two
+    steps in a row."""
+    from relax.kernels.gdn_triton import decode_tiling
+    from relax.kernels.sglang_gdn_decode import fused_decode, launch_for_device, tickets_for_device
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    case = decode_case("contiguous", torch.float32, rows=rows, slots=rows + 3)
+    case["slot_indices"] = torch.randperm(rows + 3, device="cuda")[:rows]
+    if rows > 1:
+        case["slot_indices"][rows // 2] = -1  # a padding row
+    expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    tiling = decode_tiling(rows, HK, HV, V, launch_for_device(device))
+    for step in range(2):
+        out = fused_decode(case["mixed_qkvz"], case["mixed_ba"], case["conv_state_pool"], case["conv_weight"],
+                           case["conv_bias"], case["state_pool"], case["slot_indices"], case["A_log"],
+                           case["dt_bias"], case["norm_weight"], case["norm_eps"], HK, K, V)
+        expected = ref.gdn_decode(**expected_case)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=f"{tiling.describe()}, step {step}")
+    torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
+    assert not tickets_for_device(device).any(), "tickets must be left at zero"
+
+
 def test_chunk_reference_matches_fla_chunk_kernel():
     fla_gdr = pytest.importorskip("fla.ops.gated_delta_rule")
     gen = torch.Generator(device="cuda").manual_seed(1)
