@@ -47,7 +47,9 @@ def tickets_for_device(device: torch.device) -> torch.Tensor:
     """The one arrival-ticket buffer every split gdn_decode call on `device` shares (the kernel leaves it zero).
     Allocated once, at the first decode step, which SGLang runs in a CUDA-graph warm-up before any capture, so
     captured graphs and eager steps all use the same buffer. decode_tiling splits only batches whose
-    rows x key heads fit in decode_split_items, so that many tickets serve every batch and layer."""
+    rows x key heads fit in decode_split_items, so that many tickets serve every batch and layer. Layers and steps
+    run one after another on one stream; two split launches in flight at once on one device (two streams) would
+    share the tickets."""
     return torch.zeros(max(1, launch_for_device(device).decode_split_items), dtype=torch.int32, device=device)
 
 
@@ -58,6 +60,7 @@ def fused_decode(projected_qkvz, projected_ba, conv_pool, conv_weight, conv_bias
     device = projected_qkvz.device
     tiling = decode_tiling(projected_qkvz.shape[0], num_k_heads, A_log.shape[0], head_v_dim,
                            launch_for_device(device))
+    _log_once(logging.INFO, f"relax fused GDN decode tiling in use: {tiling.describe()}")
     return gdn_decode(
         projected_qkvz, projected_ba, conv_pool, conv_weight, conv_bias, ssm_states, cache_indices, A_log, dt_bias,
         norm_weight, norm_eps, num_k_heads=num_k_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,

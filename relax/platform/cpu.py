@@ -127,8 +127,9 @@ SGLANG_SERVER_DEFAULTS = {
 
 def _triton_launch(device_index: int) -> TritonLaunch:
     """Under TRITON_INTERPRET=1 programs run one after another on the host, so the numbers only choose which code
-    paths run: a few programs looping over work items, 8-row tiles, and groups split at the tiny test models'
-    smallest batches (1 and 2 rows of 2 key heads), so CPU tests go through both of gdn_decode's work splits."""
+    paths run: a few programs looping over work items, 8-row tiles, and key-head groups split up to 4 rows of the
+    tiny test models (2 key heads of 2 value heads), so CPU tests, SGLang's engine with the tiny Qwen3.5 and its
+    3-row decode batches included, go through both of gdn_decode's work splits."""
     import triton
 
     if not triton.knobs.runtime.interpret:
@@ -136,7 +137,7 @@ def _triton_launch(device_index: int) -> TritonLaunch:
             "Triton has no CPU backend: on the CPU its kernels run only interpreted (TRITON_INTERPRET=1, set before "
             "the kernels are imported; slow, for tests and debugging)"
         )
-    return TritonLaunch(num_programs=4, decode_block_v=8, decode_split_items=8, decode_split_min_block_v=4,
+    return TritonLaunch(num_programs=4, decode_block_v=8, decode_split_items=16, decode_split_min_block_v=4,
                         decode_split_options=frozen({"num_stages": 2}))
 
 

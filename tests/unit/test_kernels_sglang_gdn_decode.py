@@ -16,8 +16,8 @@ from relax.kernels import gdn_reference as ref
 
 
 def check_glue_decode_matches_reference():
-    """fused_decode (the glue's kernel call) with the CPU's interpreter record: 1 and 2 rows split each key head's
-    group, 3 rows do not; the conv pool is Ascend's window-major one at every batch; two steps each, so the second
+    """fused_decode (the glue's kernel call) with the CPU's interpreter record: 1 and 3 rows split each key head's
+    group (4 and 2 ways), 5 rows do not; the conv pool is Ascend's window-major one at every batch; two steps each, so the second
     reuses the persistent tickets the first left at zero."""
     from test_kernels_triton import decode_case
 
@@ -26,7 +26,7 @@ def check_glue_decode_matches_reference():
                                                  tickets_for_device)
 
     cpu = torch.device("cpu")
-    for num_rows, programs_per_group in ((1, 4), (2, 2), (3, 1)):
+    for num_rows, programs_per_group in ((1, 4), (3, 2), (5, 1)):
         case = decode_case("contiguous", num_rows=num_rows)
         assert decode_tiling(num_rows, 2, 4, 12, launch_for_device(cpu)).programs_per_group == programs_per_group
         expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
