@@ -32,7 +32,7 @@ from relax.ray.placement import (
 from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import load_rollout_data, save_rollout_data
-from relax.rollout.groups import DEFAULT_MAX_ROUNDS, Sample, apply_overlong_penalty
+from relax.rollout.groups import Sample, apply_overlong_penalty
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import (
     Generate, completions_in_prompt_order, generate_and_score, generate_informative_groups, reward_and_length_metrics,
@@ -140,8 +140,7 @@ def collect_rollout(step, generate: Generate, loader, sampling, reward_fn, r) ->
     elif r.dynamic_sampling:
         samples, sampling_metrics = generate_informative_groups(
             generate, loader, sampling, reward_fn, num_groups=r.rollout_batch_size,
-            prompts_per_round=r.over_sampling_batch_size or r.rollout_batch_size,
-            max_rounds=r.dynamic_sampling_max_rounds or DEFAULT_MAX_ROUNDS,
+            prompts_per_round=r.over_sampling_batch_size, max_rounds=r.dynamic_sampling_max_rounds,
         )
     else:
         samples = generate_and_score(generate, take_prompts(loader, r.rollout_batch_size), sampling, reward_fn)

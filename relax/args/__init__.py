@@ -29,6 +29,7 @@ from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_
 from relax.args.strict import StrictArgumentParser
 from relax.platform import platform_facts, resolve_platform_name
 from relax.rollout.engine import server_defaults
+from relax.rollout.groups import DEFAULT_MAX_ROUNDS
 
 __all__ = ["TrainConfig", "MegatronConfig", "build_parser", "parse_train_args", "format_config"]
 
@@ -115,6 +116,11 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
         relax.global_batch_size = relax.rollout_batch_size * relax.n_samples_per_prompt
     if relax.eps_clip_high is None:
         relax.eps_clip_high = relax.eps_clip
+    if relax.dynamic_sampling:  # (left unset otherwise, so that giving them alone is refused)
+        if relax.over_sampling_batch_size is None:
+            relax.over_sampling_batch_size = relax.rollout_batch_size
+        if relax.dynamic_sampling_max_rounds is None:
+            relax.dynamic_sampling_max_rounds = DEFAULT_MAX_ROUNDS
 
 
 def format_config(config: TrainConfig) -> str:

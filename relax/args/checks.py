@@ -4,7 +4,6 @@ Each rule takes the TrainConfig and the relax.platform record of the run's devic
 """
 
 from relax.rollout.dump import pattern_problem
-from relax.rollout.groups import DEFAULT_MAX_ROUNDS
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
 
 
@@ -153,10 +152,9 @@ def sampling_flags_consistent(config, platform):
     r = config.relax
     if r.dynamic_sampling_max_rounds is not None and not r.dynamic_sampling:
         return "--dynamic-sampling-max-rounds only applies with --dynamic-sampling"
-    if r.dynamic_sampling:
+    if r.dynamic_sampling:  # (relax.args filled both round settings)
         problem = dynamic_sampling_seeds_problem(
-            r.over_sampling_batch_size or r.rollout_batch_size, r.n_samples_per_prompt,
-            r.dynamic_sampling_max_rounds or DEFAULT_MAX_ROUNDS,
+            r.over_sampling_batch_size, r.n_samples_per_prompt, r.dynamic_sampling_max_rounds
         )
         if problem:
             return problem

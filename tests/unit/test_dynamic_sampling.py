@@ -19,7 +19,7 @@ REWARD_AS_WRITTEN = RewardFn(lambda sample: float(sample.response), "reward as w
 def _settings(**changes):
     base = dict(
         load_rollout_data=None, save_rollout_data=None, dynamic_sampling=True, rollout_batch_size=3,
-        n_samples_per_prompt=2, over_sampling_batch_size=None, dynamic_sampling_max_rounds=10,
+        n_samples_per_prompt=2, over_sampling_batch_size=3, dynamic_sampling_max_rounds=10,
         overlong_buffer_len=None, rollout_max_response_len=4,
     )
     return argparse.Namespace(**{**base, **changes})
