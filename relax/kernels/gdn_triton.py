@@ -62,13 +62,14 @@ def _store_shifted_window(window, state_ptr, channels, mask, channel_stride, tap
 
 
 @triton.jit
-def _gated_norm_store(o, z_ptr, weight, out_ptr, offs, mask, tile_head, V: tl.constexpr, norm_eps):
-    """Store o / rms(o) * weight * silu(z) for a key head's group of value heads; o, weight, offs, mask:
-    [BGT, BV] (value tile of the group, row in tile), tile_head [BGT]: each tile's value head."""
+def _gated_norm_store(o, z, weight_ptr, weight_offs, out_ptr, offs, mask, tile_head, V: tl.constexpr, norm_eps):
+    """Store o / rms(o) * weight * silu(z) for a key head's group of value heads; o, z, the weight's and the
+    output's offsets, mask: [BGT, BV] (value tile of the group, row in tile), tile_head [BGT]: each tile's value
+    head. The weight is read here, not held through the tile loop: that would cost registers there."""
     tile_sq = tl.sum(o * o, axis=1)
     head_sq = tl.sum(tl.where(tile_head[:, None] == tile_head[None, :], tile_sq[None, :], 0.0), axis=1)
     rstd = tl.rsqrt(head_sq / V + norm_eps)
-    z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + weight_offs, mask=mask, other=0.0).to(tl.float32)
     y = o * rstd[:, None] * weight * z * tl.sigmoid(z)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -101,7 +102,8 @@ def _gdn_decode_kernel(
     i = head * NT + tile; small per-row vectors are held as [BGT, BV] (tile i, row in tile; BGT = R * NT rounded
     up to a power of two).
 
-    P == 1: the part is the whole group, every value head and tile; it updates the q/k conv window itself.
+    P == 1: the part is the whole group, every value head and tile; it shifts the q/k conv windows itself, as
+    soon as it has read them, and reads z before the tile loop.
     P == R * SPLITS: a part is one value head and every SPLITS-th state tile of it. Every part reads the
     old q/k window, updates its tiles, stores its un-normalised outputs, then takes an arrival ticket; the last
     part to arrive (all others have read and stored by then) writes the shifted q/k window, applies the gated
@@ -121,7 +123,6 @@ def _gdn_decode_kernel(
     pos_in_head = (tiles % NT)[:, None] * BV + rows_in_tile[None, :]  # [BGT, BV]
     in_group = (tiles < R * NT)[:, None] & (pos_in_head < V)
     group_offs = tile_head[:, None] * V + pos_in_head  # within the group's R * V values
-    norm_weight = tl.load(norm_weight_ptr + pos_in_head, mask=in_group, other=0.0).to(tl.float32)
     # the same positions flattened, for the v conv channels
     flat = tl.arange(0, BGT * BV)
     flat_tile = flat // BV
@@ -169,6 +170,11 @@ def _gdn_decode_kernel(
                                     conv_tap_stride, W, BW)
             k_window = _conv_window(k_in + offs_k, conv_state, k_channels, mask_k, conv_channel_stride,
                                     conv_tap_stride, W, BW)
+            if P == 1:  # no other program reads this group's q/k windows: shifted right away, which frees registers
+                _store_shifted_window(q_window, conv_state, q_channels, mask_k, conv_channel_stride,
+                                      conv_tap_stride, W, BW)
+                _store_shifted_window(k_window, conv_state, k_channels, mask_k, conv_channel_stride,
+                                      conv_tap_stride, W, BW)
             q = _conv_silu(q_window, conv_weight_ptr, conv_bias_ptr, q_channels, mask_k, W, BW, HAS_CONV_BIAS)
             k = _conv_silu(k_window, conv_weight_ptr, conv_bias_ptr, k_channels, mask_k, W, BW, HAS_CONV_BIAS)
             q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
@@ -184,6 +190,8 @@ def _gdn_decode_kernel(
                                   conv_tap_stride, W, BW)
             v = tl.reshape(v, (BGT, BV))
             kq = tl.sum(k * q)
+            if P == 1:  # read now, so its latency is not added after the last tile
+                z = tl.load(z_in + group_offs, mask=in_group, other=0.0).to(tl.float32)
             o = tl.zeros([BGT, BV], dtype=tl.float32)
             for i in range(first_tile, end_tile, SPLITS):
                 head = i // NT
@@ -217,11 +225,8 @@ def _gdn_decode_kernel(
                 o = tl.where(tiles[:, None] == i, (decay * sq + delta * kq)[None, :], o)
 
             if P == 1:
-                _store_shifted_window(q_window, conv_state, q_channels, mask_k, conv_channel_stride,
-                                      conv_tap_stride, W, BW)
-                _store_shifted_window(k_window, conv_state, k_channels, mask_k, conv_channel_stride,
-                                      conv_tap_stride, W, BW)
-                _gated_norm_store(o, z_in, norm_weight, out_group, group_offs, in_group, tile_head, V, norm_eps)
+                _gated_norm_store(o, z, norm_weight_ptr, pos_in_head, out_group, group_offs, in_group, tile_head, V,
+                                  norm_eps)
             else:  # un-normalised, for the group's last part
                 tl.store(out_group + group_offs, o.to(out_ptr.dtype.element_ty), mask=owned)
                 tl.debug_barrier()  # all of this program's reads and stores come before its ticket
@@ -232,8 +237,9 @@ def _gdn_decode_kernel(
                     _store_shifted_window(k_window, conv_state, k_channels, mask_k, conv_channel_stride,
                                           conv_tap_stride, W, BW)
                     o_raw = tl.load(out_group + group_offs, mask=in_group, other=0.0).to(tl.float32)
-                    _gated_norm_store(o_raw, z_in, norm_weight, out_group, group_offs, in_group, tile_head, V,
-                                      norm_eps)
+                    z = tl.load(z_in + group_offs, mask=in_group, other=0.0).to(tl.float32)
+                    _gated_norm_store(o_raw, z, norm_weight_ptr, pos_in_head, out_group, group_offs, in_group,
+                                      tile_head, V, norm_eps)
                     tl.store(ticket_ptr + row * HK + hk, 0)
 
 

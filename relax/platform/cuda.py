@@ -68,29 +68,26 @@ def _device_module():
 
 
 # Measured on an H200 (docs/benchmarks.md, "GDN decode (H200)"; 132 SMs): a grid of 16 programs per SM with 4
-# warps, num_stages=1 (loading each state tile one step ahead was no faster from batch 64 up). gdn_decode then
-# keeps only 2 to 4 programs resident per SM (125-255 registers per thread). Other NVIDIA GPUs get the same
-# numbers per SM: not measured on any GPU but the H200.
+# warps and num_stages=2, which gdn_decode reads as "load each state tile one step ahead": 2-17% faster than
+# without at batch 1 to 256 (80.1 against 82.3 us at batch 64), since the kernel fits that in 127 registers per
+# thread (4 programs per SM). Other NVIDIA GPUs get the same numbers per SM: not measured on any GPU but the H200.
 _PROGRAMS_PER_SM = 16
+_OPTIONS = {"num_warps": 4, "num_stages": 2}
 # gdn_decode's tile when one program does a key head's group: 32 rows measured 2-3% faster than 64 at batch 64
-# and 256 (83.0 / 299.8 us against 85.4 / 305.5 us).
+# and 256, and 16 rows slower.
 _DECODE_BLOCK_V = 32
 # Split a key head's group over programs while the work items fit 2 per SM, the fewest resident programs per SM
-# measured. What this gives at Qwen3.5-9B's shape (16 key heads, 32 value heads, head dim 128): batch 1 splits
-# each group 16 ways with 16-row tiles and tile prefetch (11.1 us, the fastest setting measured at batch 1, vs
-# 17.3 us unsplit); batch 64 and 256 stay unsplit (every split measured slower there). Batch 2 to 8 split 8, 4,
-# 2 ways and batch 16 and 32 do not: those crossovers are NOT measured yet (benchmarks/gdn_decode.py --policy).
+# measured. At Qwen3.5-9B's shape (16 key heads, 32 value heads, head dim 128) that splits batches 1 to 8 (16, 8,
+# 4, 2 ways) and runs 16 up unsplit; benchmarks/gdn_decode.py --policy times every choice against the others.
 _DECODE_SPLIT_ITEMS_PER_SM = 2
 _DECODE_SPLIT_MIN_BLOCK_V = 16  # the smallest tile measured (batch 1's fastest)
-_DECODE_SPLIT_OPTIONS = {"num_stages": 2}  # tile prefetch: 11.7 -> 11.1 us at batch 1 split 16 ways
 
 
 def launch_for_sms(sms: int) -> TritonLaunch:
     """The launch record of a GPU with `sms` multiprocessors (the H200 has 132)."""
     return TritonLaunch(
-        num_programs=sms * _PROGRAMS_PER_SM, options=frozen({"num_warps": 4, "num_stages": 1}),
-        decode_block_v=_DECODE_BLOCK_V, decode_split_items=sms * _DECODE_SPLIT_ITEMS_PER_SM,
-        decode_split_min_block_v=_DECODE_SPLIT_MIN_BLOCK_V, decode_split_options=frozen(_DECODE_SPLIT_OPTIONS),
+        num_programs=sms * _PROGRAMS_PER_SM, options=frozen(_OPTIONS), decode_block_v=_DECODE_BLOCK_V,
+        decode_split_items=sms * _DECODE_SPLIT_ITEMS_PER_SM, decode_split_min_block_v=_DECODE_SPLIT_MIN_BLOCK_V,
     )
 
 

@@ -50,7 +50,8 @@ def test_fused_decode_matches_reference(layout, dtype, tol):
     torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
 
 
-@pytest.mark.parametrize("block_v,programs_per_group,num_stages", [(64, 1, 1), (64, 4, 2), (32, 8, 1), (16, 1, 2)])
+@pytest.mark.parametrize("block_v,programs_per_group,num_stages",
+                         [(64, 1, 1), (32, 1, 2), (64, 4, 2), (32, 8, 1), (16, 1, 2)])
 def test_fused_decode_many_rows_and_steps(block_v, programs_per_group, num_stages):
     """256 rows x 16 key heads of concurrently finishing groups, three steps in a row on one ticket buffer:
     a race between a group's parts would show up as a mismatch here. num_stages=2 prefetches state tiles."""

@@ -105,10 +105,10 @@ def test_fused_decode_rejects_a_pool_in_hf_layout():
 
 
 # decode_tiling, the launch policy: (rows) -> (block_v, programs_per_group, num_stages) with the CUDA platform's
-# record of an H200 (132 SMs) at Qwen3.5-9B's shape. Batch 1, 64 and 256 are the measured choices
-# (docs/benchmarks.md, "GDN decode (H200)"); the others follow from the rule and are not measured yet.
-H200_TILINGS = {1: (16, 16, 2), 2: (32, 8, 2), 4: (32, 4, 2), 8: (32, 2, 2), 16: (32, 1, 1), 32: (32, 1, 1),
-                64: (32, 1, 1), 128: (32, 1, 1), 256: (32, 1, 1)}
+# record of an H200 (132 SMs) at Qwen3.5-9B's shape; docs/benchmarks.md ("GDN decode (H200)") times each choice
+# against the policy's other candidates.
+H200_TILINGS = {1: (16, 16, 2), 2: (32, 8, 2), 4: (32, 4, 2), 8: (32, 2, 2), 16: (32, 1, 2), 32: (32, 1, 2),
+                64: (32, 1, 2), 128: (32, 1, 2), 256: (32, 1, 2)}
 
 
 @pytest.mark.parametrize("rows", sorted(H200_TILINGS))
