@@ -40,7 +40,6 @@ second) and, on two GPUs, a GPU0 -> GPU1 copy.
 """
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -274,8 +273,6 @@ def _build_actor(hf_dir: str, args, platform):
         keep_reference=False,
         distributed_timeout_minutes=args.group_timeout_minutes,
     )
-    if args.destroy_delay_s is not None:  # the platform's pause after destroying process groups, overridden
-        platform = dataclasses.replace(platform, destroy_process_group_delay_s=args.destroy_delay_s)
     return MegatronActor(hf_dir, transformer, optimizer, DistributedDataParallelConfig(), settings, platform=platform)
 
 
@@ -603,10 +600,6 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--bucket-mb", type=int, default=512)
     parser.add_argument("--group-timeout-minutes", type=int, default=7)
-    parser.add_argument(
-        "--destroy-delay-s", type=float,
-        help="seconds to pause after destroying process groups (default: the platform's)",
-    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per training rank")
     parser.add_argument("--timeout-s", type=float, default=540)
     parser.add_argument("--hf-dir", help="use this HF checkpoint instead of writing a random one")

@@ -62,8 +62,6 @@ class Platform:
     # How a trainer hands tensors to an engine process on the same node: "ipc" (device IPC handles,
     # zero-copy) or "inline" (the bytes of CPU tensors inside the payload).
     same_node_transport: str
-    # Seconds to wait after destroying process groups before creating new ones on the same devices.
-    destroy_process_group_delay_s: float
     # ServerArgs field overrides the engine wrapper applies on this platform (before the user's flags).
     sglang_server_defaults: Mapping[str, Any]
     _load_device_module: Callable[[], Any] = field(repr=False)

@@ -153,7 +153,6 @@ PLATFORM = Platform(
     # file_system when its torch_shm_manager does not answer in time under load ("Shared memory manager
     # connection has timed out"). Copying the bytes costs little at the model sizes a CPU runs.
     same_node_transport="inline",
-    destroy_process_group_delay_s=0.0,
     sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
     _load_device_module=lambda: CpuDeviceModule,
     _unavailable_reason=lambda: None,

@@ -106,9 +106,6 @@ PLATFORM = Platform(
     memory_saver="torch_memory_saver",
     colocation_needs_release=True,
     same_node_transport="ipc",
-    # NCCL tears communicators down asynchronously: groups created at once on the same GPUs can race with
-    # the old ones' teardown. 3 s is a conservative pause, not a measured one.
-    destroy_process_group_delay_s=3.0,
     sglang_server_defaults=frozen({"device": "cuda"}),
     _load_device_module=_device_module,
     _unavailable_reason=_unavailable_reason,

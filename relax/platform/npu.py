@@ -140,7 +140,6 @@ PLATFORM = Platform(
     memory_saver="torch_memory_saver",
     colocation_needs_release=True,
     same_node_transport="ipc",
-    destroy_process_group_delay_s=0.0,  # NCCL's pause is not needed for HCCL (issue 2); unverified here
     sglang_server_defaults=frozen({"device": "npu", "attention_backend": "ascend"}),
     _load_device_module=_device_module,
     _unavailable_reason=_unavailable_reason,

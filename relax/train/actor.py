@@ -96,10 +96,7 @@ class MegatronActor:
         self.hf_dir = Path(hf_dir)
         self.hf = read_hf_config(hf_dir)
         # Every group made while the actor builds itself can be destroyed on sleep and rebuilt on wake.
-        self.process_groups = ReloadableGroups(
-            datetime.timedelta(minutes=self.settings.distributed_timeout_minutes),
-            self.platform.destroy_process_group_delay_s,
-        )
+        self.process_groups = ReloadableGroups(datetime.timedelta(minutes=self.settings.distributed_timeout_minutes))
         # Where the training state lives so that sleep can hand its device memory back.
         self.memory = training_memory(self.platform, self._training_state_tensors, self.settings.memory_saver)
         with self.process_groups.recording():

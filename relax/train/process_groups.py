@@ -15,7 +15,6 @@ its current real group. That registry is torch-internal: the e2e tests exercise 
 
 import datetime
 import inspect
-import time
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -54,11 +53,10 @@ class ReloadableGroup(dist.ProcessGroup):
 class ReloadableGroups:
     """The groups created inside `recording()`, destroyed and rebuilt together."""
 
-    def __init__(self, timeout: datetime.timedelta, destroy_delay_s: float = 0.0):
+    def __init__(self, timeout: datetime.timedelta):
         # For the groups made without a timeout (megatron-core 0.16 makes its expert data-parallel gloo group
         # so), which torch would give its backend's default (gloo: 30 minutes) instead of the actor's.
         self.timeout = timeout
-        self.destroy_delay_s = destroy_delay_s  # the platform's pause after destroying (NCCL needs one)
         self._calls: list[tuple[dict, ReloadableGroup | None]] = []
         self.destroyed = False
 
@@ -97,8 +95,6 @@ class ReloadableGroups:
             group._set_real(None)
             dist.destroy_process_group(real)
         self.destroyed = True
-        if self.destroy_delay_s > 0:
-            time.sleep(self.destroy_delay_s)
 
     def rebuild(self) -> None:
         """new_group again with the recorded arguments, in the recorded order (every rank calls it for

@@ -52,19 +52,18 @@ def test_explicit_devices_this_machine_lacks_fail_clearly():
 
 
 @pytest.mark.parametrize(
-    "name, backend, visible, resource, saver, transport, delay",
+    "name, backend, visible, resource, saver, transport",
     [
-        ("cpu", "gloo", None, None, None, "inline", 0),
-        ("cuda", "nccl", "CUDA_VISIBLE_DEVICES", "GPU", "torch_memory_saver", "ipc", 3),
-        ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU", "torch_memory_saver", "ipc", 0),
+        ("cpu", "gloo", None, None, None, "inline"),
+        ("cuda", "nccl", "CUDA_VISIBLE_DEVICES", "GPU", "torch_memory_saver", "ipc"),
+        ("npu", "hccl", "ASCEND_RT_VISIBLE_DEVICES", "NPU", "torch_memory_saver", "ipc"),
     ],
 )
-def test_facts_are_readable_without_the_device(name, backend, visible, resource, saver, transport, delay):
+def test_facts_are_readable_without_the_device(name, backend, visible, resource, saver, transport):
     platform = platform_facts(name)
     assert (platform.name, platform.dist_backend, platform.visible_devices_env) == (name, backend, visible)
     assert (platform.ray_resource, platform.memory_saver, platform.same_node_transport) == (resource, saver, transport)
     assert platform.colocation_needs_release == (saver is not None)
-    assert platform.destroy_process_group_delay_s == delay
     assert platform.sglang_server_defaults["device"] == name
     with pytest.raises(ValueError, match="unknown device 'gpu'"):
         platform_facts("gpu")
@@ -128,7 +127,6 @@ def test_cpu_record():
     assert platform.visible_devices_env is None and platform.ray_resource is None
     assert not platform.has_memory_saver
     assert platform.same_node_transport == "inline"
-    assert platform.destroy_process_group_delay_s == 0
     assert platform.device_count() == 1 and platform.current_device() == torch.device("cpu")
     assert platform.worker_env() == {}
     with pytest.raises(ValueError, match="no memory saver"):
