@@ -536,6 +536,28 @@ def run(hf_dir: str, args) -> list[dict]:
                 proc.join()
 
 
+def failed_checks(results: list[dict], group_timeout_minutes: int) -> list[str]:
+    """The switch's checks that did not hold, one line each (empty: all held): process groups unusable asleep
+    and usable awake with the actor's timeout, every optimizer step taken, and after the last push every
+    receiver parameter equal to the actor's export."""
+    failed = []
+    timeout = str(datetime.timedelta(minutes=group_timeout_minutes))
+    for rank, result in enumerate(results):
+        checks = result["checks"]
+        if checks["groups_usable_asleep"] or not checks["groups_usable_awake"]:
+            failed.append(f"rank {rank}: process groups usable asleep: {checks['groups_usable_asleep']}, "
+                          f"awake: {checks['groups_usable_awake']}")
+        before, after = checks["timeouts"]
+        if before != after or timeout not in before:
+            failed.append(f"rank {rank}: group timeouts before sleep {before}, after wake {after}, not {timeout}")
+        if not checks["weights_compared"] or checks["weights_mismatched"]:
+            failed.append(f"rank {rank}: {checks['weights_compared']} receiver parameters compared, differing: "
+                          f"{checks['weights_mismatched']}")
+        if not all(metrics["update_successful"] for metrics in result["metrics"]):
+            failed.append(f"rank {rank}: an optimizer step was skipped: {result['metrics']}")
+    return failed
+
+
 def summarize(results: list[dict], args) -> dict:
     """Means over the steps after the first (the first compiles and warms caches), and the ratios."""
     rank0 = results[0]
@@ -627,6 +649,9 @@ def main(argv=None) -> None:
                       "metrics": results[0]["metrics"]}, indent=1, default=str))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "results": results}, default=str))
+    failed = failed_checks(results, args.group_timeout_minutes)
+    print("checks: " + ("all held" if not failed else "FAILED\n" + "\n".join(failed)))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ Run on the lent nvidia-h200-x2 (wheels under .whl, sglang's tensor_bucket.py und
     PYTHONPATH=/tmp/site:$PWD/.whl/sglang_tb:$PWD python3 -m pytest -q tests/gpu/test_colocate_two_gpus.py
 """
 
-import datetime
 import importlib.util
 import sys
 from pathlib import Path
@@ -35,14 +34,9 @@ def hf_dir(tmp_path_factory):
 def test_switch_and_ipc_push(hf_dir, tp):
     args = weight_sync.parse_args(["--device", "cuda", "--tp", str(tp), "--steps", "2", "--group-timeout-minutes", "7"])
     results = weight_sync.run(hf_dir, args)
+    assert weight_sync.failed_checks(results, 7) == []
     for rank, result in enumerate(results):
-        checks = result["checks"]
-        assert not checks["groups_usable_asleep"] and checks["groups_usable_awake"], (rank, checks)
-        before, after = checks["timeouts"]
-        assert before == after and str(datetime.timedelta(minutes=7)) in before, (rank, checks["timeouts"])
-        assert checks["weights_compared"] > 0 and checks["weights_mismatched"] == [], (rank, checks)
         freed = [record["freed_by_sleep"] for record in result["phases"] if "freed_by_sleep" in record]
-        assert len(freed) == 2 and min(freed) >= checks["state_bytes"], (rank, freed, checks["state_bytes"])
+        assert len(freed) == 2 and min(freed) >= result["checks"]["state_bytes"], (rank, freed, result["checks"])
     checks = results[0]["checks"]
     assert checks["logprob_max_diff_after_push"] <= 1e-4 < checks["logprob_max_diff_initial_weights"], checks
-    assert all(metrics["update_successful"] for metrics in results[0]["metrics"]), results[0]["metrics"]
