@@ -630,7 +630,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     hf_dir = args.hf_dir
     if hf_dir is None and (Path(args.work_dir) / args.size / "config.json").is_file():
