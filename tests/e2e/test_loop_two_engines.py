@@ -16,10 +16,10 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import ray
 
 import relax.loop
+from generations import assert_same_generations, largest_logprob_change
 from processes import MARKER_VAR, describe, leftover_processes, run_marker
 from relax.args import parse_train_args
 from relax.ray.placement import ENGINE_RANK_ENV
@@ -76,16 +76,6 @@ def alternating_reward(samples):
 def read_records(directory: Path, engine: int, event: str) -> list[dict]:
     lines = (directory / f"engine-{engine}.jsonl").read_text().splitlines()
     return [record for record in map(json.loads, lines) if record["event"] == event]
-
-
-def assert_same_probe(a, b):
-    for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
-        assert tokens_a == tokens_b
-        assert logprobs_a == pytest.approx(logprobs_b, abs=1e-6)
-
-
-def largest_logprob_change(before, after) -> float:
-    return max(abs(x - y) for (_, lp_before), (_, lp_after) in zip(before, after) for x, y in zip(lp_before, lp_after))
 
 
 def test_two_engines_and_two_training_ranks_share_every_step_and_take_every_push(tmp_path, monkeypatch):
@@ -145,7 +135,7 @@ def test_two_engines_and_two_training_ranks_share_every_step_and_take_every_push
     probes = [[record["outputs"] for record in read_records(records, engine, "probe")] for engine in (0, 1)]
     assert [len(engine_probes) for engine_probes in probes] == [1 + NUM_STEPS, 1 + NUM_STEPS]
     for on_engine_0, on_engine_1 in zip(*probes):
-        assert_same_probe(on_engine_0, on_engine_1)
+        assert_same_generations(on_engine_0, on_engine_1)
     for step in range(NUM_STEPS):
         assert largest_logprob_change(probes[0][step], probes[0][step + 1]) > 1e-3, f"step {step} changed nothing"
 

@@ -8,9 +8,9 @@ engine 1 through a gloo group made with SGLang's init_weights_update_group. Engi
 logprobs for fixed prompts then equal engine 0's, and both differ from before the step.
 """
 
-import pytest
 import ray
 
+from generations import assert_same_generations, largest_logprob_change
 from relax.args import parse_train_args
 from relax.loop import _actor_settings, hand_devices_to_actor, hand_devices_to_engines, train
 from relax.platform import get_platform
@@ -32,16 +32,6 @@ def greedy_outputs(engines) -> list[list[tuple[list[int], list[float]]]]:
     """Per engine: (tokens, logprobs) of the greedy completion of each prompt."""
     outputs = ray.get([engine.generate.remote(PROMPTS, GREEDY) for engine in engines.actors])
     return [[(c.token_ids, c.logprobs) for (c,) in groups] for groups in outputs]
-
-
-def assert_same_outputs(a, b):
-    for (tokens_a, logprobs_a), (tokens_b, logprobs_b) in zip(a, b, strict=True):
-        assert tokens_a == tokens_b
-        assert logprobs_a == pytest.approx(logprobs_b, abs=1e-6)
-
-
-def largest_logprob_change(before, after) -> float:
-    return max(abs(x - y) for (_, lp_before), (_, lp_after) in zip(before, after) for x, y in zip(lp_before, lp_after))
 
 
 def one_group(prompt_ids, responses, rewards) -> list[Sample]:
@@ -79,7 +69,7 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
         assert [bundle.node_id for bundle in engines.bundles] == nodes  # engine 1 away from the sender
 
         before = greedy_outputs(engines)
-        assert_same_outputs(before[0], before[1])  # both loaded the same checkpoint
+        assert_same_generations(before[0], before[1])  # both loaded the same checkpoint
 
         for step in range(2):  # the second push reuses the broadcast group made by the first
             samples = one_group(PROMPTS[step], [before[0][step][0][:4], before[0][step][0][4:]], rewards=[1.0, 0.0])
@@ -91,7 +81,7 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
 
             after = greedy_outputs(engines)
             assert largest_logprob_change(before[0], after[0]) > 1e-3, "the training step changed nothing"
-            assert_same_outputs(after[1], after[0])  # by broadcast, the same weights as by shared memory
+            assert_same_generations(after[1], after[0])  # by broadcast, the same weights as by shared memory
             before = after
         ray.get(trainers.call("close_weight_sync"))
     finally:
