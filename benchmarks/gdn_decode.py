@@ -2,7 +2,7 @@
 
 Shapes are Qwen3.5-9B's linear-attention layers: 16 key heads, 32 value heads, head dim 128, conv kernel 4,
 bf16 activations and conv state, fp32 recurrent state. Both sides are timed in the same run as CUDA-graph
-replays (how SGLang runs decode), with triton.testing.do_bench flushing L2 before every replay.
+replays (how SGLang runs decode), median of 200, L2 flushed before every replay (FLUSHES says how).
 
     fused:     relax.kernels.gdn_triton.gdn_decode, one launch; pools indexed by a shuffled slot table.
     fla chain: fla causal_conv1d_update -> fused_recurrent_gated_delta_rule (gating, beta sigmoid and q/k
@@ -15,6 +15,7 @@ kernel is also timed alone, and the outputs of both sides are compared from iden
 
     python benchmarks/gdn_decode.py --batch-sizes 1 64 256 --sweep
     python benchmarks/gdn_decode.py --policy
+    python benchmarks/gdn_decode.py --batch-sizes 64 --flush clean   # under ncu: DRAM bytes of each flush
 
 --policy times what SGLang's glue runs (relax.kernels.sglang_gdn_decode: the platform's launch record through
 gdn_triton.decode_tiling) against the fla chain at batch 1 to 256, beside every other tiling the policy could
@@ -92,15 +93,38 @@ def fla_chain_step(inputs):
     return out.reshape(batch, HV, V), final_state
 
 
-def graph_time_us(step):
-    """Median microseconds of one CUDA-graph replay of `step`, L2 flushed before each replay."""
+# How L2 is emptied before each timed replay, so that no state is served from it (256 MB > 4x an H200's L2):
+#   dirty (the default, as triton.testing.do_bench): zero a buffer. L2 is left full of dirty lines, which the
+#       timed kernel writes back while its own last writes stay in L2: ncu at batch 64 counts 136-138 MB written
+#       during the step, about its own 134 MB of state.
+#   clean: read the buffer instead. The step then leaves the last ~25 MB of its own writes dirty in L2 for what
+#       runs next (ncu: 109-113 MB written), and times ~6% faster at batch 64 than the traffic it causes.
+FLUSHES = ("dirty", "clean")
+
+
+def graph_time_us(step, flush="dirty", warmup=25, reps=200):
+    """Median microseconds of one CUDA-graph replay of `step`, L2 flushed (FLUSHES) before each replay."""
     for _ in range(3):  # compile / autotune outside the graph
         step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+    buffer = torch.ones(2**26, dtype=torch.int32, device="cuda")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(warmup + reps):
+        if flush == "dirty":
+            buffer.zero_()
+        else:
+            buffer.sum()
+        if i >= warmup:
+            starts[i - warmup].record()
+        graph.replay()
+        if i >= warmup:
+            ends[i - warmup].record()
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) for start, end in zip(starts, ends))[reps // 2] * 1e3
 
 
 def roofline_fraction(batch, microseconds):
@@ -240,6 +264,8 @@ def main():
                       help="time the SWEEP settings at every batch size and report the fastest per batch size")
     mode.add_argument("--policy", action="store_true",
                       help="time the glue's tiling (decode_tiling) and the policy's other candidates against fla")
+    parser.add_argument("--flush", choices=FLUSHES, default="dirty",
+                        help="how L2 is emptied before each timed replay, without --policy (FLUSHES in the source)")
     args = parser.parse_args()
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     copy_bw = copy_bandwidth_bytes_per_s()
@@ -266,7 +292,7 @@ def main():
                          else [DEFAULT_SETTINGS]):
             tiling = settings.tiling()
             try:
-                times[settings] = graph_time_us(lambda: fused_step(inputs, tiling))
+                times[settings] = graph_time_us(lambda: fused_step(inputs, tiling), args.flush)
             except Exception as error:  # one setting the compiler refuses must not end the sweep
                 if not args.sweep:
                     raise
@@ -276,13 +302,13 @@ def main():
                   f"({roofline_fraction(batch, times[settings]):.1%})", flush=True)
         sweep_times[batch] = times
         best = min(times, key=times.get)
-        fla_us = graph_time_us(lambda: fla_chain_step(inputs))
+        fla_us = graph_time_us(lambda: fla_chain_step(inputs), args.flush)
         b, a = inputs["mixed_ba"].split([HV, HV], dim=-1)
         q, k, v = inputs["mixed_qkvz"][:, :CONV_DIM].split([HK * K, HK * K, HV * V], dim=-1)
         inputs.update(q=q.reshape(batch, 1, HK, K).contiguous(), k=k.reshape(batch, 1, HK, K).contiguous(),
                       v=v.reshape(batch, 1, HV, V).contiguous(), a=a.reshape(batch, 1, HV).contiguous(),
                       b=b.reshape(batch, 1, HV).contiguous())
-        recurrent_us = graph_time_us(lambda: fla_recurrent_step(inputs))
+        recurrent_us = graph_time_us(lambda: fla_recurrent_step(inputs), args.flush)
         rows.append((batch, times.get(DEFAULT_SETTINGS, float("nan")), times[best], best, fla_us, recurrent_us,
                      out_diff, state_diff))
         del inputs
