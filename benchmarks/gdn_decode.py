@@ -111,18 +111,17 @@ def graph_time_us(step, flush="dirty", warmup=25, reps=200):
     with torch.cuda.graph(graph):
         step()
     buffer = torch.ones(2**26, dtype=torch.int32, device="cuda")
+    flush_l2 = buffer.zero_ if flush == "dirty" else buffer.sum
+    for _ in range(warmup):
+        flush_l2()
+        graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(warmup + reps):
-        if flush == "dirty":
-            buffer.zero_()
-        else:
-            buffer.sum()
-        if i >= warmup:
-            starts[i - warmup].record()
+    for start, end in zip(starts, ends):
+        flush_l2()
+        start.record()
         graph.replay()
-        if i >= warmup:
-            ends[i - warmup].record()
+        end.record()
     torch.cuda.synchronize()
     return sorted(start.elapsed_time(end) for start, end in zip(starts, ends))[reps // 2] * 1e3
 
