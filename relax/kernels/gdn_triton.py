@@ -171,6 +171,7 @@ def _gdn_decode_kernel(
             k_window = _conv_window(k_in + offs_k, conv_state, k_channels, mask_k, conv_channel_stride,
                                     conv_tap_stride, W, BW)
             if P == 1:  # no other program reads this group's q/k windows: shifted right away, which frees registers
+                tl.debug_barrier()  # every warp has read the windows: Triton may replicate a window across warps
                 _store_shifted_window(q_window, conv_state, q_channels, mask_k, conv_channel_stride,
                                       conv_tap_stride, W, BW)
                 _store_shifted_window(k_window, conv_state, k_channels, mask_k, conv_channel_stride,
@@ -186,6 +187,7 @@ def _gdn_decode_kernel(
             v_window = _conv_window(v_in + (flat_tile // NT) * V + flat_pos, conv_state, v_channels, flat_owned,
                                     conv_channel_stride, conv_tap_stride, W, BW)
             v = _conv_silu(v_window, conv_weight_ptr, conv_bias_ptr, v_channels, flat_owned, W, BW, HAS_CONV_BIAS)
+            tl.debug_barrier()  # as for q/k: no warp shifts the window before all have read it
             _store_shifted_window(v_window, conv_state, v_channels, flat_owned, conv_channel_stride,
                                   conv_tap_stride, W, BW)
             v = tl.reshape(v, (BGT, BV))
@@ -269,6 +271,7 @@ def _causal_conv1d_update_kernel(x_ptr, conv_state_ptr, weight_ptr, bias_ptr, sl
                 y += tl.load(bias_ptr + channels, mask=mask, other=0.0).to(tl.float32)
             if SILU:
                 y = y * tl.sigmoid(y)
+            tl.debug_barrier()  # every warp has read the window before any shifts it in place
             _store_shifted_window(window, state, channels, mask, conv_channel_stride, conv_tap_stride, W, BW)
             tl.store(y_ptr + row * dim + channels, y.to(y_ptr.dtype.element_ty), mask=mask)
 

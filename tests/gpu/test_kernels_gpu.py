@@ -11,28 +11,30 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 HK, HV, K, V, WIDTH = 16, 32, 128, 128, 4  # Qwen3.5-9B's linear-attention layers
 
 
-def cuda_launch(num_stages=2):
+def cuda_launch(num_stages=2, num_warps=4):
     from relax.kernels.gdn_triton import TritonLaunch
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    return TritonLaunch(num_programs=sms * 16, options=dict(num_warps=4, num_stages=num_stages))
+    return TritonLaunch(num_programs=sms * 16, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def decode_case(layout, dtype, rows=6, slots=9):
+def decode_case(layout, dtype, rows=6, slots=9, heads_and_dims=(HK, HV, K, V)):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    conv_dim = 2 * HK * K + HV * V
+    num_k_heads, num_v_heads, head_k_dim, head_v_dim = heads_and_dims
+    conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
 
     def randn(*shape, scale=1.0, dtype=dtype):
         return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
 
     return dict(
-        mixed_qkvz=randn(rows, conv_dim + HV * V), mixed_ba=randn(rows, 2 * HV),
+        mixed_qkvz=randn(rows, conv_dim + num_v_heads * head_v_dim), mixed_ba=randn(rows, 2 * num_v_heads),
         conv_state_pool=randn(slots, conv_dim, WIDTH - 1), conv_weight=randn(conv_dim, WIDTH, scale=0.5),
-        conv_bias=randn(conv_dim), state_pool=randn(slots, HV, V, K, scale=0.05, dtype=torch.float32),
+        conv_bias=randn(conv_dim),
+        state_pool=randn(slots, num_v_heads, head_v_dim, head_k_dim, scale=0.05, dtype=torch.float32),
         slot_indices=torch.tensor([7, 0, -1, 3, 8, 2][:rows], device="cuda"),
-        A_log=randn(HV, dtype=torch.float32), dt_bias=randn(HV, dtype=torch.float32),
-        norm_weight=randn(V, dtype=torch.float32), norm_eps=1e-6,
-        num_k_heads=HK, head_k_dim=K, head_v_dim=V, layout=layout,
+        A_log=randn(num_v_heads, dtype=torch.float32), dt_bias=randn(num_v_heads, dtype=torch.float32),
+        norm_weight=randn(head_v_dim, dtype=torch.float32), norm_eps=1e-6,
+        num_k_heads=num_k_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim, layout=layout,
     )
 
 
@@ -47,6 +49,28 @@ def test_fused_decode_matches_reference(layout, dtype, tol):
     expected = ref.gdn_decode(**expected_case)
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=tol / 10, rtol=tol / 10)
+    torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
+
+
+@pytest.mark.parametrize("heads_and_dims", [(2, 4, 16, 16), (2, 4, 32, 32), (4, 8, 64, 64), (2, 2, 32, 64)])
+@pytest.mark.parametrize("num_warps", [4, 8])
+@pytest.mark.parametrize("block_v,programs_per_group", [(16, 1), (16, 2), (8, 4)])
+def test_fused_decode_small_heads(heads_and_dims, num_warps, block_v, programs_per_group):
+    """Head dims under 128 and 8 warps: conv windows smaller than the program, which Triton may replicate
+    across warps (the in-place window shifts wait for every warp's read). Three steps on one ticket buffer."""
+    from relax.kernels.gdn_triton import gdn_decode
+
+    num_k_heads, num_v_heads, _, head_v_dim = heads_and_dims
+    if programs_per_group // (num_v_heads // num_k_heads) > head_v_dim // block_v:
+        pytest.skip("more parts than value tiles")
+    case = decode_case("contiguous", torch.float32, heads_and_dims=heads_and_dims)
+    expected_case = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    tickets = torch.zeros(6 * num_k_heads, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        out = gdn_decode(**case, launch=cuda_launch(num_warps=num_warps), block_v=block_v,
+                         programs_per_group=programs_per_group, tickets=tickets)
+        torch.testing.assert_close(out, ref.gdn_decode(**expected_case), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(case["state_pool"], expected_case["state_pool"], atol=2e-6, rtol=2e-5)
     torch.testing.assert_close(case["conv_state_pool"], expected_case["conv_state_pool"])
 
 
