@@ -42,7 +42,7 @@ from relax.rollout.worker import EngineWorker
 from relax.run_state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.actor import ActorSettings
 from relax.train.advantages import compute_advantages
-from relax.train.batch import RolloutBatch
+from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.losses import LossSettings
 from relax.train.worker import TrainWorker
 
@@ -82,6 +82,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                 ),
             )
             wait_for(trainers.call("sleep"), placement)
+            data_parallel_ranks = wait_for(trainers.call("data_parallel_rank"), placement)
         if not r.debug_train_only:
             engines = create_engine_actors(
                 EngineWorker, placement,
@@ -105,7 +106,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                     with timer("perf/train_wait_time"):
                         hand_devices_to_actor(engines, trainers)
                     with timer("perf/train_time"):
-                        train_metrics = train(trainers, samples, r)
+                        train_metrics = train(trainers, data_parallel_ranks, samples, r)
                     if save_due(r, step):  # while the actor is awake
                         with timer("perf/save_time"):
                             saved = save(r.save, step, trainers, loader, r.seed)
@@ -171,11 +172,20 @@ def hand_devices_to_actor(engines, trainers) -> None:
     wait_for(trainers.call("wake"), trainers.placement)
 
 
-def train(trainers, samples: list[Sample], r) -> dict[str, float]:
-    """Advantages; old-policy (and reference) logprobs and the optimizer steps on every rank; mean metrics."""
+def train(trainers, data_parallel_ranks: list[int], samples: list[Sample], r) -> dict[str, float]:
+    """Advantages; each data-parallel rank gets its token-balanced share of every optimizer step; old-policy (and
+    reference) logprobs and the optimizer steps on every rank; mean metrics."""
     batch = rollout_batch(samples, r)
-    metrics = wait_for(trainers.call("train", batch, r.global_batch_size, _uses_reference(r)), trainers.placement)
-    return _mean_over_steps(metrics[0])
+    shares, imbalance = split_over_data_parallel(
+        batch.token_counts(), r.global_batch_size, max(data_parallel_ranks) + 1
+    )
+    share_refs = [ray.put(batch.select(share.indices)) for share in shares]  # one copy per replica's TP/PP ranks
+    calls = [
+        actor.train.remote(share_refs[rank], shares[rank].step_sizes, _uses_reference(r))
+        for actor, rank in zip(trainers.actors, data_parallel_ranks)
+    ]
+    metrics = wait_for(calls, trainers.placement)
+    return {**_mean_over_steps(metrics[0]), "perf/data_parallel_token_imbalance": imbalance}
 
 
 def hand_devices_to_engines(engines, trainers, r) -> list[dict] | None:
@@ -325,6 +335,7 @@ def _actor_settings(config) -> ActorSettings:
         loss=loss,
         micro_batch_size=r.micro_batch_size,
         max_tokens_per_micro_batch=r.max_tokens_per_device if r.use_dynamic_batch_size else None,
+        max_tokens_per_forward=r.log_probs_max_tokens_per_device,
         temperature=r.rollout_temperature or 1.0,
         seed=r.seed,
         keep_reference=_uses_reference(r),

@@ -146,6 +146,8 @@ def batching_flags_consistent(config, platform):
         return "--use-dynamic-batch-size needs --max-tokens-per-device"
     if r.max_tokens_per_device and not r.use_dynamic_batch_size:
         return "--max-tokens-per-device only applies with --use-dynamic-batch-size"
+    if r.log_probs_max_tokens_per_device and not r.use_dynamic_batch_size:
+        return "--log-probs-max-tokens-per-device only applies with --use-dynamic-batch-size"
 
 
 def sampling_flags_consistent(config, platform):

@@ -163,6 +163,12 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-tokens-per-device", type=_positive_int, help="Token budget of a packed micro-batch.")
     g.add_argument(
+        "--log-probs-max-tokens-per-device",
+        type=_positive_int,
+        help="Token budget of a packed micro-batch in the forward-only passes (old-policy and reference logprobs), "
+        "which keep no activations for backward (default: --max-tokens-per-device).",
+    )
+    g.add_argument(
         "--seed", type=int, default=1234, help="Seed for data order, sampling and Megatron init (default: %(default)s)."
     )
 

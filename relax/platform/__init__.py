@@ -64,6 +64,8 @@ class Platform:
     same_node_transport: str
     # ServerArgs field overrides the engine wrapper applies on this platform (before the user's flags).
     sglang_server_defaults: Mapping[str, Any]
+    # The training actor's causal attention (relax.platform.attention.KERNELS).
+    attention_kernel: str
     _load_device_module: Callable[[], Any] = field(repr=False)
     _unavailable_reason: Callable[[], Optional[str]] = field(repr=False)
     _worker_env: Callable[[bool], dict] = field(repr=False)

@@ -154,6 +154,7 @@ PLATFORM = Platform(
     # connection has timed out"). Copying the bytes costs little at the model sizes a CPU runs.
     same_node_transport="inline",
     sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
+    attention_kernel="sdpa",
     _load_device_module=lambda: CpuDeviceModule,
     _unavailable_reason=lambda: None,
     _worker_env=_worker_env,

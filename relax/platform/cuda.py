@@ -107,6 +107,7 @@ PLATFORM = Platform(
     colocation_needs_release=True,
     same_node_transport="ipc",
     sglang_server_defaults=frozen({"device": "cuda"}),
+    attention_kernel="flash_varlen",
     _load_device_module=_device_module,
     _unavailable_reason=_unavailable_reason,
     _worker_env=_worker_env,

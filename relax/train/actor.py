@@ -36,8 +36,11 @@ class ActorSettings:
     """What the actor needs beyond megatron-core's config objects."""
 
     loss: LossSettings = dataclasses.field(default_factory=LossSettings)
-    micro_batch_size: int = 1  # samples per micro-batch (one padded row each) without a token budget
+    micro_batch_size: int = 1  # samples per micro-batch without a token budget
     max_tokens_per_micro_batch: int | None = None  # dynamic batch size: pack samples up to this many tokens
+    # The token budget of forward-only passes (old-policy and reference logprobs), which keep no activations for
+    # backward and so fit more tokens; None: the training budget.
+    max_tokens_per_forward: int | None = None
     temperature: float = 1.0  # logits are divided by it, as the rollout engine sampled
     seed: int = 1234
     keep_reference: bool = True  # keep a host copy of the initial weights for reference logprobs
@@ -123,7 +126,8 @@ class MegatronActor:
             raise ValueError("context parallelism is not supported by the actor yet (context_parallel_size=1)")
         model_parallel_cuda_manual_seed(self.settings.seed)
         self.config = transformer_config(self.hf, transformer)
-        model = build_gpt_model(self.hf, self.config).to(self.device)  # use_cpu_initialization builds on the host
+        # use_cpu_initialization builds on the host
+        model = build_gpt_model(self.hf, self.config, attention_kernel=self.platform.attention_kernel).to(self.device)
         load_hf_weights(model, self.hf_dir)
         if self.config.fp16 or self.config.bf16:
             model = Float16Module(self.config, model)
@@ -235,17 +239,23 @@ class MegatronActor:
                 param.copy_(weights[name])
 
     # --- forward ---------------------------------------------------------------------------------------
-    def _micro_batches(self, batch: RolloutBatch) -> list[MicroBatch]:
+    def _micro_batches(self, batch: RolloutBatch, forward_only: bool) -> list[MicroBatch]:
         from megatron.core import parallel_state
 
         settings = self.settings
+        max_tokens = settings.max_tokens_per_micro_batch
+        if forward_only and settings.max_tokens_per_forward is not None:
+            max_tokens = settings.max_tokens_per_forward
+        # Sequence parallelism splits each row's tokens over the tensor-parallel ranks.
+        multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
         uniform_shape = None
         # Pipeline stages exchange activations of the one shape the schedule is given; expert-parallel
         # ranks (different DP ranks) exchange tokens in every micro-batch, forward and backward, so they
         # need as many micro-batches, of one shape. (Dense DP ranks only meet in the gradient all-reduce.)
         if self.config.pipeline_model_parallel_size > 1 or self.config.expert_model_parallel_size > 1:
-            plan = plan_micro_batches(batch, settings.micro_batch_size, settings.max_tokens_per_micro_batch)
-            shape = torch.tensor(plan_shape(batch, plan), device=self.device)
+            counts = batch.token_counts()
+            plan = plan_micro_batches(counts, settings.micro_batch_size, max_tokens)
+            shape = torch.tensor(plan_shape(counts, plan, multiple), device=self.device)
             if self.config.expert_model_parallel_size > 1:
                 torch.distributed.all_reduce(
                     shape, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group()
@@ -254,16 +264,17 @@ class MegatronActor:
         return make_micro_batches(
             batch,
             settings.micro_batch_size,
-            settings.max_tokens_per_micro_batch,
+            max_tokens,
             pad_token_id=checkpoint_layout(self.hf).text_config.get("pad_token_id") or 0,
+            multiple=multiple,
             uniform_shape=uniform_shape,
         )
 
     def _token_logprobs(self, output: torch.Tensor, micro_batch: MicroBatch, with_entropy: bool):
-        """Per sample: response-token logprobs (and entropies) from the model output [rows, seq, vocab/TP]."""
+        """Per sample: response-token logprobs (and entropies) from the model output [1, t, vocab/TP]."""
         labels = torch.roll(micro_batch.tokens, shifts=-1, dims=1)  # the last position's label is never read
         temperature = self.settings.temperature
-        # At temperature 1 the output itself goes in (read by nothing else): no [rows, seq, vocab] fp32 copy.
+        # At temperature 1 the output itself goes in (read by nothing else): no [t, vocab] fp32 copy.
         logits = output if temperature == 1.0 else output / temperature
         logprobs, entropy = vocab_parallel_logprobs(logits, labels, with_entropy)
         return (
@@ -277,7 +288,9 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator).to(self.device)
-            output = model(micro_batch.tokens, micro_batch.position_ids, micro_batch.attention_mask)
+            output = model(
+                micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=micro_batch.packed_seq_params()
+            )
             return output, partial(loss_func, micro_batch)
 
         return get_forward_backward_func()(
@@ -285,8 +298,8 @@ class MegatronActor:
             data_iterator=iter(micro_batches),
             model=[self.model],
             num_microbatches=len(micro_batches),
-            seq_length=max(mb.tokens.shape[1] for mb in micro_batches),
-            micro_batch_size=max(mb.tokens.shape[0] for mb in micro_batches),
+            seq_length=max(mb.num_tokens for mb in micro_batches),
+            micro_batch_size=1,  # one packed row
             forward_only=forward_only,
         )
 
@@ -313,7 +326,7 @@ class MegatronActor:
         self._check_awake()
         if reference and self.reference_weights is None:
             raise ValueError("reference logprobs need ActorSettings.keep_reference=True")
-        micro_batches = self._micro_batches(batch)
+        micro_batches = self._micro_batches(batch, forward_only=True)
 
         def loss_func(micro_batch, output):
             logprobs, entropy = self._token_logprobs(output, micro_batch, with_entropy)
@@ -371,7 +384,7 @@ class MegatronActor:
         loss_settings = self.settings.loss
         with_entropy = loss_settings.entropy_coef != 0.0
         denominator, num_tokens = self._batch_denominators(batch)
-        micro_batches = self._micro_batches(batch)
+        micro_batches = self._micro_batches(batch, forward_only=False)
         # The schedule divides each micro-batch loss by their number and DDP averages gradients over DP;
         # each micro-batch's loss here is its share of the whole batch's, so undo both.
         loss_scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()

@@ -1,26 +1,31 @@
-"""Rollout samples as the actor consumes them, and how they are cut into Megatron micro-batches.
+"""Rollout samples as the actor consumes them, how they are spread over data-parallel ranks, and how each rank's
+share is cut into Megatron micro-batches.
 
-A sample is one prompt + response token sequence; only response tokens are scored and trained. Per
-response token it may carry an advantage, the old policy's logprob and the reference policy's logprob.
+A sample is one prompt + response token sequence; only response tokens are scored and trained. Per response
+token it may carry an advantage, the old policy's logprob and the reference policy's logprob.
 
-Micro-batches are formed in rollout order. Without a token budget, `micro_batch_size` samples make one
-micro-batch, one padded row each. With a token budget (dynamic batch size), consecutive samples are
-packed into one row while the row stays within the budget; a row holds several sequences separated by a
-block-diagonal causal mask, and each sequence's positions start at 0, so packing changes no logit.
-A micro-batch whose rows hold one sequence each carries no mask: its padding follows the sequence, so the
-attention's own causal mask gives the same logits without a [rows, 1, seq, seq] mask built on the host and
-copied per micro-batch (megatron-core's local attention with such a mask peaked 34 GB higher on an H200 at
-4 x 2048 tokens, docs/benchmarks.md).
+Data-parallel ranks: `balanced_shares` splits a batch into one share per rank with about equal token counts
+(longest sample first onto the lightest rank), so the slowest rank is not the one that drew the long responses.
+
+Micro-batches are packed rows (megatron-core's THD format): the samples of one micro-batch lie one after another
+in a single row, `cu_seqlens` marks where each sequence starts, and attention and the GDN layers' state never
+cross a boundary; each sequence's positions start at 0, so packing changes no logit. No attention mask exists:
+a [rows, 1, s, s] mask costs s^2 memory per row and makes attention cost s^2 over the whole row instead of the sum
+of each sequence's length^2. With a token budget (dynamic batch size) samples are packed, longest first, into as
+few micro-batches as stay within the budget; without one, `micro_batch_size` consecutive samples make one.
+Padding, where a fixed shape is needed, is one more sequence at the end of the row whose outputs are never read.
 """
 
 from dataclasses import dataclass, field
 
 import torch
 
+PER_TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs")
+
 
 @dataclass
 class RolloutBatch:
-    """This data-parallel rank's samples. Lists are per sample; tensors are 1-D over response tokens."""
+    """Samples for the actor. Lists are per sample; tensors are 1-D over response tokens."""
 
     tokens: list[torch.Tensor]  # prompt + response token ids
     response_lengths: list[int]
@@ -38,7 +43,7 @@ class RolloutBatch:
                     f"sample {i}: response length {length} must be >= 1 and leave at least one prompt token "
                     f"in its {tokens.numel()} tokens"
                 )
-        for name in ("advantages", "old_logprobs", "ref_logprobs"):
+        for name in PER_TOKEN_FIELDS:
             values = getattr(self, name)
             if values is None:
                 continue
@@ -55,69 +60,174 @@ class RolloutBatch:
     def __len__(self):
         return len(self.tokens)
 
+    def token_counts(self) -> list[int]:
+        return [t.numel() for t in self.tokens]
+
+    def select(self, indices) -> "RolloutBatch":
+        """The samples at `indices`, in that order, with every per-token field they carry."""
+        indices = list(indices)
+        optional = {
+            name: [getattr(self, name)[i] for i in indices]
+            for name in PER_TOKEN_FIELDS
+            if getattr(self, name) is not None
+        }
+        return RolloutBatch(
+            tokens=[self.tokens[i] for i in indices],
+            response_lengths=[self.response_lengths[i] for i in indices],
+            **optional,
+        )
+
+
+def balanced_shares(token_counts: list[int], num_shares: int) -> list[list[int]]:
+    """Sample indices for each of `num_shares` ranks, every rank at least one sample, token totals close: the
+    longest samples first, each onto the share with the fewest tokens so far (ties: fewest samples, then lowest
+    rank). Within a share, indices keep the batch's order."""
+    if len(token_counts) < num_shares:
+        raise ValueError(
+            f"{len(token_counts)} samples cannot give each of {num_shares} data-parallel ranks one: raise the "
+            "global batch size or lower the data-parallel size"
+        )
+    shares: list[list[int]] = [[] for _ in range(num_shares)]
+    totals = [0] * num_shares
+    for index in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
+        lightest = min(range(num_shares), key=lambda r: (totals[r], len(shares[r]), r))
+        shares[lightest].append(index)
+        totals[lightest] += token_counts[index]
+    return [sorted(share) for share in shares]
+
+
+def token_imbalance(token_counts: list[int], shares: list[list[int]]) -> float:
+    """The largest share's tokens over the mean share's (1.0: perfectly even)."""
+    totals = [sum(token_counts[i] for i in share) for share in shares]
+    return max(totals) / (sum(totals) / len(totals))
+
+
+@dataclass
+class RankShare:
+    """One data-parallel rank's part of a rollout: its samples, optimizer step after optimizer step."""
+
+    indices: list[int] = field(default_factory=list)  # into the rollout
+    step_sizes: list[int] = field(default_factory=list)  # how many of them each optimizer step trains on
+
+
+def split_over_data_parallel(
+    token_counts: list[int], global_batch_size: int, num_ranks: int
+) -> tuple[list[RankShare], float]:
+    """Each rank's share of a rollout trained in optimizer steps of `global_batch_size` consecutive samples, every
+    step's samples spread over the ranks by tokens (balanced_shares); and the worst step's token imbalance."""
+    if len(token_counts) % global_batch_size:
+        raise ValueError(
+            f"{len(token_counts)} rollout samples are not a multiple of the global batch size {global_batch_size}"
+        )
+    shares = [RankShare() for _ in range(num_ranks)]
+    worst = 1.0
+    for start in range(0, len(token_counts), global_batch_size):
+        counts = token_counts[start : start + global_batch_size]
+        parts = balanced_shares(counts, num_ranks)
+        worst = max(worst, token_imbalance(counts, parts))
+        for share, part in zip(shares, parts):
+            share.indices.extend(start + i for i in part)
+            share.step_sizes.append(len(part))
+    return shares, worst
+
+
+def plan_micro_batches(token_counts: list[int], micro_batch_size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Which samples go together: micro-batches as lists of sample indices (see module doc)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if not token_counts:
+        raise ValueError("the batch has no samples; every data-parallel rank needs at least one")
+    if max_tokens is None:
+        indices = list(range(len(token_counts)))
+        return [indices[s : s + micro_batch_size] for s in range(0, len(indices), micro_batch_size)]
+    micro_batches, totals = [], []
+    for i in sorted(range(len(token_counts)), key=lambda i: (-token_counts[i], i)):
+        if token_counts[i] > max_tokens:
+            raise ValueError(
+                f"sample {i} has {token_counts[i]} tokens, more than the {max_tokens} tokens a micro-batch may hold: "
+                "raise --max-tokens-per-device to at least the longest prompt + response"
+            )
+        fits = next((m for m, total in enumerate(totals) if total + token_counts[i] <= max_tokens), None)
+        if fits is None:
+            micro_batches.append([])
+            totals.append(0)
+            fits = len(micro_batches) - 1
+        micro_batches[fits].append(i)
+        totals[fits] += token_counts[i]
+    return [sorted(members) for members in micro_batches]
+
+
+def plan_shape(token_counts: list[int], plan: list[list[int]], multiple: int = 1) -> tuple[int, int]:
+    """(micro-batches, tokens) that hold every micro-batch of `plan`, tokens rounded up to `multiple`."""
+    longest = max(sum(token_counts[i] for i in members) for members in plan)
+    return len(plan), -(-longest // multiple) * multiple
+
 
 @dataclass
 class MicroBatch:
-    """Model inputs for some samples, and where each sample's response tokens sit in them."""
+    """One packed row of samples (THD), and where each sample's response tokens sit in it."""
 
-    tokens: torch.Tensor  # [rows, seq]
-    position_ids: torch.Tensor  # [rows, seq]
-    attention_mask: torch.Tensor | None  # [rows, 1, seq, seq] bool, True = masked out; None: causal
+    tokens: torch.Tensor  # [1, t]
+    position_ids: torch.Tensor  # [1, t]: each token's index in its own sequence
+    cu_seqlens: torch.Tensor  # int32 [n + 1]: sequence boundaries along t (padding, if any, is the last sequence)
+    max_seqlen: int
     sample_indices: list[int]  # into the RolloutBatch
-    # per sample: (row, first logit position, response length); the logit at position p predicts token p + 1
-    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # per sample: (first logit position, response length); the logit at position p predicts token p + 1
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
 
     def to(self, device) -> "MicroBatch":
         return MicroBatch(
             self.tokens.to(device),
             self.position_ids.to(device),
-            None if self.attention_mask is None else self.attention_mask.to(device),
+            self.cu_seqlens.to(device),
+            self.max_seqlen,
             self.sample_indices,
             self.spans,
         )
 
+    def packed_seq_params(self):
+        """megatron-core's description of the packed row."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=self.cu_seqlens,
+            cu_seqlens_kv=self.cu_seqlens,
+            max_seqlen_q=self.max_seqlen,
+            max_seqlen_kv=self.max_seqlen,
+        )
+
     def response_values(self, per_position: torch.Tensor) -> list[torch.Tensor]:
-        """Each sample's response-token slice of a per-position tensor [rows, seq]."""
-        return [per_position[row, start : start + length] for row, start, length in self.spans]
+        """Each sample's response-token slice of a per-position tensor [1, t]."""
+        return [per_position[0, start : start + length] for start, length in self.spans]
 
 
-def _rows(batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None) -> list[list[list[int]]]:
-    """Micro-batches as lists of rows, each row a list of sample indices."""
-    if max_tokens is None:
-        indices = list(range(len(batch)))
-        return [[[i] for i in indices[s : s + micro_batch_size]] for s in range(0, len(batch), micro_batch_size)]
-    micro_batches, row, row_tokens = [], [], 0
-    for i, tokens in enumerate(batch.tokens):
-        if tokens.numel() > max_tokens:
-            raise ValueError(
-                f"sample {i} has {tokens.numel()} tokens, more than max_tokens_per_micro_batch={max_tokens}: "
-                "raise the budget to at least the longest prompt + response"
-            )
-        if row and row_tokens + tokens.numel() > max_tokens:
-            micro_batches.append([row])
-            row, row_tokens = [], 0
-        row.append(i)
-        row_tokens += tokens.numel()
-    if row:
-        micro_batches.append([row])
-    return micro_batches
-
-
-def plan_micro_batches(
-    batch: RolloutBatch, micro_batch_size: int, max_tokens: int | None = None
-) -> list[list[list[int]]]:
-    """Which samples go together: micro-batches as lists of rows, each row a list of sample indices."""
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    if len(batch) == 0:
-        raise ValueError("the batch has no samples; every data-parallel rank needs at least one")
-    return _rows(batch, micro_batch_size, max_tokens)
-
-
-def plan_shape(batch: RolloutBatch, plan: list[list[list[int]]]) -> tuple[int, int, int]:
-    """(micro-batches, rows, seq) that hold every micro-batch of `plan`."""
-    seq = max(sum(batch.tokens[i].numel() for i in row) for rows in plan for row in rows)
-    return len(plan), max(len(rows) for rows in plan), seq
+def pack_micro_batch(batch: RolloutBatch, members: list[int], num_tokens: int, pad_token_id: int = 0) -> MicroBatch:
+    """The samples `members` of `batch` in one row of `num_tokens` tokens (the rest padding)."""
+    lengths = [batch.tokens[i].numel() for i in members]
+    padding = num_tokens - sum(lengths)
+    if padding < 0:
+        raise ValueError(f"{sum(lengths)} tokens do not fit a micro-batch of {num_tokens}")
+    sequences = lengths + ([padding] if padding else [])
+    parts = [batch.tokens[i] for i in members] + [torch.full((padding,), pad_token_id, dtype=torch.long)]
+    cu_seqlens = torch.tensor([0] + sequences, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(n) for n in sequences]) if sequences else torch.zeros(0, dtype=torch.long)
+    spans = [
+        (int(end) - response_length - 1, response_length)
+        for end, response_length in zip(cu_seqlens[1:].tolist(), (batch.response_lengths[i] for i in members))
+    ]
+    return MicroBatch(
+        tokens=torch.cat(parts).unsqueeze(0),
+        position_ids=position_ids.unsqueeze(0),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(sequences),
+        sample_indices=list(members),
+        spans=spans,
+    )
 
 
 def make_micro_batches(
@@ -125,45 +235,25 @@ def make_micro_batches(
     micro_batch_size: int,
     max_tokens: int | None = None,
     pad_token_id: int = 0,
-    uniform_shape: tuple[int, int, int] | None = None,
+    multiple: int = 1,
+    uniform_shape: tuple[int, int] | None = None,
 ) -> list[MicroBatch]:
-    """Cut `batch` into micro-batches (see module doc).
+    """Cut `batch` into packed micro-batches (see module doc), each padded to a multiple of `multiple` tokens
+    (sequence parallelism splits a row's tokens over the tensor-parallel ranks).
 
-    uniform_shape=(count, rows, seq) pads every micro-batch to [rows, seq] and adds all-padding micro-batches
-    up to `count`: pipeline stages exchange activations of one fixed shape, and expert-parallel ranks
-    exchange tokens in every micro-batch, so they need as many micro-batches of the same shape.
+    uniform_shape=(count, tokens) pads every micro-batch to `tokens` and adds all-padding micro-batches up to
+    `count`: pipeline stages exchange activations of one fixed shape, and expert-parallel ranks exchange tokens in
+    every micro-batch, so they need as many micro-batches of the same shape.
     """
-    plan = plan_micro_batches(batch, micro_batch_size, max_tokens)
+    counts = batch.token_counts()
+    plan = plan_micro_batches(counts, micro_batch_size, max_tokens)
     if uniform_shape is not None:
-        count, rows, seq = uniform_shape
-        if any(needed > given for needed, given in zip(plan_shape(batch, plan), uniform_shape)):
-            raise ValueError(f"uniform_shape {uniform_shape} is smaller than the batch's {plan_shape(batch, plan)}")
-        plan = plan + [[]] * (count - len(plan))
-
-    micro_batches = []
-    for rows in plan:
-        if uniform_shape is not None:
-            num_rows, seq = uniform_shape[1], uniform_shape[2]
-        else:
-            num_rows, seq = plan_shape(batch, [rows])[1:]
-        tokens = torch.full((num_rows, seq), pad_token_id, dtype=torch.long)
-        position_ids = torch.zeros((num_rows, seq), dtype=torch.long)
-        packed = any(len(row) > 1 for row in rows)
-        # Padding attends to itself only, so no softmax row is empty; its outputs are never read.
-        allowed = torch.eye(seq, dtype=torch.bool).repeat(num_rows, 1, 1) if packed else None
-        sample_indices, spans = [], []
-        for r, row in enumerate(rows):
-            offset = 0
-            for i in row:
-                n = batch.tokens[i].numel()
-                tokens[r, offset : offset + n] = batch.tokens[i]
-                position_ids[r, offset : offset + n] = torch.arange(n)
-                if packed:
-                    allowed[r, offset : offset + n, offset : offset + n] = torch.ones(n, n, dtype=torch.bool).tril()
-                response_length = batch.response_lengths[i]
-                sample_indices.append(i)
-                spans.append((r, offset + n - response_length - 1, response_length))
-                offset += n
-        mask = ~allowed.unsqueeze(1) if packed else None
-        micro_batches.append(MicroBatch(tokens, position_ids, mask, sample_indices, spans))
-    return micro_batches
+        count, num_tokens = uniform_shape
+        needed = plan_shape(counts, plan, multiple)
+        if needed[0] > count or needed[1] > num_tokens:
+            raise ValueError(f"uniform_shape {uniform_shape} is smaller than the batch's {needed}")
+        return [pack_micro_batch(batch, members, num_tokens, pad_token_id) for members in plan + [[]] * (count - len(plan))]
+    return [
+        pack_micro_batch(batch, members, plan_shape(counts, [members], multiple)[1], pad_token_id)
+        for members in plan
+    ]

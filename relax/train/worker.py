@@ -1,7 +1,7 @@
 """One training rank as a Ray actor: torch.distributed from the placement's variables, then a MegatronActor.
 
-The driver (relax.loop) calls every rank with the same arguments; each rank keeps its own data-parallel
-share of the samples, so the driver never needs to know the parallel layout.
+The driver (relax.loop) sends each rank its data-parallel share of a rollout (the ranks of one data-parallel
+replica get the same share) and calls every rank otherwise with the same arguments.
 """
 
 import torch
@@ -33,50 +33,26 @@ class TrainWorker:
         self.bucket_bytes = bucket_bytes
         self.weight_routes = None  # relax.sync.broadcast.WeightRoutes, made at this sending rank's first push
 
-    def _shard(self, batch: RolloutBatch) -> RolloutBatch:
-        """This rank's data-parallel share: every dp_size-th sample."""
-        if len(batch) % self.dp_size:
-            raise ValueError(f"{len(batch)} samples cannot be split evenly over {self.dp_size} data-parallel ranks")
-        pick = slice(self.dp_rank, None, self.dp_size)
-        optional = {
-            name: getattr(batch, name)[pick]
-            for name in ("advantages", "old_logprobs", "ref_logprobs")
-            if getattr(batch, name) is not None
-        }
-        return RolloutBatch(tokens=batch.tokens[pick], response_lengths=batch.response_lengths[pick], **optional)
+    def data_parallel_rank(self) -> int:
+        return self.dp_rank
 
-    def train(self, batch: RolloutBatch, global_batch_size: int, with_reference: bool) -> list[dict[str, float]]:
-        """Old-policy (and reference) logprobs for the whole rollout, then one optimizer step per
-        `global_batch_size` samples. Returns each step's metrics (the same on every rank)."""
-        if len(batch) % global_batch_size:
-            raise ValueError(f"{len(batch)} rollout samples are not a multiple of the global batch size {global_batch_size}")
-        batch.old_logprobs = self._gather_shards(batch, reference=False)
+    def train(self, batch: RolloutBatch, step_sizes: list[int], with_reference: bool) -> list[dict[str, float]]:
+        """This rank's share of a rollout (relax.train.batch.split_over_data_parallel): old-policy (and reference)
+        logprobs for all of it, then one optimizer step per entry of `step_sizes`, on that many consecutive
+        samples. Logprobs stay on this rank. Returns each step's metrics (the same on every rank)."""
+        if sum(step_sizes) != len(batch):
+            raise ValueError(f"step sizes {step_sizes} do not add up to the {len(batch)} samples given")
+        # Trained in one optimizer step, the old policy is the current one: train_step takes its own logprobs,
+        # detached, instead of a forward pass that would compute the same numbers.
+        if len(step_sizes) > 1:
+            batch.old_logprobs = self.actor.compute_logprobs(batch)
         if with_reference:
-            batch.ref_logprobs = self._gather_shards(batch, reference=True)
-        metrics = []
-        for start in range(0, len(batch), global_batch_size):
-            step = slice(start, start + global_batch_size)
-            step_batch = RolloutBatch(
-                tokens=batch.tokens[step],
-                response_lengths=batch.response_lengths[step],
-                advantages=batch.advantages[step],
-                old_logprobs=batch.old_logprobs[step],
-                ref_logprobs=batch.ref_logprobs[step] if with_reference else None,
-            )
-            metrics.append(self.actor.train_step(self._shard(step_batch)))
+            batch.ref_logprobs = self.actor.compute_logprobs(batch, reference=True)
+        metrics, start = [], 0
+        for size in step_sizes:
+            metrics.append(self.actor.train_step(batch.select(range(start, start + size))))
+            start += size
         return metrics
-
-    def _gather_shards(self, batch: RolloutBatch, reference: bool) -> list[torch.Tensor]:
-        """Logprobs of every sample of the batch: each DP rank computes its share, then all share."""
-        from megatron.core import parallel_state
-
-        mine = self.actor.compute_logprobs(self._shard(batch), reference=reference)
-        shares = [None] * self.dp_size
-        torch.distributed.all_gather_object(shares, mine, group=parallel_state.get_data_parallel_group())
-        result = [None] * len(batch)
-        for dp_rank, share in enumerate(shares):
-            result[dp_rank :: self.dp_size] = share
-        return result
 
     def sleep(self) -> None:
         self.actor.sleep()

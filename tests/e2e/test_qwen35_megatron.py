@@ -1,7 +1,7 @@
 """Qwen3.5 dense and MoE (and Qwen3-Next at TP=2) on megatron-core 0.16.1's GatedDeltaNet (relax/train/model/
 qwen3_5.py, qwen3_next.py, gdn_spec.py; no TransformerEngine, relax.kernels' torch GDN on the CPU): logits equal
 HF transformers' (fp32, max abs diff <= 1e-4) on an 80-token batch (the chunked GDN runs two 64-token chunks) at
-TP=1 and TP=2 (with sequence parallelism) and on the actor's right-padded rows with their attention mask, the
+TP=1 and TP=2 (with sequence parallelism) and on samples packed into one row as the actor packs them, the
 exported weights are the checkpoint's exactly, and a backward pass reaches every parameter. Every parameter's
 gradient equals HF's (DDP and finalize_model_grads as the actor runs them; TP=2 with and without sequence
 parallelism: without it the GDN output norm's gradient was each rank's own heads' part).
@@ -40,23 +40,25 @@ def hf_dirs(tmp_path_factory):
     return {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in families}
 
 
-def _padded_rows_max_abs_diff(model, reference, vocab_size: int) -> float:
-    """Samples of different lengths, one right-padded row each with the actor's attention mask (relax.train.batch):
-    each sample's logits against HF's on that sample alone."""
+def _packed_rows_max_abs_diff(model, reference, vocab_size: int, tp: int) -> float:
+    """Samples of different lengths packed into one THD row as the actor packs them (relax.train.batch: cu_seqlens,
+    no mask; padded to a multiple of TP for sequence parallelism): each sample's logits against HF's on that sample
+    alone, so neither attention nor the GDN layers' conv and recurrent state cross a sequence boundary."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from relax.train.batch import RolloutBatch, make_micro_batches
 
     generator = torch.Generator().manual_seed(3)
-    samples = [torch.randint(0, vocab_size, (length,), generator=generator) for length in (70, 9)]
-    (micro_batch,) = make_micro_batches(RolloutBatch(samples, [3, 3]), micro_batch_size=2)
+    samples = [torch.randint(0, vocab_size, (length,), generator=generator) for length in (70, 9, 1 + 1, 66)]
+    (micro_batch,) = make_micro_batches(RolloutBatch(samples, [1] * len(samples)), micro_batch_size=4, multiple=tp)
     with torch.no_grad():
         logits = gather_from_tensor_model_parallel_region(
-            model(micro_batch.tokens, micro_batch.position_ids, micro_batch.attention_mask)
+            model(micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=micro_batch.packed_seq_params())
         )
+        bounds = micro_batch.cu_seqlens.tolist()
         diffs = [
-            (logits[row, : len(tokens)] - reference(tokens[None]).logits[0]).abs().max().item()
-            for row, tokens in enumerate(samples)
+            (logits[0, bounds[i] : bounds[i + 1]] - reference(samples[index][None]).logits[0]).abs().max().item()
+            for i, index in enumerate(micro_batch.sample_indices)
         ]
     return max(diffs)
 
@@ -91,14 +93,14 @@ def _parity(hf_dir: str, tp: int) -> dict:
     logits = gather_from_tensor_model_parallel_region(model(input_ids, position_ids, None))
     logits.float().logsumexp(-1).mean().backward()
     without_grad = [name for name, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
-    padded_diff = _padded_rows_max_abs_diff(model, reference, vocab_size)
+    packed_diff = _packed_rows_max_abs_diff(model, reference, vocab_size, tp)
     exported = dict(export_hf_weights(model, hf))
     # What the checkpoint holds, fused experts per expert (the MoE VL one stores them fused, as the released one)
     checkpoint = HFCheckpoint(hf_dir)
     on_disk = {name: checkpoint.get(name) for name in trained_names(checkpoint.names())}
     return {
         "logits_max_abs_diff": (logits.detach() - expected).abs().max().item(),
-        "padded_rows_max_abs_diff": padded_diff,
+        "packed_rows_max_abs_diff": packed_diff,
         "names_differ": sorted(set(exported) ^ set(on_disk)),
         "not_equal": sorted(k for k in on_disk if k in exported and not torch.equal(exported[k], on_disk[k])),
         "without_grad": without_grad,
@@ -110,7 +112,7 @@ def _parity(hf_dir: str, tp: int) -> dict:
 def test_logits_equal_hf_export_is_exact_and_backward_reaches_every_parameter(run_on_ranks, hf_dirs, family, tp):
     for rank, result in enumerate(run_on_ranks(_parity, hf_dirs[family], tp)):
         assert result["logits_max_abs_diff"] <= 1e-4, (rank, result)
-        assert result["padded_rows_max_abs_diff"] <= 1e-4, (rank, result)
+        assert result["packed_rows_max_abs_diff"] <= 1e-4, (rank, result)
         assert result["names_differ"] == [] and result["not_equal"] == [], (rank, result)
         assert result["without_grad"] == [], (rank, result)
 

@@ -31,7 +31,7 @@ def ranks():
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
-    families = ("qwen2", "qwen3", "qwen3_moe")
+    families = ("qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next")
     dirs = {family: str(build_tiny_model(tmp_path_factory.mktemp(family), family)) for family in families}
     # Small Qwen3 checkpoints (0.6B to 4B) tie lm_head to the embedding.
     dirs["qwen3_tied"] = str(build_tiny_model(tmp_path_factory.mktemp("qwen3_tied"), "qwen3", tie_word_embeddings=True))
@@ -168,7 +168,7 @@ def _my_samples(actor):
 
 def _actor(
     hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False,
-    memory_saver_stand_in: bool = False, **settings,
+    memory_saver_stand_in: bool = False, lr: float = 1e-3, **settings,
 ):
     """memory_saver_stand_in: sleep through the memory saver route, with the CPU record's do-nothing saver."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -189,7 +189,7 @@ def _actor(
         perform_initialization=False,
     )
     optimizer = OptimizerConfig(
-        optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
+        optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
     )
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     loss = LossSettings(kl_coef=0.05, entropy_coef=0.01)
@@ -241,6 +241,56 @@ def test_actor_logprobs_and_entropy_equal_hf(ranks, hf_dirs, model, settings):
     for result in ranks.run(_logprobs_vs_hf, hf_dirs[model], settings):
         assert result["logprobs"] <= 1e-5 and result["entropy"] <= 1e-5, result
         assert result["samples"] > 0
+
+
+def _packed_vs_one_sample_per_micro_batch(hf_dir: str) -> dict:
+    """Max |packed - unpacked| of the response logprobs and entropies: every sample in one packed micro-batch (one
+    THD row) against one sample per micro-batch."""
+    actor = _actor(hf_dir, micro_batch_size=1)
+    batch = _my_samples(actor)
+    alone, alone_entropy = actor.compute_logprobs(batch, with_entropy=True)
+    actor.settings.max_tokens_per_micro_batch = sum(batch.token_counts())
+    assert len(actor._micro_batches(batch, forward_only=True)) == 1
+    packed, packed_entropy = actor.compute_logprobs(batch, with_entropy=True)
+    return {
+        "logprobs": max((a - b).abs().max().item() for a, b in zip(alone, packed)),
+        "entropy": max((a - b).abs().max().item() for a, b in zip(alone_entropy, packed_entropy)),
+    }
+
+
+@pytest.mark.parametrize("model", ["qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_packed_rows_give_the_logprobs_of_one_sample_per_micro_batch(ranks, hf_dirs, model):
+    for result in ranks.run(_packed_vs_one_sample_per_micro_batch, hf_dirs[model]):
+        assert result["logprobs"] <= 1e-5 and result["entropy"] <= 1e-5, result
+
+
+def _one_step_with_and_without_old_policy_pass(hf_dir: str) -> dict:
+    """A rollout trained in one optimizer step, its old-policy logprobs from their own forward pass against none
+    (train_step takes its own, detached, as TrainWorker.train does then): the gradients and metrics of both. lr=0
+    keeps the weights, so both steps start from the same ones."""
+    actor = _actor(hf_dir, lr=0.0, micro_batch_size=1, max_tokens_per_micro_batch=24)
+    batch = _my_samples(actor)
+    batch.ref_logprobs = actor.compute_logprobs(batch, reference=True)  # the KL term still needs its own pass
+    results = []
+    for old_logprobs in (actor.compute_logprobs(batch), None):
+        batch.old_logprobs = old_logprobs
+        metrics = actor.train_step(batch)
+        grads = [p.main_grad.detach().clone() for p in actor.model.parameters()]
+        results.append((metrics, grads))
+    (with_pass, grads_with), (without, grads_without) = results
+    return {
+        "metrics": (with_pass, without),
+        "grad_difference": max((a - b).abs().max().item() for a, b in zip(grads_with, grads_without)),
+        "grad_size": max(g.abs().max().item() for g in grads_with),
+    }
+
+
+def test_skipping_the_old_policy_pass_of_a_one_step_rollout_changes_nothing(ranks, hf_dirs):
+    for result in ranks.run(_one_step_with_and_without_old_policy_pass, hf_dirs["qwen3"]):
+        with_pass, without = result["metrics"]
+        assert result["grad_size"] > 0 and result["grad_difference"] <= 1e-7, result
+        for key in ("loss", "pg_loss", "clip_fraction", "ppo_kl", "grad_norm"):
+            assert without[key] == pytest.approx(with_pass[key], abs=1e-7), key
 
 
 def _training_state(actor) -> list[torch.Tensor]:

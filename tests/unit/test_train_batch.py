@@ -1,9 +1,12 @@
-"""relax.train.batch: cutting rollout samples into padded or packed micro-batches."""
+"""relax.train.batch: spreading a rollout over data-parallel ranks by tokens, and packing each rank's samples into
+THD micro-batches (one row, sequence boundaries in cu_seqlens, no mask)."""
 
 import pytest
 import torch
 
-from relax.train.batch import RolloutBatch, make_micro_batches
+from relax.train.batch import (
+    RolloutBatch, balanced_shares, make_micro_batches, plan_micro_batches, split_over_data_parallel, token_imbalance,
+)
 
 
 def _batch():
@@ -11,40 +14,77 @@ def _batch():
     return RolloutBatch([[1, 2, 3, 4, 5], [6, 7, 8, 9], [10, 11, 12]], [2, 1, 2])
 
 
-def test_padded_rows_without_budget():
-    first, second = make_micro_batches(_batch(), micro_batch_size=2, pad_token_id=0)
-    assert first.tokens.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
-    assert first.sample_indices == [0, 1] and second.sample_indices == [2]
-    # the logit at position p predicts token p + 1: sample 0's response (4, 5) is read at positions 2, 3
-    assert first.spans == [(0, 2, 2), (1, 2, 1)]
-    positions = torch.arange(10).view(2, 5)
-    assert [v.tolist() for v in first.response_values(positions)] == [[2, 3], [7]]
-    # one sequence per row, padding after it: the attention's own causal mask is exact, so no mask is built
-    assert first.attention_mask is None and second.attention_mask is None
-
-
-def test_packing_by_token_budget_resets_positions_and_blocks_attention():
-    first, second = make_micro_batches(_batch(), micro_batch_size=1, max_tokens=9)
+def test_samples_pack_into_one_row_with_their_boundaries():
+    first, second = make_micro_batches(_batch(), micro_batch_size=2)
     assert first.tokens.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]] and first.sample_indices == [0, 1]
-    assert first.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]
-    assert first.spans == [(0, 2, 2), (0, 7, 1)]
-    mask = first.attention_mask[0, 0]
-    assert mask[5, 4] and not mask[5, 5] and not mask[8, 5]  # sample 1 cannot see sample 0
-    assert not mask[2, 2] and mask[2, 3]  # causal within a sequence
-    assert second.tokens.tolist() == [[10, 11, 12]] and second.attention_mask is None  # one sequence in its row
+    assert first.cu_seqlens.tolist() == [0, 5, 9] and first.cu_seqlens.dtype == torch.int32
+    assert first.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3]]  # positions restart at each sequence
+    assert first.max_seqlen == 5
+    # the logit at position p predicts token p + 1: sample 0's response (4, 5) is read at positions 2, 3
+    assert first.spans == [(2, 2), (7, 1)]
+    positions = torch.arange(9).view(1, 9)
+    assert [v.tolist() for v in first.response_values(positions)] == [[2, 3], [7]]
+    assert second.tokens.tolist() == [[10, 11, 12]] and second.cu_seqlens.tolist() == [0, 3]
+    params = first.packed_seq_params()
+    assert params.qkv_format == "thd" and params.cu_seqlens_kv is first.cu_seqlens and params.max_seqlen_kv == 5
+
+
+def test_token_budget_packs_longest_first_into_fewest_micro_batches():
+    # 7, 2, 6, 3 tokens under a budget of 9: in rollout order 7 | 2+6 | 3 would take three; longest first two
+    counts = [7, 2, 6, 3]
+    assert plan_micro_batches(counts, micro_batch_size=1, max_tokens=9) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="7 tokens, more than the 6 tokens.*--max-tokens-per-device"):
+        plan_micro_batches(counts, micro_batch_size=1, max_tokens=6)
+
+
+def test_padding_is_a_sequence_of_its_own_at_the_end():
+    (packed,) = make_micro_batches(_batch(), micro_batch_size=3, multiple=8)
+    assert packed.num_tokens == 16
+    assert packed.cu_seqlens.tolist() == [0, 5, 9, 12, 16] and packed.tokens[0, 12:].tolist() == [0] * 4
+    assert packed.position_ids[0, 12:].tolist() == [0, 1, 2, 3] and packed.sample_indices == [0, 1, 2]
 
 
 def test_uniform_shape_pads_every_micro_batch_alike_and_adds_empty_ones():
-    micro_batches = make_micro_batches(_batch(), micro_batch_size=2, uniform_shape=(3, 2, 6))
-    assert [tuple(mb.tokens.shape) for mb in micro_batches] == [(2, 6)] * 3
+    micro_batches = make_micro_batches(_batch(), micro_batch_size=2, uniform_shape=(3, 10))
+    assert [tuple(mb.tokens.shape) for mb in micro_batches] == [(1, 10)] * 3
     assert [mb.sample_indices for mb in micro_batches] == [[0, 1], [2], []]
+    assert micro_batches[2].cu_seqlens.tolist() == [0, 10]  # all padding: one sequence, read by nobody
     with pytest.raises(ValueError, match="smaller"):
-        make_micro_batches(_batch(), micro_batch_size=2, uniform_shape=(1, 2, 6))
+        make_micro_batches(_batch(), micro_batch_size=2, uniform_shape=(1, 10))
+
+
+def test_ranks_get_equal_tokens_not_equal_sample_counts():
+    counts = [100, 10, 90, 10, 10, 10, 10, 10, 10, 10, 10, 10]
+    shares = balanced_shares(counts, 2)
+    totals = [sum(counts[i] for i in share) for share in shares]
+    assert totals == [150, 140] and sorted(sum(shares, [])) == list(range(12))
+    assert token_imbalance(counts, shares) == pytest.approx(150 / 145)
+    # striding by sample count, as a sample-count split would, puts both long samples on one rank
+    assert token_imbalance(counts, [list(range(0, 12, 2)), list(range(1, 12, 2))]) == pytest.approx(230 / 145)
+    with pytest.raises(ValueError, match="3 samples cannot give each of 4"):
+        balanced_shares([1, 2, 3], 4)
+
+
+def test_each_optimizer_step_is_balanced_on_its_own():
+    counts = [8, 1, 1, 1, 5, 5, 1, 1]
+    shares, worst = split_over_data_parallel(counts, global_batch_size=4, num_ranks=2)
+    assert [s.step_sizes for s in shares] == [[1, 2], [3, 2]]
+    assert [s.indices for s in shares] == [[0, 4, 6], [1, 2, 3, 5, 7]]
+    for step in (range(0, 4), range(4, 8)):  # no sample crosses into another optimizer step
+        assert sorted(i for s in shares for i in s.indices if i in step) == list(step)
+    assert worst == pytest.approx(8 / 5.5)
+    with pytest.raises(ValueError, match="not a multiple of the global batch size 3"):
+        split_over_data_parallel(counts, global_batch_size=3, num_ranks=2)
+
+
+def test_select_keeps_per_token_fields():
+    batch = RolloutBatch([[1, 2, 3], [4, 5]], [2, 1], advantages=[[0.5, 0.25], [1.0]])
+    picked = batch.select([1])
+    assert picked.tokens[0].tolist() == [4, 5] and picked.advantages[0].tolist() == [1.0]
+    assert picked.old_logprobs is None
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=4"):
-        make_micro_batches(_batch(), micro_batch_size=1, max_tokens=4)
     with pytest.raises(ValueError, match="sample 0"):
         RolloutBatch([[1, 2]], [2])
     with pytest.raises(ValueError, match=r"advantages\[0\]"):

@@ -26,6 +26,7 @@ import torch
 
 from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from relax.train.model.checkpoint_layout import checkpoint_layout, describe_frozen, is_frozen, per_expert_views
+from relax.train.model.core_attention import with_core_attention
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
 FAMILIES = {
@@ -88,13 +89,21 @@ def transformer_config(hf: dict, base=None, **overrides):
     return dataclasses.replace(base, **fields)
 
 
-def build_gpt_model(hf: dict, config, pre_process: bool | None = None, post_process: bool | None = None):
+def build_gpt_model(
+    hf: dict,
+    config,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    attention_kernel: str = "sdpa",
+):
     """A GPTModel with megatron-core's local layer spec for this HF config, for this process's pipeline
     stage (first/last stage from parallel_state unless given). parallel_output=True: logits stay
-    vocab-sharded across TP ranks."""
+    vocab-sharded across TP ranks. Softmax attention computes with relax's CoreAttention and `attention_kernel`
+    (the platform's, relax.platform.attention); the model takes packed rows (PackedSeqParams) and no mask."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     hf = checkpoint_layout(hf).text_config
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -112,6 +121,12 @@ def build_gpt_model(hf: dict, config, pre_process: bool | None = None, post_proc
         spec = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
         )
+    if isinstance(spec, TransformerBlockSubmodules):
+        spec = dataclasses.replace(
+            spec, layer_specs=[with_core_attention(layer, attention_kernel) for layer in spec.layer_specs]
+        )
+    else:
+        spec = with_core_attention(spec, attention_kernel)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -5,9 +5,9 @@ megatron-core's own builder for these models (models/gpt/experimental_attention_
 get_transformer_block_with_experimental_attention_variant_spec) asserts transformer_impl ==
 "transformer_engine". This module builds the same per-layer structure from the local modules of
 get_gpt_layer_local_spec: a GDN layer is a TransformerLayer whose self_attention is megatron's own
-GatedDeltaNet (in_proj ColumnParallelLinear, out_proj RowParallelLinear; a subclass only refuses attention masks
-that pack several sequences in a row, which GatedDeltaNet would silently ignore), a full-attention layer is the local
-SelfAttention (with config.attention_output_gate), and the MLP is the local dense MLP or MoE layer.
+GatedDeltaNet (in_proj ColumnParallelLinear, out_proj RowParallelLinear) with a forward of relax's that takes packed
+rows, a full-attention layer is the local SelfAttention (with config.attention_output_gate) computing with relax's
+core attention (core_attention.py), and the MLP is the local dense MLP or MoE layer.
 
 Norms: Qwen3.5's RMSNorms scale by (1 + weight) (HF Qwen3_5RMSNorm, config.layernorm_zero_centered_gamma=True),
 which megatron's torch norm refuses; its GDN output norm scales by weight (Qwen3_5RMSNormGated). `RMSNorm`
@@ -73,45 +73,102 @@ def _sum_over_tensor_parallel_ranks(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def refuse_packed_rows(attention_mask: torch.Tensor) -> None:
-    """Raise unless every row of `attention_mask` ([b, 1, s, s], True = masked) holds one causal sequence and
-    padding: each position sees either all positions up to itself or only itself (padding, and a sequence's first
-    token). A row packing several sequences (a block-diagonal mask) has positions that see a later start."""
-    allowed = ~attention_mask[:, 0]
-    seq = allowed.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=allowed.device).tril()
-    itself = torch.eye(seq, dtype=torch.bool, device=allowed.device)
-    if not ((allowed == causal).all(-1) | (allowed == itself).all(-1)).all():
-        raise ValueError(
-            "megatron-core 0.16.1's GatedDeltaNet ignores attention_mask, so a row packing several sequences would "
-            "carry the recurrent state from one sequence into the next: give hybrid GDN models (qwen3_5, "
-            "qwen3_next) one padded sequence per row (no token-budget packing)"
-        )
+def sequence_boundaries(packed_seq_params, rows: int, length: int, device) -> torch.Tensor:
+    """cu_seqlens (int32 [n+1]) of the sequences in `rows` x `length` tokens laid out row after row: the packed
+    rows' own boundaries, else one sequence per row."""
+    if packed_seq_params is None:
+        return torch.arange(0, (rows + 1) * length, length, dtype=torch.int32, device=device)
+    if packed_seq_params.qkv_format != "thd" or rows != 1:
+        raise ValueError(f"packed rows must be one thd row, got {packed_seq_params.qkv_format!r} over {rows} rows")
+    return packed_seq_params.cu_seqlens_q
+
+
+def positions_in_sequence(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Each token's index inside its own sequence, for `total` tokens split at cu_seqlens."""
+    tokens = torch.arange(total, device=cu_seqlens.device)
+    sequence = torch.searchsorted(cu_seqlens[1:].to(torch.long), tokens, right=True)
+    return tokens - cu_seqlens.to(torch.long)[sequence]
+
+
+def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, positions: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv over tokens [t, d] of packed sequences: tap j of token i reads token i - j only inside
+    i's own sequence (positions: each token's index in its sequence), as if every sequence were convolved alone.
+    weight [d, w] (tap w-1 multiplies the current token, as nn.Conv1d with padding w-1 orders them); float32."""
+    width = weight.shape[-1]
+    x32, weight32 = x.float(), weight.float()
+    out = x32 * weight32[:, width - 1]
+    for shift in range(1, width):
+        earlier = torch.nn.functional.pad(x32, (0, 0, shift, 0))[: x.shape[0]]
+        out = out + earlier * weight32[:, width - 1 - shift] * (positions >= shift).unsqueeze(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out
 
 
 @functools.cache
-def _one_sequence_per_row_gated_delta_net():
+def _packed_gated_delta_net():
+    from megatron.core.ssm import gated_delta_net
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-    class OneSequencePerRowGatedDeltaNet(GatedDeltaNet):
-        """megatron's GatedDeltaNet, refusing masks it would silently ignore (refuse_packed_rows)."""
+    class PackedGatedDeltaNet(GatedDeltaNet):
+        """megatron's GatedDeltaNet (its parameters, projections and output norm) with a forward that takes packed
+        rows: the causal conv and the recurrent state restart at every sequence boundary (megatron-core 0.16.1's
+        own forward refuses PackedSeqParams and ignores masks). Without packed rows each row is one sequence."""
 
-        def forward(self, hidden_states, attention_mask, *args, **kwargs):
+        def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
+                    attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
+                    inference_params=None, **kwargs):
+            if inference_context is not None or inference_params is not None:
+                raise NotImplementedError("relax's GatedDeltaNet trains only: no inference context")
             if attention_mask is not None:
-                refuse_packed_rows(attention_mask)
-            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+                raise ValueError("GatedDeltaNet takes packed rows (PackedSeqParams), not an attention mask")
+            qkvzba, _ = self.in_proj(hidden_states)  # [s, b, d]; sequence parallelism gathers s here
+            length, rows = qkvzba.shape[:2]
+            total = length * rows
+            cu_seqlens = sequence_boundaries(packed_seq_params, rows, length, qkvzba.device)
+            qkvzba = qkvzba.transpose(0, 1).reshape(total, -1)  # rows one after another
+            tp = self.tp_size
+            qkv, gate, beta, alpha = torch.split(
+                qkvzba,
+                [(2 * self.qk_dim + self.v_dim) // tp, self.v_dim // tp, self.num_value_heads // tp,
+                 self.num_value_heads // tp],
+                dim=-1,
+            )
+            conv = packed_causal_conv1d(
+                qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, positions_in_sequence(cu_seqlens, total)
+            )
+            qkv = self.act_fn(conv).to(qkv.dtype)
+            query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
+            query = query.reshape(1, total, -1, self.key_head_dim)
+            key = key.reshape(1, total, -1, self.key_head_dim)
+            value = value.reshape(1, total, -1, self.value_head_dim)
+            if self.use_qk_l2norm:
+                query, key = gated_delta_net.l2norm(query.contiguous()), gated_delta_net.l2norm(key.contiguous())
+            group = self.num_value_heads // self.num_key_heads
+            if group > 1:
+                query, key = query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2)
+            g = -self.A_log.exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias)  # float32
+            # The kernel the platform bound into megatron's module (fla's on GPU/NPU, relax's reference on CPU).
+            core_out, _ = gated_delta_net.chunk_gated_delta_rule(
+                query.contiguous(), key.contiguous(), value.contiguous(),
+                g=g.unsqueeze(0), beta=beta.sigmoid().unsqueeze(0),
+                initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens,
+            )
+            normed = self._apply_gated_norm(core_out, gate.reshape(total, -1, self.value_head_dim))
+            normed = normed.reshape(rows, length, -1).transpose(0, 1).contiguous()
+            return self.out_proj(normed)
 
-    return OneSequencePerRowGatedDeltaNet
+    return PackedGatedDeltaNet
 
 
 def gated_delta_net_spec():
-    """megatron's GatedDeltaNet (checking its mask) with local linear layers and a plain-weight output norm."""
+    """megatron's GatedDeltaNet (its packed-rows forward) with local linear layers and a plain-weight output norm."""
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     return ModuleSpec(
-        module=_one_sequence_per_row_gated_delta_net(),
+        module=_packed_gated_delta_net(),
         submodules=GatedDeltaNetSubmodules(
             in_proj=ColumnParallelLinear,
             out_norm=ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False, "tp_local_heads": True}),
