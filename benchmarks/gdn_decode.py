@@ -142,7 +142,7 @@ def check_against_fla(batch, tiling):
 
 
 def fla_recurrent_step(inputs):
-    """fla's recurrent kernel alone, on contiguous q/k/v (FACTS.md's 61% figure was this kernel)."""
+    """fla's recurrent kernel alone, on contiguous q/k/v (61% of the roofline at batch 256: docs/upstream-facts.md)."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
     return fused_recurrent_gated_delta_rule(

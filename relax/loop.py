@@ -1,6 +1,6 @@
 """The colocated RL loop. `run` reads top to bottom: set up, then one colocated step per iteration.
 
-One step (DESIGN.md): generate and score; release the engines' memory; wake the actor; old-policy (and
+One step: generate and score; release the engines' memory; wake the actor; old-policy (and
 reference) logprobs and advantages; train; push the new weights to the engines and put the actor to
 sleep; resume the engines. The phases are plain functions below `run`.
 

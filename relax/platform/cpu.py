@@ -99,7 +99,7 @@ def _prepare_sglang() -> None:
     prepare_sglang()
 
 
-# ServerArgs overrides that make SGLang 0.5.23's engine run on a CPU (FACTS.md, "SGLang 0.5.23 on CPU").
+# ServerArgs overrides that make SGLang 0.5.23's engine run on a CPU (docs/upstream-facts.md).
 SGLANG_SERVER_DEFAULTS = {
     "device": "cpu",
     "attention_backend": "torch_native",  # the only attention backend with a CPU path without sgl-kernel

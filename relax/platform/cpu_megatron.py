@@ -1,6 +1,6 @@
 """megatron-core 0.16.1 on the CPU: its CUDA calls redirected, as narrowly as possible.
 
-megatron-core assumes CUDA in three ways (FACTS.md, "megatron-core 0.16.1 on CPU"); each is redirected
+megatron-core assumes CUDA in three ways (docs/upstream-facts.md, "megatron-core 0.16.1 on the CPU"); each is redirected
 only for megatron-core's own code:
 
 1. `torch.cuda.*` calls and `device="cuda"` literals inside megatron.core modules, e.g.

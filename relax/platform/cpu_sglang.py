@@ -20,7 +20,7 @@ spawns (they inherit the environment, so everything here goes through os.environ
 3. SGLANG_MAMBA_CONV_DTYPE=float32 (unless set): SGLang 0.5.23 keeps the GDN / mamba conv state of hybrid models
    (Qwen3.5, Qwen3-Next) in bfloat16 by default whatever --dtype says (configs/mamba_utils.py); on the CPU, the
    debug platform, relax wants float32 engines to agree with HF: measured logprob gaps 1.2e-4 with the bf16
-   conv state, 4.8e-7 with float32 (tiny Qwen3.5, FACTS.md).
+   conv state, 4.8e-7 with float32 (tiny Qwen3.5, docs/upstream-facts.md).
 
 Engine flags that make the engine run on a CPU live in relax.platform.cpu.SGLANG_SERVER_DEFAULTS.
 """

@@ -58,7 +58,7 @@ def _train(tensor_parallel: int = 1, pipeline_parallel: int = 1, distributed_opt
     )
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    # Without this the schedule never reduces DP gradients (FACTS.md, "Traps seen").
+    # Without this the schedule never reduces DP gradients (docs/upstream-facts.md, "megatron-core 0.16.1 on the CPU").
     config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer),
