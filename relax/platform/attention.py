@@ -46,14 +46,34 @@ def _half_precision(q) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16)
 
 
+@functools.cache
+def _varlen_parameters() -> frozenset:
+    """The keywords this torch's varlen_attn takes: they changed between releases (torch 2.11's has is_causal and
+    no enable_gqa; 2.13's a window_size, a scale and enable_gqa)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _flash_packed(q, k, v, cu_seqlens, max_seqlen, scale):
     if not _half_precision(q):  # flash kernels take fp16 / bf16 only
         return _sdpa_packed(q, k, v, cu_seqlens, max_seqlen, scale)
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(
-        q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, window_size=(-1, 0), enable_gqa=True
-    )
+    takes = _varlen_parameters()
+    options = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}
+    if "scale" in takes:
+        options["scale"] = scale
+    elif abs(scale - q.shape[-1] ** -0.5) > 1e-12 * scale:
+        raise ValueError(f"this torch's varlen_attn has no scale argument; softmax scale {scale} needs torch >= 2.13")
+    if "enable_gqa" in takes:
+        options["enable_gqa"] = True
+    elif k.shape[1] != q.shape[1]:  # fewer key/value heads: repeated to the query heads
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
 
 
 # npu_fusion_attention's causal mode (sparse_mode=3) reads a fixed 2048 x 2048 upper-triangular mask

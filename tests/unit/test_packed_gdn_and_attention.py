@@ -99,3 +99,33 @@ def test_npu_kernel_passes_tnd_layout_and_causal_mode(monkeypatch):
 def test_unknown_kernel_is_named():
     with pytest.raises(ValueError, match="unknown attention kernel 'flash'"):
         attention.check_kernel("flash")
+
+
+@pytest.mark.parametrize("newer", [False, True])
+def test_flash_kernel_speaks_each_torch_releases_varlen_keywords(monkeypatch, newer):
+    """torch's varlen_attn is CUDA-only; a test double with the keywords of torch 2.11 (is_causal, no scale, no
+    enable_gqa) or of 2.13 (window_size, scale, enable_gqa) checks what the kernel hands it (bf16, grouped heads)."""
+    from torch.nn.attention import varlen
+
+    calls = []
+    if newer:
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+            calls.append(dict(k_heads=k.shape[1], scale=scale, window_size=window_size, enable_gqa=enable_gqa))
+            return q
+    else:
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+            calls.append(dict(k_heads=k.shape[1], is_causal=is_causal))
+            return q
+    monkeypatch.setattr(varlen, "varlen_attn", varlen_attn)
+    attention._varlen_parameters.cache_clear()
+    try:
+        q, k, v = (t.bfloat16() for t in _qkv(sum(LENGTHS), torch.Generator().manual_seed(4)))
+        attention.packed("flash_varlen", q, k, v, _cu_seqlens(LENGTHS), max(LENGTHS), scale=8**-0.5)
+        if newer:
+            assert calls == [dict(k_heads=2, scale=8**-0.5, window_size=(-1, 0), enable_gqa=True)]
+        else:
+            assert calls == [dict(k_heads=4, is_causal=True)]  # key/value heads repeated to the 4 query heads
+            with pytest.raises(ValueError, match="no scale argument"):
+                attention.packed("flash_varlen", q, k, v, _cu_seqlens(LENGTHS), max(LENGTHS), scale=0.3)
+    finally:
+        attention._varlen_parameters.cache_clear()
