@@ -21,7 +21,7 @@ from functools import partial
 
 import torch
 
-from relax.platform import platform_facts
+from relax.platform import get_platform, platform_facts
 
 PROJECTIONS = ("linear_fc1", "linear_fc2")
 
@@ -60,7 +60,7 @@ class GroupedExperts(torch.nn.Module):
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
         ffn = divide(config.moe_ffn_hidden_size, self.tp_group.size())
         fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
-        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        device = "cpu" if config.use_cpu_initialization else get_platform().current_device()
         shapes = {"linear_fc1": (fc1_rows, config.hidden_size), "linear_fc2": (config.hidden_size, ffn)}
         init_methods = {"linear_fc1": config.init_method, "linear_fc2": config.output_layer_init_method}
         for name in PROJECTIONS:
