@@ -45,7 +45,9 @@ def init_distributed(device: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.distributed.init_process_group(platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.distributed.init_process_group(
+        platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -634,7 +634,9 @@ def _checkpoint_crosses_expert_modules(hf_dir: str, checkpoint_dir: str, tp: int
 
 
 @pytest.mark.parametrize("tp, ep, save_grouped", [(1, 1, True), (2, 1, False), (1, 2, True), (1, 2, False)])
-def test_megatron_checkpoints_load_across_grouped_and_sequential_experts(ranks, hf_dirs, tmp_path, tp, ep, save_grouped):
+def test_megatron_checkpoints_load_across_grouped_and_sequential_experts(
+    ranks, hf_dirs, tmp_path, tp, ep, save_grouped
+):
     results = ranks.run(_checkpoint_crosses_expert_modules, hf_dirs["qwen3_moe"], str(tmp_path), tp, ep, save_grouped)
     for saved, loaded in results:
         assert sorted(saved) == sorted(loaded)

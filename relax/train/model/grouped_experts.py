@@ -24,6 +24,9 @@ import torch
 from relax.platform import get_platform, platform_facts
 
 PROJECTIONS = ("linear_fc1", "linear_fc2")
+# The dimension of each [experts, out, in] weight that expert TP cuts, as in SequentialMLP's MLPs: fc1's output rows
+# (each rank [its gate rows; its up rows]), fc2's input columns.
+TP_AXIS = {"linear_fc1": 1, "linear_fc2": 2}
 
 
 class ExpertWeights(torch.nn.Module):
@@ -35,9 +38,10 @@ class ExpertWeights(torch.nn.Module):
 
 
 class GroupedExperts(torch.nn.Module):
-    """Drop-in for megatron-core's SequentialMLP in a MoE layer spec: same constructor and forward signature."""
+    """Drop-in for megatron-core's SequentialMLP in a MoE layer spec (same forward signature)."""
 
-    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
+    def __init__(self, num_local_experts: int, config, pg_collection):
+        from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
         from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu
         from megatron.core.tensor_parallel.utils import divide
 
@@ -51,9 +55,10 @@ class GroupedExperts(torch.nn.Module):
             "moe_latent_size": config.moe_latent_size,
         }
         if any(unsupported.values()):
+            settings = sorted(name for name, value in unsupported.items() if value)
             raise ValueError(
-                f"relax's grouped experts (--moe-grouped-gemm) do not support {sorted(k for k, v in unsupported.items() if v)}: "
-                "drop --moe-grouped-gemm (experts then run one by one) or those settings"
+                f"relax's grouped experts (--moe-grouped-gemm) do not support {settings}: drop --moe-grouped-gemm "
+                "(experts then run one by one) or those settings"
             )
         self.config = config
         self.num_local_experts = num_local_experts
@@ -67,14 +72,10 @@ class GroupedExperts(torch.nn.Module):
             weight = torch.nn.Parameter(
                 torch.empty(num_local_experts, *shapes[name], dtype=config.params_dtype, device=device)
             )
-            # Expert TP cuts each expert's output rows of fc1 and input columns of fc2, as in SequentialMLP's MLPs.
-            partition_dim = 1 if name == "linear_fc1" else 2
             if config.perform_initialization:
-                _initialize_affine_weight_gpu(weight, init_methods[name], partition_dim=partition_dim, is_expert=True)
+                _initialize_affine_weight_gpu(weight, init_methods[name], partition_dim=TP_AXIS[name], is_expert=True)
             else:
-                from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
-
-                set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=1)
+                set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=TP_AXIS[name], stride=1)
             # Megatron's DDP reduces parameters marked allreduce=False over the expert-data-parallel group.
             weight.allreduce = config.expert_model_parallel_size == 1
             setattr(self, name, ExpertWeights(weight))
@@ -113,7 +114,7 @@ class GroupedExperts(torch.nn.Module):
             entries[f"{prefix}{name}.weight"] = ShardedTensorFactory(
                 f"{prefix}experts.{name}.weight",
                 getattr(self, name).weight,
-                partial(self._build_shards, sharded_offsets=sharded_offsets, gated=gated, tp_axis=1 if name == "linear_fc1" else 2),
+                partial(self._build_shards, sharded_offsets=sharded_offsets, gated=gated, tp_axis=TP_AXIS[name]),
                 partial(_merge_shards, gated=gated),
                 replica_id,
             )
@@ -145,10 +146,10 @@ class GroupedExperts(torch.nn.Module):
             )
         return [
             ShardedTensor.from_rank_offsets(
-                key, half.contiguous(), *sharded_offsets, ep, (prepended + 1, half_index * tp_size + tp_rank, 2 * tp_size),
+                key, half.contiguous(), *sharded_offsets, ep, (prepended + 1, index * tp_size + tp_rank, 2 * tp_size),
                 replica_id=replica_id, prepend_axis_num=prepended,
             )
-            for half_index, half in enumerate(weight.chunk(2, dim=1))
+            for index, half in enumerate(weight.chunk(2, dim=1))
         ]
 
 
@@ -177,5 +178,7 @@ def with_grouped_experts(spec):
     mlp = spec.submodules.mlp
     if not hasattr(mlp.submodules, "experts"):
         return spec
-    moe = dataclasses.replace(mlp.submodules, experts=ModuleSpec(module=GroupedExperts))
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=dataclasses.replace(mlp, submodules=moe)))
+    moe_mlp = dataclasses.replace(
+        mlp, submodules=dataclasses.replace(mlp.submodules, experts=ModuleSpec(module=GroupedExperts))
+    )
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=moe_mlp))
