@@ -180,11 +180,16 @@ def checkpoint_flags_consistent(config, platform):
         return "--save-interval needs --save"
 
 
-def experts_are_separate_mlps(config, platform):
-    if config.megatron.transformer.moe_grouped_gemm:
+def grouped_experts_apply(config, platform):
+    tc = config.megatron.transformer
+    if not tc.moe_grouped_gemm:
+        return None
+    if not tc.num_moe_experts:
+        return "--moe-grouped-gemm applies to MoE models only (no --num-experts, nor num_experts in config.json)"
+    if tc.recompute_granularity == "selective" and "moe_act" in (tc.recompute_modules or []):
         return (
-            "--moe-grouped-gemm is not supported: relax's actor builds every expert as its own MLP (megatron-core's "
-            "local spec, SequentialMLP), which its HF weight mapping follows; remove it"
+            "--recompute-modules moe_act is not supported with --moe-grouped-gemm: relax's grouped experts keep "
+            "their activations; drop moe_act from --recompute-modules"
         )
 
 
@@ -213,7 +218,7 @@ RULES = [
     batching_flags_consistent,
     sampling_flags_consistent,
     checkpoint_flags_consistent,
-    experts_are_separate_mlps,
+    grouped_experts_apply,
     no_context_parallelism,
 ]
 

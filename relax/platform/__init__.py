@@ -74,6 +74,7 @@ class Platform:
     _prepare_megatron: Callable[[Mapping[str, Any]], None] = field(repr=False)
     _prepare_sglang: Callable[[], None] = field(repr=False)
     _triton_launch: Callable[[int], TritonLaunch] = field(repr=False)
+    _grouped_linear: Callable[..., Any] = field(repr=False)
 
     @property
     def device_type(self) -> str:
@@ -133,6 +134,12 @@ class Platform:
         launching, extra launch keywords such as num_warps, and the fused GDN decode kernel's tiling. Raises
         where Triton cannot compile (the CPU without TRITON_INTERPRET=1)."""
         return self._triton_launch(device_index)
+
+    def grouped_linear(self, inputs, weights, tokens_per_group):
+        """[tokens, in] rows in consecutive groups of tokens_per_group[g] rows, each group times weights[g]
+        ([groups, out, in]) transposed: [tokens, out], differentiable. This platform's grouped matrix product
+        (relax.platform.grouped_linear), which MoE experts run once per projection."""
+        return self._grouped_linear(inputs, weights, tokens_per_group)
 
     def device_count(self) -> int:
         return self.device_module.device_count()

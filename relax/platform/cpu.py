@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from relax.platform import Platform, TritonLaunch, frozen, refuse_feature_args
+from relax.platform import Platform, TritonLaunch, frozen, grouped_linear, refuse_feature_args
 
 
 class CpuDeviceModule:
@@ -163,4 +163,5 @@ PLATFORM = Platform(
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
     _triton_launch=_triton_launch,
+    _grouped_linear=grouped_linear.looped_grouped_linear,
 )

@@ -8,7 +8,9 @@ running on a GPU is exercised by tests/gpu only.
 import functools
 from typing import Optional
 
-from relax.platform import Platform, TritonLaunch, alloc_conf_has_expandable_segments, frozen, refuse_feature_args
+from relax.platform import (
+    Platform, TritonLaunch, alloc_conf_has_expandable_segments, frozen, grouped_linear, refuse_feature_args,
+)
 
 ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
@@ -116,4 +118,5 @@ PLATFORM = Platform(
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
     _triton_launch=_triton_launch,
+    _grouped_linear=grouped_linear.cuda_grouped_linear,
 )

@@ -19,7 +19,7 @@ Memory saver: torch_memory_saver as built by sgl-kernel-npu for Ascend (hook mod
 import sys
 from typing import Any, Mapping, Optional
 
-from relax.platform import Platform, TritonLaunch, alloc_conf_has_expandable_segments, frozen
+from relax.platform import Platform, TritonLaunch, alloc_conf_has_expandable_segments, frozen, grouped_linear
 
 ALLOC_CONF_ENV = "PYTORCH_NPU_ALLOC_CONF"
 MINDSPEED_ADAPTOR = "mindspeed.megatron_adaptor"
@@ -150,4 +150,5 @@ PLATFORM = Platform(
     _prepare_megatron=_prepare_megatron,
     _prepare_sglang=_prepare_sglang,
     _triton_launch=_triton_launch,
+    _grouped_linear=grouped_linear.npu_grouped_linear,
 )

@@ -38,7 +38,7 @@ def hf_dirs(tmp_path_factory):
     return dirs
 
 
-def _megatron_model(hf_dir: str, tp: int, ep: int = 1):
+def _megatron_model(hf_dir: str, tp: int, ep: int = 1, grouped_experts: bool = False):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -54,13 +54,14 @@ def _megatron_model(hf_dir: str, tp: int, ep: int = 1):
         sequence_parallel=tp > 1 and ep > 1,
         use_cpu_initialization=True,
         perform_initialization=False,
+        moe_grouped_gemm=grouped_experts,
     )
     model = build_gpt_model(hf, config)
     load_hf_weights(model, hf_dir)
     return model.eval(), hf
 
 
-def _parity(hf_dir: str, tp: int, ep: int) -> dict:
+def _parity(hf_dir: str, tp: int, ep: int, grouped_experts: bool = False) -> dict:
     """Max |logits - HF logits| and whether the exported weights equal the checkpoint's, on this rank."""
     import transformers
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -68,7 +69,7 @@ def _parity(hf_dir: str, tp: int, ep: int) -> dict:
 
     from relax.train.model import export_hf_weights
 
-    model, hf = _megatron_model(hf_dir, tp, ep)
+    model, hf = _megatron_model(hf_dir, tp, ep, grouped_experts)
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, hf["vocab_size"], (2, 13), generator=generator)
     position_ids = torch.arange(13).expand(2, -1)
@@ -86,19 +87,23 @@ def _parity(hf_dir: str, tp: int, ep: int) -> dict:
 
 
 @pytest.mark.parametrize(
-    "family, tp, ep",
+    "family, tp, ep, grouped_experts",
     [
-        ("qwen3", 1, 1),
-        ("qwen3", 2, 1),
-        ("qwen3_moe", 1, 1),
-        ("qwen3_moe", 2, 1),
-        ("qwen3_moe", 1, 2),
-        ("qwen2", 2, 1),
-        ("qwen3_tied", 2, 1),
+        ("qwen3", 1, 1, False),
+        ("qwen3", 2, 1, False),
+        ("qwen3_moe", 1, 1, False),
+        ("qwen3_moe", 2, 1, False),
+        ("qwen3_moe", 1, 2, False),
+        # --moe-grouped-gemm: whole experts, expert TP 2 (with the dense TP), and experts over EP 2
+        ("qwen3_moe", 1, 1, True),
+        ("qwen3_moe", 2, 1, True),
+        ("qwen3_moe", 1, 2, True),
+        ("qwen2", 2, 1, False),
+        ("qwen3_tied", 2, 1, False),
     ],
 )
-def test_logits_equal_hf_and_export_is_exact(ranks, hf_dirs, family, tp, ep):
-    for rank, result in enumerate(ranks.run(_parity, hf_dirs[family], tp, ep)):
+def test_logits_equal_hf_and_export_is_exact(ranks, hf_dirs, family, tp, ep, grouped_experts):
+    for rank, result in enumerate(ranks.run(_parity, hf_dirs[family], tp, ep, grouped_experts)):
         assert result["logits_max_abs_diff"] <= 1e-4, (rank, result)
         assert result["same_names"] and result["exact"], (rank, result)
 
@@ -168,7 +173,7 @@ def _my_samples(actor):
 
 def _actor(
     hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False,
-    memory_saver_stand_in: bool = False, lr: float = 1e-3, **settings,
+    memory_saver_stand_in: bool = False, grouped_experts: bool = False, lr: float = 1e-3, **settings,
 ):
     """memory_saver_stand_in: sleep through the memory saver route, with the CPU record's do-nothing saver."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -187,6 +192,7 @@ def _actor(
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         perform_initialization=False,
+        moe_grouped_gemm=grouped_experts,
     )
     optimizer = OptimizerConfig(
         optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
@@ -573,6 +579,118 @@ def test_moe_actor_logprobs_equal_hf_and_expert_parallel_trains_like_dp2(ranks, 
     _assert_same_training(ep2, dp2)
     losses = [m["loss"] for m in ep2[0]["metrics"]]
     assert losses[1] < losses[0], losses
+    # --moe-grouped-gemm: the same training, grouped experts split over the two ranks (zero tokens for some)
+    grouped_ep2 = ranks.run(
+        _train, hf_dirs["qwen3_moe"], dict(max_tokens_per_micro_batch=14, ep=2, grouped_experts=True), 2
+    )
+    _assert_same_training(grouped_ep2, dp2)
+
+
+def _expert_modules(tp: int, ep: int):
+    """SequentialMLP and GroupedExperts over this rank's experts of a 4-expert SwiGLU MoE, the grouped one holding
+    the sequential one's weights."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from relax.train.model.grouped_experts import GroupedExperts
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(0)
+    config = TransformerConfig(
+        num_layers=1, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_moe_experts=4,
+        moe_ffn_hidden_size=24, moe_router_topk=2, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        use_cpu_initialization=True,
+    )
+    local_experts = 4 // ep
+    pg_collection = get_default_pg_collection()
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    sequential = SequentialMLP(local_experts, config, submodules, pg_collection=pg_collection)
+    grouped = GroupedExperts(local_experts, config, pg_collection=pg_collection)
+    with torch.no_grad():
+        for name in ("linear_fc1", "linear_fc2"):
+            getattr(grouped, name).weight.copy_(
+                torch.stack([getattr(expert, name).weight for expert in sequential.local_experts])
+            )
+    return sequential, grouped
+
+
+def _grouped_vs_sequential_experts(tp: int, ep: int, tokens_per_expert: list[int]) -> dict:
+    """Max |difference| of GroupedExperts' output and gradients (inputs, routing probabilities, weights) from
+    SequentialMLP's on the same weights and permuted tokens, on this rank's shard."""
+    sequential, grouped = _expert_modules(tp, ep)
+    counts = torch.tensor(tokens_per_expert[: len(sequential.local_experts)])
+    generator = torch.Generator().manual_seed(4 + torch.distributed.get_rank())
+    hidden = torch.randn(int(counts.sum()), 32, generator=generator)
+    probs = torch.rand(int(counts.sum()), generator=generator)
+    grad_output = torch.randn(int(counts.sum()), 32, generator=generator)
+    results = {}
+    for name, module in (("sequential", sequential), ("grouped", grouped)):
+        inputs = (hidden.clone().requires_grad_(), probs.clone().requires_grad_())
+        output, bias = module(inputs[0], counts, inputs[1])
+        output.backward(grad_output)
+        weights = {
+            projection: torch.stack([getattr(expert, projection).weight.grad for expert in module.local_experts])
+            if name == "sequential" else getattr(module, projection).weight.grad
+            for projection in ("linear_fc1", "linear_fc2")
+        }
+        results[name] = {"output": output, "hidden": inputs[0].grad, "probs": inputs[1].grad, **weights, "bias": bias}
+    assert results["grouped"]["bias"] is None
+    expected = results.pop("sequential")
+    return {
+        key: (value - expected[key]).abs().max().item() if value.numel() else 0.0
+        for key, value in results["grouped"].items()
+        if key != "bias"
+    }
+
+
+@pytest.mark.parametrize(
+    "tp, ep, tokens_per_expert",
+    [
+        (1, 1, [5, 0, 9, 1]),  # uneven, one expert without tokens
+        (1, 1, [0, 0, 0, 0]),  # no tokens at all
+        (2, 1, [0, 7, 3, 0]),  # expert TP 2: each rank holds half of every expert's ffn
+        (1, 2, [6, 0, 0, 0]),  # EP 2: rank r's counts are its 2 experts' (the first two of the list)
+    ],
+)
+def test_grouped_experts_equal_sequential_experts(ranks, tp, ep, tokens_per_expert):
+    for rank, differences in enumerate(ranks.run(_grouped_vs_sequential_experts, tp, ep, tokens_per_expert)):
+        assert max(differences.values()) <= 1e-6, (rank, differences)
+
+
+def _checkpoint_crosses_expert_modules(hf_dir: str, checkpoint_dir: str, tp: int, ep: int, save_grouped: bool):
+    """A model with one expert module saves a megatron checkpoint; a model with the other (its weights left
+    uninitialised) loads it: what each exports."""
+    from megatron.core import dist_checkpointing
+
+    from relax.train.model import export_hf_weights
+
+    saver, hf = _megatron_model(hf_dir, tp, ep, grouped_experts=save_grouped)
+    with torch.no_grad():  # weights that are not the HF checkpoint's
+        for param in saver.parameters():
+            param.mul_(1.5)
+    dist_checkpointing.save({"model": saver.sharded_state_dict()}, checkpoint_dir)
+    from relax.train.model import build_gpt_model
+
+    loader = build_gpt_model(hf, dataclasses.replace(saver.config, moe_grouped_gemm=not save_grouped))
+    state = dist_checkpointing.load({"model": loader.sharded_state_dict()}, checkpoint_dir)
+    loader.load_state_dict(state["model"])
+    return dict(export_hf_weights(saver, hf)), dict(export_hf_weights(loader, hf))
+
+
+@pytest.mark.parametrize("tp, ep, save_grouped", [(1, 1, True), (2, 1, False), (1, 2, True), (1, 2, False)])
+def test_megatron_checkpoints_load_across_grouped_and_sequential_experts(
+    ranks, hf_dirs, tmp_path, tp, ep, save_grouped
+):
+    results = ranks.run(_checkpoint_crosses_expert_modules, hf_dirs["qwen3_moe"], str(tmp_path), tp, ep, save_grouped)
+    for saved, loaded in results:
+        assert sorted(saved) == sorted(loaded)
+        assert all(torch.equal(saved[name], loaded[name]) for name in saved)
 
 
 def test_tied_embeddings_train_alike_with_pipeline_stages(ranks, hf_dirs):

@@ -138,8 +138,10 @@ RULES = {
         "--context-parallel-size 2 is not supported: the actor builds megatron-core's local layers",
     ),
     "save interval needs save": ([*RUN, "--save-interval", "10"], "--save-interval needs --save"),
-    "experts are separate MLPs": (
-        [*RUN, "--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm is not supported"
+    "grouped experts need experts": ([*RUN, "--moe-grouped-gemm"], "--moe-grouped-gemm applies to MoE models only"),
+    "grouped experts keep their activations": (
+        [*RUN, "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act"],
+        "--recompute-modules moe_act is not supported with --moe-grouped-gemm",
     ),
 }
 
@@ -156,6 +158,13 @@ def test_a_consistent_multi_device_run_passes():
     argv += ["--global-batch-size", "32", "--micro-batch-size", "2", "--eps-clip-high", "0.28"]
     config = parse_train_args(argv)
     assert (config.relax.global_batch_size, config.relax.eps_clip_high) == (32, 0.28)
+
+
+def test_grouped_experts_pass_with_experts_and_expert_parallelism():
+    argv = [*RUN, "--num-devices-per-node", "2", "--num-experts", "4", "--moe-grouped-gemm"]
+    argv += ["--expert-model-parallel-size", "2", "--recompute-activations"]
+    transformer = parse_train_args(argv).megatron.transformer
+    assert transformer.moe_grouped_gemm and transformer.expert_model_parallel_size == 2
 
 
 def test_resolved_defaults():

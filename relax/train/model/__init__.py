@@ -7,7 +7,9 @@ One module per family (qwen2.py, qwen3.py, qwen3_moe.py) holds its mapping and n
   config_fields(hf) -> dict         TransformerConfig fields fixed by config.json
   top_level_rules(hf)               Megatron name -> Rule for embedding, final norm, output layer
   layer_rules(hf)                   the same for `decoder.layers.{i}.*` ({layer} in HF names)
-  expert_rules(hf)                  the same for `mlp.experts.local_experts.{j}.*` ({expert} in HF names)
+  expert_rules(hf)                  the same for `mlp.experts.local_experts.{j}.*` ({expert} in HF names); with
+                                    --moe-grouped-gemm the same rules map each expert's slice of the grouped
+                                    `mlp.experts.linear_fc1.weight` / `linear_fc2.weight` (grouped_experts.py)
 The layout kinds of a Rule (how HF tensors fuse and how TP cuts them) are in layouts.py. The functions here take
 config.json as it is; checkpoint_layout.py finds the language model in it (a text model, or Qwen3.5's
 vision-language checkpoints) and renames the family's tensor names to the checkpoint's.
@@ -27,6 +29,7 @@ import torch
 from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from relax.train.model.checkpoint_layout import checkpoint_layout, describe_frozen, is_frozen, per_expert_views
 from relax.train.model.core_attention import with_core_attention
+from relax.train.model.grouped_experts import with_grouped_experts
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
 FAMILIES = {
@@ -35,6 +38,7 @@ FAMILIES = {
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
+_GROUPED_EXPERTS_NAME = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)")  # grouped_experts.py
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
@@ -103,7 +107,6 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     hf = checkpoint_layout(hf).text_config
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -121,12 +124,9 @@ def build_gpt_model(
         spec = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
         )
-    if isinstance(spec, TransformerBlockSubmodules):
-        spec = dataclasses.replace(
-            spec, layer_specs=[with_core_attention(layer, attention_kernel) for layer in spec.layer_specs]
-        )
-    else:
-        spec = with_core_attention(spec, attention_kernel)
+    if config.moe_grouped_gemm:
+        spec = with_grouped_experts(spec)
+    spec = with_core_attention(spec, attention_kernel)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -153,9 +153,11 @@ def _mark_tensor_parallel_parameters(model, hf: dict) -> None:
 
     mapping = _Mapping(model, hf)
     for name, param in mapping.model.named_parameters():
-        kind = mapping.place(name).rule.kind
+        place = mapping.place(name)
+        kind = place.rule.kind
         if kind != "replicated" and not hasattr(param, "tensor_model_parallel"):  # biases always have them
-            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=1 if kind == "row" else 0, stride=1)
+            dim = (1 if kind == "row" else 0) + place.stacked  # grouped experts: the expert dimension comes first
+            set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
 
 def _define_te_general_gemm_without_te() -> None:
@@ -184,6 +186,7 @@ class _Placement:
     tp_size: int
     tp_group: object
     local_expert: int | None  # index among this rank's experts, for expert parameters
+    stacked: bool = False  # the parameter holds all local experts along dim 0 (grouped_experts.py); rule: expert 0's
 
 
 class _Mapping:
@@ -224,22 +227,37 @@ class _Mapping:
             else None
         )
 
-    def place(self, name: str, ep_rank: int | None = None) -> _Placement:
-        """The placement of local parameter `name`; expert HF names for EP rank `ep_rank` (default: own)."""
+    def place(self, name: str, ep_rank: int | None = None, local_expert: int = 0) -> _Placement:
+        """The placement of local parameter `name`; expert HF names for EP rank `ep_rank` (default: own) and, for
+        grouped experts, local expert `local_expert` among those the parameter holds."""
         layer_match = _LAYER_NAME.fullmatch(name)
         if layer_match is None:
             return self._placement(name, self.top, name, {}, self.dense_tp, None)
         local_layer, rest = layer_match.groups()
         layer = self.model.decoder.layers[int(local_layer)].layer_number - 1  # global index under PP
         expert_match = _EXPERT_NAME.fullmatch(rest)
-        if expert_match is None:
+        grouped_match = _GROUPED_EXPERTS_NAME.fullmatch(rest)
+        if expert_match is not None:
+            local_expert, expert_rest = int(expert_match.group(1)), expert_match.group(2)
+        elif grouped_match is not None:
+            expert_rest = grouped_match.group(1)
+        else:
             return self._placement(name, self.layer, rest, {"layer": layer}, self.dense_tp, None)
-        local_expert, expert_rest = int(expert_match.group(1)), expert_match.group(2)
         expert = (self.ep_rank if ep_rank is None else ep_rank) * self.local_experts + local_expert
         fields = {"layer": layer, "expert": expert}
-        return self._placement(name, self.expert, expert_rest, fields, self.expert_tp, local_expert)
+        return self._placement(
+            name, self.expert, expert_rest, fields, self.expert_tp, local_expert, stacked=grouped_match is not None
+        )
 
-    def _placement(self, name, rules, key, fields, tp, local_expert) -> _Placement:
+    def per_expert(self, name: str, tensor: torch.Tensor, ep_rank: int | None = None):
+        """(placement, tensor) for each unit of parameter `name` that HF tensors map to, `tensor` being EP rank
+        `ep_rank`'s copy of it: the tensor itself, or each expert's slice of grouped experts."""
+        place = self.place(name, ep_rank)
+        if not place.stacked:
+            return [(place, tensor)]
+        return [(self.place(name, ep_rank, j), expert_tensor) for j, expert_tensor in enumerate(tensor)]
+
+    def _placement(self, name, rules, key, fields, tp, local_expert, stacked=False) -> _Placement:
         if key not in rules:
             raise KeyError(
                 f"Megatron parameter {name!r} has no HF mapping in family {self.family.__name__} "
@@ -247,7 +265,7 @@ class _Mapping:
             )
         rule = rules[key]
         rule = Rule(rule.kind, tuple(n.format(**fields) for n in rule.hf_names))
-        return _Placement(rule, *tp, local_expert)
+        return _Placement(rule, *tp, local_expert, stacked)
 
     def all_hf_names(self) -> set[str]:
         """Every HF tensor name the whole model (all layers, all experts) is made of."""
@@ -325,20 +343,20 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
             f"{' ...' if len(unexpected) > 10 else ''} (is config.json the one these weights belong to?)"
         )
     for name, param in mapping.model.named_parameters():
-        place = mapping.place(name)
-        whole_shape = _whole_shape(place.rule.kind, param.shape, place.tp_size)
-        expected = unfuse(place.rule.kind, torch.empty(whole_shape, device="meta"), mapping.attention)
-        for hf_name, expected_tensor in zip(place.rule.hf_names, expected):
-            if hf_name not in checkpoint.names():
-                raise KeyError(f"{hf_dir}: tensor {hf_name!r} (for Megatron {name!r}) is missing")
-            if checkpoint.shape(hf_name) != list(expected_tensor.shape):
-                raise ValueError(
-                    f"{hf_dir}: tensor {hf_name!r} has shape {checkpoint.shape(hf_name)} but Megatron {name!r} "
-                    f"needs {list(expected_tensor.shape)}"
-                )
-        whole = fuse(place.rule.kind, [checkpoint.get(n) for n in place.rule.hf_names], mapping.attention)
-        with torch.no_grad():
-            param.copy_(tp_shard(place.rule.kind, whole, place.tp_rank, place.tp_size))
+        for place, target in mapping.per_expert(name, param):
+            whole_shape = _whole_shape(place.rule.kind, target.shape, place.tp_size)
+            expected = unfuse(place.rule.kind, torch.empty(whole_shape, device="meta"), mapping.attention)
+            for hf_name, expected_tensor in zip(place.rule.hf_names, expected):
+                if hf_name not in checkpoint.names():
+                    raise KeyError(f"{hf_dir}: tensor {hf_name!r} (for Megatron {name!r}) is missing")
+                if checkpoint.shape(hf_name) != list(expected_tensor.shape):
+                    raise ValueError(
+                        f"{hf_dir}: tensor {hf_name!r} has shape {checkpoint.shape(hf_name)} but Megatron {name!r} "
+                        f"needs {list(expected_tensor.shape)}"
+                    )
+            whole = fuse(place.rule.kind, [checkpoint.get(n) for n in place.rule.hf_names], mapping.attention)
+            with torch.no_grad():
+                target.copy_(tp_shard(place.rule.kind, whole, place.tp_rank, place.tp_size))
 
 
 def _all_gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
@@ -362,10 +380,15 @@ def export_hf_weights(model, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:
         if mapping.tied and name == "output_layer.weight":
             continue
         place = mapping.place(name)
-        whole = tp_unshard(place.rule.kind, _all_gather(param.detach(), place.tp_size, place.tp_group))
+        kind = place.rule.kind
+        shards = _all_gather(param.detach(), place.tp_size, place.tp_group)
+        if place.stacked:  # grouped experts: unshard expert by expert
+            whole = torch.stack([tp_unshard(kind, list(expert_shards)) for expert_shards in zip(*shards)])
+        else:
+            whole = tp_unshard(kind, shards)
         if place.local_expert is None:
-            yield from zip(place.rule.hf_names, unfuse(place.rule.kind, whole, mapping.attention))
+            yield from zip(place.rule.hf_names, unfuse(kind, whole, mapping.attention))
             continue
-        for ep_rank, expert_whole in enumerate(_all_gather(whole, mapping.ep_size, mapping.ep_group)):
-            hf_names = mapping.place(name, ep_rank).rule.hf_names
-            yield from zip(hf_names, unfuse(place.rule.kind, expert_whole, mapping.attention))
+        for ep_rank, ep_whole in enumerate(_all_gather(whole, mapping.ep_size, mapping.ep_group)):
+            for expert_place, expert_whole in mapping.per_expert(name, ep_whole, ep_rank):
+                yield from zip(expert_place.rule.hf_names, unfuse(kind, expert_whole, mapping.attention))

@@ -72,12 +72,16 @@ class CoreAttention(torch.nn.Module):
 
 
 def with_core_attention(layer_spec, kernel: str):
-    """A local-spec TransformerLayer ModuleSpec whose self-attention computes with CoreAttention(kernel); layers
-    without softmax attention (GDN) are returned as they are."""
+    """A layer spec (a ModuleSpec, or TransformerBlockSubmodules of per-layer specs) whose softmax attention computes
+    with CoreAttention(kernel); layers without softmax attention (GDN) are left as they are."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
+    if hasattr(layer_spec, "layer_specs"):
+        return dataclasses.replace(
+            layer_spec, layer_specs=[with_core_attention(layer, kernel) for layer in layer_spec.layer_specs]
+        )
     attention_spec = layer_spec.submodules.self_attention
     if not hasattr(attention_spec.submodules, "core_attention"):
         return layer_spec
