@@ -89,6 +89,9 @@ class Facts:
     visible_devices_env: Optional[str] = None
     ray_resource: Optional[str] = None
     memory_saver: bool = False
+    attention_kernel: str = ""  # the training actor's kernels on this platform (relax.platform)
+    gdn_training_kernel: str = ""
+    gdn_kernel_error: str = ""  # why the GDN training kernel does not import here ("" when it does)
     versions: dict = field(default_factory=dict)  # distribution -> version, None when not installed
     toolkit_version: Optional[str] = None
     patch_states: dict = field(default_factory=dict)  # upstream -> {patch: state} or an error string
@@ -124,6 +127,22 @@ def check_platform(facts: Facts) -> list[Row]:
             f"{facts.visible_devices_env or 'the visible-device variable'}",
         )
     ]
+
+
+def check_training_kernels(attention_kernel: str, gdn_training_kernel: str, gdn_kernel_error: str) -> list[Row]:
+    found = f"attention {attention_kernel}, GDN {gdn_training_kernel}"
+    if gdn_kernel_error:
+        return [
+            Row(
+                "training kernels",
+                WARN,
+                found,
+                "the GDN kernel imports",
+                f"Qwen3.5 / Qwen3-Next training needs it ({gdn_kernel_error}): install it, or pass "
+                "--gdn-training-kernel reference",
+            )
+        ]
+    return [Row("training kernels", OK, found, "", "")]
 
 
 def _public(version: str) -> str:
@@ -348,6 +367,7 @@ def run_checks(facts: Facts) -> list[Row]:
         return rows
     # The other checks still run on a platform this machine lacks: they say what else is missing.
     rows += check_toolkit(facts.platform, facts.toolkit_version)
+    rows += check_training_kernels(facts.attention_kernel, facts.gdn_training_kernel, facts.gdn_kernel_error)
     rows += check_versions(facts.platform, facts.versions)
     rows += check_patches(facts.platform, facts.patch_states)
     rows += check_worker_env(facts.worker_env_problem, facts.memory_saver)
@@ -376,6 +396,16 @@ def installed_versions(names=DISTRIBUTIONS) -> dict:
 # Where a CANN toolkit records its version ("version=9.0.0" / "Version=9.0.0"), in the order tried. The
 # names are those seen in CANN installs and Ascend build scripts; not checked on a CANN 9.0.0 install.
 CANN_VERSION_FILES = ("*/ascend_toolkit_install.info", "runtime/version.info", "compiler/version.info")
+
+
+def gdn_kernel_import_error(name: str) -> str:
+    from relax.kernels.gdn_training import gdn_training_kernel
+
+    try:
+        gdn_training_kernel(name)
+    except ImportError as error:
+        return str(error)
+    return ""
 
 
 def cann_version(environ: Mapping[str, str]) -> Optional[str]:
@@ -462,6 +492,9 @@ def gather_facts(device: str = "auto", look_at_ray: bool = True, environ: Option
         visible_devices_env=record.visible_devices_env,
         ray_resource=record.ray_resource,
         memory_saver=record.has_memory_saver,
+        attention_kernel=record.attention_kernel,
+        gdn_training_kernel=record.gdn_training_kernel,
+        gdn_kernel_error=gdn_kernel_import_error(record.gdn_training_kernel),
         versions=installed_versions(),
         toolkit_version=TOOLKIT_PROBES[record.name](environ),
         patch_states=installed_patch_states(),

@@ -336,6 +336,7 @@ def _actor_settings(config) -> ActorSettings:
         micro_batch_size=r.micro_batch_size,
         max_tokens_per_micro_batch=r.max_tokens_per_device if r.use_dynamic_batch_size else None,
         max_tokens_per_forward=r.log_probs_max_tokens_per_device,
+        gdn_training_kernel=r.gdn_training_kernel,
         temperature=r.rollout_temperature or 1.0,
         seed=r.seed,
         keep_reference=_uses_reference(r),

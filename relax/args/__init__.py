@@ -79,6 +79,8 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     namespace = parser.parse_args(argv)
     relax = argparse.Namespace(**{k: v for k, v in vars(namespace).items() if not k.startswith(_NAMESPACED)})
     relax.device = platform.name
+    if relax.gdn_training_kernel == "auto":
+        relax.gdn_training_kernel = platform.gdn_training_kernel
     _fill_relax_defaults(relax)
 
     checkpoint = relax.hf_checkpoint

@@ -6,6 +6,7 @@ the parsed namespace is split into the three configuration objects.
 
 import argparse
 
+from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
 
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
@@ -162,6 +163,14 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--use-dynamic-batch-size", action="store_true", help="Pack micro-batches up to --max-tokens-per-device tokens."
     )
     g.add_argument("--max-tokens-per-device", type=_positive_int, help="Token budget of a packed micro-batch.")
+    g.add_argument(
+        "--gdn-training-kernel",
+        choices=["auto", *GDN_TRAINING_KERNELS],
+        default="auto",
+        help="Chunked gated delta rule of the actor's GDN layers (Qwen3.5, Qwen3-Next): fla (flash-linear-attention's "
+        "Triton kernels) or reference (relax's torch version, any device); auto: the device's default (default: "
+        "%(default)s).",
+    )
     g.add_argument(
         "--log-probs-max-tokens-per-device",
         type=_positive_int,

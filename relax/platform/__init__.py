@@ -66,6 +66,8 @@ class Platform:
     sglang_server_defaults: Mapping[str, Any]
     # The training actor's causal attention (relax.platform.attention.KERNELS).
     attention_kernel: str
+    # The training actor's default chunked gated delta rule (relax.kernels.gdn_training.GDN_TRAINING_KERNELS).
+    gdn_training_kernel: str
     _load_device_module: Callable[[], Any] = field(repr=False)
     _unavailable_reason: Callable[[], Optional[str]] = field(repr=False)
     _worker_env: Callable[[bool], dict] = field(repr=False)

@@ -155,6 +155,7 @@ PLATFORM = Platform(
     same_node_transport="inline",
     sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
     attention_kernel="sdpa",
+    gdn_training_kernel="reference",
     _load_device_module=lambda: CpuDeviceModule,
     _unavailable_reason=lambda: None,
     _worker_env=_worker_env,

@@ -110,6 +110,7 @@ PLATFORM = Platform(
     same_node_transport="ipc",
     sglang_server_defaults=frozen({"device": "cuda"}),
     attention_kernel="flash_varlen",
+    gdn_training_kernel="fla",
     _load_device_module=_device_module,
     _unavailable_reason=_unavailable_reason,
     _worker_env=_worker_env,

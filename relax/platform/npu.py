@@ -142,6 +142,8 @@ PLATFORM = Platform(
     same_node_transport="ipc",
     sglang_server_defaults=frozen({"device": "npu", "attention_backend": "ascend"}),
     attention_kernel="npu_fusion",
+    # flash-linear-attention's Triton kernels are not built for triton-ascend; the torch reference always runs
+    gdn_training_kernel="reference",
     _load_device_module=_device_module,
     _unavailable_reason=_unavailable_reason,
     _worker_env=_worker_env,

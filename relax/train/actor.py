@@ -41,6 +41,7 @@ class ActorSettings:
     # The token budget of forward-only passes (old-policy and reference logprobs), which keep no activations for
     # backward and so fit more tokens; None: the training budget.
     max_tokens_per_forward: int | None = None
+    gdn_training_kernel: str = "reference"  # GDN layers' chunked rule (relax.kernels.gdn_training)
     temperature: float = 1.0  # logits are divided by it, as the rollout engine sampled
     seed: int = 1234
     keep_reference: bool = True  # keep a host copy of the initial weights for reference logprobs
@@ -127,7 +128,12 @@ class MegatronActor:
         model_parallel_cuda_manual_seed(self.settings.seed)
         self.config = transformer_config(self.hf, transformer)
         # use_cpu_initialization builds on the host
-        model = build_gpt_model(self.hf, self.config, attention_kernel=self.platform.attention_kernel).to(self.device)
+        model = build_gpt_model(
+            self.hf,
+            self.config,
+            attention_kernel=self.platform.attention_kernel,
+            gdn_kernel=self.settings.gdn_training_kernel,
+        ).to(self.device)
         load_hf_weights(model, self.hf_dir)
         if self.config.fp16 or self.config.bf16:
             model = Float16Module(self.config, model)

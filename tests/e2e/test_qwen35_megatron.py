@@ -255,3 +255,47 @@ def test_gradients_equal_hf(run_on_ranks, hf_dirs, family, tp, sequence_parallel
         assert result["names_differ"] == [], (rank, result["names_differ"])
         far = {name: diff for name, diff in result["max_abs_diff"].items() if diff[0] > 1e-3 * diff[1] + 1e-6}
         assert far == {}, (rank, family, tp, sequence_parallel, far)
+
+
+def _gdn_layer_against_megatrons_own_forward(hf_dir: str) -> dict:
+    """One GDN layer of the model: relax's packed-rows forward with the reference training kernel against
+    megatron-core's own GatedDeltaNet.forward in deterministic mode (its torch chunked rule and nn.Conv1d), rows of
+    one sequence each; and two sequences packed in one row against each alone."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from relax.train.model import build_gpt_model, load_hf_weights, transformer_config
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    hf = read_hf_config(hf_dir)
+    config = transformer_config(hf, use_cpu_initialization=True, perform_initialization=False)
+    model = build_gpt_model(hf, config, gdn_kernel="reference")
+    load_hf_weights(model, hf_dir)
+    layer = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    hidden = torch.randn(70, 2, config.hidden_size, generator=torch.Generator().manual_seed(5))  # [s, b, h]
+    with torch.no_grad():
+        relax_rows, _ = layer(hidden, None)
+        config.deterministic_mode = True  # megatron's forward then runs its own torch chunked rule
+        megatron_rows, _ = GatedDeltaNet.forward(layer, hidden, None)
+        config.deterministic_mode = False
+        lengths = [70, 41]
+        row = torch.cat([hidden[:, 0], hidden[:41, 1]])[:, None]  # [111, 1, h]: both sequences in one row
+        cu_seqlens = torch.tensor([0, 70, 111], dtype=torch.int32)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                 max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+        packed, _ = layer(row, None, packed_seq_params=params)
+        alone = [layer(hidden[:n, b : b + 1], None)[0][:, 0] for b, n in enumerate(lengths)]
+    return {
+        "kernel": layer.training_kernel,
+        "vs_megatron": (relax_rows - megatron_rows).abs().max().item(),
+        "packed_vs_alone": (packed[:, 0] - torch.cat(alone)).abs().max().item(),
+    }
+
+
+def test_gdn_layer_equals_megatrons_own_forward_and_packing_keeps_sequences_apart(run_on_ranks, hf_dirs):
+    for result in run_on_ranks(_gdn_layer_against_megatrons_own_forward, hf_dirs["qwen3_5"]):
+        assert result["kernel"] == "reference"
+        assert result["vs_megatron"] <= 1e-5 and result["packed_vs_alone"] <= 1e-5, result

@@ -174,6 +174,13 @@ def test_resolved_defaults():
     assert config.megatron.scheduler.lr_decay_iters == config.relax.num_steps
 
 
+def test_gdn_training_kernel_defaults_to_the_devices_and_can_be_chosen():
+    assert parse_train_args(RUN).relax.gdn_training_kernel == platform_facts("cpu").gdn_training_kernel == "reference"
+    cuda = [arg if arg != "cpu" else "cuda" for arg in RUN]
+    assert parse_train_args(cuda).relax.gdn_training_kernel == "fla"
+    assert parse_train_args([*cuda, "--gdn-training-kernel", "reference"]).relax.gdn_training_kernel == "reference"
+
+
 def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
     config = parse_train_args(RUN)
     # A test double for a platform that must release memory to colocate but has no memory saver.

@@ -150,6 +150,15 @@ def test_toolkit_and_ray_and_platform():
     assert doctor.check_platform(_npu_facts(device_count=0))[0].status == BLOCKER
 
 
+def test_training_kernels_row_names_a_gdn_kernel_that_does_not_import():
+    from relax.doctor import check_training_kernels
+
+    (row,) = check_training_kernels("flash_varlen", "fla", "No module named 'fla'")
+    assert row.status == WARN and "attention flash_varlen, GDN fla" in row.found
+    assert "--gdn-training-kernel reference" in row.fix
+    assert check_training_kernels("sdpa", "reference", "")[0].status == OK
+
+
 def test_table_lists_each_fix_and_counts_blockers():
     rows = doctor.run_checks(
         _npu_facts(environ={"ASCEND_RT_VISIBLE_DEVICES": ""}, versions=_versions("npu") | {"transformers": "5.0.0"})

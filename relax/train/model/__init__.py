@@ -29,6 +29,7 @@ import torch
 from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
 from relax.train.model.checkpoint_layout import checkpoint_layout, describe_frozen, is_frozen, per_expert_views
 from relax.train.model.core_attention import with_core_attention
+from relax.train.model.gdn_spec import with_gdn_kernel
 from relax.train.model.grouped_experts import with_grouped_experts
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
@@ -99,11 +100,13 @@ def build_gpt_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     attention_kernel: str = "sdpa",
+    gdn_kernel: str = "reference",
 ):
     """A GPTModel with megatron-core's local layer spec for this HF config, for this process's pipeline
     stage (first/last stage from parallel_state unless given). parallel_output=True: logits stay
     vocab-sharded across TP ranks. Softmax attention computes with relax's CoreAttention and `attention_kernel`
-    (the platform's, relax.platform.attention); the model takes packed rows (PackedSeqParams) and no mask."""
+    (the platform's, relax.platform.attention); the model takes packed rows (PackedSeqParams) and no mask. GDN
+    layers compute with the training kernel `gdn_kernel` (relax.kernels.gdn_training)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -119,7 +122,7 @@ def build_gpt_model(
         _define_te_general_gemm_without_te()
     family = family_of(hf)
     if hasattr(family, "block_spec"):  # hybrid families (qwen3_5) build their own per-layer specs
-        spec = family.block_spec(config, hf)
+        spec = with_gdn_kernel(family.block_spec(config, hf), gdn_kernel)
     else:
         spec = get_gpt_layer_local_spec(
             num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization

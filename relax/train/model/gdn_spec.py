@@ -19,6 +19,8 @@ import functools
 
 import torch
 
+from relax.kernels.gdn_training import gdn_training_kernel
+
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 
@@ -113,7 +115,16 @@ def _packed_gated_delta_net():
     class PackedGatedDeltaNet(GatedDeltaNet):
         """megatron's GatedDeltaNet (its parameters, projections and output norm) with a forward that takes packed
         rows: the causal conv and the recurrent state restart at every sequence boundary (megatron-core 0.16.1's
-        own forward refuses PackedSeqParams and ignores masks). Without packed rows each row is one sequence."""
+        own forward refuses PackedSeqParams and ignores masks). Without packed rows each row is one sequence. The
+        chunked rule and l2norm are the named training kernel's (relax.kernels.gdn_training)."""
+
+        def __init__(self, *args, training_kernel: str = "reference", **kwargs):
+            # megatron's constructor refuses to build without fla, which its own forward calls; this forward calls
+            # the kernel named here instead.
+            gated_delta_net.HAVE_FLA = True
+            super().__init__(*args, **kwargs)
+            self.training_kernel = training_kernel
+            self.chunk_rule, self.l2norm = gdn_training_kernel(training_kernel)
 
         def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None,
                     attention_bias=None, packed_seq_params=None, sequence_len_offset=None, *,
@@ -143,13 +154,12 @@ def _packed_gated_delta_net():
             key = key.reshape(1, total, -1, self.key_head_dim)
             value = value.reshape(1, total, -1, self.value_head_dim)
             if self.use_qk_l2norm:
-                query, key = gated_delta_net.l2norm(query.contiguous()), gated_delta_net.l2norm(key.contiguous())
+                query, key = self.l2norm(query.contiguous()), self.l2norm(key.contiguous())
             group = self.num_value_heads // self.num_key_heads
             if group > 1:
                 query, key = query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2)
             g = -self.A_log.exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias)  # float32
-            # The kernel the platform bound into megatron's module (fla's on GPU/NPU, relax's reference on CPU).
-            core_out, _ = gated_delta_net.chunk_gated_delta_rule(
+            core_out, _ = self.chunk_rule(
                 query.contiguous(), key.contiguous(), value.contiguous(),
                 g=g.unsqueeze(0), beta=beta.sigmoid().unsqueeze(0),
                 initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens,
@@ -175,6 +185,20 @@ def gated_delta_net_spec():
             out_proj=RowParallelLinear,
         ),
     )
+
+
+def with_gdn_kernel(spec, kernel: str):
+    """Block submodules (hybrid_block_spec's) whose GDN layers compute with the training kernel `kernel`."""
+    def layer(layer_spec):
+        attention = layer_spec.submodules.self_attention
+        if attention.module is not _packed_gated_delta_net():
+            return layer_spec
+        attention = dataclasses.replace(attention, params={**attention.params, "training_kernel": kernel})
+        return dataclasses.replace(
+            layer_spec, submodules=dataclasses.replace(layer_spec.submodules, self_attention=attention)
+        )
+
+    return dataclasses.replace(spec, layer_specs=[layer(layer_spec) for layer_spec in spec.layer_specs])
 
 
 def hybrid_block_spec(config, layer_types: list[str], vp_stage: int | None = None, pp_rank: int | None = None):

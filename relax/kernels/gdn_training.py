@@ -1,0 +1,27 @@
+"""The chunked gated delta rule and the q/k l2norm that the training actor's GDN layers compute with, by name.
+
+    "fla"        flash-linear-attention's Triton kernels (what megatron-core's GatedDeltaNet imports), with
+                 cu_seqlens for packed rows; needs the fla package and a Triton that compiles them
+    "reference"  relax.kernels.gdn_reference: float32 torch, differentiable by autograd, on any device; the fallback
+                 that always runs (slower: per-sequence chunked loops)
+
+The platform record names its default (Platform.gdn_training_kernel); `--gdn-training-kernel` overrides it. Both
+take fla's arguments: chunk_gated_delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=,
+use_qk_l2norm_in_kernel=, cu_seqlens=) on [1, t, heads, d], and l2norm(x).
+"""
+
+GDN_TRAINING_KERNELS = ("fla", "reference")
+
+
+def gdn_training_kernel(name: str):
+    """(chunk_gated_delta_rule, l2norm) of the kernel `name`."""
+    if name == "fla":
+        from fla.modules.l2norm import l2norm
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule, l2norm
+    if name == "reference":
+        from relax.kernels import gdn_reference
+
+        return gdn_reference.chunk_gated_delta_rule, gdn_reference.l2norm
+    raise ValueError(f"unknown GDN training kernel {name!r}: choose one of {', '.join(GDN_TRAINING_KERNELS)}")
