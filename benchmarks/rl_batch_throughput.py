@@ -336,7 +336,9 @@ def parse_args(argv=None):
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     longest = args.prompt_len + args.max_response
     if longest > MAX_POSITIONS:
-        parser.error(f"--prompt-len + --max-response is {longest}, more than the checkpoint's {MAX_POSITIONS} positions")
+        parser.error(
+            f"--prompt-len + --max-response is {longest}, more than the checkpoint's {MAX_POSITIONS} positions"
+        )
     if args.max_tokens < longest:
         parser.error(
             f"--max-tokens {args.max_tokens} is less than the longest possible sample ({longest} = --prompt-len + "
