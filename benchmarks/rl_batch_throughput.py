@@ -18,7 +18,7 @@ megatron's local layer spec, no TransformerEngine), DDP and Adam, each side in i
                    within the budget; a dense block-diagonal causal mask [1, 1, s, s] (True = masked) built on
                    the host every step and copied with its micro-batch; positions restarting per sequence. Its
                    loss is GPT's labels loss over the response tokens, fused into the forward: if anything faster
-                   than the actor's fp32 logprobs were (train_throughput.py measured those at ~6% of a step)
+                   than the actor's fp32 logprobs over the vocabulary were
     megatron_core  megatron-core's local-spec GPTModel with one sample per row, right-padded to the micro-batch's
                    longest; consecutive samples while rows x longest stays within the budget; attention_mask=None
                    (the attention's own causal mask); GPT's labels loss over the response tokens
@@ -29,8 +29,8 @@ rest: the samples left out are reported, and its figures count only the samples 
 cost the most attention, are the ones left out: its throughput is then, if anything, flattered).
 
 Per side: --warmup steps, then the mean of --steps timed steps (device synchronized): seconds per step, real
-tokens per second (prompt + response tokens trained, no padding), MFU on real tokens and peak device memory. MFU counts
-Megatron's FLOPs (train_throughput.flops_per_step) of each sequence at its own length, so attention is the sum
+tokens per second (prompt + response tokens trained, no padding), MFU on real tokens and peak device memory. MFU
+counts Megatron's FLOPs (train_throughput.flops_per_step) of each sequence at its own length, so attention is the sum
 over sequences of length^2 (whole, not halved for causality), against 989 TFLOP/s; padding and attention across
 sequence boundaries count nothing. The ratios relax / relax_before and relax / megatron_core of real tokens per
 second are printed last.
