@@ -6,7 +6,12 @@ flash-linear-attention's Triton kernels inside megatron-core's GatedDeltaNet.
 1. Parity (fla's kernel on the GPU): a small random Qwen3.5 in float32 (relax.tiny_model, head dims 64): the actor's
    response-token logprobs (MegatronActor.compute_logprobs) against HF transformers' Qwen3_5ForCausalLM on the same
    GPU; max abs diff.
-2. Training: a random Qwen3.5 of a few hundred million parameters (3 GDN layers to 1 full-attention layer) in
+2. Packed rows: the actor's response-token logprobs with every sample of a mixed-length batch packed into one
+   micro-batch (one row, THD: attention and the GDN state restart at each sequence) against one sample per
+   micro-batch, the same weights; max abs diff. On the small model in float32 with part 1's kernel (skipped with
+   part 1), and on the training model (--size) in bf16 with the training GDN kernel, over sequences of up to
+   --seq tokens.
+3. Training: a random Qwen3.5 of a few hundred million parameters (3 GDN layers to 1 full-attention layer) in
    bf16, MegatronActor.train_step on a fixed batch of patterned sequences (each an arithmetic progression of
    token ids mod the vocabulary, random start and stride) with advantage +1 on every response token (on-policy,
    so the policy-gradient step raises their log-likelihood): the response tokens' mean negative logprob before
@@ -105,19 +110,22 @@ def patterned_batch(vocab_size: int, count: int, seq: int, seed: int):
     return RolloutBatch(tokens, [response] * count, advantages=[torch.ones(response) for _ in range(count)])
 
 
+def mixed_length_batch(vocab_size: int, lengths: list[tuple[int, int]], seed: int = 5):
+    """Random token ids; `lengths` are (tokens, response tokens) per sample."""
+    from relax.train.batch import RolloutBatch
+
+    generator = torch.Generator().manual_seed(seed)
+    return RolloutBatch(
+        [torch.randint(0, vocab_size, (n,), generator=generator) for n, _ in lengths], [r for _, r in lengths]
+    )
+
+
 def logprob_parity(hf_dir: str, platform, seq: int = 96) -> dict:
     """Max abs diff of response-token logprobs, actor vs HF transformers, float32, same device."""
     import transformers
 
     actor = make_actor(hf_dir, platform, torch.float32, lr=1e-4, micro_batch_size=2)
-    generator = torch.Generator().manual_seed(5)
-    vocab = actor.hf["vocab_size"]
-    from relax.train.batch import RolloutBatch
-
-    lengths = [(seq, 40), (seq // 2 + 7, 20), (33, 9)]  # (tokens, response tokens): padded rows of several lengths
-    batch = RolloutBatch(
-        [torch.randint(0, vocab, (n,), generator=generator) for n, _ in lengths], [r for _, r in lengths]
-    )
+    batch = mixed_length_batch(actor.hf["vocab_size"], [(seq, 40), (seq // 2 + 7, 20), (33, 9)])
     ours = actor.compute_logprobs(batch)
     device = platform.current_device()
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
@@ -129,6 +137,22 @@ def logprob_parity(hf_dir: str, platform, seq: int = 96) -> dict:
             diffs.append((actual - expected).abs().max().item())
     del actor, reference
     return {"max_abs_diff": max(diffs), "per_sample": diffs}
+
+
+def packed_parity(hf_dir: str, platform, dtype: torch.dtype, seq: int) -> dict:
+    """Max abs diff of response-token logprobs: all samples of a mixed-length batch (the longest `seq` tokens) packed
+    into one micro-batch against one sample per micro-batch, with the same weights."""
+    from relax.train.model import read_hf_config
+
+    lengths = [(seq, seq // 2), (seq // 2 + 7, seq // 4), (33, 9), (seq // 3, seq // 6)]
+    batch = mixed_length_batch(read_hf_config(hf_dir)["vocab_size"], lengths)
+    logprobs = {}
+    for samples_per_micro_batch in (1, len(batch)):
+        actor = make_actor(hf_dir, platform, dtype, lr=1e-4, micro_batch_size=samples_per_micro_batch)
+        logprobs[samples_per_micro_batch] = actor.compute_logprobs(batch)
+        del actor
+    diffs = [(packed - alone).abs().max().item() for packed, alone in zip(logprobs[len(batch)], logprobs[1])]
+    return {"max_abs_diff": max(diffs), "per_sample": diffs, "sample_tokens": [n for n, _ in lengths]}
 
 
 def use_gdn_kernel(kernel: str) -> str:
@@ -194,7 +218,9 @@ def main(argv=None) -> None:
         help="chunked GDN for training (fla 0.6.0 refuses its backward on Hopper with Triton < 3.7.1: fla#640)",
     )
     parser.add_argument(
-        "--no-parity", action="store_true", help="skip part 1 (tests/gpu/test_qwen35_actor_gpu.py has it)"
+        "--no-parity",
+        action="store_true",
+        help="skip part 1 and the small model's packed-rows parity (tests/gpu/test_qwen35_actor_gpu.py has part 1)",
     )
     parser.add_argument("--work-dir", default="/tmp/relax_qwen35")
     parser.add_argument("--out", help="write the results as JSON here")
@@ -204,12 +230,17 @@ def main(argv=None) -> None:
     results = {}
     if not args.no_parity:
         results["parity_kernel"] = use_gdn_kernel("fla" if args.device == "cuda" else "reference")
-        results["parity_small_fp32"] = logprob_parity(write_checkpoint(work_dir, "small"), platform)
+        small = write_checkpoint(work_dir, "small")
+        results["parity_small_fp32"] = logprob_parity(small, platform)
         print("parity", json.dumps(results["parity_small_fp32"]), flush=True)
+        results["packed_parity_small_fp32"] = packed_parity(small, platform, torch.float32, seq=96)
+        print("packed rows parity, small fp32", json.dumps(results["packed_parity_small_fp32"]), flush=True)
     start = time.perf_counter()
     hf_dir = write_checkpoint(work_dir, args.size)
     print(f"wrote {args.size} checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
     use_gdn_kernel(args.train_gdn_kernel)
+    results["packed_parity_bf16"] = packed_parity(hf_dir, platform, torch.bfloat16, args.seq)
+    print(f"packed rows parity, {args.size} bf16", json.dumps(results["packed_parity_bf16"]), flush=True)
     results["train"] = train(hf_dir, platform, args.steps, args.samples, args.seq, args.micro_batch_size, args.lr)
     print(json.dumps(results, indent=1))
     if args.out:

@@ -8,10 +8,11 @@ TransformerConfig (bf16, megatron's local layer spec, no TransformerEngine), meg
 optimizer, and the same tokens per step (micro-batches of full-length rows):
     megatron-core  GPTModel + forward_backward_func with GPT's own labels loss (vocab-parallel cross entropy),
                    the causal mask made inside the attention (attention_mask=None); and again with an explicit
-                   [rows, 1, seq, seq] causal mask (megatron_core_explicit_mask), the kind the actor passes
-    relax          MegatronActor.train_step on a RolloutBatch of the same shape (half of each row a response):
-                   the actor's padding-aware attention mask, fp32 per-token logprobs over the vocabulary, the
-                   PPO-clip policy loss
+                   [rows, 1, seq, seq] causal mask (megatron_core_explicit_mask), the kind the actor passed before
+                   it packed rows
+    relax          MegatronActor.train_step on a RolloutBatch of the same shape (half of each sequence a
+                   response): each micro-batch's sequences packed into one row (THD) and attended with the
+                   platform's kernel, fp32 per-token logprobs over the vocabulary, the PPO-clip policy loss
 Each side: 3 warm-up steps, then the mean of --steps timed steps (device synchronized). MFU counts the model
 FLOPs as Megatron's own formula does (matmuls x 3 for forward + backward, causal attention counted whole)
 against 989 TFLOP/s (H100/H200 dense bf16); the ratio relax / megatron-core is the figure to read.
@@ -51,7 +52,7 @@ PEAK_FLOPS = 989e12
 KEPT_ROWS = 60  # kernels and ops kept per side, so the comparison finds one side's top rows on the other
 
 
-def write_checkpoint(out_dir: Path, shape: dict, device: torch.device) -> Path:
+def write_checkpoint(out_dir: Path, shape: dict, device: torch.device, max_position_embeddings: int = 4096) -> Path:
     import transformers
 
     from relax.tiny_model import build_tokenizer
@@ -60,7 +61,7 @@ def write_checkpoint(out_dir: Path, shape: dict, device: torch.device) -> Path:
         return out_dir
     tokenizer = build_tokenizer(out_dir)
     config = transformers.Qwen3Config(
-        **shape, max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
+        **shape, max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, rope_theta=1e6,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
     )
     torch.manual_seed(0)
@@ -82,7 +83,16 @@ def flops_per_step(shape: dict, seq: int, tokens: int) -> float:
     return 3 * tokens * (layers * per_token_layer + 2 * h * vocab)
 
 
-def _configs(hf: dict):
+def parameter_count(shape: dict) -> int:
+    h, q_heads, kv_heads, head_dim = (
+        shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    )
+    embeddings = shape["vocab_size"] * h * (1 if shape["tie_word_embeddings"] else 2)
+    per_layer = h * (q_heads + 2 * kv_heads) * head_dim + q_heads * head_dim * h + 3 * h * shape["intermediate_size"]
+    return embeddings + shape["num_hidden_layers"] * per_layer
+
+
+def megatron_configs(hf: dict):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -93,7 +103,7 @@ def _configs(hf: dict):
     return transformer, optimizer, DistributedDataParallelConfig()
 
 
-def _timed(step, args, platform) -> dict:
+def timed_steps(step, args, platform) -> dict:
     """Mean seconds per step after warm-up, the peaks of allocated and reserved device memory, and how often the
     caching allocator had to free its cache and retry during the timed steps (each retry synchronizes the device;
     None on the CPU)."""
@@ -233,9 +243,9 @@ def _profile_tables(step, args, platform) -> dict:
 
 
 def _measure(step, instrument, args, platform) -> dict:
-    """_timed, and with --profile the profiler tables and then the phases (instrument(clock) installs the timed
+    """timed_steps, and with --profile the profiler tables and then the phases (instrument(clock) installs the timed
     phases; it runs last because the synchronizations would distort everything after it)."""
-    result = _timed(step, args, platform)
+    result = timed_steps(step, args, platform)
     if args.profile:
         result["profile"] = _profile_tables(step, args, platform)
         clock = PhaseClock(platform.device_module.synchronize)
@@ -245,34 +255,47 @@ def _measure(step, instrument, args, platform) -> dict:
     return result
 
 
-def megatron_baseline(hf: dict, args, platform, explicit_mask: bool = False) -> dict:
-    """Plain megatron-core: GPTModel (local spec), DDP, Adam, forward_backward_func, GPT's labels loss.
-    explicit_mask: pass a [rows, 1, seq, seq] causal mask, as the actor passes its padding-aware one, instead of
-    None (the attention then makes its own causal mask)."""
+def plain_gpt(hf: dict, platform, hf_dir: str | None = None):
+    """megatron-core's own model for an HF Qwen3 config: GPTModel (local spec: unfused DotProductAttention), DDP
+    and Adam, with the weights of `hf_dir` (else uninitialised: perform_initialization is off). Returns (model,
+    optimizer, TransformerConfig), the config's hooks set for forward_backward_func."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    device = platform.current_device()
+    from relax.train.model import load_hf_weights
+
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
-    config, optimizer_config, ddp_config = _configs(hf)
+    config, optimizer_config, ddp_config = megatron_configs(hf)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization=config.normalization),
         vocab_size=hf["vocab_size"], max_sequence_length=hf["max_position_embeddings"],
         share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=1e6,
-    ).to(device)
+    ).to(platform.current_device())
+    if hf_dir is not None:
+        load_hf_weights(model, hf_dir)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, model))
     optimizer = get_megatron_optimizer(optimizer_config, [model])
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
     config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, config
+
+
+def megatron_baseline(hf: dict, args, platform, explicit_mask: bool = False) -> dict:
+    """Plain megatron-core: GPTModel (local spec), DDP, Adam, forward_backward_func, GPT's labels loss.
+    explicit_mask: pass a [rows, 1, seq, seq] causal mask, as the actor passed before it packed rows, instead of
+    None (the attention then makes its own causal mask)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    device = platform.current_device()
+    model, optimizer, config = plain_gpt(hf, platform)
     generator = torch.Generator(device=device).manual_seed(0)
     shape = (args.micro_batch_size, args.seq)
     batches = [
@@ -316,7 +339,7 @@ def relax_actor(hf_dir: str, hf: dict, args, platform) -> dict:
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.batch import RolloutBatch
 
-    transformer, optimizer, ddp = _configs(hf)
+    transformer, optimizer, ddp = megatron_configs(hf)
     settings = ActorSettings(micro_batch_size=args.micro_batch_size, keep_reference=False)
     actor = MegatronActor(hf_dir, transformer, optimizer, ddp, settings, platform=platform)
     generator = torch.Generator().manual_seed(0)
@@ -336,7 +359,7 @@ def relax_actor(hf_dir: str, hf: dict, args, platform) -> dict:
         forward = "forward (model call: logits, copied to fp32 by Float16Module)"
         _instrument_schedule(clock, forward, actor.model, actor.optimizer, actor.config)
         actor._batch_denominators = clock.timed("host: batch denominators + all-reduce", actor._batch_denominators)
-        actor._micro_batches = clock.timed("host: micro-batches (tokens, positions, masks)", actor._micro_batches)
+        actor._micro_batches = clock.timed("host: micro-batches (tokens, positions, boundaries)", actor._micro_batches)
         micro_batch = batch_module.MicroBatch
         micro_batch.to = clock.timed("host-to-device copy of micro-batch inputs", micro_batch.to)
         actor._token_logprobs = clock.timed("logprobs (cross entropy over the vocabulary)", actor._token_logprobs)
@@ -388,13 +411,21 @@ def print_profile_difference(plain: dict, relax: dict, rows: int) -> None:
     print(f"--- synchronized step: relax - megatron_core = {phases:+.1f} ms")
 
 
-def run_side(name: str, args, results) -> None:
-    """One side in its own process (a fresh device allocator: a side run after another one in the same process
-    ran out of memory on the H200), its result put on `results`."""
-    from relax.platform import get_platform
+def run_side(platform, name: str, args) -> dict:
     from relax.train.model import read_hf_config
 
-    platform = get_platform(args.device)
+    hf_dir = str(Path(args.work_dir) / f"qwen3_{args.shape}")
+    hf = read_hf_config(hf_dir)
+    if name == "relax":
+        return relax_actor(hf_dir, hf, args, platform)
+    return megatron_baseline(hf, args, platform, explicit_mask=name == "megatron_core_explicit_mask")
+
+
+def _single_rank(device: str):
+    """This process as the only rank of a process group on `device` (device 0); its platform."""
+    from relax.platform import get_platform
+
+    platform = get_platform(device)
     os.environ.update(platform.worker_env())
     platform.prepare_megatron()
     if platform.device_type != "cpu":
@@ -405,12 +436,12 @@ def run_side(name: str, args, results) -> None:
     torch.distributed.init_process_group(
         platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
     )
-    hf_dir = str(Path(args.work_dir) / f"qwen3_{args.shape}")
-    hf = read_hf_config(hf_dir)
-    if name == "relax":
-        results.put(relax_actor(hf_dir, hf, args, platform))
-    else:
-        results.put(megatron_baseline(hf, args, platform, explicit_mask=name == "megatron_core_explicit_mask"))
+    return platform
+
+
+def _side_process(device: str, side, side_args: tuple, results) -> None:
+    platform = _single_rank(device)
+    results.put(side(platform, *side_args))
     torch.distributed.destroy_process_group()
 
 
@@ -425,6 +456,19 @@ def _result_of(name: str, process, results):
                     return results.get(timeout=1)  # put just before it exited
                 except queue.Empty:
                     raise RuntimeError(f"side {name} exited with code {process.exitcode} without a result") from None
+
+
+def run_in_own_process(name: str, device: str, side, *side_args):
+    """side(platform, *side_args) in a fresh process, the only rank of its process group on `device`: a fresh
+    device allocator (a side run after another one in the same process ran out of memory on the H200). Returns
+    its result; `side` must be a module-level function (the process is spawned)."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    process = context.Process(target=_side_process, args=(device, side, side_args, results))
+    process.start()
+    result = _result_of(name, process, results)
+    process.join()
+    return result
 
 
 def main(argv=None) -> None:
@@ -450,24 +494,11 @@ def main(argv=None) -> None:
     write_checkpoint(Path(args.work_dir) / f"qwen3_{args.shape}", shape, get_platform(args.device).current_device())
     tokens = args.seq * args.micro_batch_size * args.micro_batches
     flops = flops_per_step(shape, args.seq, tokens)
-    parameters = (
-        shape["vocab_size"] * shape["hidden_size"] * (1 if shape["tie_word_embeddings"] else 2)
-        + shape["num_hidden_layers"] * (
-            shape["hidden_size"] * (shape["num_attention_heads"] + 2 * shape["num_key_value_heads"]) * shape["head_dim"]
-            + shape["num_attention_heads"] * shape["head_dim"] * shape["hidden_size"]
-            + 3 * shape["hidden_size"] * shape["intermediate_size"]
-        )
-    )
-    results = {"parameters_b": parameters / 1e9, "tokens_per_step": tokens}
+    results = {"parameters_b": parameter_count(shape) / 1e9, "tokens_per_step": tokens}
     print(json.dumps(results), flush=True)
     profiles = {}
-    context = mp.get_context("spawn")
     for name in args.sides:
-        side_results = context.Queue()
-        process = context.Process(target=run_side, args=(name, args, side_results))
-        process.start()
-        result = _result_of(name, process, side_results)
-        process.join()
+        result = run_in_own_process(name, args.device, run_side, name, args)
         result["tokens_per_s"] = tokens / result["seconds_per_step"]
         result["mfu"] = flops / result["seconds_per_step"] / PEAK_FLOPS
         profiles[name] = result.pop("profile", None)
