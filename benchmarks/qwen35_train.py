@@ -80,7 +80,7 @@ def init_distributed(device: str):
     return platform
 
 
-def make_actor(hf_dir: str, platform, dtype: torch.dtype, lr: float, micro_batch_size: int):
+def make_actor(hf_dir: str, platform, dtype: torch.dtype, lr: float, micro_batch_size: int, gdn_kernel: str):
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
@@ -94,7 +94,7 @@ def make_actor(hf_dir: str, platform, dtype: torch.dtype, lr: float, micro_batch
     hf = read_hf_config(hf_dir)
     transformer = transformer_config(hf, bf16=bf16, params_dtype=dtype, perform_initialization=False)
     optimizer = OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
-    settings = ActorSettings(micro_batch_size=micro_batch_size, keep_reference=False)
+    settings = ActorSettings(micro_batch_size=micro_batch_size, keep_reference=False, gdn_training_kernel=gdn_kernel)
     return MegatronActor(hf_dir, transformer, optimizer, DistributedDataParallelConfig(), settings, platform=platform)
 
 
@@ -120,11 +120,11 @@ def mixed_length_batch(vocab_size: int, lengths: list[tuple[int, int]], seed: in
     )
 
 
-def logprob_parity(hf_dir: str, platform, seq: int = 96) -> dict:
+def logprob_parity(hf_dir: str, platform, gdn_kernel: str, seq: int = 96) -> dict:
     """Max abs diff of response-token logprobs, actor vs HF transformers, float32, same device."""
     import transformers
 
-    actor = make_actor(hf_dir, platform, torch.float32, lr=1e-4, micro_batch_size=2)
+    actor = make_actor(hf_dir, platform, torch.float32, lr=1e-4, micro_batch_size=2, gdn_kernel=gdn_kernel)
     batch = mixed_length_batch(actor.hf["vocab_size"], [(seq, 40), (seq // 2 + 7, 20), (33, 9)])
     ours = actor.compute_logprobs(batch)
     device = platform.current_device()
@@ -139,7 +139,7 @@ def logprob_parity(hf_dir: str, platform, seq: int = 96) -> dict:
     return {"max_abs_diff": max(diffs), "per_sample": diffs}
 
 
-def packed_parity(hf_dir: str, platform, dtype: torch.dtype, seq: int) -> dict:
+def packed_parity(hf_dir: str, platform, dtype: torch.dtype, seq: int, gdn_kernel: str) -> dict:
     """Max abs diff of response-token logprobs: all samples of a mixed-length batch (the longest `seq` tokens) packed
     into one micro-batch against one sample per micro-batch, with the same weights."""
     from relax.train.model import read_hf_config
@@ -148,39 +148,20 @@ def packed_parity(hf_dir: str, platform, dtype: torch.dtype, seq: int) -> dict:
     batch = mixed_length_batch(read_hf_config(hf_dir)["vocab_size"], lengths)
     logprobs = {}
     for samples_per_micro_batch in (1, len(batch)):
-        actor = make_actor(hf_dir, platform, dtype, lr=1e-4, micro_batch_size=samples_per_micro_batch)
+        actor = make_actor(
+            hf_dir, platform, dtype, lr=1e-4, micro_batch_size=samples_per_micro_batch, gdn_kernel=gdn_kernel
+        )
         logprobs[samples_per_micro_batch] = actor.compute_logprobs(batch)
         del actor
     diffs = [(packed - alone).abs().max().item() for packed, alone in zip(logprobs[len(batch)], logprobs[1])]
     return {"max_abs_diff": max(diffs), "per_sample": diffs, "sample_tokens": [n for n, _ in lengths]}
 
 
-def use_gdn_kernel(kernel: str) -> str:
-    """Point megatron-core's GatedDeltaNet at a chunked GDN: "fla" (flash-linear-attention's Triton kernel, what
-    megatron imports when fla is installed) or "reference" (relax.kernels' torch version, autograd for backward).
-    Returns the qualified name in use."""
-    from megatron.core.ssm import gated_delta_net
-
-    from relax.kernels import gdn_reference
-
-    if kernel == "reference":
-        gated_delta_net.chunk_gated_delta_rule = gdn_reference.chunk_gated_delta_rule
-    elif kernel == "fla":
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-        gated_delta_net.chunk_gated_delta_rule = chunk_gated_delta_rule
-    else:
-        raise ValueError(f"unknown GDN kernel {kernel!r}: fla or reference")
-    function = gated_delta_net.chunk_gated_delta_rule
-    return f"{function.__module__}.{function.__name__}"
-
-
-def train(hf_dir: str, platform, steps: int, samples: int, seq: int, micro_batch_size: int, lr: float) -> dict:
-    from megatron.core.ssm import gated_delta_net
-
-    actor = make_actor(hf_dir, platform, torch.bfloat16, lr=lr, micro_batch_size=micro_batch_size)
+def train(
+    hf_dir: str, platform, steps: int, samples: int, seq: int, micro_batch_size: int, lr: float, gdn_kernel: str
+) -> dict:
+    actor = make_actor(hf_dir, platform, torch.bfloat16, lr=lr, micro_batch_size=micro_batch_size, gdn_kernel=gdn_kernel)
     parameters = sum(p.numel() for p in actor.model.parameters())
-    kernel = gated_delta_net.chunk_gated_delta_rule
     batch = patterned_batch(actor.hf["vocab_size"], samples, seq, seed=0)
     nll, seconds, grad_norms = [], [], []
     for _ in range(steps + 1):
@@ -196,7 +177,7 @@ def train(hf_dir: str, platform, steps: int, samples: int, seq: int, micro_batch
         grad_norms.append(metrics["grad_norm"])
     return {
         "parameters_m": parameters / 1e6,
-        "gdn_kernel": f"{kernel.__module__}.{kernel.__name__}",
+        "gdn_kernel": gdn_kernel,
         "nll_before_each_step": nll,
         "seconds_per_step": seconds,
         "grad_norms": grad_norms,
@@ -229,19 +210,20 @@ def main(argv=None) -> None:
     work_dir = Path(args.work_dir)
     results = {}
     if not args.no_parity:
-        results["parity_kernel"] = use_gdn_kernel("fla" if args.device == "cuda" else "reference")
+        results["parity_kernel"] = parity_kernel = "fla" if args.device == "cuda" else "reference"
         small = write_checkpoint(work_dir, "small")
-        results["parity_small_fp32"] = logprob_parity(small, platform)
+        results["parity_small_fp32"] = logprob_parity(small, platform, parity_kernel)
         print("parity", json.dumps(results["parity_small_fp32"]), flush=True)
-        results["packed_parity_small_fp32"] = packed_parity(small, platform, torch.float32, seq=96)
+        results["packed_parity_small_fp32"] = packed_parity(small, platform, torch.float32, 96, parity_kernel)
         print("packed rows parity, small fp32", json.dumps(results["packed_parity_small_fp32"]), flush=True)
     start = time.perf_counter()
     hf_dir = write_checkpoint(work_dir, args.size)
     print(f"wrote {args.size} checkpoint in {time.perf_counter() - start:.1f} s", flush=True)
-    use_gdn_kernel(args.train_gdn_kernel)
-    results["packed_parity_bf16"] = packed_parity(hf_dir, platform, torch.bfloat16, args.seq)
+    results["packed_parity_bf16"] = packed_parity(hf_dir, platform, torch.bfloat16, args.seq, args.train_gdn_kernel)
     print(f"packed rows parity, {args.size} bf16", json.dumps(results["packed_parity_bf16"]), flush=True)
-    results["train"] = train(hf_dir, platform, args.steps, args.samples, args.seq, args.micro_batch_size, args.lr)
+    results["train"] = train(
+        hf_dir, platform, args.steps, args.samples, args.seq, args.micro_batch_size, args.lr, args.train_gdn_kernel
+    )
     print(json.dumps(results, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), **results}))
