@@ -2,6 +2,10 @@
 
 The driver (relax.loop) calls every rank with the same arguments; each rank keeps its own data-parallel
 share of the samples, so the driver never needs to know the parallel layout.
+
+Nothing a rank receives holds a megatron object: Ray unpickles an actor's arguments before its __init__
+runs, and the platform must prepare Megatron before megatron's first import (on an NPU, MindSpeed patches
+it). The Megatron settings arrive as plain values and become megatron-core config objects here.
 """
 
 import torch
@@ -11,11 +15,13 @@ from relax.train.batch import RolloutBatch
 
 
 class TrainWorker:
-    def __init__(self, hf_dir: str, megatron, settings, device: str, bucket_bytes: int):
+    def __init__(self, hf_dir: str, megatron_values, settings, device: str, bucket_bytes: int):
+        """megatron_values: relax.args.MegatronValues; settings: relax.train.actor.ActorSettings."""
         from relax.platform import get_platform
 
         self.platform = get_platform(device)
         self.platform.prepare_megatron()
+        megatron = megatron_values.build()
         self.platform.set_device(local_device_index())
         # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from relax.ray.placement.
         torch.distributed.init_process_group(backend=self.platform.dist_backend)
