@@ -140,6 +140,9 @@ PLATFORM = Platform(
     memory_saver="torch_memory_saver",
     colocation_needs_release=True,
     same_node_transport="ipc",
+    # SGLang's Ascend path rebuilds a handle on the receiving process's own device (an Ascend handle carries no
+    # device uuid): a handle from another NPU would be read as the receiver's own memory.
+    handles_cross_devices=False,
     sglang_server_defaults=frozen({"device": "npu", "attention_backend": "ascend"}),
     _load_device_module=_device_module,
     _unavailable_reason=_unavailable_reason,
