@@ -67,11 +67,9 @@ npu_environment() {
     export MULTI_STREAM_MEMORY_REUSE="${MULTI_STREAM_MEMORY_REUSE:-1}"
     # torch_npu's stream pool per device (SGLang's Ascend guides use 32)
     export STREAMS_PER_DEVICE="${STREAMS_PER_DEVICE:-32}"
-    # SGLang on NPU: overlap work on several streams; plan the next batch on its own stream; let a prefill
-    # wait up to 30 scheduler passes to be batched with others
+    # SGLang on NPU: overlap work on several streams; plan the next batch on its own stream
     export SGLANG_NPU_USE_MULTI_STREAM="${SGLANG_NPU_USE_MULTI_STREAM:-1}"
     export SGLANG_ENABLE_OVERLAP_PLAN_STREAM="${SGLANG_ENABLE_OVERLAP_PLAN_STREAM:-1}"
-    export SGLANG_PREFILL_DELAYER_MAX_DELAY_PASSES="${SGLANG_PREFILL_DELAYER_MAX_DELAY_PASSES:-30}"
 }
 
 relax_train() {

@@ -31,9 +31,11 @@ RUN_ARGS=(
     # overlap DP gradient reduce-scatter and parameter all-gather with backward and forward compute
     --overlap-grad-reduce --overlap-param-gather
     --rollout-num-devices-per-engine 8
+    # a prefill may wait up to 30 scheduler passes to be batched with others
+    --sglang-prefill-delayer-max-delay-passes 30
     --sglang-mem-fraction-static 0.85 --sglang-attention-backend ascend
     # decode graphs for up to the 128 requests each engine gets (64 prompts x 8 / 4 engines); GDN state in bf16
-    --sglang-cuda-graph-bs 4 8 16 24 32 40 48 64 128 --sglang-mamba-ssm-dtype bfloat16
+    --sglang-cuda-graph-bs-decode 4 8 16 24 32 40 48 64 128 --sglang-mamba-ssm-dtype bfloat16
 )
 
 relax_train "${MODEL_ARGS[@]}" "${PRESET_ARGS[@]}" "${RUN_ARGS[@]}" "$@"
