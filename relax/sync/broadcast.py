@@ -16,9 +16,10 @@ on the bundles of ranks e*k .. (e+1)*k - 1, relax.ray.placement.engine_positions
   and HCCL refuse that), so an engine must not share the sender's device: the plan refuses such a layout
   (relax.args.checks refuses it at parse time).
 
-Handles do not cross nodes, so the engines a sender broadcasts to join one process group with it and
-receive each bucket by broadcast, through SGLang's own distributed weight update (Engine.init_weights_update_group / update_weights_from_distributed with
-load_format="flattened_bucket"; sglang/srt/model_executor/model_runner_components/weight_updater.py):
+The engines a sender broadcasts to join one process group with it and receive each bucket by broadcast,
+through SGLang's own distributed weight update (Engine.init_weights_update_group /
+update_weights_from_distributed with load_format="flattened_bucket";
+sglang/srt/model_executor/model_runner_components/weight_updater.py):
 
     group rank 0                        the sending training rank
     ranks 1 + i*tp .. 1 + i*tp + tp-1   the TP ranks of remote engine i (tp = devices per engine)

@@ -124,13 +124,15 @@ def test_each_presets_engine_ranks_take_weights_from_their_own_device_or_by_broa
         "tensor_model", "pipeline_model", "context"))
     platform = platform_facts(ast.literal_eval(_setting(out, "relax", "device")))
     world = nodes * per_node
-    pipelines = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp").get_ranks("pp")
+    ranks = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    pipelines = ranks.get_ranks("pp")
     stage_of = {rank: stage for pipeline in pipelines for stage, rank in enumerate(pipeline)}
     node_of = [rank // per_node for rank in range(world)]
     pushes = plan_pushes([stage_of[rank] for rank in range(world)], node_of, per_engine, platform.handles_cross_devices)
 
     engines = engine_positions(world, per_engine)
-    assert sorted((push.stage, push.engine) for push in pushes) == [(s, e) for s in range(pp) for e in range(len(engines))]
+    every_stage_and_engine = [(stage, engine) for stage in range(pp) for engine in range(len(engines))]
+    assert sorted((push.stage, push.engine) for push in pushes) == every_stage_and_engine
     for push in pushes:
         devices = tuple(engines[push.engine])
         if push.route == SAME_DEVICE:

@@ -103,7 +103,8 @@ def test_flags_of_every_kind_reach_the_config_objects():
 
 def _plain_fields(config) -> dict:
     """A config object's fields, less the callables __post_init__ makes anew (init methods)."""
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if not callable(getattr(config, f.name))}
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {name: value for name, value in values.items() if not callable(value)}
 
 
 def test_training_workers_get_plain_values_that_import_no_megatron_and_build_the_same_objects():
