@@ -77,7 +77,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
             trainers = create_training_actors(
                 TrainWorker, placement, memory_saver_on=memory_saver_on,
                 args=(
-                    r.hf_checkpoint, config.megatron, _actor_settings(config), platform.name,
+                    r.hf_checkpoint, config.megatron.values, _actor_settings(config), platform.name,
                     r.update_weight_buffer_size,
                 ),
             )

@@ -50,14 +50,26 @@ npu_environment() {
     # SGLang's Ascend attention backend uses the fused-infer-attention (FIA) kernels, which also serve
     # Qwen3.5's 256-dim heads in mixed prefill/decode batches (without FIA only up to 128)
     export ASCEND_USE_FIA="${ASCEND_USE_FIA:-1}"
-    # level-2 operator queue: the host enqueues kernels ahead of the device in eager mode
-    export TASK_QUEUE_ENABLE="${TASK_QUEUE_ENABLE:-2}"
+    # level-1 operator queue: the host enqueues kernels ahead of the device (the value Relax's Ascend scripts
+    # ran the actor and SGLang engines with; MindSpeed-LLM's training-only examples use 2)
+    export TASK_QUEUE_ENABLE="${TASK_QUEUE_ENABLE:-1}"
     # bind each process's threads to the CPU cores next to its NPU
     export CPU_AFFINITY_CONF="${CPU_AFFINITY_CONF:-1}"
     # seconds HCCL waits for every rank to join a communicator (ranks of colocated groups arrive minutes apart)
     export HCCL_CONNECT_TIMEOUT="${HCCL_CONNECT_TIMEOUT:-1800}"
     # seconds a started collective waits for slow peers (a long rollout keeps peers away)
     export HCCL_EXEC_TIMEOUT="${HCCL_EXEC_TIMEOUT:-3600}"
+    # collectives are expanded on the AI Vector cores instead of the host-scheduled path (lower latency)
+    export HCCL_OP_EXPANSION_MODE="${HCCL_OP_EXPANSION_MODE:-AIV}"
+    # torch_npu's HCCL collectives work on the tensors in place instead of copying them into HCCL's buffer
+    export TORCH_HCCL_ZERO_COPY="${TORCH_HCCL_ZERO_COPY:-1}"
+    # torch_npu's allocator reuses memory freed on another stream (SGLang's NPU path runs several streams)
+    export MULTI_STREAM_MEMORY_REUSE="${MULTI_STREAM_MEMORY_REUSE:-1}"
+    # torch_npu's stream pool per device (SGLang's Ascend guides use 32)
+    export STREAMS_PER_DEVICE="${STREAMS_PER_DEVICE:-32}"
+    # SGLang on NPU: overlap work on several streams; plan the next batch on its own stream
+    export SGLANG_NPU_USE_MULTI_STREAM="${SGLANG_NPU_USE_MULTI_STREAM:-1}"
+    export SGLANG_ENABLE_OVERLAP_PLAN_STREAM="${SGLANG_ENABLE_OVERLAP_PLAN_STREAM:-1}"
 }
 
 relax_train() {

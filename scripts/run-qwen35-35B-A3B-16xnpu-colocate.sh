@@ -12,11 +12,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/common.sh
 source scripts/models/qwen3.5-35B-A3B.sh
 preset_defaults Qwen3.5-35B-A3B
-npu_environment  # SGLANG_NPU_*, ASCEND_USE_FIA, TASK_QUEUE_ENABLE, CPU_AFFINITY_CONF, HCCL timeouts
+npu_environment  # SGLANG_*, ASCEND_USE_FIA, TASK_QUEUE_ENABLE, CPU_AFFINITY_CONF, HCCL and stream settings
 # MB of buffer per HCCL communicator: the alltoall of 16 expert ranks moves more than the 200 MB default
 export HCCL_BUFFSIZE="${HCCL_BUFFSIZE:-400}"
-# A3: collectives are expanded on the AI Vector cores, not the host-scheduled path (lower latency)
-export HCCL_OP_EXPANSION_MODE="${HCCL_OP_EXPANSION_MODE:-AIV}"
 # Between nodes HCCL and Gloo pick a network interface themselves; when a node has several, name the one
 # the nodes reach each other on: HCCL_SOCKET_IFNAME=<nic> GLOO_SOCKET_IFNAME=<nic> (machine-specific).
 
@@ -33,7 +31,11 @@ RUN_ARGS=(
     # overlap DP gradient reduce-scatter and parameter all-gather with backward and forward compute
     --overlap-grad-reduce --overlap-param-gather
     --rollout-num-devices-per-engine 8
+    # a prefill may wait up to 30 scheduler passes to be batched with others
+    --sglang-prefill-delayer-max-delay-passes 30
     --sglang-mem-fraction-static 0.85 --sglang-attention-backend ascend
+    # decode graphs for up to the 128 requests each engine gets (64 prompts x 8 / 4 engines); GDN state in bf16
+    --sglang-cuda-graph-bs-decode 4 8 16 24 32 40 48 64 128 --sglang-mamba-ssm-dtype bfloat16
 )
 
 relax_train "${MODEL_ARGS[@]}" "${PRESET_ARGS[@]}" "${RUN_ARGS[@]}" "$@"

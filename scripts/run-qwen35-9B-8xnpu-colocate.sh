@@ -22,7 +22,11 @@ RUN_ARGS=(
     --tensor-model-parallel-size 4 --sequence-parallel
     # engines of 2 NPUs: 9 GB of weights per NPU leaves most of the memory for the KV cache
     --rollout-num-devices-per-engine 2
+    # a prefill may wait up to 30 scheduler passes to be batched with others
+    --sglang-prefill-delayer-max-delay-passes 30
     --sglang-mem-fraction-static 0.7 --sglang-attention-backend ascend
+    # decode graphs for up to the 64 requests each engine gets (32 prompts x 8 / 4 engines); GDN state in bf16
+    --sglang-cuda-graph-bs-decode 2 8 16 24 32 64 --sglang-mamba-ssm-dtype bfloat16
     # Keep the GDN layers' recurrent state of cached prefixes in extra buffers, so that the n responses
     # of a prompt reuse its prefill. The issue asked for --sglang-mamba-scheduler-strategy; SGLang 0.5.23
     # names the flag --mamba-radix-cache-strategy.

@@ -4,6 +4,7 @@ config = parse_train_args(argv)   # exits 2 with a message on bad input, like ar
 config.relax                      # argparse.Namespace of relax's flags (resolved defaults filled in)
 config.sglang                     # sglang.srt.server_args.ServerArgs
 config.megatron                   # MegatronConfig: TransformerConfig, OptimizerConfig, DDP config, ...
+config.megatron.values            # MegatronValues: the same as plain data, what training workers receive
 print(format_config(config))      # what --dry-run prints
 """
 
@@ -16,6 +17,7 @@ import msgspec
 from relax.args.checks import check_config
 from relax.args.megatron import (
     MegatronConfig,
+    MegatronValues,
     add_megatron_args,
     build_megatron_config,
     check_model_family,
@@ -31,7 +33,7 @@ from relax.platform import platform_facts, resolve_platform_name
 from relax.rollout.engine import server_defaults
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
 
-__all__ = ["TrainConfig", "MegatronConfig", "build_parser", "parse_train_args", "format_config"]
+__all__ = ["TrainConfig", "MegatronConfig", "MegatronValues", "build_parser", "parse_train_args", "format_config"]
 
 _NAMESPACED = ("sglang_", "megatron_")
 
@@ -91,7 +93,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     if hf is not None:
         check_model_family(hf, parser.error)
     values = resolve_architecture(given, hf, checkpoint, parser.error)
-    megatron = build_megatron_config(values, relax.num_steps, parser.error)
+    megatron = build_megatron_config(MegatronValues(values, relax.num_steps), parser.error)
     if hf is not None:  # what the actor trains: the family of config.json fixes the architecture fields
         megatron.transformer = family_transformer_config(megatron.transformer, given, hf, parser.error)
     sglang = build_server_args(

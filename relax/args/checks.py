@@ -106,6 +106,22 @@ def engine_fits_devices(config, platform):
         )
 
 
+def engines_within_pipeline_stages(config, platform):
+    """Where handles do not cross devices, weights reach an engine rank from the training rank on its device or by
+    broadcast, never from a rank on one of its devices by broadcast (relax.sync.broadcast.plan_pushes)."""
+    r, pp = config.relax, config.megatron.transformer.pipeline_model_parallel_size
+    if platform.handles_cross_devices or r.debug_rollout_only or r.debug_train_only or world_size(r) % pp:
+        return None
+    per_stage = world_size(r) // pp
+    if per_stage % r.rollout_num_devices_per_engine:
+        return (
+            f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} does not divide the {per_stage} "
+            f"devices of each pipeline stage ({world_size(r)} devices / --pipeline-model-parallel-size {pp}): on "
+            f"{platform.name!r} an engine takes its weights from the training ranks on its own devices, so its "
+            "devices must lie within one stage's; choose an engine size that divides them"
+        )
+
+
 def colocation_releases_memory(config, platform):
     if config.relax.colocate and platform.colocation_needs_release and not platform.has_memory_saver:
         return (
@@ -210,6 +226,7 @@ RULES = [
     rollout_fills_global_batches,
     global_batch_splits_over_data_parallel,
     engine_fits_devices,
+    engines_within_pipeline_stages,
     colocation_releases_memory,
     clip_range_ordered,
     kl_loss_has_weight,

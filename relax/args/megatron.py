@@ -22,6 +22,11 @@ Megatron-LM flags relax does not carry out (REFUSED_FLAGS) are errors that say w
 With an HF checkpoint the architecture comes from its config.json, and the TransformerConfig goes through
 the model family's mapping exactly as the training actor's does (family_transformer_config), so that
 --dry-run prints what will be trained.
+
+The resolved values (flags merged with config.json) stay plain Python data (MegatronValues: an Enum flag
+holds its member's name until the config objects are built). They, not the config objects, travel to the
+training workers, which build their own objects after their platform prepared Megatron: unpickling a
+megatron-core object imports megatron, and on an NPU MindSpeed must patch megatron before its first import.
 """
 
 import argparse
@@ -50,8 +55,47 @@ def config_classes() -> dict:
     return {"transformer": TransformerConfig, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
 
 
+PLAIN_TYPES = (type(None), bool, int, float, str)
+
+
+def _is_plain(value) -> bool:
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(item) for item in value)
+    return type(value) in PLAIN_TYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronValues:
+    """The resolved Megatron settings as plain Python data: what MegatronConfig's objects are built from.
+
+    Sent to the training workers in place of the objects (see the module docstring); building there gives the
+    objects the driver checked and printed, less the model family's mapping, which the actor applies itself."""
+
+    resolved: dict  # unprefixed flag name -> value: given flags and the checkpoint's architecture
+    num_steps: int  # --num-steps, the default LR decay length
+
+    def __post_init__(self):
+        for name, value in self.resolved.items():
+            if not _is_plain(value):
+                raise TypeError(
+                    f"Megatron setting {name}={value!r} is a {type(value).__module__}.{type(value).__qualname__}: "
+                    "MegatronValues holds only plain Python values (None, bool, int, float, str, lists and tuples "
+                    "of them), which a training worker can receive before it prepares Megatron"
+                )
+
+    def build(self) -> "MegatronConfig":
+        """The config objects, in a process that has prepared Megatron (platform.prepare_megatron()).
+        The values were checked where they were parsed: a rejection here is a bug, raised as ValueError."""
+
+        def error(message: str):
+            raise ValueError(message)
+
+        return build_megatron_config(self, error)
+
+
 @dataclasses.dataclass
 class MegatronConfig:
+    values: MegatronValues  # what the objects below are built from; what training workers receive
     transformer: typing.Any  # megatron.core.transformer.TransformerConfig
     optimizer: typing.Any  # megatron.core.optimizer.OptimizerConfig
     ddp: typing.Any  # megatron.core.distributed.DistributedDataParallelConfig
@@ -155,7 +199,8 @@ REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
 
 class CliForm(typing.NamedTuple):
     kwargs: dict  # for add_argument
-    convert: typing.Callable | None = None  # applied to the parsed value before it reaches the dataclass
+    convert: typing.Callable | None = None  # applied to the parsed value, giving the plain resolved value
+    to_field: typing.Callable | None = None  # turns the resolved value into the dataclass's (an Enum member)
 
 
 def _cli_form(annotation) -> CliForm | None:
@@ -181,8 +226,7 @@ def _cli_form(annotation) -> CliForm | None:
     if origin is typing.Literal:
         return CliForm({"type": type(args[0]), "choices": list(args)})
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        metavar = "{" + ",".join(annotation.__members__) + "}"
-        return CliForm({"type": _enum_by_name(annotation), "choices": list(annotation), "metavar": metavar})
+        return CliForm({"type": str, "choices": list(annotation.__members__)}, to_field=annotation.__getitem__)
     if origin in (list, typing.List) and len(args) == 1 and args[0] in (int, float, str):
         return CliForm({"nargs": "+", "type": args[0]})
     if origin in (tuple, typing.Tuple) and args and all(a in (int, float, str) for a in args) and len(set(args)) == 1:
@@ -192,19 +236,6 @@ def _cli_form(annotation) -> CliForm | None:
 
 def _scalar_if_one(values: list):
     return values[0] if len(values) == 1 else values
-
-
-def _enum_by_name(enum_class):
-    def parse(text):
-        try:
-            return enum_class[text]
-        except KeyError:
-            raise argparse.ArgumentTypeError(
-                f"invalid choice {text!r} (choose from {', '.join(enum_class.__members__)})"
-            ) from None
-
-    parse.__name__ = enum_class.__name__
-    return parse
 
 
 def _flag(field: str) -> str:
@@ -341,13 +372,17 @@ def resolve_architecture(given: dict, hf: dict | None, checkpoint: str | None, e
     return merged
 
 
-def build_megatron_config(values: dict, num_steps: int, error) -> MegatronConfig:
+def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
     """Real megatron-core config objects from resolved values (flags + checkpoint architecture)."""
     import torch
     import torch.nn.functional as F
 
     classes = config_classes()
-    values = dict(values)
+    forms, _, _ = field_flags()
+    values = {
+        name: forms[name].to_field(value) if name in forms and forms[name].to_field and value is not None else value
+        for name, value in resolved.resolved.items()
+    }
     if values.get("bf16") and values.get("fp16"):
         error("--bf16 and --fp16 are exclusive")
     dtype = torch.bfloat16 if values.get("bf16") else torch.float16 if values.get("fp16") else torch.float32
@@ -382,8 +417,8 @@ def build_megatron_config(values: dict, num_steps: int, error) -> MegatronConfig
         model.max_position_embeddings = model.seq_length
     scheduler = argparse.Namespace(**{name: values.get(name) for name in SCHEDULER_FLAGS})
     if scheduler.lr_decay_iters is None:
-        scheduler.lr_decay_iters = num_steps
-    return MegatronConfig(model=model, scheduler=scheduler, **built)
+        scheduler.lr_decay_iters = resolved.num_steps
+    return MegatronConfig(values=resolved, model=model, scheduler=scheduler, **built)
 
 
 def check_model_family(hf: dict, error) -> None:

@@ -62,6 +62,10 @@ class Platform:
     # How a trainer hands tensors to an engine process on the same node: "ipc" (device IPC handles,
     # zero-copy) or "inline" (the bytes of CPU tensors inside the payload).
     same_node_transport: str
+    # Can an engine rank open a tensor handle made on another device of its node? If not, each engine rank
+    # takes its weights from the training rank on its own device, and other devices' from a broadcast
+    # (relax.sync.broadcast.plan_pushes).
+    handles_cross_devices: bool
     # ServerArgs field overrides the engine wrapper applies on this platform (before the user's flags).
     sglang_server_defaults: Mapping[str, Any]
     # The training actor's causal attention (relax.platform.attention.KERNELS).

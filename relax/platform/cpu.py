@@ -153,6 +153,10 @@ PLATFORM = Platform(
     # file_system when its torch_shm_manager does not answer in time under load ("Shared memory manager
     # connection has timed out"). Copying the bytes costs little at the model sizes a CPU runs.
     same_node_transport="inline",
+    # Inline payloads could reach any engine rank of the node; the CPU takes the per-device route anyway, so
+    # that the route NPUs need (each engine rank fed by the training rank on its own bundle) runs in every CPU
+    # test of the loop.
+    handles_cross_devices=False,
     sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
     attention_kernel="sdpa",
     gdn_training_kernel="reference",

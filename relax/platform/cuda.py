@@ -108,6 +108,7 @@ PLATFORM = Platform(
     memory_saver="torch_memory_saver",
     colocation_needs_release=True,
     same_node_transport="ipc",
+    handles_cross_devices=True,  # SGLang's receiver finds a CUDA IPC handle's device by its uuid
     sglang_server_defaults=frozen({"device": "cuda"}),
     attention_kernel="flash_varlen",
     gdn_training_kernel="fla",

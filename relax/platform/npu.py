@@ -41,9 +41,10 @@ WORKER_ENV = {
     # would need offset by hand. CANN: not supported on Atlas A2 with MC2 fused communication operators.
     "HCCL_HOST_SOCKET_PORT_RANGE": "auto",
     "HCCL_NPU_SOCKET_PORT_RANGE": "auto",
-    # Level-2 operator dispatch queue: the host enqueues kernels ahead of the device in eager mode (1 is for
-    # graph mode). MindSpeed-LLM's example environment uses 2.
-    "TASK_QUEUE_ENABLE": "2",
+    # Level-1 operator dispatch queue: the host enqueues kernels ahead of the device. Relax's Ascend scripts
+    # ran the actor and SGLang's engines (which capture decode graphs) with 1; MindSpeed-LLM's training-only
+    # examples use 2.
+    "TASK_QUEUE_ENABLE": "1",
     # Bind each process's threads to the CPU cores next to its NPU (coarse binding), to stop host-side
     # dispatch from stalling on cores shared with other processes (MindSpeed-LLM's examples use 1).
     "CPU_AFFINITY_CONF": "1",
@@ -140,6 +141,9 @@ PLATFORM = Platform(
     memory_saver="torch_memory_saver",
     colocation_needs_release=True,
     same_node_transport="ipc",
+    # SGLang's Ascend path rebuilds a handle on the receiving process's own device (an Ascend handle carries no
+    # device uuid): a handle from another NPU would be read as the receiver's own memory.
+    handles_cross_devices=False,
     sglang_server_defaults=frozen({"device": "npu", "attention_backend": "ascend"}),
     attention_kernel="npu_fusion",
     # flash-linear-attention's Triton kernels are not built for triton-ascend; the torch reference always runs

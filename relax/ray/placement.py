@@ -445,17 +445,24 @@ def training_envs(placement: Placement, base_env: dict[str, str]) -> list[dict[s
     return envs
 
 
-def engine_envs(placement: Placement, devices_per_engine: int, base_env: dict[str, str]) -> list[dict[str, str]]:
-    """Engine e runs on bundles [e*k, (e+1)*k) (k = devices_per_engine), all on one node, consecutive devices."""
-    if devices_per_engine < 1 or placement.num_devices % devices_per_engine:
+def engine_positions(num_devices: int, devices_per_engine: int) -> list[range]:
+    """The bundle positions of each engine: engine e on [e*k, (e+1)*k) (k = devices_per_engine). Training rank i
+    runs on position i, so engine e shares its devices with training ranks e*k .. (e+1)*k - 1, its TP rank r with
+    rank e*k + r (relax.sync.broadcast routes weight pushes by it)."""
+    if devices_per_engine < 1 or num_devices % devices_per_engine:
         raise ValueError(
-            f"rollout_num_devices_per_engine={devices_per_engine} must divide the {placement.num_devices} "
-            "placed devices"
+            f"rollout_num_devices_per_engine={devices_per_engine} must divide the {num_devices} placed devices"
         )
-    num_engines = placement.num_devices // devices_per_engine
+    return [range(start, start + devices_per_engine) for start in range(0, num_devices, devices_per_engine)]
+
+
+def engine_envs(placement: Placement, devices_per_engine: int, base_env: dict[str, str]) -> list[dict[str, str]]:
+    """Engine e runs on bundles engine_positions(...)[e], all on one node, consecutive devices."""
+    positions = engine_positions(placement.num_devices, devices_per_engine)
+    num_engines = len(positions)
     envs = []
     for engine in range(num_engines):
-        bundles = placement.bundles[engine * devices_per_engine:(engine + 1) * devices_per_engine]
+        bundles = [placement.bundles[position] for position in positions[engine]]
         if len({bundle.node_id for bundle in bundles}) > 1:
             per_node = dict(Counter(f"{bundle.node_ip}/{bundle.node_id[:8]}" for bundle in placement.bundles))
             raise ValueError(
@@ -491,5 +498,5 @@ def create_engine_actors(actor_class, placement: Placement, devices_per_engine: 
                          kwargs: dict | None = None, ray_options: dict | None = None) -> ActorGroup:
     """One actor per group of `devices_per_engine` bundles, on the first bundle of its group."""
     envs = engine_envs(placement, devices_per_engine, _base_env(placement, env, memory_saver_on))
-    positions = list(range(0, placement.num_devices, devices_per_engine))
+    positions = [engine[0] for engine in engine_positions(placement.num_devices, devices_per_engine)]
     return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role="engine")

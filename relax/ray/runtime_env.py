@@ -35,7 +35,18 @@ WORKER_ENV_PREFIXES = (
     "TRITON_",
 )
 # Whole names read by the same programs that share no prefix.
-WORKER_ENV_NAMES = ("TASK_QUEUE_ENABLE", "CPU_AFFINITY_CONF", "OMP_NUM_THREADS")
+WORKER_ENV_NAMES = (
+    "TASK_QUEUE_ENABLE",  # torch_npu: operator dispatch queue level
+    "CPU_AFFINITY_CONF",  # torch_npu: bind threads to the cores next to the NPU
+    "OMP_NUM_THREADS",
+    "STREAMS_PER_DEVICE",  # torch_npu: streams in each device's pool
+    "MULTI_STREAM_MEMORY_REUSE",  # torch_npu's allocator: reuse memory freed on other streams
+    "P2P_HCCL_BUFFSIZE",  # torch_npu: MB of buffer of the separate point-to-point HCCL communicators
+    "DEEPEP_HCCL_BUFFSIZE",  # SGLang on NPU: MB of HCCL buffer of its DeepEP group (else HCCL_BUFFSIZE)
+    # the Ascend SGLang build of Relax's NPU scripts: Triton or Ascend C GDN attention (SGLang 0.5.23 reads none)
+    "GDN_ATTN_BACKEND_TRITON",
+    "TMS_HOOK_MODE",  # torch_memory_saver (sgl-kernel-npu's build): "torch" or "preload" hooks
+)
 # Never forwarded by prefix: Ray gives each actor its devices on its own node, and a login shell's
 # CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES would point every worker at the same devices.
 # Naming one with --env still forwards it.

@@ -1,10 +1,25 @@
-"""How a sending training rank reaches each engine: by handle on its own node, by a broadcast group elsewhere.
+"""How the training ranks reach each engine: by handle where they share a node or a device, by broadcast elsewhere.
 
-Engines on the sender's node take each bucket as a payload (device IPC handles on GPU/NPU, the bytes on
-CPU; relax.sync.bucket). Handles do not cross nodes, so the engines on other nodes join one
-process group with the sender and receive each bucket by broadcast, through SGLang's own distributed
-weight update (Engine.init_weights_update_group / update_weights_from_distributed with
-load_format="flattened_bucket"; sglang/srt/model_executor/model_runner_components/weight_updater.py):
+Every training rank of a pipeline stage holds the same buckets of that stage's weights (relax.sync.export).
+plan_pushes decides, per stage and engine, who sends and how (placement: training rank i on bundle i, engine e
+on the bundles of ranks e*k .. (e+1)*k - 1, relax.ray.placement.engine_positions):
+
+- SAME_NODE, where the platform's handles cross devices (CUDA: SGLang finds a handle's device by its uuid):
+  the stage's first rank hands the engine a payload for each of its TP ranks (device IPC handles; relax.sync.bucket).
+- SAME_DEVICE, where they do not (NPU: SGLang's Ascend path rebuilds a handle on the receiver's own device, so a
+  handle from another device would be read as the receiver's own memory; also the CPU, see relax.platform.cpu):
+  when the stage has a training rank on every device of the engine, each of them makes the payload for the
+  engine rank on its own device, and the rank on the engine's first device gathers them (a gloo group per
+  engine) and makes the engine's call.
+- BROADCAST otherwise (engines on other nodes; with SAME_DEVICE, also engines whose devices hold another
+  stage): the stage's first rank broadcasts. A broadcast group never holds two processes of one device (NCCL
+  and HCCL refuse that), so an engine must not share the sender's device: the plan refuses such a layout
+  (relax.args.checks refuses it at parse time).
+
+The engines a sender broadcasts to join one process group with it and receive each bucket by broadcast,
+through SGLang's own distributed weight update (Engine.init_weights_update_group /
+update_weights_from_distributed with load_format="flattened_bucket";
+sglang/srt/model_executor/model_runner_components/weight_updater.py):
 
     group rank 0                        the sending training rank
     ranks 1 + i*tp .. 1 + i*tp + tp-1   the TP ranks of remote engine i (tp = devices per engine)
@@ -17,21 +32,74 @@ buffer on its device, so a CPU engine receives over gloo; tests/e2e/test_multino
 on devices. The group is made at the first push, reused by every later push, and destroyed on both ends
 by close().
 
-    routes = WeightRoutes(engines, engine_nodes, own_node, engine_tp_size, platform, group_name)
+    pushes = plan_pushes(stage_of_rank, node_of_rank, engine_tp_size, platform.handles_cross_devices)
+    groups = device_groups(pushes)  # collective: every training rank makes every group
+    routes = WeightRoutes(engines, pushes, rank, engine_tp_size, platform, group_name, groups)
     routes.send(named_tensors)     # per bucket, inside the engines' begin/end_weight_update
     routes.close()                 # at shutdown
 """
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import ray
 import torch
 
 from relax.ports import free_port
+from relax.ray.placement import engine_positions
 from relax.sync.bucket import bucket_dtypes, bucket_specs, flatten_bucket, serialize_flattened
 
 SAME_NODE = "same_node"
+SAME_DEVICE = "same_device"
 BROADCAST = "broadcast"
+
+
+@dataclass(frozen=True)
+class Push:
+    """How one engine gets the weights of one pipeline stage."""
+
+    stage: int
+    engine: int
+    route: str  # SAME_NODE, SAME_DEVICE or BROADCAST
+    # The training ranks that send: SAME_DEVICE, the stage's ranks on the engine's devices in its TP order (the
+    # first gathers and calls the engine); otherwise the stage's first rank alone.
+    ranks: tuple[int, ...]
+
+
+def plan_pushes(stage_of_rank: list[int], node_of_rank: list[str], devices_per_engine: int,
+                handles_cross_devices: bool) -> list[Push]:
+    """Every (stage, engine) push of one weight sync, from each training rank's pipeline stage and node (see the
+    module docstring). Raises ValueError for a layout where a broadcast would put an engine rank on its
+    sender's device."""
+    if len(stage_of_rank) != len(node_of_rank):
+        raise ValueError(f"{len(stage_of_rank)} training ranks' stages but {len(node_of_rank)} nodes")
+    pushes = []
+    for stage in sorted(set(stage_of_rank)):
+        sender = stage_of_rank.index(stage)
+        for engine, devices in enumerate(engine_positions(len(stage_of_rank), devices_per_engine)):
+            if not handles_cross_devices and all(stage_of_rank[rank] == stage for rank in devices):
+                pushes.append(Push(stage, engine, SAME_DEVICE, tuple(devices)))
+            elif handles_cross_devices and node_of_rank[devices[0]] == node_of_rank[sender]:
+                pushes.append(Push(stage, engine, SAME_NODE, (sender,)))
+            elif sender in devices:
+                raise ValueError(
+                    f"engine {engine} shares a device with training rank {sender}, which would broadcast pipeline "
+                    f"stage {stage}'s weights to it: engines of {devices_per_engine} devices span pipeline stages "
+                    "of other sizes; make --rollout-num-devices-per-engine divide the devices per pipeline stage"
+                )
+            else:
+                pushes.append(Push(stage, engine, BROADCAST, (sender,)))
+    return pushes
+
+
+def device_groups(pushes: list[Push]) -> dict[tuple[int, int], object]:
+    """A gloo group per SAME_DEVICE push, keyed by (stage, engine). Collective: every training rank makes every
+    group, in plan order (a rank outside a group gets torch.distributed's non-member marker for it)."""
+    return {
+        (push.stage, push.engine): torch.distributed.new_group(list(push.ranks), backend="gloo")
+        for push in pushes
+        if push.route == SAME_DEVICE
+    }
 
 
 class BroadcastGroup:
@@ -104,28 +172,40 @@ class BroadcastGroup:
 
 
 class WeightRoutes:
-    """The engines one sending training rank pushes to, split by node: those on `own_node` by handle, the
-    others through one BroadcastGroup (named `group_name`; unique per sender)."""
+    """What one training rank (`rank`) does with each bucket of its stage under the plan `pushes`: the payloads
+    of engines on its node (SAME_NODE), one BroadcastGroup (named `group_name`; unique per sender) to the
+    engines it broadcasts to, and its payload for the engine rank on its own device (SAME_DEVICE, through
+    that push's group from device_groups)."""
 
-    def __init__(self, engines: list, engine_nodes: list[str], own_node: str, engine_tp_size: int, platform,
-                 group_name: str):
-        if len(engines) != len(engine_nodes):
-            raise ValueError(f"{len(engines)} engines but {len(engine_nodes)} engine node ids")
+    def __init__(self, engines: list, pushes: list[Push], rank: int, engine_tp_size: int, platform, group_name: str,
+                 groups: dict[tuple[int, int], object]):
         platform.prepare_sglang()  # before the buckets import sglang
         self.engines = list(engines)
+        self.rank = rank
         self.engine_tp_size = engine_tp_size
         self.platform = platform
-        self.routes = [SAME_NODE if node == own_node else BROADCAST for node in engine_nodes]
-        self.same_node = [engine for engine, route in zip(engines, self.routes) if route == SAME_NODE]
-        remote = [engine for engine, route in zip(engines, self.routes) if route == BROADCAST]
+        mine = [push for push in pushes if rank in push.ranks]
+        self.routes = [None] * len(engines)  # per engine, the route this rank sends it on
+        for push in mine:
+            self.routes[push.engine] = push.route
+        self.same_node = [engines[push.engine] for push in mine if push.route == SAME_NODE]
+        remote = [engines[push.engine] for push in mine if push.route == BROADCAST]
         self.broadcast = BroadcastGroup(remote, engine_tp_size, platform, group_name) if remote else None
+        # At most one: the rank's device holds one engine rank, and the rank one stage.
+        own_device = [push for push in mine if push.route == SAME_DEVICE]
+        self.same_device = own_device[0] if own_device else None
+        self.device_group = groups[(self.same_device.stage, self.same_device.engine)] if self.same_device else None
+
+    @property
+    def sends(self) -> bool:
+        return any(route is not None for route in self.routes)
 
     def serves(self, engines: list) -> bool:
         return list(engines) == self.engines
 
     def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Push one bucket of (HF name, tensor) to every engine; returns once every engine has loaded it
-        (the bucket's memory may then be reused). The engines' weight update must be open."""
+        """Push one bucket of (HF name, tensor) on this rank's routes; returns once every engine it serves has
+        loaded it (the bucket's memory may then be reused). The engines' weight update must be open."""
         if self.broadcast is not None:
             self.broadcast.open()
         bucket = flatten_bucket(named_tensors)
@@ -136,11 +216,30 @@ class WeightRoutes:
         if self.broadcast is not None:
             receives, work = self.broadcast.start_send(bucket)
             pending += receives
+        if self.same_device is not None:
+            pending += self._give_own_device_payload(bucket)
         # A refused bucket or a dead engine raises here, rather than leaving the broadcast waiting for it.
         ray.get(pending)
         if work is not None:
             work.wait()
+        if self.same_device is not None:  # every rank keeps its bucket until the engine has copied them all
+            torch.distributed.barrier(group=self.device_group)
+
+    def _give_own_device_payload(self, bucket) -> list:
+        """This rank's payload for the engine rank on its device, gathered by the rank on the engine's first
+        device, which starts the engine's update (the ref it returns); the others return none."""
+        (payload,) = serialize_flattened(bucket, self.platform, tp_size=1)
+        caller = self.same_device.ranks[0]
+        payloads = [None] * len(self.same_device.ranks) if self.rank == caller else None
+        torch.distributed.gather_object(payload, payloads, dst=caller, group=self.device_group)
+        if self.rank != caller:
+            return []
+        engine = self.engines[self.same_device.engine]
+        return [engine.update_weights_from_serialized_bucket.remote(bucket_specs(bucket), payloads)]
 
     def close(self) -> None:
         if self.broadcast is not None:
             self.broadcast.close()
+        if self.device_group is not None:
+            group, self.device_group = self.device_group, None
+            torch.distributed.destroy_process_group(group)

@@ -2,6 +2,10 @@
 
 The driver (relax.loop) sends each rank its data-parallel share of a rollout (the ranks of one data-parallel
 replica get the same share) and calls every rank otherwise with the same arguments.
+
+Nothing a rank receives holds a megatron object: Ray unpickles an actor's arguments before its __init__
+runs, and the platform must prepare Megatron before megatron's first import (on an NPU, MindSpeed patches
+it). The Megatron settings arrive as plain values and become megatron-core config objects here.
 """
 
 import torch
@@ -11,11 +15,13 @@ from relax.train.batch import RolloutBatch
 
 
 class TrainWorker:
-    def __init__(self, hf_dir: str, megatron, settings, device: str, bucket_bytes: int):
+    def __init__(self, hf_dir: str, megatron_values, settings, device: str, bucket_bytes: int):
+        """megatron_values: relax.args.MegatronValues; settings: relax.train.actor.ActorSettings."""
         from relax.platform import get_platform
 
         self.platform = get_platform(device)
         self.platform.prepare_megatron()
+        megatron = megatron_values.build()
         self.platform.set_device(local_device_index())
         # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from relax.ray.placement.
         torch.distributed.init_process_group(backend=self.platform.dist_backend)
@@ -31,7 +37,7 @@ class TrainWorker:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.bucket_bytes = bucket_bytes
-        self.weight_routes = None  # relax.sync.broadcast.WeightRoutes, made at this sending rank's first push
+        self.weight_routes = None  # relax.sync.broadcast.WeightRoutes, made at the first push
 
     def data_parallel_rank(self) -> int:
         return self.dp_rank
@@ -74,45 +80,63 @@ class TrainWorker:
 
     def push_weights(self, engines: list, engine_tp_size: int, engine_nodes: list[str]) -> dict:
         """Send the weights under HF names, bucket by bucket, to `engines` (Ray handles of
-        relax.rollout.worker.EngineWorker) on the nodes `engine_nodes` (Ray node ids, one per engine).
-        Collective over ranks (the export gathers TP/EP shards); the first data- and tensor-parallel rank of
-        each pipeline stage sends its stage's layers (relax.sync.broadcast): to engines on its own node as
-        payloads (IPC handles on a device, only the handles cross Ray; the bytes on CPU), to engines on other
-        nodes by broadcast through a process group it makes at its first push and keeps until
-        close_weight_sync(). Every engine has copied a bucket before the next is packed. The engines refuse
-        an update that misses a tensor. Returns the bytes this rank sent to each engine and, per engine, the
-        route it took from this rank ("same_node" or "broadcast"; None where this rank sends nothing)."""
+        relax.rollout.worker.EngineWorker, engine e on the devices of training ranks e*k .. (e+1)*k - 1 with
+        k = engine_tp_size) on the nodes `engine_nodes` (Ray node ids, one per engine). Collective over ranks
+        (the export gathers TP/EP shards; every rank of a pipeline stage holds the same buckets). Who sends
+        what to which engine is relax.sync.broadcast's plan, made at the first push: the training ranks on an
+        engine's devices, or the first rank of each stage by handle or by broadcast, through groups kept until
+        close_weight_sync(). Every engine has copied a bucket before the next is packed. The engines refuse an
+        update that misses a tensor. Returns the bytes of the buckets this rank sent and, per engine, the route
+        it sent them on ("same_node", "same_device" or "broadcast"; None where this rank sends nothing)."""
         import ray
-        from megatron.core import parallel_state
 
-        from relax.sync.broadcast import WeightRoutes
         from relax.sync.export import weight_buckets
 
-        routes = None
-        if self.dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            if self.weight_routes is None:
-                self.weight_routes = WeightRoutes(
-                    engines, engine_nodes, ray.get_runtime_context().get_node_id(), engine_tp_size, self.platform,
-                    group_name=f"relax-weights-from-rank{self.rank}",
-                )
-            elif not self.weight_routes.serves(engines):
-                raise ValueError("push_weights: the engines differ from the first push's; call close_weight_sync() first")
-            routes = self.weight_routes
+        if self.weight_routes is None:
+            self.weight_routes = self._plan_weight_routes(engines, engine_tp_size, engine_nodes)
+        elif not self.weight_routes.serves(engines):
+            raise ValueError("push_weights: the engines differ from the first push's; call close_weight_sync() first")
+        routes = self.weight_routes
         if self.rank == 0:
             ray.get([engine.begin_weight_update.remote() for engine in engines])
         torch.distributed.barrier()
         sent = 0
         for named_tensors in weight_buckets(self.actor.model, self.actor.hf, self.bucket_bytes):
-            if routes is not None:
+            if routes.sends:
                 routes.send(named_tensors)
                 sent += sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
         torch.distributed.barrier()
         if self.rank == 0:
             ray.get([engine.end_weight_update.remote() for engine in engines])
-        return {"bytes": sent, "routes": list(routes.routes) if routes is not None else [None] * len(engines)}
+        return {"bytes": sent, "routes": list(routes.routes)}
+
+    def _plan_weight_routes(self, engines: list, engine_tp_size: int, engine_nodes: list[str]):
+        """This rank's relax.sync.broadcast.WeightRoutes, from every rank's pipeline stage and node. Collective."""
+        import ray
+        from megatron.core import parallel_state
+
+        from relax.ray.placement import engine_positions
+        from relax.sync.broadcast import WeightRoutes, device_groups, plan_pushes
+
+        world = torch.distributed.get_world_size()
+        stages, nodes = [None] * world, [None] * world
+        torch.distributed.all_gather_object(stages, parallel_state.get_pipeline_model_parallel_rank())
+        torch.distributed.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
+        positions = engine_positions(world, engine_tp_size)
+        if len(engines) != len(positions) or engine_nodes != [nodes[devices[0]] for devices in positions]:
+            raise ValueError(
+                f"push_weights: {len(engines)} engines on nodes {engine_nodes} are not engine e on the devices of "
+                f"training ranks {engine_tp_size}*e .. (relax.ray.placement.engine_positions); training ranks' "
+                f"nodes: {nodes}"
+            )
+        pushes = plan_pushes(stages, nodes, engine_tp_size, self.platform.handles_cross_devices)
+        return WeightRoutes(
+            engines, pushes, self.rank, engine_tp_size, self.platform, group_name=f"relax-weights-from-rank{self.rank}",
+            groups=device_groups(pushes),
+        )
 
     def close_weight_sync(self) -> None:
-        """Destroy this rank's broadcast group to the engines on other nodes, if it made one (at shutdown)."""
+        """Destroy this rank's weight-push groups, if it made any (at shutdown)."""
         if self.weight_routes is not None:
             routes, self.weight_routes = self.weight_routes, None
             routes.close()

@@ -1,11 +1,13 @@
-"""Weights reach an engine on another node than the sending training rank, by SGLang's distributed update.
+"""Weights reach engines by both routes of relax.sync.broadcast: from the training rank on the engine's own
+device, and by SGLang's distributed update from a rank on another node.
 
 On the two-raylet cluster (two_node_cluster, tests/e2e/conftest.py) the placement spreads two CPU
 "devices" over the two nodes: training rank 0 and engine 0 on one node, rank 1 and engine 1 on the other.
-One training step at a high learning rate changes the actor's weights, and the loop's own weight-sync phase
-pushes them: rank 0 (the only sender at DP=2) hands engine 0 shared-memory handles and broadcasts to
-engine 1 through a gloo group made with SGLang's init_weights_update_group. Engine 1's greedy tokens and
-logprobs for fixed prompts then equal engine 0's, and both differ from before the step.
+The actor has two pipeline stages, so each rank holds half the layers. One training step at a high learning
+rate changes the actor's weights, and the loop's own weight-sync phase pushes them: each rank gives its
+stage's layers to the engine on its own device (a payload gathered in a one-rank group) and broadcasts them
+to the engine on the other node through a gloo group made with SGLang's init_weights_update_group. The two
+engines' greedy tokens and logprobs for fixed prompts then agree, and differ from before the step.
 """
 
 import ray
@@ -20,7 +22,7 @@ from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample
 from relax.rollout.synthetic import write_task
 from relax.rollout.worker import EngineWorker
-from relax.sync.broadcast import BROADCAST, SAME_NODE
+from relax.sync.broadcast import BROADCAST, SAME_DEVICE
 from relax.tiny_model import build_tiny_model
 from relax.train.worker import TrainWorker
 
@@ -46,6 +48,7 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
     config = parse_train_args([
         "--device", "cpu", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--reward-fn", "copy_digit",
         "--num-nodes", "2", "--num-devices-per-node", "1", "--rollout-num-devices-per-engine", "1",
+        "--pipeline-model-parallel-size", "2",
         "--rollout-batch-size", "1", "--n-samples-per-prompt", "2", "--global-batch-size", "2",
         "--micro-batch-size", "1", "--lr", "1e-2", "--weight-decay", "0.0",
         "--sglang-max-total-tokens", "2048",
@@ -57,7 +60,10 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
     try:
         trainers = create_training_actors(
             TrainWorker, placement,
-            args=(r.hf_checkpoint, config.megatron, _actor_settings(config), platform.name, r.update_weight_buffer_size),
+            args=(
+                r.hf_checkpoint, config.megatron.values, _actor_settings(config), platform.name,
+                r.update_weight_buffer_size,
+            ),
         )
         ray.get(trainers.call("sleep"))
         engines = create_engine_actors(
@@ -65,23 +71,23 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
         )
         nodes = placement.node_ids()
         assert len(nodes) == 2 and set(nodes) == set(two_node_cluster.node_names)
-        assert [bundle.node_id for bundle in trainers.bundles] == nodes  # rank 0 (the sender) on nodes[0]
-        assert [bundle.node_id for bundle in engines.bundles] == nodes  # engine 1 away from the sender
+        assert [bundle.node_id for bundle in trainers.bundles] == nodes  # rank (and stage) i on nodes[i]
+        assert [bundle.node_id for bundle in engines.bundles] == nodes  # engine i beside rank i
 
         before = greedy_outputs(engines)
         assert_same_generations(before[0], before[1])  # both loaded the same checkpoint
 
-        for step in range(2):  # the second push reuses the broadcast group made by the first
+        for step in range(2):  # the second push reuses the groups made by the first
             samples = one_group(PROMPTS[step], [before[0][step][0][:4], before[0][step][0][4:]], rewards=[1.0, 0.0])
             hand_devices_to_actor(engines, trainers)
             train(trainers, samples, r)
             reports = hand_devices_to_engines(engines, trainers, r)
-            assert reports[0]["routes"] == [SAME_NODE, BROADCAST] and reports[0]["bytes"] > 0
-            assert reports[1] == {"bytes": 0, "routes": [None, None]}  # DP rank 1 sends nothing
+            assert reports[0]["routes"] == [SAME_DEVICE, BROADCAST] and reports[0]["bytes"] > 0
+            assert reports[1]["routes"] == [BROADCAST, SAME_DEVICE] and reports[1]["bytes"] > 0
 
             after = greedy_outputs(engines)
             assert largest_logprob_change(before[0], after[0]) > 1e-3, "the training step changed nothing"
-            assert_same_generations(after[1], after[0])  # by broadcast, the same weights as by shared memory
+            assert_same_generations(after[1], after[0])  # half of each engine's weights by broadcast
             before = after
         ray.get(trainers.call("close_weight_sync"))
     finally:

@@ -19,6 +19,7 @@ import ray
 
 from relax.platform import platform_facts
 from relax.ray.envcheck import REPORT_PREFIX, EnvReporter
+from relax.ray.runtime_env import WORKER_ENV_NAMES
 from relax.ray.placement import (
     ENGINE_DEVICES_ENV,
     ENGINE_RANK_ENV,
@@ -140,6 +141,25 @@ def test_devices_on_two_nodes_ordered_by_node_then_device(two_node_cluster, monk
 
         with pytest.raises(ValueError, match="engine 0 would span nodes"):
             engine_envs(placement, devices_per_engine=4, base_env={})
+    finally:
+        engines.kill()
+        ranks.kill()
+        placement.remove()
+
+
+def test_variables_forwarded_by_name_reach_every_training_rank_and_engine(two_node_cluster, monkeypatch):
+    """Variables that workers read and that share no forwarded prefix (TASK_QUEUE_ENABLE, STREAMS_PER_DEVICE,
+    TMS_HOOK_MODE, ...) reach the actors the driver places, as a pre-started cluster's raylets never had them."""
+    values = {name: f"value-of-{name.lower()}" for name in WORKER_ENV_NAMES}
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+    placement = create_placement(platform_facts("cpu"), num_devices=2)
+    ranks = create_training_actors(EnvReporter, placement)
+    engines = create_engine_actors(EnvReporter, placement, devices_per_engine=1)
+    try:
+        for group in (ranks, engines):
+            for report in ray.get(group.call("report", list(values))):
+                assert report["env"] == values
     finally:
         engines.kill()
         ranks.kill()

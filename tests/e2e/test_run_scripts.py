@@ -1,6 +1,7 @@
 """Every scripts/run-*.sh in dry-run mode (RELAX_DRY_RUN=1): its flags parse and pass relax's checks, so a
 script with a bad flag fails CI. Also shellcheck over the scripts and the model flag files they source."""
 
+import ast
 import os
 import shutil
 import subprocess
@@ -8,6 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from relax.platform import platform_facts
+from relax.ray.placement import engine_positions
+from relax.sync.broadcast import SAME_DEVICE, SAME_NODE, plan_pushes
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_SCRIPTS = sorted((REPO / "scripts").glob("run-*.sh"))
@@ -103,6 +108,41 @@ def test_the_dense_npu_preset_sets_its_sglang_switches(dry_runs):
     assert _setting(out, "sglang", "tokenizer_backend") == "'fastokens'"
     assert _setting(out, "megatron.transformer", "tensor_model_parallel_size") == "4"
     assert _setting(out, "relax", "use_dynamic_batch_size") == "True"
+
+
+@pytest.mark.parametrize("name", [p.name for p in RUN_SCRIPTS])
+def test_each_presets_engine_ranks_take_weights_from_their_own_device_or_by_broadcast(dry_runs, name):
+    """The weight-push plan of the preset's layout (relax.sync.broadcast), with the stages Megatron's own rank
+    generator gives the training ranks: where handles do not cross devices (NPU) every handle comes from the
+    engine rank's own device, and no broadcast reaches a device of its sender."""
+    from megatron.core.parallel_state import RankGenerator
+
+    out = dry_runs[name][1]
+    nodes, per_node, per_engine = (int(_setting(out, "relax", key)) for key in (
+        "num_nodes", "num_devices_per_node", "rollout_num_devices_per_engine"))
+    tp, pp, cp = (int(_setting(out, "megatron.transformer", f"{kind}_parallel_size")) for kind in (
+        "tensor_model", "pipeline_model", "context"))
+    platform = platform_facts(ast.literal_eval(_setting(out, "relax", "device")))
+    world = nodes * per_node
+    ranks = RankGenerator(tp=tp, ep=1, dp=world // (tp * pp * cp), pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+    pipelines = ranks.get_ranks("pp")
+    stage_of = {rank: stage for pipeline in pipelines for stage, rank in enumerate(pipeline)}
+    node_of = [rank // per_node for rank in range(world)]
+    pushes = plan_pushes([stage_of[rank] for rank in range(world)], node_of, per_engine, platform.handles_cross_devices)
+
+    engines = engine_positions(world, per_engine)
+    every_stage_and_engine = [(stage, engine) for stage in range(pp) for engine in range(len(engines))]
+    assert sorted((push.stage, push.engine) for push in pushes) == every_stage_and_engine
+    for push in pushes:
+        devices = tuple(engines[push.engine])
+        if push.route == SAME_DEVICE:
+            assert push.ranks == devices, push  # engine rank r takes the payload of the training rank on its device
+        elif push.route == SAME_NODE:
+            assert platform.handles_cross_devices and node_of[push.ranks[0]] == node_of[devices[0]], push
+        else:
+            assert push.ranks[0] not in devices, push
+    if not platform.handles_cross_devices:
+        assert SAME_NODE not in {push.route for push in pushes}
 
 
 def test_an_unprefixed_sglang_flag_in_a_script_fails_its_dry_run(dry_runs):

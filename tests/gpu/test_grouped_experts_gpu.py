@@ -29,5 +29,7 @@ def test_grouped_mm_equals_one_product_per_group(tokens_per_group, outputs, inpu
         output.backward(grad)
         results.append([output.float(), leaves[0].grad.float(), leaves[1].grad.float()])
     for got, expected in zip(*results):
-        scale = expected.abs().max().clamp(min=1.0)
-        assert ((got - expected).abs().max() / scale).item() <= 2e-2
+        assert got.shape == expected.shape
+        if expected.numel():  # no tokens at all: the input and its gradient are empty
+            scale = expected.abs().max().clamp(min=1.0)
+            assert ((got - expected).abs().max() / scale).item() <= 2e-2

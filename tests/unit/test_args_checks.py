@@ -95,6 +95,13 @@ RULES = {
         + ["--rollout-num-devices-per-engine", "2"],
         "--rollout-num-devices-per-engine 2 does not divide the 3 devices",
     ),
+    "engines within pipeline stages where handles stay on their device": (
+        [*RUN, "--num-devices-per-node", "4", "--pipeline-model-parallel-size", "2"]
+        + ["--rollout-num-devices-per-engine", "4"],
+        "--rollout-num-devices-per-engine 4 does not divide the 2 devices of each pipeline stage (4 devices / "
+        "--pipeline-model-parallel-size 2): on 'cpu' an engine takes its weights from the training ranks on its own "
+        "devices",
+    ),
     "eps clip order": (
         [*RUN, "--eps-clip", "0.2", "--eps-clip-high", "0.1"],
         "--eps-clip-high 0.1 is below --eps-clip 0.2",

@@ -1,6 +1,10 @@
 """Megatron flags land in real megatron-core config objects; the HF config supplies the architecture."""
 
+import dataclasses
 import json
+import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from relax.args import build_parser, parse_train_args
-from relax.args.megatron import field_flags
+from relax.args.megatron import MegatronValues, field_flags
 from relax.tiny_model import build_tiny_model
 
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
@@ -95,6 +99,35 @@ def test_flags_of_every_kind_reach_the_config_objects():
     )
     assert opt.use_distributed_optimizer and ddp.use_distributed_optimizer  # one flag, both dataclasses
     assert ddp.overlap_grad_reduce and ddp.grad_reduce_in_fp32
+
+
+def _plain_fields(config) -> dict:
+    """A config object's fields, less the callables __post_init__ makes anew (init methods)."""
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {name: value for name, value in values.items() if not callable(value)}
+
+
+def test_training_workers_get_plain_values_that_import_no_megatron_and_build_the_same_objects():
+    argv = [*RUN, *SIZE, "--attention-backend", "local", "--bf16", "--swiglu", "--tensor-model-parallel-size", "2"]
+    megatron = parse_train_args([*argv, "--num-devices-per-node", "2"]).megatron
+    assert megatron.values.resolved["attention_backend"] == "local"  # the Enum member's name until built
+    unpickle = "import pickle, sys; pickle.loads(sys.stdin.buffer.read()); print(sorted(sys.modules))"
+    result = subprocess.run(
+        [sys.executable, "-c", unpickle], input=pickle.dumps(megatron.values), capture_output=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert not [name for name in result.stdout.decode().split("'") if name.split(".")[0] == "megatron"]
+
+    built = pickle.loads(pickle.dumps(megatron.values)).build()
+    for name in ("transformer", "optimizer", "ddp"):
+        assert _plain_fields(getattr(built, name)) == _plain_fields(getattr(megatron, name)), name
+    assert built.transformer.attention_backend is AttnBackend.local and built.transformer.activation_func is F.silu
+    assert (built.model, built.scheduler) == (megatron.model, megatron.scheduler)
+
+
+def test_megatron_values_refuse_a_value_that_is_not_plain_data():
+    with pytest.raises(TypeError, match="attention_backend=<AttnBackend.local.*only plain Python values"):
+        MegatronValues({"num_layers": 2, "attention_backend": AttnBackend.local}, num_steps=1)
 
 
 def test_megatron_lm_spellings_that_store_a_value():

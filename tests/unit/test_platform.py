@@ -75,7 +75,7 @@ def test_npu_worker_env_keeps_expandable_segments_away_from_the_memory_saver():
     for env in (without_saver, with_saver):
         assert env["HCCL_HOST_SOCKET_PORT_RANGE"] == env["HCCL_NPU_SOCKET_PORT_RANGE"] == "auto"
         assert int(env["HCCL_CONNECT_TIMEOUT"]) >= 1800 and int(env["HCCL_EXEC_TIMEOUT"]) >= 1800
-        assert env["TASK_QUEUE_ENABLE"] == "2" and env["CPU_AFFINITY_CONF"] == "1"
+        assert env["TASK_QUEUE_ENABLE"] == "1" and env["CPU_AFFINITY_CONF"] == "1"
         assert all(isinstance(value, str) for value in env.values())
     assert without_saver["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
     assert "PYTORCH_NPU_ALLOC_CONF" not in with_saver
