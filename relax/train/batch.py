@@ -1,7 +1,8 @@
 """Rollout samples as the actor consumes them, and how they are cut into Megatron micro-batches.
 
 A sample is one prompt + response token sequence; only response tokens are scored and trained. Per
-response token it may carry an advantage, the old policy's logprob and the reference policy's logprob.
+response token it may carry an advantage, the old policy's logprob, the reference policy's logprob and the
+rollout engine's logprob (what the engine reported when it sampled the token).
 
 Micro-batches are formed in rollout order. Without a token budget, `micro_batch_size` samples make one
 micro-batch, one padded row each. With a token budget (dynamic batch size), consecutive samples are
@@ -27,6 +28,7 @@ class RolloutBatch:
     advantages: list[torch.Tensor] | None = None
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    rollout_logprobs: list[torch.Tensor] | None = None
 
     def __post_init__(self):
         self.tokens = [torch.as_tensor(t, dtype=torch.long) for t in self.tokens]
@@ -38,7 +40,7 @@ class RolloutBatch:
                     f"sample {i}: response length {length} must be >= 1 and leave at least one prompt token "
                     f"in its {tokens.numel()} tokens"
                 )
-        for name in ("advantages", "old_logprobs", "ref_logprobs"):
+        for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs"):
             values = getattr(self, name)
             if values is None:
                 continue

@@ -40,7 +40,7 @@ class TrainWorker:
         pick = slice(self.dp_rank, None, self.dp_size)
         optional = {
             name: getattr(batch, name)[pick]
-            for name in ("advantages", "old_logprobs", "ref_logprobs")
+            for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
             if getattr(batch, name) is not None
         }
         return RolloutBatch(tokens=batch.tokens[pick], response_lengths=batch.response_lengths[pick], **optional)
@@ -62,6 +62,7 @@ class TrainWorker:
                 advantages=batch.advantages[step],
                 old_logprobs=batch.old_logprobs[step],
                 ref_logprobs=batch.ref_logprobs[step] if with_reference else None,
+                rollout_logprobs=batch.rollout_logprobs[step] if batch.rollout_logprobs else None,
             )
             metrics.append(self.actor.train_step(self._shard(step_batch)))
         return metrics
