@@ -51,6 +51,12 @@ def test_mismatch_metrics_of_micro_batches_combine_into_the_batch():
         close(combined, value.item())
 
 
+def test_k3_of_a_float32_rounding_sized_gap_is_not_noise():
+    gap = torch.tensor([[1.5e-7, -1.5e-7]])  # exp(1.5e-7) - 1 rounds to 1.19e-7 in float32: r - 1 - log r < 0
+    k3 = mismatch_metrics(gap, torch.zeros(1, 2), torch.ones(1, 2))["mismatch/k3_kl"].item()
+    assert 0.0 <= k3 <= 1e-13  # the true value is gap^2 / 2 = 1.1e-14
+
+
 def test_a_wild_token_gives_a_large_finite_ratio():
     old, rollout = torch.tensor([[0.0]]), torch.tensor([[-500.0]])
     assert rollout_log_ratio(old, rollout).item() == 20.0
