@@ -45,7 +45,7 @@ def _ratio_bounds(text: str) -> tuple[float, float]:
         high = float(high_text if sep else text)
         low = float(low_text) if sep else 1.0 / high
     except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not LOW_HIGH (e.g. 0.999_1.001) or HIGH (e.g. 1.001)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not LOW_HIGH (e.g. 0.999_1.001) or HIGH (e.g. 1.001)") from None
     if not 0 < low <= 1 <= high or low == high:
         raise argparse.ArgumentTypeError(f"{text!r}: the bounds must satisfy 0 < LOW <= 1 <= HIGH and LOW < HIGH")
     return low, high

@@ -54,8 +54,8 @@ class RolloutCorrection:
             )
 
     @property
-    def reweights(self) -> bool:
-        """Whether the loss needs the rollout logprobs for more than the mismatch metrics."""
+    def needs_rollout_logprobs(self) -> bool:
+        """Whether the loss needs the engine's logprobs (the mismatch metrics alone do not)."""
         return self.tis_clip is not None or self.mis_bounds is not None or self.use_rollout_logprobs
 
 
@@ -159,7 +159,7 @@ def corrected_policy_loss(
     """
     actor_old = logprobs.detach() if old_logprobs is None else old_logprobs
     if rollout_logprobs is None:
-        if correction.reweights:
+        if correction.needs_rollout_logprobs:
             raise ValueError("TIS, MIS and use_rollout_logprobs need the engine's rollout logprobs of every sample")
         return policy_loss(
             settings, logprobs, actor_old, advantages, mask, ref_logprobs, entropy, denominator, num_tokens
