@@ -145,7 +145,7 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         choices=list(ESTIMATORS),
         default="grpo",
         help="Advantage estimator; gspo and cispo also switch the loss to GSPO's sequence ratio or CISPO's "
-        "capped ratio weight (default: %(default)s).",
+        "capped ratio weight; dapo is refused with the flags that make DAPO (default: %(default)s).",
     )
     g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip, lower side (default: %(default)s).")
     g.add_argument("--eps-clip-high", type=float, help="PPO ratio clip, upper side (default: --eps-clip).")
