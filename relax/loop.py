@@ -25,7 +25,7 @@ from pathlib import Path
 import ray
 import torch
 
-from relax.metrics import MetricsLog
+from relax.metrics import MetricsLog, extreme
 from relax.ray.placement import (
     create_engine_actors, create_node_placement, create_training_actors, wait_for, worker_failure,
 )
@@ -44,6 +44,7 @@ from relax.train.actor import ActorSettings
 from relax.train.advantages import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.losses import LossSettings
+from relax.train.off_policy import RolloutCorrection
 from relax.train.worker import TrainWorker
 
 ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
@@ -223,7 +224,7 @@ def stop_run(signum: int, last_step: int | None, saved, engines, trainers, loade
 
 
 def rollout_batch(samples: list[Sample], r) -> RolloutBatch:
-    """Token sequences and per-token advantages of the samples, for the training ranks."""
+    """Token sequences, per-token advantages and the engine's logprobs of the samples, for the training ranks."""
     lengths = [len(s.response_token_ids) for s in samples]
     mask = torch.zeros(len(samples), max(lengths))
     for i, length in enumerate(lengths):
@@ -239,6 +240,7 @@ def rollout_batch(samples: list[Sample], r) -> RolloutBatch:
         tokens=[s.prompt.token_ids + s.response_token_ids for s in samples],
         response_lengths=lengths,
         advantages=[advantages[i, :length] for i, length in enumerate(lengths)],
+        rollout_logprobs=[torch.tensor(s.response_logprobs) for s in samples],
     )
 
 
@@ -322,17 +324,27 @@ def _uses_reference(r) -> bool:
 
 def _actor_settings(config) -> ActorSettings:
     r, scheduler = config.relax, config.megatron.scheduler
+    kl = dict(kl_coef=r.kl_coef, kl_estimator=r.kl_loss_type) if _uses_reference(r) else {}
     loss = LossSettings(
+        loss_mode="cispo" if r.advantage_estimator == "cispo" else "ppo",
         clip_low=r.eps_clip,
         clip_high=r.eps_clip_high,
         ratio_level="sequence" if r.advantage_estimator == "gspo" else "token",
-        aggregation="token_mean" if r.loss_aggregation == "token" else "seq_mean_token_mean",
-        kl_coef=r.kl_coef if _uses_reference(r) else 0.0,
-        kl_estimator=r.kl_loss_type,
+        aggregation=r.loss_aggregation.replace("-", "_"),
+        # Dr. GRPO's constant: the longest response the engine may give, the same on every rank and step
+        norm_length=r.rollout_max_response_len,
         entropy_coef=r.entropy_coef,
+        **kl,
+    )
+    tis = dict(tis_clip=r.tis_clip, tis_clip_low=r.tis_clip_low) if r.use_tis else {}
+    correction = RolloutCorrection(
+        mis_bounds=r.rollout_rs_threshold if r.rollout_rs == "seq_mean_k1" else None,
+        use_rollout_logprobs=r.use_rollout_logprobs,
+        **tis,
     )
     return ActorSettings(
         loss=loss,
+        rollout_correction=correction,
         micro_batch_size=r.micro_batch_size,
         max_tokens_per_micro_batch=r.max_tokens_per_device if r.use_dynamic_batch_size else None,
         max_tokens_per_forward=r.log_probs_max_tokens_per_device,
@@ -348,9 +360,15 @@ def _actor_settings(config) -> ActorSettings:
 
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:
-    """One value per metric for the rollout (the mean over its optimizer steps), under train/."""
-    keys = step_metrics[0].keys()
-    return {f"train/{key}": sum(float(m[key]) for m in step_metrics) / len(step_metrics) for key in keys}
+    """One value per metric for the rollout: the mean over its optimizer steps (the max or min for an extreme,
+    relax.metrics.extreme), under train/ unless the actor named its group (mismatch/)."""
+    combined = {}
+    for key in step_metrics[0]:
+        values = [float(m[key]) for m in step_metrics]
+        how = extreme(key)
+        name = key if "/" in key else f"train/{key}"
+        combined[name] = max(values) if how == "max" else min(values) if how == "min" else sum(values) / len(values)
+    return combined
 
 
 def _init_ray() -> bool:

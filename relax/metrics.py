@@ -8,6 +8,16 @@ from pathlib import Path
 REWARD_KEY = "rollout/reward_mean"
 
 
+def extreme(key: str) -> str | None:
+    """"max" or "min" for a metric that is an extreme over a batch (its name ends in _max or _min), None for
+    the others. Values of one metric from parts of a batch (micro-batches, data-parallel ranks, optimizer
+    steps) combine by that extreme; the others are shares that add up, or means that average."""
+    for suffix in ("max", "min"):
+        if key.endswith(f"_{suffix}"):
+            return suffix
+    return None
+
+
 class MetricsLog:
     def __init__(self, output_dir: str | Path, num_steps: int, first_step: int = 0, wandb_project: str | None = None):
         from torch.utils.tensorboard import SummaryWriter

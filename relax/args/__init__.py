@@ -26,7 +26,7 @@ from relax.args.megatron import (
     read_hf_config,
     resolve_architecture,
 )
-from relax.args.relax_flags import DEVICE_CHOICES, add_relax_args
+from relax.args.relax_flags import DEVICE_CHOICES, TIS_CLIP_DEFAULTS, add_relax_args
 from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
 from relax.args.strict import StrictArgumentParser
 from relax.platform import platform_facts, resolve_platform_name
@@ -120,6 +120,12 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
         relax.global_batch_size = relax.rollout_batch_size * relax.n_samples_per_prompt
     if relax.eps_clip_high is None:
         relax.eps_clip_high = relax.eps_clip
+    if relax.use_kl_loss and relax.kl_loss_type is None:  # (left unset otherwise, so that giving it alone is refused)
+        relax.kl_loss_type = "k3"
+    if relax.use_tis:  # (likewise)
+        for name, default in TIS_CLIP_DEFAULTS.items():
+            if getattr(relax, name) is None:
+                setattr(relax, name, default)
     if relax.dynamic_sampling:  # (left unset otherwise, so that giving them alone is refused)
         if relax.over_sampling_batch_size is None:
             relax.over_sampling_batch_size = relax.rollout_batch_size

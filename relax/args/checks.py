@@ -5,6 +5,7 @@ Each rule takes the TrainConfig and the relax.platform record of the run's devic
 
 from relax.rollout.dump import pattern_problem
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
+from relax.train.advantages import STD_NORMALISED
 
 
 def world_size(relax) -> int:
@@ -141,6 +142,52 @@ def kl_loss_has_weight(config, platform):
         return "--use-kl-loss with --kl-coef 0 adds nothing: give --kl-coef > 0 or drop --use-kl-loss"
 
 
+def kl_flags_need_kl_loss(config, platform):
+    r = config.relax
+    if r.kl_coef != 0 and not r.use_kl_loss:
+        return (
+            f"--kl-coef {r.kl_coef} without --use-kl-loss would do nothing: relax puts the KL-to-reference penalty "
+            "in the loss only (no penalty on the reward); add --use-kl-loss or drop --kl-coef"
+        )
+    if r.kl_loss_type is not None and not r.use_kl_loss:
+        return "--kl-loss-type only applies with --use-kl-loss"
+
+
+def dapo_is_grpo_with_flags(config, platform):
+    if config.relax.advantage_estimator == "dapo":
+        return (
+            "--advantage-estimator dapo computes GRPO's advantages and changes nothing else: DAPO is "
+            "--advantage-estimator grpo with clip-higher (--eps-clip-high, e.g. 0.28), --dynamic-sampling and "
+            "--overlong-buffer-len, and the token-mean loss that is the default; give those instead"
+        )
+
+
+def std_normalisation_applies(config, platform):
+    r = config.relax
+    if not r.normalize_advantages_by_std and r.advantage_estimator not in STD_NORMALISED:
+        return (
+            f"--no-normalize-advantages-by-std changes nothing with --advantage-estimator {r.advantage_estimator}, "
+            f"which never divides by the group's std (only {', '.join(STD_NORMALISED)} do); drop it"
+        )
+
+
+def off_policy_flags_consistent(config, platform):
+    r = config.relax
+    if not r.use_tis and (r.tis_clip is not None or r.tis_clip_low is not None):
+        return "--tis-clip and --tis-clip-low only apply with --use-tis"
+    if r.use_tis and r.tis_clip_low > r.tis_clip:
+        return f"--tis-clip-low {r.tis_clip_low} is above --tis-clip {r.tis_clip}"
+    if r.use_tis and r.use_rollout_logprobs:
+        return (
+            "--use-tis and --use-rollout-logprobs exclude each other: with the engine's logprobs as the old policy, "
+            "the PPO ratio already weighs each token by pi / pi_rollout; drop one"
+        )
+    if r.rollout_rs is not None and r.rollout_rs_threshold is None:
+        return f"--rollout-rs {r.rollout_rs} needs --rollout-rs-threshold (e.g. 0.999_1.001)"
+    if r.rollout_rs_threshold is not None and r.rollout_rs is None:
+        return "--rollout-rs-threshold only applies with --rollout-rs"
+
+
 def debug_modes_consistent(config, platform):
     r = config.relax
     if r.debug_rollout_only and r.debug_train_only:
@@ -230,6 +277,10 @@ RULES = [
     colocation_releases_memory,
     clip_range_ordered,
     kl_loss_has_weight,
+    kl_flags_need_kl_loss,
+    dapo_is_grpo_with_flags,
+    std_normalisation_applies,
+    off_policy_flags_consistent,
     debug_modes_consistent,
     rollout_data_patterns_valid,
     batching_flags_consistent,

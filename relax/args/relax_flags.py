@@ -8,6 +8,11 @@ import argparse
 
 from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
+from relax.train.advantages import ESTIMATORS
+from relax.train.losses import AGGREGATIONS
+
+LOSS_AGGREGATIONS = [name.replace("_", "-") for name in AGGREGATIONS]  # verl's loss_agg_mode spelling
+TIS_CLIP_DEFAULTS = {"tis_clip": 2.0, "tis_clip_low": 0.0}  # with --use-tis (slime's defaults)
 
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
 DEVICE_CHOICES = ["auto", "cpu", "cuda", "npu"]
@@ -18,6 +23,33 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _ratio_bounds(text: str) -> tuple[float, float]:
+    """LOW_HIGH, or HIGH alone for (1/HIGH, HIGH): bounds around a ratio of 1 (verl's rollout_rs_threshold)."""
+    low_text, sep, high_text = text.partition("_")
+    try:
+        high = float(high_text if sep else text)
+        low = float(low_text) if sep else 1.0 / high
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not LOW_HIGH (e.g. 0.999_1.001) or HIGH (e.g. 1.001)") from None
+    if not 0 < low <= 1 <= high or low == high:
+        raise argparse.ArgumentTypeError(f"{text!r}: the bounds must satisfy 0 < LOW <= 1 <= HIGH and LOW < HIGH")
+    return low, high
 
 
 def _reward_fn(text: str) -> str:
@@ -111,9 +143,10 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("relax: algorithm")
     g.add_argument(
         "--advantage-estimator",
-        choices=["grpo", "dapo", "gspo", "reinforce_plus_plus"],
+        choices=list(ESTIMATORS),
         default="grpo",
-        help="Advantage estimator (default: %(default)s).",
+        help="Advantage estimator; gspo and cispo also switch the loss to GSPO's sequence ratio or CISPO's "
+        "capped ratio weight; dapo is refused with the flags that make DAPO (default: %(default)s).",
     )
     g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip, lower side (default: %(default)s).")
     g.add_argument("--eps-clip-high", type=float, help="PPO ratio clip, upper side (default: --eps-clip).")
@@ -121,29 +154,69 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--kl-coef",
         type=float,
         default=0.0,
-        help="KL coefficient against the reference model (default: %(default)s: no reference model).",
+        help="Weight of the KL-to-reference term in the loss; needs --use-kl-loss (default: %(default)s: no "
+        "reference model).",
     )
     g.add_argument(
-        "--kl-loss-type", choices=["k1", "k2", "k3"], default="k3", help="KL estimator (default: %(default)s)."
+        "--kl-loss-type",
+        choices=["k1", "k2", "k3"],
+        help="KL estimator of the --use-kl-loss term (default: k3).",
     )
     g.add_argument(
         "--use-kl-loss",
         action="store_true",
-        help="Put the KL term in the loss (else it is subtracted from the reward).",
+        help="Put --kl-coef x KL(policy || reference) in the loss (relax has no KL penalty on the reward).",
     )
     g.add_argument("--entropy-coef", type=float, default=0.0, help="Entropy bonus coefficient (default: %(default)s).")
     g.add_argument(
         "--loss-aggregation",
-        choices=["token", "sequence"],
-        default="token",
-        help="Average the loss over all tokens of the batch, or per sequence then over sequences "
-        "(default: %(default)s).",
+        choices=LOSS_AGGREGATIONS,
+        default="token-mean",
+        help="How per-token losses become one: the mean over the batch's tokens, the mean over sequences of "
+        "each one's token mean or token sum, or the token sum over (sequences x --rollout-max-response-len) "
+        "(Dr. GRPO) (default: %(default)s).",
     )
     g.add_argument(
         "--normalize-advantages-by-std",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Divide group-centred rewards by the group's std (GRPO; off for Dr. GRPO).",
+    )
+
+    g = parser.add_argument_group("relax: off-policy correction")
+    g.add_argument(
+        "--use-tis",
+        action="store_true",
+        help="Truncated importance sampling: weight each token's policy gradient by pi_old / pi_rollout, clamped "
+        "into [--tis-clip-low, --tis-clip].",
+    )
+    g.add_argument(
+        "--tis-clip",
+        type=_positive_float,
+        help=f"With --use-tis: the weight's cap (default: {TIS_CLIP_DEFAULTS['tis_clip']}).",
+    )
+    g.add_argument(
+        "--tis-clip-low",
+        type=_non_negative_float,
+        help=f"With --use-tis: the weight's floor (default: {TIS_CLIP_DEFAULTS['tis_clip_low']}).",
+    )
+    g.add_argument(
+        "--rollout-rs",
+        choices=["seq_mean_k1"],
+        help="Masked importance sampling: drop the sequences whose geometric-mean ratio pi_old / pi_rollout "
+        "leaves the --rollout-rs-threshold bounds (default: off).",
+    )
+    g.add_argument(
+        "--rollout-rs-threshold",
+        type=_ratio_bounds,
+        metavar="LOW_HIGH",
+        help="With --rollout-rs: the bounds as LOW_HIGH (e.g. 0.999_1.001), or HIGH alone for 1/HIGH_HIGH.",
+    )
+    g.add_argument(
+        "--use-rollout-logprobs",
+        action="store_true",
+        help="Take the engine's logprobs as the PPO old policy instead of the actor's (mismatch metrics still "
+        "compare the two).",
     )
 
     g = parser.add_argument_group("relax: training")

@@ -1,7 +1,8 @@
 """The training side.
 
-losses.py       PPO/DAPO/GSPO policy loss, KL (k1-k3), entropy, aggregation modes (plain tensor functions)
-advantages.py   GRPO, DAPO, GSPO, RLOO, REINFORCE++ advantages
+losses.py       PPO/DAPO/GSPO/CISPO policy loss, KL (k1-k3), entropy, aggregation modes (plain tensor functions)
+advantages.py   GRPO, DAPO, GSPO, CISPO, RLOO, REINFORCE++ advantages
+off_policy.py   rollout-vs-training mismatch metrics, TIS / MIS importance weights, the corrected loss
 model/          HF <-> Megatron model families: build a GPTModel from config.json, load and export weights
 batch.py        rollout samples and their micro-batches (padded, or packed by a token budget)
 actor.py        MegatronActor: logprobs, reference logprobs, train step, sleep and wake

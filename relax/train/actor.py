@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
-from relax.train.losses import LossSettings, aggregation_denominator, policy_loss
+from relax.metrics import extreme
+from relax.train.losses import LossSettings, aggregation_denominator
 from relax.train.model import build_gpt_model, load_hf_weights, read_hf_config, transformer_config, unwrap
 from relax.train.model.checkpoint_layout import checkpoint_layout
+from relax.train.off_policy import RolloutCorrection, corrected_policy_loss
 from relax.train.offload import training_memory
 from relax.train.process_groups import ReloadableGroups
 
@@ -36,6 +38,8 @@ class ActorSettings:
     """What the actor needs beyond megatron-core's config objects."""
 
     loss: LossSettings = dataclasses.field(default_factory=LossSettings)
+    # TIS / MIS / rollout logprobs as the old policy (relax.train.off_policy); needs the batch's rollout_logprobs
+    rollout_correction: RolloutCorrection = dataclasses.field(default_factory=RolloutCorrection)
     micro_batch_size: int = 1  # samples per micro-batch without a token budget
     max_tokens_per_micro_batch: int | None = None  # dynamic batch size: pack samples up to this many tokens
     # The token budget of forward-only passes (old-policy and reference logprobs), which keep no activations for
@@ -53,6 +57,23 @@ class ActorSettings:
     lr_decay_steps: int = 1  # steps over which lr goes from lr to min_lr ("constant" ignores it)
     lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
     distributed_timeout_minutes: int = 30  # of the actor's process groups (megatron's default)
+
+
+def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_group) -> dict[str, float]:
+    """The micro-batches' metrics of every data-parallel rank combined: shares summed, extremes (*_max, *_min)
+    by max and min. Two all-reduces, one device-to-host copy."""
+    keys = sorted(outputs[0])
+    shares = [key for key in keys if extreme(key) is None]
+    extremes = [key for key in keys if extreme(key) is not None]
+    values = [torch.stack([sum(output[key] for output in outputs) for key in shares])]
+    torch.distributed.all_reduce(values[0], group=data_parallel_group)
+    if extremes:  # a minimum is the maximum of the negated values
+        sign = torch.tensor([1.0 if extreme(key) == "max" else -1.0 for key in extremes], device=values[0].device)
+        maxima = torch.stack([torch.stack([output[key] for output in outputs]) for key in extremes])
+        maxima = (maxima * sign.unsqueeze(-1)).max(-1).values
+        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=data_parallel_group)
+        values.append(maxima * sign)
+    return dict(zip(shares + extremes, torch.cat(values).tolist()))
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
@@ -381,7 +402,8 @@ class MegatronActor:
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One optimizer step on the batch. Returns the whole batch's loss, pg_loss, clip_fraction, ppo_kl,
-        kl (with ref_logprobs), entropy, and grad_norm, lr, update_successful."""
+        kl (with ref_logprobs), entropy, the mismatch/* metrics (with rollout_logprobs), and grad_norm, lr,
+        update_successful."""
         from megatron.core import parallel_state
 
         self._check_awake()
@@ -405,15 +427,19 @@ class MegatronActor:
             pick = micro_batch.sample_indices
             logprobs = padded(logprobs)
             mask = padded([torch.ones(batch.response_lengths[i]) for i in pick])
-            old = padded([batch.old_logprobs[i] for i in pick]) if batch.old_logprobs else logprobs.detach()
-            ref = padded([batch.ref_logprobs[i] for i in pick]) if batch.ref_logprobs else None
-            loss, metrics = policy_loss(
+
+            def given(values):  # an optional per-sample field of the batch, padded, or None
+                return padded([values[i] for i in pick]) if values else None
+
+            loss, metrics = corrected_policy_loss(
                 loss_settings,
+                self.settings.rollout_correction,
                 logprobs,
-                old,
                 padded([batch.advantages[i] for i in pick]),
                 mask,
-                ref_logprobs=ref,
+                old_logprobs=given(batch.old_logprobs),  # None: the current logprobs, detached
+                rollout_logprobs=given(batch.rollout_logprobs),
+                ref_logprobs=given(batch.ref_logprobs),
                 entropy=padded(entropy) if with_entropy else None,
                 denominator=denominator,
                 num_tokens=num_tokens,
@@ -432,10 +458,7 @@ class MegatronActor:
         metrics = None
         if parallel_state.is_pipeline_last_stage():
             outputs = [output for output in outputs if output]  # all-padding micro-batches report nothing
-            keys = sorted(outputs[0])
-            sums = torch.stack([sum(output[key] for output in outputs) for key in keys])
-            torch.distributed.all_reduce(sums, group=parallel_state.get_data_parallel_group())
-            metrics = dict(zip(keys, sums.tolist()))  # one device-to-host copy
+            metrics = _whole_batch_metrics(outputs, parallel_state.get_data_parallel_group())
         metrics = self._from_last_stage(metrics)
         metrics.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),

@@ -10,6 +10,7 @@ mask [N, T], ready for relax.train.losses.policy_loss.
   ("token_mean"), clip-higher bounds (LossSettings.clip_high > clip_low) and dynamic sampling of groups
   whose rewards are not all equal (a rollout-side filter).
 - "gspo": GRPO's advantages too; GSPO differs in the loss (LossSettings.ratio_level="sequence").
+- "cispo": GRPO's advantages too; CISPO differs in the loss (LossSettings.loss_mode="cispo").
 - "rloo": leave-one-out baseline, r_i minus the mean of the other responses to the same prompt.
 - "reinforce_plus_plus": REINFORCE++: the return of every token (the outcome reward at the last
   response token, minus kl_coef * per-token KL to the reference when given, summed to the end with
@@ -19,7 +20,9 @@ mask [N, T], ready for relax.train.losses.policy_loss.
 
 import torch
 
-ESTIMATORS = ("grpo", "dapo", "gspo", "rloo", "reinforce_plus_plus")
+ESTIMATORS = ("grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_plus_plus")
+# The estimators that divide by the group's std when normalize_std is set (the others never do).
+STD_NORMALISED = ("grpo", "dapo", "gspo", "cispo")
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 share is cut into Megatron micro-batches.
 
 A sample is one prompt + response token sequence; only response tokens are scored and trained. Per response
-token it may carry an advantage, the old policy's logprob and the reference policy's logprob.
+token it may carry an advantage, the old policy's logprob, the reference policy's logprob and the rollout
+engine's logprob (what the engine reported when it sampled the token).
 
 Data-parallel ranks: `balanced_shares` splits a batch into one share per rank with about equal token counts
 (longest sample first onto the lightest rank), so the slowest rank is not the one that drew the long responses.
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PER_TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs")
+PER_TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class RolloutBatch:
     advantages: list[torch.Tensor] | None = None
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
+    rollout_logprobs: list[torch.Tensor] | None = None
 
     def __post_init__(self):
         self.tokens = [torch.as_tensor(t, dtype=torch.long) for t in self.tokens]

@@ -21,6 +21,7 @@ import torch
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
+LOSS_MODES = ("ppo", "cispo")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -113,10 +114,25 @@ def clipped_policy_loss(
     return torch.maximum(unclipped, clipped), (clipped > unclipped).to(ratio.dtype)
 
 
+def cispo_policy_loss(
+    log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585) per token: -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi.
+
+    The ratio is clipped under a stop-gradient and the gradient flows through log pi, so a clipped token
+    still contributes (its weight is capped), where PPO's clip drops it. Returns (loss, clipped): `clipped`
+    is 1 where the ratio was clamped.
+    """
+    ratio = torch.exp(log_ratio.detach())
+    capped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return -capped * advantages * logprobs, (capped != ratio).to(ratio.dtype)
+
+
 @dataclass
 class LossSettings:
     """What the actor's loss does. Defaults are GRPO with DAPO's clip-higher bounds."""
 
+    loss_mode: str = "ppo"  # "cispo": CISPO's capped, stop-gradient ratio weight (cispo_policy_loss)
     clip_low: float = 0.2
     clip_high: float = 0.28
     ratio_level: str = "token"  # "sequence" for GSPO (then typical clips are 3e-4 / 4e-4)
@@ -127,7 +143,10 @@ class LossSettings:
     entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
 
     def __post_init__(self):
+        _check_choice("loss_mode", self.loss_mode, LOSS_MODES)
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        if self.loss_mode == "cispo" and self.ratio_level != "token":
+            raise ValueError("loss_mode cispo weights each token by its own ratio: use ratio_level='token'")
         _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.clip_low < 0 or self.clip_high < 0:
@@ -144,17 +163,23 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     denominator: torch.Tensor | float | None = None,
     num_tokens: torch.Tensor | float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The actor's loss: clipped policy gradient + kl_coef * KL - entropy_coef * entropy, all aggregated
-    the same way. Returns (loss, metrics); metrics are detached scalars: loss, pg_loss, clip_fraction,
-    ppo_kl (old -> new, k1), kl (when ref_logprobs is given), entropy (when entropy is given).
+    """The actor's loss: clipped policy gradient (PPO's, or CISPO's with loss_mode "cispo") + kl_coef * KL
+    - entropy_coef * entropy, all aggregated the same way. Returns (loss, metrics); metrics are detached
+    scalars: loss, pg_loss, clip_fraction, ppo_kl (old -> new, k1), kl (when ref_logprobs is given), entropy
+    (when entropy is given).
+
+    `token_weights` [B, T] (detached; e.g. relax.train.off_policy's importance weights) multiply each token's
+    policy-gradient term, not the KL or entropy terms.
 
     For a micro-batch of a larger batch pass the whole batch's `denominator` (aggregation_denominator)
     and `num_tokens` (its response-token count, for the token-mean metrics): then the loss and every
     metric of the micro-batches add up to the whole batch's.
     """
-    for name, tensor in (("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask)):
-        if tensor.shape != logprobs.shape:
+    given = {"old_logprobs": old_logprobs, "advantages": advantages, "mask": mask, "token_weights": token_weights}
+    for name, tensor in given.items():
+        if tensor is not None and tensor.shape != logprobs.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, logprobs {tuple(logprobs.shape)}")
     if settings.kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef is set but no ref_logprobs were given: compute reference logprobs first")
@@ -168,7 +193,14 @@ def policy_loss(
         return aggregate(values.detach(), mask, "token_mean", denominator=num_tokens)
 
     ratio_log = log_ratio(logprobs, old_logprobs, mask, settings.ratio_level)
-    pg_per_token, clipped = clipped_policy_loss(ratio_log, advantages, settings.clip_low, settings.clip_high)
+    if settings.loss_mode == "cispo":
+        pg_per_token, clipped = cispo_policy_loss(
+            ratio_log, logprobs, advantages, settings.clip_low, settings.clip_high
+        )
+    else:
+        pg_per_token, clipped = clipped_policy_loss(ratio_log, advantages, settings.clip_low, settings.clip_high)
+    if token_weights is not None:
+        pg_per_token = pg_per_token * token_weights.detach()
     pg_loss = agg(pg_per_token)
     loss = pg_loss
     metrics = {

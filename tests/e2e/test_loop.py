@@ -29,6 +29,11 @@ def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(tmp_path):
             assert key in record, f"step {record['step']} lacks {key}"
         assert record["perf/step_time"] >= record["perf/rollout_time"] + record["perf/train_time"]
         assert 0.0 <= record["rollout/reward_mean"] <= 1.0
+        # The engine's logprob of each response token against the actor's for the same token: both compute in
+        # float32 on the same weights, so they agree to rounding (a token off by one position would not).
+        assert record["mismatch/logprob_abs_diff_max"] < 1e-4, record
+        assert record["mismatch/ratio_min"] <= record["mismatch/ratio_mean"] <= record["mismatch/ratio_max"]
+        assert record["mismatch/ratio_outside_0.5_2_fraction"] == 0.0 and 0.0 <= record["mismatch/k3_kl"] < 1e-8
     # Every optimizer step went through, and every weight push was complete: the engine refuses an update
     # that misses a checkpoint tensor, which would have failed the run.
     assert all(r["train/update_successful"] == 1.0 for r in records)

@@ -2,7 +2,7 @@
 
 1. a normal run with --dynamic-sampling saves each step's rollout (--save-rollout-data);
 2. --debug-train-only replays those files with no engine and trains to the very same losses (the actor
-   starts from the same checkpoint and sees the same samples);
+   starts from the same checkpoint and sees the same samples, the engine's logprobs included);
 3. --debug-rollout-only generates, scores and saves with no training actor.
 
 Which Ray actors each run created is read from its process tree while it runs."""
@@ -61,11 +61,16 @@ def _actors_under(pid: int) -> set[str]:
     return found
 
 
+# Importance-sampling corrections tight enough to act on float32 rounding-sized gaps between the engine's
+# logprobs and the actor's: TIS caps every ratio above 1, MIS drops sequences whose mean gap exceeds 1e-7.
+CORRECTIONS = ("--use-tis", "--tis-clip", "1.0", "--rollout-rs", "seq_mean_k1", "--rollout-rs-threshold", "1.0000001")
+
+
 def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_one_side(tmp_path):
     dumps = str(tmp_path / "dumps" / "step_{step}.jsonl")
     original, original_actors = _run_tiny_job(
         tmp_path, "original", "--num-steps", "2", "--save-rollout-data", dumps,
-        "--dynamic-sampling", "--over-sampling-batch-size", "12",
+        "--dynamic-sampling", "--over-sampling-batch-size", "12", *CORRECTIONS,
     )
     assert original_actors == {"TrainWorker", "EngineWorker"}  # the process-tree probe sees both kinds
     for record in original:
@@ -75,13 +80,17 @@ def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_on
         samples = load_rollout_data(dumps, step, num_groups=8, samples_per_prompt=8)
         assert all(len(set(s.reward for s in samples[g : g + 8])) > 1 for g in range(0, 64, 8))  # all informative
 
+    assert any(r["mismatch/tis_clip_fraction"] > 0 and r["mismatch/mis_masked_fraction"] > 0 for r in original)
+
     replayed, replay_actors = _run_tiny_job(
-        tmp_path, "train_only", "--num-steps", "2", "--debug-train-only", "--load-rollout-data", dumps,
+        tmp_path, "train_only", "--num-steps", "2", "--debug-train-only", "--load-rollout-data", dumps, *CORRECTIONS,
     )
     assert replay_actors == {"TrainWorker"}
     assert [r["step"] for r in replayed] == [0, 1]
     for before, again in zip(original, replayed):
-        for key in ("rollout/reward_mean", "train/loss", "train/pg_loss", "train/grad_norm"):
+        keys = ["rollout/reward_mean", "train/loss", "train/pg_loss", "train/grad_norm"]
+        keys += [key for key in before if key.startswith("mismatch/")]
+        for key in keys:
             assert again[key] == before[key], f"step {before['step']} {key}: replayed {again[key]}, ran {before[key]}"
 
     rollout_dumps = str(tmp_path / "rollout_only" / "step_{step}.jsonl")

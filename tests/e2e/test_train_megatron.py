@@ -153,7 +153,9 @@ def _samples(vocab_size: int):
     # its row no gradient (padding_idx), Megatron's does, so it is left out to compare gradients.
     tokens = [torch.randint(0, vocab_size - 1, (p + r,), generator=generator) for p, r in SHAPES]
     advantages = [torch.full((r,), 1.0 if i % 3 else -1.0) for i, (_, r) in enumerate(SHAPES)]
-    return RolloutBatch(tokens, [r for _, r in SHAPES], advantages=advantages)
+    # Arbitrary rollout logprobs: the mismatch metrics against them combine over micro-batches and ranks.
+    rollout_logprobs = [-3 * torch.rand(r, generator=generator) for _, r in SHAPES]
+    return RolloutBatch(tokens, [r for _, r in SHAPES], advantages=advantages, rollout_logprobs=rollout_logprobs)
 
 
 def _my_samples(actor):
@@ -168,6 +170,7 @@ def _my_samples(actor):
         [batch.tokens[i] for i in pick],
         [batch.response_lengths[i] for i in pick],
         advantages=[batch.advantages[i] for i in pick],
+        rollout_logprobs=[batch.rollout_logprobs[i] for i in pick],
     )
 
 
@@ -375,6 +378,9 @@ def test_dp2_training_keeps_replicas_identical(dp2_run):
     assert losses[-1] < losses[0], losses
     assert [m["lr"] for m in first["metrics"]] == pytest.approx([1e-3, 7.75e-4, 5.5e-4])  # linear to 1e-4 in 4
     assert first["metrics"][0]["kl"] == 0.0 and first["metrics"][-1]["kl"] > 0.0
+    mismatch = first["metrics"][0]
+    assert mismatch["mismatch/ratio_min"] < mismatch["mismatch/ratio_mean"] < mismatch["mismatch/ratio_max"]
+    assert 0 < mismatch["mismatch/logprob_abs_diff_mean"] < mismatch["mismatch/logprob_abs_diff_max"]
     assert first["reference_unchanged"] and first["policy_moved"] > 1e-3
 
 

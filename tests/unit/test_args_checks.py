@@ -202,9 +202,25 @@ def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
     assert colocation_releases_memory(config, without_saver) is None
 
 
-@pytest.mark.parametrize("bad", [["--reward-fn", "mod:"], ["--reward-fn", "no spaces"], ["--rollout-batch-size", "0"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--reward-fn", "mod:"],
+        ["--reward-fn", "no spaces"],
+        ["--rollout-batch-size", "0"],
+        ["--tis-clip", "0"],
+        ["--rollout-rs-threshold", "2_0.5"],  # LOW_HIGH reversed
+        ["--rollout-rs-threshold", "1.2_1.5"],  # keeps no sequence whose ratio is 1
+        ["--rollout-rs-threshold", "abc"],
+    ],
+)
 def test_bad_values_exit_2(bad, capsys):
     assert "error: argument" in parse_error([*RUN, *bad], capsys)
+
+
+def test_rollout_rs_threshold_alone_is_symmetric_around_1():
+    config = parse_train_args([*RUN, "--rollout-rs", "seq_mean_k1", "--rollout-rs-threshold", "2"])
+    assert config.relax.rollout_rs_threshold == (0.5, 2.0)
 
 
 def test_bad_relax_device_environment_exits_2(monkeypatch, capsys):

@@ -42,6 +42,23 @@ def test_mean_over_optimizer_steps_is_prefixed():
     assert _mean_over_steps([{"loss": 1.0, "lr": 2.0}, {"loss": 3.0, "lr": 2.0}]) == {"train/loss": 2.0, "train/lr": 2.0}
 
 
+def test_mismatch_metrics_keep_their_group_and_extremes_combine_by_extreme():
+    steps = [
+        {"loss": 1.0, "mismatch/ratio_mean": 1.0, "mismatch/ratio_max": 3.0, "mismatch/ratio_min": 0.5},
+        {"loss": 3.0, "mismatch/ratio_mean": 2.0, "mismatch/ratio_max": 2.0, "mismatch/ratio_min": 0.25},
+    ]
+    assert _mean_over_steps(steps) == {
+        "train/loss": 2.0, "mismatch/ratio_mean": 1.5, "mismatch/ratio_max": 3.0, "mismatch/ratio_min": 0.25,
+    }
+
+
+def test_rollout_batch_carries_the_engine_logprobs():
+    prompt = Prompt(1, [1, 2], "ab")
+    samples = [Sample(prompt, [5, 6], [-0.5, -1.5], "stop", reward=1.0), Sample(prompt, [7], [-2.0], "stop")]
+    r = argparse.Namespace(advantage_estimator="grpo", n_samples_per_prompt=2, normalize_advantages_by_std=True)
+    assert [t.tolist() for t in rollout_batch(samples, r).rollout_logprobs] == [[-0.5, -1.5], [-2.0]]
+
+
 def test_metrics_log_writes_jsonl_tensorboard_and_reward_curve(tmp_path):
     log = MetricsLog(tmp_path, num_steps=2)
     log.log(0, {"rollout/reward_mean": 0.1, "perf/step_time": torch.tensor(1.5).item()})

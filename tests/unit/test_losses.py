@@ -9,6 +9,7 @@ from relax.train.losses import (
     LossSettings,
     aggregate,
     aggregation_denominator,
+    cispo_policy_loss,
     clipped_policy_loss,
     kl_divergence,
     log_ratio,
@@ -62,6 +63,39 @@ def test_asymmetric_clip():
     # r=1.1, A=-1: max(1.1, 1.1) = 1.1, not clipped.    r=0.7, A=-1: max(0.7, 0.8) = 0.8, clipped.
     close(loss, [-1.28, -0.5, 1.1, 0.8])
     close(clipped, [1.0, 0.0, 0.0, 1.0])
+
+
+def test_cispo_caps_the_weight_and_keeps_the_gradient_of_clipped_tokens():
+    # The same ratios, clamped to [0.8, 1.28] under a stop-gradient: weights 1.28, 0.8, 1.1, 0.8.
+    ratios = torch.tensor([1.5, 0.5, 1.1, 0.7])
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    logprobs = torch.tensor([-1.0, -2.0, -0.5, -3.0], requires_grad=True)
+    loss, clipped = cispo_policy_loss(
+        ratios.log() + logprobs - logprobs.detach(), logprobs, advantages, clip_low=0.2, clip_high=0.28
+    )
+    # -w * A * log pi: -1.28 * -1 = 1.28; -0.8 * -2 = 1.6; -1.1 * -1 * -0.5 = -0.55; -0.8 * -1 * -3 = -2.4
+    close(loss.detach(), [1.28, 1.6, -0.55, -2.4])
+    close(clipped, [1.0, 1.0, 0.0, 1.0])
+    loss.sum().backward()
+    close(logprobs.grad, [-1.28, -0.8, 1.1, 0.8])  # -w * A: every token keeps a gradient, PPO's clip cuts three
+
+
+def test_policy_loss_cispo_mode():
+    new, old, advantages, mask, _, _ = _batch()
+    _, metrics = policy_loss(LossSettings(loss_mode="cispo"), new, old, advantages, mask)
+    # weights 1.28, 0.8 | 0.8 (ratios 1.5, 0.5 | 0.7 clamped to [0.8, 1.28]); -w * A * log pi, token mean
+    expected = (-1.28 * math.log(0.6) - 0.8 * math.log(0.2) + 0.8 * math.log(0.28)) / 3
+    close(metrics["pg_loss"], expected)
+    close(metrics["clip_fraction"], 3 / 3)
+
+
+def test_token_weights_scale_only_the_policy_gradient_term():
+    new, old, advantages, mask, ref, _ = _batch()
+    settings = LossSettings(kl_coef=0.1, kl_estimator="k1")
+    weights = torch.tensor([[2.0, 0.0], [0.5, 7.0]])
+    _, metrics = policy_loss(settings, new, old, advantages, mask, ref, token_weights=weights)
+    close(metrics["pg_loss"], (-1.28 * 2 + 0.8 * 0.5) / 3)  # per-token pg -1.28, -0.5 | 0.8, weighted
+    close(metrics["kl"], LN2 / 3)  # unweighted
 
 
 def test_kl_estimators():
@@ -152,3 +186,7 @@ def test_loss_settings_validate_names():
         LossSettings(kl_estimator="k4")
     with pytest.raises(ValueError, match="sequence"):
         LossSettings(ratio_level="seq")
+    with pytest.raises(ValueError, match="cispo"):
+        LossSettings(loss_mode="grpo")
+    with pytest.raises(ValueError, match="ratio_level='token'"):
+        LossSettings(loss_mode="cispo", ratio_level="sequence")
