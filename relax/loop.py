@@ -301,6 +301,8 @@ def _data_config(r) -> PromptDataConfig:
         label_key=r.label_key,
         metadata_key=r.metadata_key,
         apply_chat_template=r.apply_chat_template,
+        chat_template_kwargs=r.apply_chat_template_kwargs or {},
+        system_prompt=r.system_prompt,
         max_prompt_tokens=r.max_prompt_length,
         skip_bad_rows=r.skip_bad_rows,
     )

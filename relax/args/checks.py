@@ -173,6 +173,14 @@ def sampling_flags_consistent(config, platform):
         )
 
 
+def chat_template_options_need_the_template(config, platform):
+    r = config.relax
+    given = [flag for flag, value in (("--apply-chat-template-kwargs", r.apply_chat_template_kwargs),
+                                      ("--system-prompt", r.system_prompt)) if value is not None]
+    if given and not r.apply_chat_template:
+        return f"{' and '.join(given)} only apply with --apply-chat-template (they are options of the chat template)"
+
+
 def checkpoint_flags_consistent(config, platform):
     if config.relax.save_interval is not None and not config.relax.save:
         return "--save-interval needs --save"
@@ -210,6 +218,7 @@ RULES = [
     rollout_data_patterns_valid,
     batching_flags_consistent,
     sampling_flags_consistent,
+    chat_template_options_need_the_template,
     checkpoint_flags_consistent,
     experts_are_separate_mlps,
     no_context_parallelism,

@@ -137,6 +137,10 @@ RULES = {
         [*RUN, "--context-parallel-size", "2"],
         "--context-parallel-size 2 is not supported: the actor builds megatron-core's local layers",
     ),
+    "chat template options need the template": (
+        [*RUN, "--system-prompt", "Be brief.", "--apply-chat-template-kwargs", '{"enable_thinking": false}'],
+        "--apply-chat-template-kwargs and --system-prompt only apply with --apply-chat-template",
+    ),
     "save interval needs save": ([*RUN, "--save-interval", "10"], "--save-interval needs --save"),
     "experts are separate MLPs": (
         [*RUN, "--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm is not supported"
@@ -182,6 +186,17 @@ def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
 @pytest.mark.parametrize("bad", [["--reward-fn", "mod:"], ["--reward-fn", "no spaces"], ["--rollout-batch-size", "0"]])
 def test_bad_values_exit_2(bad, capsys):
     assert "error: argument" in parse_error([*RUN, *bad], capsys)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("{enable_thinking: false}", "is not JSON (Expecting property name"), ("[false]", "is not a JSON object")],
+)
+def test_chat_template_kwargs_are_a_json_object_at_parse_time(value, message, capsys):
+    argv = [*RUN, "--apply-chat-template", "--apply-chat-template-kwargs", value]
+    assert f"argument --apply-chat-template-kwargs: {value!r} {message}" in parse_error(argv, capsys)
+    config = parse_train_args([*argv[:-1], '{"enable_thinking": false}'])
+    assert config.relax.apply_chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_bad_relax_device_environment_exits_2(monkeypatch, capsys):
