@@ -27,6 +27,7 @@ PromptLoader serves the prompts in epochs, each a permutation seeded by (seed, e
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,7 +223,7 @@ def _check_chat_template(config: PromptDataConfig, tokenizer) -> None:
             "checkpoint whose tokenizer_config.json has one"
         )
     text = template if isinstance(template, str) else " ".join(template.values())  # named templates
-    unread = [name for name in config.chat_template_kwargs if name not in text]
+    unread = [name for name in config.chat_template_kwargs if not re.search(rf"\b{re.escape(name)}\b", text)]
     if unread:
         raise PromptDataError(
             f"--apply-chat-template-kwargs: the tokenizer's chat template does not read {', '.join(unread)}, "

@@ -120,10 +120,11 @@ def test_chat_template_kwargs_reach_the_template(tmp_path, thinking_tokenizer):
 
 def test_chat_template_kwargs_the_template_does_not_read_are_refused(tmp_path, tokenizer, thinking_tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", ROWS)
-    with pytest.raises(PromptDataError, match="chat template does not read enable_thinking, so it would change nothing"):
+    with pytest.raises(PromptDataError, match="chat template does not read enable_thinking, so it would change"):
         load_prompts(PromptDataConfig(str(path), chat_template_kwargs={"enable_thinking": False}), tokenizer)
-    with pytest.raises(PromptDataError, match="does not read enable_thinkin,"):
-        load_prompts(PromptDataConfig(str(path), chat_template_kwargs={"enable_thinkin": False}), tokenizer)
+    misspelt = PromptDataConfig(str(path), chat_template_kwargs={"enable_thinkin": False})
+    with pytest.raises(PromptDataError, match="does not read enable_thinkin, so"):
+        load_prompts(misspelt, thinking_tokenizer)
 
 
 def test_no_chat_template_to_apply_is_refused(tmp_path, tmp_path_factory):
