@@ -237,7 +237,17 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=_positive_int, help="Save every N steps (needs --save).")
 
     g = parser.add_argument_group("relax: logging")
-    g.add_argument("--output-dir", default="outputs", help="Logs, metrics and rollout dumps (default: %(default)s).")
+    g.add_argument(
+        "--output-dir",
+        default="outputs",
+        help="The run's record: metrics.jsonl, TensorBoard events, the reward curve (default: %(default)s). A new "
+        "run refuses a directory holding an earlier run's record; a run resumed with --load continues its own.",
+    )
+    g.add_argument(
+        "--overwrite-output-dir",
+        action="store_true",
+        help="Let a new run replace the record an earlier run left in --output-dir (deleted when the run starts).",
+    )
     g.add_argument("--use-wandb", action="store_true", help="Log metrics to Weights & Biases.")
     g.add_argument("--wandb-project", default="relax", help="W&B project (default: %(default)s).")
     g.add_argument(
