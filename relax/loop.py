@@ -69,7 +69,8 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
     trainers = engines = None
     start_step, saved = checkpoint.next_step if checkpoint else 0, None
     log = MetricsLog(
-        Path(r.output_dir), r.num_steps, first_step=start_step, wandb_project=r.wandb_project if r.use_wandb else None
+        Path(r.output_dir), r.num_steps, first_step=start_step, wandb_project=r.wandb_project if r.use_wandb else None,
+        other_outputs={"checkpoints": r.save, "rollout data": r.save_rollout_data},
     )
     try:
         # The actor first, then to sleep, so the engines start with the device memory to themselves.

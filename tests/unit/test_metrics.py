@@ -76,3 +76,46 @@ def test_a_new_run_refuses_a_save_directory_with_checkpoints(tmp_path, capsys):
         capsys.readouterr().err
     )
     parse_train_args([*argv, "--load", str(tmp_path / "checkpoints")])
+
+
+STEP = {
+    "rollout/reward_mean": 0.25, "rollout/response_tokens": 600.0, "rollout/prompt_tokens": 400.0,
+    "perf/step_time": 10.0, "perf/rollout_time": 3.0, "perf/train_wait_time": 1.0, "perf/train_time": 4.0,
+    "perf/weight_sync_time": 2.0,
+}
+
+
+def test_each_step_gets_its_tokens_per_second_and_phase_shares(tmp_path):
+    log = MetricsLog(tmp_path, num_steps=1)
+    log.log(0, STEP)
+    log.close()
+    row = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert row["perf/rollout_tokens_per_s"] == 200.0  # 600 generated tokens in 3 s
+    assert row["perf/train_tokens_per_s"] == 250.0  # 1000 prompt + response tokens trained in 4 s
+    shares = {key: value for key, value in row.items() if key.endswith("_share")}
+    assert shares == {"perf/rollout_share": 0.3, "perf/train_wait_share": 0.1, "perf/train_share": 0.4,
+                      "perf/weight_sync_share": 0.2}
+
+
+def test_the_run_ends_with_a_summary_of_its_record(tmp_path, capsys):
+    log = MetricsLog(tmp_path, num_steps=3, other_outputs={"checkpoints": "/ckpt", "rollout data": None})
+    for step, reward in enumerate([0.25, 0.75, 0.5]):
+        saving = {"perf/save_time": 10.0, "perf/step_time": 20.0} if step == 2 else {}
+        log.log(step, {**STEP, "rollout/reward_mean": reward, **saving})
+    log.close()
+    summary = capsys.readouterr().out
+    assert "relax run summary\n  steps         3 (steps 0-2)\n" in summary
+    assert "  reward        first 0.250, last 0.500, best 0.750 (step 1)\n" in summary
+    assert "s from the actors' start; 0m40s in steps\n" in summary
+    # 40 s in steps: rollout 9 s, train wait 3, train 12, save 10, weight sync 6
+    assert "  time share    rollout 22%, train wait 8%, train 30%, save 25%, weight sync 15%\n" in summary
+    assert "  tokens/s      rollout (generated) 200, train (prompt + response) 250\n" in summary
+    assert f"  metrics       {tmp_path / 'metrics.jsonl'}\n" in summary
+    assert f"  reward curve  {tmp_path / 'reward_curve.png'}\n" in summary
+    assert "  checkpoints   /ckpt" in summary and "rollout data" not in summary
+
+
+def test_a_run_stopped_before_its_first_step_still_says_where_its_outputs_are(tmp_path, capsys):
+    MetricsLog(tmp_path, num_steps=3).close()
+    summary = capsys.readouterr().out
+    assert "  steps         none finished\n" in summary and f"  tensorboard   {tmp_path / 'tensorboard'}" in summary
