@@ -26,8 +26,9 @@ TENSORBOARD_DIR = "tensorboard"
 REWARD_CURVE_FILE = "reward_curve.png"
 RECORD = (METRICS_FILE, TENSORBOARD_DIR, REWARD_CURVE_FILE)  # what a run writes to its output directory
 PHASES = ("rollout", "train_wait", "train", "save", "weight_sync")  # each perf/<phase>_time is part of perf/step_time
-# tokens/s: (tokens, seconds) keys. Rollout: the step's generated tokens per second of rollout; train: the trained
-# sequences' tokens (prompt and response of every sample) per second of training.
+# tokens/s. Rollout: the tokens generated for the step's samples per second of rollout (under --dynamic-sampling,
+# groups it dropped are not counted); train: the trained sequences' tokens (prompt and response of every sample)
+# per second of training.
 TOKENS_PER_SECOND = {  # name: (token keys, seconds key, what the summary calls it)
     "perf/rollout_tokens_per_s": (("rollout/response_tokens",), "perf/rollout_time", "rollout (generated)"),
     "perf/train_tokens_per_s": (

@@ -179,8 +179,8 @@ def sampling_flags_consistent(config, platform):
 
 def chat_template_options_need_the_template(config, platform):
     r = config.relax
-    given = [flag for flag, value in (("--apply-chat-template-kwargs", r.apply_chat_template_kwargs),
-                                      ("--system-prompt", r.system_prompt)) if value is not None]
+    options = (("--apply-chat-template-kwargs", r.apply_chat_template_kwargs), ("--system-prompt", r.system_prompt))
+    given = [flag for flag, value in options if value is not None]
     if given and not r.apply_chat_template:
         return f"{' and '.join(given)} only apply with --apply-chat-template (they are options of the chat template)"
 
