@@ -75,8 +75,9 @@ class MetricsLog:
             self._wandb = wandb.init(project=wandb_project, dir=str(self.output_dir))
 
     def _keep_record_before(self, first_step: int) -> None:
-        rows = read_metrics(self.jsonl_path) if self.jsonl_path.exists() else []
-        write_text_atomically(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in rows if r["step"] < first_step))
+        if self.jsonl_path.exists():
+            kept = [r for r in read_metrics(self.jsonl_path) if r["step"] < first_step]
+            write_text_atomically(self.jsonl_path, "".join(json.dumps(r) + "\n" for r in kept))
         if first_step == 0:  # a new record: nothing of an earlier run's is kept
             shutil.rmtree(self.output_dir / TENSORBOARD_DIR, ignore_errors=True)
             (self.output_dir / REWARD_CURVE_FILE).unlink(missing_ok=True)
