@@ -4,6 +4,7 @@ Each subcommand imports only what it needs, so `relax patches check` works witho
 """
 
 import sys
+from pathlib import Path
 
 USAGE = """usage: relax {train,submit,doctor,patches} ...
 
@@ -40,10 +41,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(argv: list[str]) -> int:
     from relax.args import format_config, parse_train_args
+    from relax.rollout.data import PromptDataError
+    from relax.rollout.dump import RolloutDataError
 
     config = parse_train_args(argv)
     if config.relax.dry_run:
         print(format_config(config))
+        try:
+            print(_dry_run_prompt_data(config.relax))
+        except PromptDataError as error:
+            print(f"relax train: {error}", file=sys.stderr)
+            return 2
         return 0
     from relax.loop import run
     from relax.ray.placement import WorkerFailed
@@ -55,7 +63,7 @@ def _train(argv: list[str]) -> int:
     try:
         with stop:
             output_dir = run(config, stop)
-    except CheckpointError as error:
+    except (CheckpointError, PromptDataError, RolloutDataError) as error:  # bad input: the message names it
         print(f"relax train: {error}", file=sys.stderr)
         return 2
     except WorkerFailed as failure:  # the worker's own traceback is in its log, which the message names
@@ -71,6 +79,27 @@ def _train(argv: list[str]) -> int:
         return 128 + stop.signum
     print(f"relax train: done; metrics, TensorBoard events and the reward curve are in {output_dir}")
     return 0
+
+
+def _dry_run_prompt_data(r) -> str:
+    """Read the prompt data as the run would (every row checked and tokenized) and return its load report. Data or
+    a model that is not there yet (a preset dry-run on a machine without them) is reported as not checked."""
+    if r.load_rollout_data:
+        return "prompt data: not read (the run replays --load-rollout-data)"
+    absent = [
+        f"{flag} {'not given' if path is None else f'{path} does not exist'}"
+        for flag, path in (("--prompt-data", r.prompt_data), ("--hf-checkpoint", r.hf_checkpoint))
+        if path is None or not Path(path).exists()
+    ]
+    if absent:
+        return f"prompt data: not checked ({'; '.join(absent)})"
+    from transformers import AutoTokenizer
+
+    from relax.loop import _data_config
+    from relax.rollout.data import load_prompts
+
+    _, report = load_prompts(_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
+    return f"prompt data: {report.summary()}"
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
     trainers = engines = None
     start_step, saved = checkpoint.next_step if checkpoint else 0, None
     log = MetricsLog(
-        Path(r.output_dir), r.num_steps, first_step=start_step, wandb_project=r.wandb_project if r.use_wandb else None
+        Path(r.output_dir), r.num_steps, first_step=start_step, wandb_project=r.wandb_project if r.use_wandb else None,
+        other_outputs={"checkpoints": r.save, "rollout data": r.save_rollout_data},
     )
     try:
         # The actor first, then to sleep, so the engines start with the device memory to themselves.
@@ -313,6 +314,8 @@ def _data_config(r) -> PromptDataConfig:
         label_key=r.label_key,
         metadata_key=r.metadata_key,
         apply_chat_template=r.apply_chat_template,
+        chat_template_kwargs=r.apply_chat_template_kwargs or {},
+        system_prompt=r.system_prompt,
         max_prompt_tokens=r.max_prompt_length,
         skip_bad_rows=r.skip_bad_rows,
     )

@@ -7,6 +7,9 @@
 #                   is the hybrid Gated DeltaNet Qwen3.5, qwen3_5_moe its MoE variant)
 #   RELAX_DRY_RUN=1 stop after `relax train --dry-run` (CI checks every run-*.sh this way)
 # Extra arguments are passed to `relax train` and override the flags below.
+# Each run of this script is a new run that replaces the previous one's record in $EXP_DIR/output
+# (--overwrite-output-dir), as it rebuilds the model and the data; `--load DIR` resumes a run and continues
+# its record instead.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXP_DIR="${EXP_DIR:-$repo/runs/tiny-cpu}"
@@ -41,7 +44,7 @@ args=(
     --advantage-estimator grpo
     --lr 1e-2 --weight-decay 0.0 --clip-grad 1.0
     --num-nodes 1 --num-devices-per-node 1
-    --output-dir "$EXP_DIR/output"
+    --output-dir "$EXP_DIR/output" --overwrite-output-dir
 )
 if [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then
     args+=(--dry-run)

@@ -3,8 +3,12 @@
 Each rule takes the TrainConfig and the relax.platform record of the run's device.
 """
 
+from pathlib import Path
+
+from relax.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
+from relax.run_state import LATEST
 from relax.train.advantages import STD_NORMALISED
 
 
@@ -238,9 +242,37 @@ def sampling_flags_consistent(config, platform):
         )
 
 
+def chat_template_options_need_the_template(config, platform):
+    r = config.relax
+    options = (("--apply-chat-template-kwargs", r.apply_chat_template_kwargs), ("--system-prompt", r.system_prompt))
+    given = [flag for flag, value in options if value is not None]
+    if given and not r.apply_chat_template:
+        return f"{' and '.join(given)} only apply with --apply-chat-template (they are options of the chat template)"
+
+
 def checkpoint_flags_consistent(config, platform):
     if config.relax.save_interval is not None and not config.relax.save:
         return "--save-interval needs --save"
+
+
+def new_run_starts_its_own_record(config, platform):
+    """A new run (no --load) never mixes its steps with an earlier run's metrics or checkpoints; a resumed run
+    continues its own record (relax.metrics)."""
+    r = config.relax
+    if r.load is not None:
+        return None
+    found = earlier_record(r.output_dir)
+    if found and not r.overwrite_output_dir:
+        return (
+            f"--output-dir {r.output_dir} holds an earlier run's record ({', '.join(found)}) and a new run would mix "
+            "its steps into it: pass --overwrite-output-dir to replace that record, choose another --output-dir, or "
+            "resume the earlier run with --load"
+        )
+    if r.save is not None and (Path(r.save) / LATEST).is_file():
+        return (
+            f"--save {r.save} holds an earlier run's checkpoints and a new run would mix its own among them: resume "
+            f"that run with --load {r.save}, or choose another --save (relax does not delete checkpoints)"
+        )
 
 
 def grouped_experts_apply(config, platform):
@@ -285,7 +317,9 @@ RULES = [
     rollout_data_patterns_valid,
     batching_flags_consistent,
     sampling_flags_consistent,
+    chat_template_options_need_the_template,
     checkpoint_flags_consistent,
+    new_run_starts_its_own_record,
     grouped_experts_apply,
     no_context_parallelism,
 ]

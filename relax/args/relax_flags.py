@@ -5,6 +5,7 @@ the parsed namespace is split into the three configuration objects.
 """
 
 import argparse
+import json
 
 from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
@@ -61,23 +62,59 @@ def _reward_fn(text: str) -> str:
     return text
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object like '{{\"enable_thinking\": false}}'")
+    return value
+
+
 def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("relax: data")
-    g.add_argument("--prompt-data", metavar="PATH", help="Prompt dataset (.jsonl or .parquet). Required for a run.")
-    g.add_argument("--input-key", default="prompt", help="Column holding the prompt (default: %(default)s).")
-    g.add_argument("--label-key", default="label", help="Column holding the reference answer (default: %(default)s).")
     g.add_argument(
-        "--metadata-key", default="metadata", help="Column passed to the reward function as-is (default: %(default)s)."
+        "--prompt-data",
+        metavar="PATH",
+        help="Prompt dataset: a .jsonl or .parquet file, a `datasets` save_to_disk directory or a Hub-style dataset "
+        "directory (data files under it, e.g. data/train-*.parquet; its train split). Required for a run.",
     )
     g.add_argument(
-        "--apply-chat-template", action="store_true", help="Wrap each prompt in the tokenizer's chat template."
+        "--input-key",
+        default="prompt",
+        help="Column holding the prompt: a string or a list of {role, content} chat messages (default: %(default)s).",
+    )
+    g.add_argument("--label-key", default="label", help="Column holding the reference answer (default: %(default)s).")
+    g.add_argument(
+        "--metadata-key",
+        default="metadata",
+        help="Column passed to the reward function as-is, a JSON object; rows may lack it (default: %(default)s).",
+    )
+    g.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="Render each prompt with the tokenizer's chat template (needed for chat-message prompts).",
+    )
+    g.add_argument(
+        "--apply-chat-template-kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="Options of the chat template, as a JSON object, e.g. '{\"enable_thinking\": false}' for Qwen3.",
+    )
+    g.add_argument(
+        "--system-prompt",
+        metavar="TEXT",
+        help="System message put before each prompt (not before messages that start with their own system message).",
     )
     g.add_argument("--rollout-shuffle", action="store_true", help="Shuffle prompts each epoch (seeded by --seed).")
     g.add_argument(
         "--max-prompt-length", type=_positive_int, help="Drop prompts longer than this many tokens (default: no limit)."
     )
     g.add_argument(
-        "--skip-bad-rows", action="store_true", help="Skip rows that lack --input-key instead of failing on them."
+        "--skip-bad-rows",
+        action="store_true",
+        help="Count and skip unusable rows (a missing key, invalid JSON, ...) instead of failing on the first.",
     )
 
     g = parser.add_argument_group("relax: rollout")
@@ -288,7 +325,17 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-interval", type=_positive_int, help="Save every N steps (needs --save).")
 
     g = parser.add_argument_group("relax: logging")
-    g.add_argument("--output-dir", default="outputs", help="Logs, metrics and rollout dumps (default: %(default)s).")
+    g.add_argument(
+        "--output-dir",
+        default="outputs",
+        help="The run's record: metrics.jsonl, TensorBoard events, the reward curve (default: %(default)s). A new "
+        "run refuses a directory holding an earlier run's record; a run resumed with --load continues its own.",
+    )
+    g.add_argument(
+        "--overwrite-output-dir",
+        action="store_true",
+        help="Let a new run replace the record an earlier run left in --output-dir (deleted when the run starts).",
+    )
     g.add_argument("--use-wandb", action="store_true", help="Log metrics to Weights & Biases.")
     g.add_argument("--wandb-project", default="relax", help="W&B project (default: %(default)s).")
     g.add_argument(

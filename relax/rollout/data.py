@@ -1,8 +1,20 @@
-"""Prompt data: rows from a jsonl or parquet file turned into token-id prompts, served in seeded epochs.
+"""Prompt data: rows of a dataset turned into token-id prompts, served in seeded epochs.
 
-A row holds a prompt (a string, or a list of chat messages), an optional label (what the reward
-compares against) and optional metadata. Keys are configurable and may be dotted paths into nested
-fields (`reward_model.ground_truth`, as DAPO-Math-17k stores its answers).
+Where rows come from: a .jsonl or .parquet file, a directory written by `datasets`' save_to_disk, or a
+Hub-style dataset directory (data files under a folder, e.g. data/train-*.parquet, as a dataset downloaded
+from the Hub lies on disk; read by `datasets.load_dataset`). A directory with several splits gives its
+`train` split.
+
+A row holds a prompt (a string, or a list of chat messages), a label (what the reward compares against)
+and, optionally, metadata (a JSON object passed to the reward function; a row without it has none). Keys
+are configurable and may be dotted paths into nested fields (`reward_model.ground_truth`, as DAPO-Math-17k
+stores its answers).
+
+The chat template (when on) renders each prompt with the tokenizer's template: a string becomes one user
+message, a system prompt (if given) is put first unless the row's messages start with their own, and the
+template's own options (Qwen3's `enable_thinking`) pass through chat_template_kwargs. A list of messages
+needs the chat template: with it off, such a row is refused rather than flattened into text in a format
+the model was not trained on.
 
 Every row is checked and tokenized when the file is loaded, so a bad row fails at start with the file,
 the row number and what is wrong, not halfway through training. With `skip_bad_rows` such rows are
@@ -15,6 +27,7 @@ PromptLoader serves the prompts in epochs, each a permutation seeded by (seed, e
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +44,9 @@ class PromptDataConfig:
     path: str
     prompt_key: str = "prompt"  # a string, or a list of {"role", "content"} messages
     label_key: str | None = "label"  # None: rows carry no label
-    metadata_key: str | None = None  # None: no metadata; the value must be a JSON object
+    metadata_key: str | None = None  # None: no metadata; rows may lack it; where present, a JSON object
     apply_chat_template: bool = True  # wrap the prompt as chat and render it with the tokenizer's template
+    chat_template_kwargs: dict = field(default_factory=dict)  # the template's own options: {"enable_thinking": False}
     system_prompt: str | None = None  # prepended as a system message when the chat template is applied
     max_prompt_tokens: int | None = None  # longer prompts are filtered out (and counted)
     skip_bad_rows: bool = False  # count and report bad rows instead of failing on the first one
@@ -72,10 +86,29 @@ class _BadRow(Exception):
     pass
 
 
+TRAIN_SPLIT = "train"
+
+
 def _read_rows(path: Path):
-    """Yield (row number, row dict or _BadRow) for every row of a jsonl or parquet file."""
+    """Yield (row number, row dict or _BadRow) for every row of a jsonl or parquet file or a dataset directory."""
+    if path.is_dir():
+        yield from enumerate(_dataset_directory(path), start=1)
+        return
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
+        yield from _jsonl_rows(path)
+    elif suffix == ".parquet":
+        import datasets
+
+        yield from enumerate(_read_with_datasets(path, "a parquet file", datasets.Dataset.from_parquet), start=1)
+    else:
+        raise PromptDataError(
+            f"{path}: unsupported data file type {suffix!r}; use a .jsonl or .parquet file or a dataset directory"
+        )
+
+
+def _jsonl_rows(path: Path):
+    try:
         with open(path, encoding="utf-8") as f:
             for line_number, line in enumerate(f, start=1):
                 if not line.strip():
@@ -89,14 +122,40 @@ def _read_rows(path: Path):
                     yield line_number, _BadRow(f"expected a JSON object, got {type(row).__name__}")
                     continue
                 yield line_number, row
-    elif suffix == ".parquet":
-        import datasets
+    except UnicodeDecodeError as e:
+        raise PromptDataError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from None
+    except OSError as e:
+        raise PromptDataError(f"{path}: cannot be read ({e.strerror})") from None
 
-        table = datasets.Dataset.from_parquet(str(path))
-        for index, row in enumerate(table, start=1):
-            yield index, row
+
+def _dataset_directory(path: Path):
+    """The rows of a save_to_disk directory or a Hub-style one: its only split, or its train split."""
+    import datasets
+
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():  # what save_to_disk writes
+        dataset = _read_with_datasets(path, "a saved dataset", datasets.load_from_disk)
     else:
-        raise PromptDataError(f"{path}: unsupported data file type {suffix!r}; use .jsonl or .parquet")
+        dataset = _read_with_datasets(path, "a dataset directory", datasets.load_dataset)
+    if not isinstance(dataset, datasets.DatasetDict):
+        return dataset
+    if len(dataset) == 1:
+        return next(iter(dataset.values()))
+    if TRAIN_SPLIT in dataset:
+        return dataset[TRAIN_SPLIT]
+    raise PromptDataError(
+        f"{path}: a dataset with splits {', '.join(dataset)} and none named {TRAIN_SPLIT!r}; point --prompt-data at "
+        "the split's data file or its directory"
+    )
+
+
+def _read_with_datasets(path: Path, kind: str, read):
+    """read(str(path)), with `datasets`' and pyarrow's refusals turned into a PromptDataError naming the path."""
+    import datasets
+
+    try:
+        return read(str(path))
+    except (OSError, ValueError, datasets.exceptions.DatasetsError) as e:
+        raise PromptDataError(f"{path}: cannot be read as {kind} ({type(e).__name__}: {e})") from None
 
 
 def _lookup(row: dict, key: str):
@@ -109,10 +168,20 @@ def _lookup(row: dict, key: str):
     return value
 
 
+def _has_key(row: dict, key: str) -> bool:
+    try:
+        _lookup(row, key)
+    except _BadRow:
+        return False
+    return True
+
+
 def _messages(prompt, config: PromptDataConfig) -> list[dict]:
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
     elif isinstance(prompt, list):
+        if not prompt:
+            raise _BadRow(f"{config.prompt_key!r} is an empty list of chat messages")
         for i, message in enumerate(prompt):
             if not (isinstance(message, dict) and isinstance(message.get("content"), str) and "role" in message):
                 raise _BadRow(
@@ -131,7 +200,9 @@ def _messages(prompt, config: PromptDataConfig) -> list[dict]:
 
 def _prompt_text(prompt, config: PromptDataConfig, tokenizer) -> str:
     if config.apply_chat_template:
-        return tokenizer.apply_chat_template(_messages(prompt, config), tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            _messages(prompt, config), tokenize=False, add_generation_prompt=True, **config.chat_template_kwargs
+        )
     if not isinstance(prompt, str):
         raise _BadRow(
             f"{config.prompt_key!r} is a list of chat messages but the chat template is off; "
@@ -140,26 +211,55 @@ def _prompt_text(prompt, config: PromptDataConfig, tokenizer) -> str:
     return prompt
 
 
+def _check_chat_template(config: PromptDataConfig, tokenizer) -> None:
+    """The template must exist when it is applied, and read every option given to it (Jinja ignores a variable
+    the template never mentions, so a misspelt or foreign option would change nothing, silently)."""
+    if not config.apply_chat_template:
+        return
+    template = tokenizer.chat_template
+    if not template:
+        raise PromptDataError(
+            f"{config.path}: the tokenizer has no chat template to apply; drop --apply-chat-template or use a "
+            "checkpoint whose tokenizer_config.json has one"
+        )
+    text = template if isinstance(template, str) else " ".join(template.values())  # named templates
+    unread = [name for name in config.chat_template_kwargs if not re.search(rf"\b{re.escape(name)}\b", text)]
+    if unread:
+        raise PromptDataError(
+            f"--apply-chat-template-kwargs: the tokenizer's chat template does not read {', '.join(unread)}, "
+            "so it would change nothing; check the spelling against the template in tokenizer_config.json"
+        )
+
+
 def _parse_row(row: dict, config: PromptDataConfig, tokenizer, row_number: int) -> Prompt:
     text = _prompt_text(_lookup(row, config.prompt_key), config, tokenizer)
     token_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not token_ids:
         raise _BadRow(f"{config.prompt_key!r} tokenizes to no tokens (text {text!r:.80})")
     label = _lookup(row, config.label_key) if config.label_key is not None else None
-    metadata = {}
-    if config.metadata_key is not None:
-        metadata = _lookup(row, config.metadata_key)
-        if not isinstance(metadata, dict):
-            raise _BadRow(f"{config.metadata_key!r} must be an object, got {type(metadata).__name__}")
-    return Prompt(row=row_number, token_ids=list(token_ids), text=text, label=label, metadata=metadata)
+    return Prompt(row=row_number, token_ids=list(token_ids), text=text, label=label, metadata=_metadata(row, config))
+
+
+def _metadata(row: dict, config: PromptDataConfig) -> dict:
+    """The row's metadata object; a row without the key, or with null there (how a column with gaps reads from
+    parquet), has none."""
+    if config.metadata_key is None or not _has_key(row, config.metadata_key):
+        return {}
+    metadata = _lookup(row, config.metadata_key)
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise _BadRow(f"{config.metadata_key!r} must be an object, got {type(metadata).__name__}")
+    return metadata
 
 
 def load_prompts(config: PromptDataConfig, tokenizer) -> tuple[list[Prompt], LoadReport]:
     """Read, check and tokenize every row of config.path. Raises PromptDataError on the first bad row
     unless config.skip_bad_rows; then bad rows are counted in the report."""
     path = Path(config.path)
-    if not path.is_file():
-        raise PromptDataError(f"prompt data file {path} does not exist")
+    if not path.exists():
+        raise PromptDataError(f"prompt data {path} does not exist")
+    _check_chat_template(config, tokenizer)
     report = LoadReport(path=str(path))
     prompts = []
     for row_number, row in _read_rows(path):

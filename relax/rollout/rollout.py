@@ -161,5 +161,7 @@ def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/reward_failures": float(sum(s.reward_failed for s in samples)),
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
+        "rollout/response_tokens": lengths.sum().item(),
+        "rollout/prompt_tokens": float(sum(len(s.prompt.token_ids) for s in samples)),  # each sample's prompt
         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }

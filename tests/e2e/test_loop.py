@@ -1,5 +1,6 @@
 """The colocated loop end to end on CPU: the README's main job (scripts/run-tiny-cpu.sh), shortened to a
-few steps, through the real stack (local Ray, SGLang engine actor, Megatron training actor)."""
+few steps, through the real stack (local Ray, SGLang engine actor, Megatron training actor); run twice into
+the same experiment directory, as a user reruns it, the second run's record replaces the first's."""
 
 import json
 import os
@@ -12,17 +13,25 @@ ROOT = Path(__file__).resolve().parents[2]
 PERF_KEYS = ("perf/step_time", "perf/rollout_time", "perf/train_wait_time", "perf/train_time", "perf/weight_sync_time")
 
 
-def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(tmp_path):
-    marker = run_marker()
-    env = {**os.environ, **marker, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+def tiny_run(exp_dir: Path, marker: dict, num_steps: int) -> None:
+    env = {**os.environ, **marker, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
     result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", "3"],
+        ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", str(num_steps)],
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
 
+
+def read_records(output: Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(tmp_path):
+    marker = run_marker()
+    tiny_run(tmp_path, marker, num_steps=3)
+
     output = tmp_path / "output"
-    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(output)
     assert [r["step"] for r in records] == [0, 1, 2]
     for record in records:
         for key in (*PERF_KEYS, "rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm"):
@@ -41,3 +50,10 @@ def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(tmp_path):
     assert (output / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
     leftover = leftover_processes(marker)
     assert not leftover, f"processes left behind by the run: {describe(leftover)}"
+
+    # The same job again: a new run, whose record replaces the first one's rather than continuing it.
+    first_events = set((output / "tensorboard").iterdir())
+    tiny_run(tmp_path, marker, num_steps=2)
+    assert [r["step"] for r in read_records(output)] == [0, 1]
+    events = set((output / "tensorboard").iterdir())
+    assert len(events) == 1 and not events & first_events, (first_events, events)

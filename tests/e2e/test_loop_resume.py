@@ -3,7 +3,8 @@ actor): 4 steps in one run equal 2 steps, a resume from the checkpoint after ste
 
 Two runs, not three: the 4-step run saves after steps 1 and 3 (--save-interval 2), so its first half is the
 "2 steps" run; the resumed run loads the step-1 checkpoint and runs steps 2 and 3. A save that disturbed the
-run would show as a difference too, since the resumed run is compared with the run that saved.
+run would show as a difference too, since the resumed run is compared with the run that saved. The resumed
+run writes into the first run's experiment directory: one run, one record, continued from the checkpoint.
 
 Rollouts repeat exactly only because each request samples with a seed derived from (--seed, step), which
 SGLang honours under --sglang-enable-deterministic-inference. Same tokens, same rewards: those are compared
@@ -43,8 +44,12 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(tmp_path):
     after_step_1 = saves / "step_000001"
     assert read_checkpoint(after_step_1, tmp_path / "whole" / "model", seed=1234, num_steps=STEPS).next_step == 2
 
-    resumed = tiny_run(tmp_path / "resumed", "--load", str(after_step_1))
-    assert [r["step"] for r in resumed] == [2, 3]
+    # Resumed into the same experiment directory (the script passes --overwrite-output-dir, which a resumed run
+    # does not act on): the run's record continues from the checkpoint, the first run's steps 2 and 3 replaced.
+    record = tiny_run(tmp_path / "whole", "--load", str(after_step_1))
+    assert [r["step"] for r in record] == [0, 1, 2, 3]
+    assert record[:2] == whole[:2]
+    resumed = record[2:]
     # Step 2 checks the loaded weights, data position and sampling seeds; step 3 also the optimizer, scheduler and
     # RNG states: its weights come out of step 2's Adam update.
     for original, again in zip(whole[2:], resumed):

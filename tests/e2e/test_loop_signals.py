@@ -1,6 +1,6 @@
 """SIGTERM to the `relax train` driver mid-run (scripts/run-tiny-cpu.sh, the real stack): the step in progress
-finishes, its state is saved to --save, engines, actors and the local Ray end, and the driver exits 143 with
-one line saying so."""
+finishes, its state is saved to --save, engines, actors and the local Ray end, the run's summary is printed,
+and the driver exits 143 with one line saying so."""
 
 import json
 import os
@@ -54,3 +54,7 @@ def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path)
     checkpoint = read_checkpoint(saves, tmp_path / "model", seed=1234, num_steps=50)
     assert checkpoint.next_step == steps[-1] + 1 < 50
     assert not leftover, f"processes left behind by the run: {describe(leftover)}"
+    # The run's summary came before the driver's last line, counting the steps that finished.
+    summary = stdout.read_text().split("relax run summary\n", 1)[1]
+    assert summary.startswith(f"  steps         {len(steps)} (steps 0-{steps[-1]})\n")
+    assert f"  checkpoints   {saves}\n" in summary

@@ -144,6 +144,10 @@ RULES = {
         [*RUN, "--context-parallel-size", "2"],
         "--context-parallel-size 2 is not supported: the actor builds megatron-core's local layers",
     ),
+    "chat template options need the template": (
+        [*RUN, "--system-prompt", "Be brief.", "--apply-chat-template-kwargs", '{"enable_thinking": false}'],
+        "--apply-chat-template-kwargs and --system-prompt only apply with --apply-chat-template",
+    ),
     "save interval needs save": ([*RUN, "--save-interval", "10"], "--save-interval needs --save"),
     "grouped experts need experts": ([*RUN, "--moe-grouped-gemm"], "--moe-grouped-gemm applies to MoE models only"),
     "grouped experts keep their activations": (
@@ -221,6 +225,17 @@ def test_bad_values_exit_2(bad, capsys):
 def test_rollout_rs_threshold_alone_is_symmetric_around_1():
     config = parse_train_args([*RUN, "--rollout-rs", "seq_mean_k1", "--rollout-rs-threshold", "2"])
     assert config.relax.rollout_rs_threshold == (0.5, 2.0)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [("{enable_thinking: false}", "is not JSON (Expecting property name"), ("[false]", "is not a JSON object")],
+)
+def test_chat_template_kwargs_are_a_json_object_at_parse_time(value, message, capsys):
+    argv = [*RUN, "--apply-chat-template", "--apply-chat-template-kwargs", value]
+    assert f"argument --apply-chat-template-kwargs: {value!r} {message}" in parse_error(argv, capsys)
+    config = parse_train_args([*argv[:-1], '{"enable_thinking": false}'])
+    assert config.relax.apply_chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_bad_relax_device_environment_exits_2(monkeypatch, capsys):

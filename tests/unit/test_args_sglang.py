@@ -195,6 +195,7 @@ def parse_error(argv, capsys) -> str:
         (["--sglang-base-gpu-id", "1"], "placement"),
         (["--sglang-enable-memory-saver"], "--colocate"),
         (["--sglang-device", "cuda"], "--device"),
+        (["--sglang-default-chat-template-kwargs", '{"enable_thinking": false}'], "--apply-chat-template-kwargs"),
     ],
 )
 def test_managed_fields_are_refused_naming_the_relax_flag(flag, relax_flag, capsys):

@@ -1,14 +1,35 @@
 import json
 
+import datasets
 import pytest
+import transformers
 
 from relax.rollout.data import LoaderPosition, PromptDataConfig, PromptDataError, PromptLoader, load_prompts
-from relax.tiny_model import build_tokenizer
+from relax.tiny_model import CHAT_TEMPLATE, build_tokenizer
+
+ROWS = [{"prompt": "copy 1:", "label": "1"}, {"prompt": "copy 2:", "label": "2"}]
+# The tiny tokenizer's template with Qwen3's switch: an empty thought block when thinking is turned off.
+THINKING_TEMPLATE = CHAT_TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def thinking_tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("thinking_tokenizer")
+    build_tokenizer(directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    (directory / "chat_template.jinja").unlink(missing_ok=True)  # where newer transformers keep the template
+    return transformers.AutoTokenizer.from_pretrained(directory)
 
 
 def write_jsonl(path, rows):
@@ -36,8 +57,6 @@ def test_jsonl_chat_template_label_metadata(tmp_path, tokenizer):
 
 
 def test_parquet_through_datasets(tmp_path, tokenizer):
-    import datasets
-
     path = tmp_path / "d.parquet"
     rows = [{"question": "copy 1:", "answer": "1"}, {"question": "copy 2:", "answer": "2"}]
     datasets.Dataset.from_list(rows).to_parquet(str(path))
@@ -75,6 +94,65 @@ def test_skip_bad_rows_counts_and_reports(tmp_path, tokenizer):
     assert "2 bad rows skipped" in report.summary()
 
 
+def test_rows_without_metadata_as_the_flags_read_them(tmp_path, tokenizer):
+    """--metadata-key defaults to `metadata`: rows of only prompt and label load, with no metadata; a null
+    value (a parquet column with gaps) is none too; a value that is not an object is a bad row."""
+    rows = [ROWS[0], {**ROWS[1], "metadata": None}, {"prompt": "copy 3:", "label": "3", "metadata": {"id": 3}}]
+    config = PromptDataConfig(str(write_jsonl(tmp_path / "d.jsonl", rows)), metadata_key="metadata")
+    prompts, report = load_prompts(config, tokenizer)
+    assert [p.metadata for p in prompts] == [{}, {}, {"id": 3}]
+    assert report.bad_rows == 0
+
+    path = write_jsonl(tmp_path / "bad.jsonl", [*ROWS, {"prompt": "x", "label": "1", "metadata": "id=3"}])
+    with pytest.raises(PromptDataError, match=r"bad.jsonl row 3: 'metadata' must be an object, got str"):
+        load_prompts(PromptDataConfig(str(path), metadata_key="metadata"), tokenizer)
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path, thinking_tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    config = PromptDataConfig(str(path), chat_template_kwargs={"enable_thinking": False})
+    off = load_prompts(config, thinking_tokenizer)[0][0]
+    assert off.text == "<|im_start|>user\ncopy 1:<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert thinking_tokenizer.decode(off.token_ids) == off.text
+    on = load_prompts(PromptDataConfig(str(path), chat_template_kwargs={"enable_thinking": True}), thinking_tokenizer)
+    assert on[0][0].text == "<|im_start|>user\ncopy 1:<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_template_kwargs_the_template_does_not_read_are_refused(tmp_path, tokenizer, thinking_tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(PromptDataError, match="chat template does not read enable_thinking, so it would change"):
+        load_prompts(PromptDataConfig(str(path), chat_template_kwargs={"enable_thinking": False}), tokenizer)
+    misspelt = PromptDataConfig(str(path), chat_template_kwargs={"enable_thinkin": False})
+    with pytest.raises(PromptDataError, match="does not read enable_thinkin, so"):
+        load_prompts(misspelt, thinking_tokenizer)
+
+
+def test_no_chat_template_to_apply_is_refused(tmp_path, tmp_path_factory):
+    plain = build_tokenizer(tmp_path_factory.mktemp("plain"))
+    plain.chat_template = None
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(PromptDataError, match="the tokenizer has no chat template to apply"):
+        load_prompts(PromptDataConfig(str(path)), plain)
+    assert len(load_prompts(PromptDataConfig(str(path), apply_chat_template=False), plain)[0]) == 2
+
+
+def test_system_prompt_goes_first_unless_the_messages_bring_their_own(tmp_path, tokenizer):
+    own = [{"role": "system", "content": "be exact."}, {"role": "user", "content": "copy 3:"}]
+    rows = [ROWS[0], {"prompt": own, "label": "3"}]
+    config = PromptDataConfig(str(write_jsonl(tmp_path / "d.jsonl", rows)), system_prompt="be brief.")
+    given, kept = load_prompts(config, tokenizer)[0]
+    assert given.text == (
+        "<|im_start|>system\nbe brief.<|im_end|>\n<|im_start|>user\ncopy 1:<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert kept.text.startswith("<|im_start|>system\nbe exact.<|im_end|>\n<|im_start|>user\ncopy 3:")
+
+
+def test_empty_message_list_is_a_bad_row(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", [ROWS[0], {"prompt": [], "label": "1"}])
+    with pytest.raises(PromptDataError, match="row 2: 'prompt' is an empty list of chat messages"):
+        load_prompts(PromptDataConfig(str(path)), tokenizer)
+
+
 def test_messages_without_chat_template_is_an_error(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": [{"role": "user", "content": "x"}], "label": 1}])
     with pytest.raises(PromptDataError, match="row 1: .*chat template is off"):
@@ -95,6 +173,65 @@ def test_missing_file_and_unknown_type(tmp_path, tokenizer):
     (tmp_path / "d.csv").write_text("a,b\n")
     with pytest.raises(PromptDataError, match="unsupported data file type '.csv'"):
         load_prompts(PromptDataConfig(str(tmp_path / "d.csv")), tokenizer)
+
+
+def test_unreadable_files_name_the_file(tmp_path, tokenizer):
+    (tmp_path / "d.parquet").write_text("not parquet")
+    with pytest.raises(PromptDataError, match=r"d.parquet: cannot be read as a parquet file \(ArrowInvalid"):
+        load_prompts(PromptDataConfig(str(tmp_path / "d.parquet")), tokenizer)
+    (tmp_path / "d.jsonl").write_bytes(b'{"prompt": "\xff"}\n')
+    with pytest.raises(PromptDataError, match="d.jsonl: not UTF-8 text"):
+        load_prompts(PromptDataConfig(str(tmp_path / "d.jsonl")), tokenizer)
+
+
+def _texts_and_labels(directory, tokenizer):
+    prompts, _ = load_prompts(PromptDataConfig(str(directory), apply_chat_template=False), tokenizer)
+    return [(p.row, p.text, p.label) for p in prompts]
+
+
+def test_save_to_disk_directories(tmp_path, tokenizer):
+    train, test = datasets.Dataset.from_list(ROWS), datasets.Dataset.from_list([{"prompt": "copy 9:", "label": "9"}])
+    train.save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict(test=test, train=train).save_to_disk(str(tmp_path / "splits"))
+    expected = [(1, "copy 1:", "1"), (2, "copy 2:", "2")]
+    assert _texts_and_labels(tmp_path / "one", tokenizer) == expected
+    assert _texts_and_labels(tmp_path / "splits", tokenizer) == expected  # the train split
+    assert _texts_and_labels(tmp_path / "splits" / "test", tokenizer) == [(1, "copy 9:", "9")]
+
+
+def test_hub_style_directories(tmp_path, tokenizer):
+    """Data files under a folder, as a dataset downloaded from the Hub lies on disk: the train split, or the
+    only one; chat messages stored in parquet read as lists of dicts."""
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    datasets.Dataset.from_list(ROWS).to_parquet(str(hub / "data" / "train-00000-of-00001.parquet"))
+    datasets.Dataset.from_list([{"prompt": "copy 9:", "label": "9"}]).to_parquet(
+        str(hub / "data" / "test-00000-of-00001.parquet")
+    )
+    assert _texts_and_labels(hub, tokenizer) == [(1, "copy 1:", "1"), (2, "copy 2:", "2")]
+
+    chat = tmp_path / "chat"
+    chat.mkdir()
+    messages = [{"prompt": [{"role": "user", "content": f"copy {i}:"}], "label": str(i)} for i in (4, 5)]
+    write_jsonl(chat / "math.jsonl", messages)
+    prompts, _ = load_prompts(PromptDataConfig(str(chat)), tokenizer)
+    assert [p.text for p in prompts][1] == "<|im_start|>user\ncopy 5:<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_directory_problems_name_the_directory_and_row(tmp_path, tokenizer):
+    no_train = tmp_path / "no_train"
+    datasets.DatasetDict(
+        validation=datasets.Dataset.from_list(ROWS), test=datasets.Dataset.from_list(ROWS)
+    ).save_to_disk(str(no_train))
+    with pytest.raises(PromptDataError, match="splits validation, test and none named 'train'; point --prompt-data"):
+        load_prompts(PromptDataConfig(str(no_train)), tokenizer)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PromptDataError, match=r"empty: cannot be read as a dataset directory \(EmptyDatasetError"):
+        load_prompts(PromptDataConfig(str(tmp_path / "empty")), tokenizer)
+    bad = tmp_path / "bad"
+    datasets.Dataset.from_list([*ROWS, {"prompt": None, "label": "3"}]).save_to_disk(str(bad))
+    with pytest.raises(PromptDataError, match=f"{bad} row 3: 'prompt' must be a string or a list of chat messages"):
+        load_prompts(PromptDataConfig(str(bad)), tokenizer)
 
 
 def _prompts(tmp_path, tokenizer, count):

@@ -52,6 +52,7 @@ def test_samples_come_scored_prompt_by_prompt_with_their_metrics():
     assert metrics["rollout/reward_mean"] == 0.5 and metrics["rollout/reward_std"] == pytest.approx(0.57735, abs=1e-5)
     assert metrics["rollout/response_length_mean"] == 1.25 and metrics["rollout/response_length_max"] == 2
     assert metrics["rollout/truncated_fraction"] == 0.25 and metrics["rollout/reward_failures"] == 0
+    assert (metrics["rollout/response_tokens"], metrics["rollout/prompt_tokens"]) == (5, 4)
     assert generate.calls == [([0, 1], None)]  # one batched call
 
 

@@ -1,0 +1,49 @@
+"""Prompt data through `relax train`: the dry run reads every row the run would, and a data error ends a dry run
+or a run with one line naming the file and the row, exit status 2, no traceback."""
+
+import json
+
+import pytest
+
+from relax.cli import main
+from relax.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model"), "qwen3")
+
+
+def train_argv(checkpoint, data, *extra):
+    return ["train", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data),
+            "--reward-fn", "copy_digit", "--lr", "1e-2", "--apply-chat-template", *extra]
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_the_dry_run_reads_rows_of_only_prompt_and_label(tmp_path, checkpoint, capsys):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}, {"prompt": "copy 2:", "label": "2"}])
+    assert main(train_argv(checkpoint, data, "--dry-run", "--system-prompt", "be brief.")) == 0
+    assert f"prompt data: {data}: 2 rows, 2 prompts kept" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry run", "run"])
+def test_a_bad_row_ends_it_with_one_line(tmp_path, checkpoint, capsys, dry_run):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}, {"question": "copy 2:"}])
+    assert main(train_argv(checkpoint, data, *dry_run, "--output-dir", str(tmp_path / "out"))) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"relax train: {data} row 2: key 'prompt' missing (row has keys: question) "
+        "(pass skip_bad_rows / --skip-bad-rows to skip such rows)"
+    )
+
+
+def test_the_dry_run_says_when_it_could_not_check_the_data(tmp_path, checkpoint, capsys):
+    assert main(train_argv(checkpoint, tmp_path / "absent.jsonl", "--dry-run")) == 0
+    assert f"prompt data: not checked (--prompt-data {tmp_path / 'absent.jsonl'} does not exist)" in (
+        capsys.readouterr().out
+    )
