@@ -25,6 +25,7 @@ from pathlib import Path
 import ray
 import torch
 
+from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.metrics import MetricsLog, extreme
 from relax.ray.placement import (
     create_engine_actors, create_node_placement, create_training_actors, wait_for, worker_failure,
@@ -80,7 +81,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                 TrainWorker, placement, memory_saver_on=memory_saver_on,
                 args=(
                     r.hf_checkpoint, config.megatron.values, _actor_settings(config), platform.name,
-                    r.update_weight_buffer_size,
+                    r.update_weight_buffer_size, _megatron_features(r),
                 ),
             )
             wait_for(trainers.call("sleep"), placement)
@@ -323,6 +324,11 @@ def _data_config(r) -> PromptDataConfig:
 
 def _uses_reference(r) -> bool:
     return r.use_kl_loss and r.kl_coef != 0.0
+
+
+def _megatron_features(r) -> dict:
+    """The switches of the platform's Megatron adaptation layer that were given (MindSpeed's, on NPU)."""
+    return {name: True for name in MEGATRON_FEATURE_FLAGS if getattr(r, name)}
 
 
 def _actor_settings(config) -> ActorSettings:

@@ -30,6 +30,10 @@ RUN_ARGS=(
     --moe-router-dtype fp32 --moe-aux-loss-coeff 0
     # overlap DP gradient reduce-scatter and parameter all-gather with backward and forward compute
     --overlap-grad-reduce --overlap-param-gather
+    # MindSpeed's fused NPU kernels in megatron-core's own modules (relax's attention, GDN and norms have their own)
+    --use-fused-swiglu --bias-activation-fusion --use-fused-rotary-pos-emb
+    # experts as one grouped matmul per projection; MindSpeed's fused token permute for the alltoall dispatcher
+    --moe-grouped-gemm --use-fused-moe-token-permute-and-unpermute
     --rollout-num-devices-per-engine 8
     # a prefill may wait up to 30 scheduler passes to be batched with others
     --sglang-prefill-delayer-max-delay-passes 30

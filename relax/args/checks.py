@@ -5,6 +5,7 @@ Each rule takes the TrainConfig and the relax.platform record of the run's devic
 
 from pathlib import Path
 
+from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
@@ -297,6 +298,34 @@ def no_context_parallelism(config, platform):
         )
 
 
+def megatron_features_fit_the_platform(config, platform):
+    r = config.relax
+    asked = [name for name in MEGATRON_FEATURE_FLAGS if getattr(r, name)]
+    refused = [name for name in asked if name not in platform.megatron_features]
+    if refused:
+        flags = ", ".join("--" + name.replace("_", "-") for name in refused)
+        return (
+            f"{flags}: switches of the NPU's Megatron adaptation layer (MindSpeed); the {platform.name!r} platform has "
+            "none: remove them"
+        )
+    tc = config.megatron.transformer
+    if r.use_fused_moe_token_permute_and_unpermute and tc.moe_token_dispatcher_type != "alltoall":
+        return (
+            "--use-fused-moe-token-permute-and-unpermute needs --moe-token-dispatcher-type alltoall (MindSpeed's fused "
+            f"permute is for that dispatcher), got {tc.moe_token_dispatcher_type!r}"
+        )
+    if r.use_fused_swiglu and not tc.bias_activation_fusion:
+        return (
+            "--use-fused-swiglu needs --bias-activation-fusion: megatron's MLP calls the SwiGLU function MindSpeed "
+            "replaces only with it"
+        )
+    if r.use_fused_rmsnorm and tc.experimental_attention_variant == "gated_delta_net":
+        return (
+            "--use-fused-rmsnorm does not reach hybrid GDN models (qwen3_5, qwen3_next): their zero-centred RMSNorms "
+            "are relax's own, not megatron's; remove it"
+        )
+
+
 RULES = [
     required_flags,
     model_parallel_fits_devices,
@@ -322,6 +351,7 @@ RULES = [
     new_run_starts_its_own_record,
     grouped_experts_apply,
     no_context_parallelism,
+    megatron_features_fit_the_platform,
 ]
 
 

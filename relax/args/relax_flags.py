@@ -15,6 +15,15 @@ from relax.train.losses import AGGREGATIONS
 LOSS_AGGREGATIONS = [name.replace("_", "-") for name in AGGREGATIONS]  # verl's loss_agg_mode spelling
 TIS_CLIP_DEFAULTS = {"tis_clip": 2.0, "tis_clip_low": 0.0}  # with --use-tis (slime's defaults)
 
+# Switches of the NPU's Megatron adaptation layer (MindSpeed), by dest, spelled as MindSpeed spells them: each given
+# one reaches its repatch in every training rank (Platform.prepare_megatron's feature_args).
+MEGATRON_FEATURE_FLAGS = {
+    "use_fused_rmsnorm": "RMSNorm of megatron's layer specs (Qwen2/Qwen3 norms).",
+    "use_fused_swiglu": "megatron's SwiGLU (dense MLPs, shared experts).",
+    "use_fused_rotary_pos_emb": "RoPE of the softmax-attention layers.",
+    "use_fused_moe_token_permute_and_unpermute": "MoE token permute and unpermute (needs --moe-token-dispatcher-type "
+    "alltoall).",
+}
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
 DEVICE_CHOICES = ["auto", "cpu", "cuda", "npu"]
 
@@ -290,6 +299,12 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--seed", type=int, default=1234, help="Seed for data order, sampling and Megatron init (default: %(default)s)."
     )
+
+    g = parser.add_argument_group(
+        "relax: fused NPU kernels (MindSpeed's switches, passed to its repatch in every training rank; --device npu)"
+    )
+    for dest, text in MEGATRON_FEATURE_FLAGS.items():
+        g.add_argument("--" + dest.replace("_", "-"), action="store_true", help=text)
 
     g = parser.add_argument_group("relax: resources and colocation")
     g.add_argument("--num-nodes", type=_positive_int, default=1, help="Nodes (default: %(default)s).")

@@ -72,6 +72,9 @@ class Platform:
     attention_kernel: str
     # The training actor's default chunked gated delta rule (relax.kernels.gdn_training.GDN_TRAINING_KERNELS).
     gdn_training_kernel: str
+    # Feature switches of the platform's Megatron adaptation layer (MindSpeed on NPU) that relax passes on from its
+    # flags of the same names (prepare_megatron's feature_args); empty where Megatron runs without one.
+    megatron_features: tuple[str, ...]
     _load_device_module: Callable[[], Any] = field(repr=False)
     _unavailable_reason: Callable[[], Optional[str]] = field(repr=False)
     _worker_env: Callable[[bool], dict] = field(repr=False)

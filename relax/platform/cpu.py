@@ -160,6 +160,7 @@ PLATFORM = Platform(
     sglang_server_defaults=frozen(SGLANG_SERVER_DEFAULTS),
     attention_kernel="sdpa",
     gdn_training_kernel="reference",
+    megatron_features=(),
     _load_device_module=lambda: CpuDeviceModule,
     _unavailable_reason=lambda: None,
     _worker_env=_worker_env,

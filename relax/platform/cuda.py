@@ -112,6 +112,7 @@ PLATFORM = Platform(
     sglang_server_defaults=frozen({"device": "cuda"}),
     attention_kernel="flash_varlen",
     gdn_training_kernel="fla",
+    megatron_features=(),
     _load_device_module=_device_module,
     _unavailable_reason=_unavailable_reason,
     _worker_env=_worker_env,

@@ -87,6 +87,18 @@ def _load_memory_saver():
     return torch_memory_saver.torch_memory_saver
 
 
+# MindSpeed's switches for its fused NPU kernels in megatron-core's own modules (its feature arguments, by dest):
+# RMSNorm of megatron's layer specs (LNImpl / WrappedTorchNorm), megatron's SwiGLU, RoPE (apply_rotary_pos_emb), and
+# the MoE token permute / unpermute of the alltoall dispatcher. relax's own modules do not go through them: its core
+# attention calls npu_fusion_attention and its grouped experts npu_grouped_matmul already; Qwen3.5's zero-centred
+# RMSNorm and GDN layers are relax's own torch.
+MINDSPEED_FEATURES = (
+    "use_fused_rmsnorm",
+    "use_fused_swiglu",
+    "use_fused_rotary_pos_emb",
+    "use_fused_moe_token_permute_and_unpermute",
+)
+
 _applied_feature_args: Optional[dict] = None
 
 
@@ -148,6 +160,7 @@ PLATFORM = Platform(
     attention_kernel="npu_fusion",
     # flash-linear-attention's Triton kernels are not built for triton-ascend; the torch reference always runs
     gdn_training_kernel="reference",
+    megatron_features=MINDSPEED_FEATURES,
     _load_device_module=_device_module,
     _unavailable_reason=_unavailable_reason,
     _worker_env=_worker_env,

@@ -15,12 +15,15 @@ from relax.train.batch import RolloutBatch
 
 
 class TrainWorker:
-    def __init__(self, hf_dir: str, megatron_values, settings, device: str, bucket_bytes: int):
-        """megatron_values: relax.args.MegatronValues; settings: relax.train.actor.ActorSettings."""
+    def __init__(
+        self, hf_dir: str, megatron_values, settings, device: str, bucket_bytes: int, megatron_features: dict
+    ):
+        """megatron_values: relax.args.MegatronValues; settings: relax.train.actor.ActorSettings; megatron_features:
+        switches of the platform's Megatron adaptation layer (MindSpeed's feature arguments on NPU)."""
         from relax.platform import get_platform
 
         self.platform = get_platform(device)
-        self.platform.prepare_megatron()
+        self.platform.prepare_megatron(megatron_features)
         megatron = megatron_values.build()
         self.platform.set_device(local_device_index())
         # MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE come from relax.ray.placement.

@@ -62,7 +62,7 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
             TrainWorker, placement,
             args=(
                 r.hf_checkpoint, config.megatron.values, _actor_settings(config), platform.name,
-                r.update_weight_buffer_size,
+                r.update_weight_buffer_size, {},
             ),
         )
         ray.get(trainers.call("sleep"))

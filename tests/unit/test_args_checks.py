@@ -154,7 +154,32 @@ RULES = {
         [*RUN, "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act"],
         "--recompute-modules moe_act is not supported with --moe-grouped-gemm",
     ),
+    "MindSpeed switches off NPU": (
+        [*RUN, "--use-fused-rmsnorm", "--use-fused-swiglu"],
+        "--use-fused-rmsnorm, --use-fused-swiglu: switches of the NPU's Megatron adaptation layer (MindSpeed); the "
+        "'cpu' platform has none",
+    ),
 }
+
+NPU_RUN = [arg if arg != "cpu" else "npu" for arg in RUN]
+NPU_RULES = {
+    "fused permute needs alltoall": (
+        [*NPU_RUN, "--use-fused-moe-token-permute-and-unpermute"],
+        "--use-fused-moe-token-permute-and-unpermute needs --moe-token-dispatcher-type alltoall",
+    ),
+    "fused SwiGLU needs megatron's fused path": (
+        [*NPU_RUN, "--use-fused-swiglu"], "--use-fused-swiglu needs --bias-activation-fusion"
+    ),
+}
+
+
+@pytest.mark.parametrize("rule", list(NPU_RULES))
+def test_mindspeed_switch_rules_on_npu(rule, capsys):
+    argv, message = NPU_RULES[rule]
+    assert message in parse_error(argv, capsys)
+    switches = ["--use-fused-swiglu", "--bias-activation-fusion", "--use-fused-rotary-pos-emb", "--use-fused-rmsnorm"]
+    config = parse_train_args([*NPU_RUN, *switches])
+    assert config.relax.use_fused_swiglu and config.relax.use_fused_rmsnorm
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -242,3 +267,12 @@ def test_bad_relax_device_environment_exits_2(monkeypatch, capsys):
     monkeypatch.setenv("RELAX_DEVICE", "tpu")
     argv = ["--lr", "1e-6", "--prompt-data", "p", "--reward-fn", "math", "--dry-run", *SIZE]  # --device auto
     assert "unknown RELAX_DEVICE='tpu'" in parse_error(argv, capsys)
+
+
+def test_fused_rmsnorm_is_refused_where_it_cannot_reach_the_norms(tmp_path, capsys):
+    from relax.tiny_model import build_tiny_model
+
+    hf_dir = build_tiny_model(tmp_path / "qwen3_5", "qwen3_5")
+    argv = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "npu", "--dry-run",
+            "--hf-checkpoint", str(hf_dir), "--use-fused-rmsnorm"]
+    assert "--use-fused-rmsnorm does not reach hybrid GDN models" in parse_error(argv, capsys)
