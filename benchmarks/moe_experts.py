@@ -12,10 +12,10 @@ difference| between the sides, seconds per step of each side, and sequential / g
 """
 
 import argparse
-import socket
 import time
 
 import torch
+from single_rank import init_distributed
 
 QWEN3_30B_A3B = dict(  # one layer of Qwen3-30B-A3B (its config.json), with a small vocabulary (not timed)
     hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
@@ -33,27 +33,6 @@ def hf_config(shape: dict, layers: int) -> dict:
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "norm_topk_prob": True, "num_hidden_layers": layers,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, **shape,
     }
-
-
-def init_distributed(device: str):
-    from relax.platform import get_platform
-
-    platform = get_platform(device)
-    platform.prepare_megatron()
-    if platform.device_type != "cpu":
-        platform.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group(
-        platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-    )
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    parallel_state.initialize_model_parallel()
-    model_parallel_cuda_manual_seed(0)
-    return platform
 
 
 def moe_layers(hf: dict, dtype: torch.dtype, device, grouped: bool) -> list:
@@ -107,6 +86,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     platform = init_distributed(args.device)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
     device = platform.current_device()
     hf = hf_config(TINY if args.tiny else QWEN3_30B_A3B, args.layers)
     dtype = torch.float32 if args.tiny else torch.bfloat16

@@ -24,12 +24,11 @@ is printed.
 
 import argparse
 import json
-import os
-import socket
 import time
 from pathlib import Path
 
 import torch
+from single_rank import init_distributed
 
 _GDN = dict(linear_conv_kernel_dim=4, full_attention_interval=4)
 SIZES = {
@@ -60,24 +59,6 @@ def write_checkpoint(work_dir: Path, size: str) -> str:
         for i in range(shape["num_hidden_layers"])
     ]
     return str(build_tiny_model(out_dir, "qwen3_5", **shape, layer_types=layer_types))
-
-
-def init_distributed(device: str):
-    from relax.platform import get_platform
-
-    platform = get_platform(device)
-    os.environ.update(platform.worker_env())
-    platform.prepare_megatron()
-    if platform.device_type != "cpu":
-        platform.set_device(0)
-    if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.distributed.init_process_group(
-            platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-        )
-    return platform
 
 
 def make_actor(hf_dir: str, platform, dtype: torch.dtype, lr: float, micro_batch_size: int, gdn_kernel: str):

@@ -28,16 +28,15 @@ and ops whose time differs most between megatron_core and relax are listed side 
 import argparse
 import contextlib
 import json
-import os
 import queue
 import re
-import socket
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from single_rank import init_distributed
 
 QWEN3_1_7B = dict(
     hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
@@ -421,26 +420,8 @@ def run_side(platform, name: str, args) -> dict:
     return megatron_baseline(hf, args, platform, explicit_mask=name == "megatron_core_explicit_mask")
 
 
-def _single_rank(device: str):
-    """This process as the only rank of a process group on `device` (device 0); its platform."""
-    from relax.platform import get_platform
-
-    platform = get_platform(device)
-    os.environ.update(platform.worker_env())
-    platform.prepare_megatron()
-    if platform.device_type != "cpu":
-        platform.set_device(0)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.distributed.init_process_group(
-        platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
-    )
-    return platform
-
-
 def _side_process(device: str, side, side_args: tuple, results) -> None:
-    platform = _single_rank(device)
+    platform = init_distributed(device)
     results.put(side(platform, *side_args))
     torch.distributed.destroy_process_group()
 
