@@ -3,6 +3,7 @@
 Each rule takes the TrainConfig and the relax.platform record of the run's device.
 """
 
+import importlib.util
 from pathlib import Path
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
@@ -298,6 +299,18 @@ def no_context_parallelism(config, platform):
         )
 
 
+def gdn_training_kernel_imports(config, platform):
+    """Checked where the run's device is this machine's (its workers import the kernel here too)."""
+    kernel = config.relax.gdn_training_kernel
+    if config.megatron.transformer.experimental_attention_variant != "gated_delta_net" or kernel != "fla":
+        return None
+    if platform.unavailable_reason() is None and importlib.util.find_spec("fla") is None:
+        return (
+            "--gdn-training-kernel fla needs flash-linear-attention, which is not "
+            "installed: install it (pip install flash-linear-attention) or pass --gdn-training-kernel reference"
+        )
+
+
 def megatron_features_fit_the_platform(config, platform):
     r = config.relax
     asked = [name for name in MEGATRON_FEATURE_FLAGS if getattr(r, name)]
@@ -352,6 +365,7 @@ RULES = [
     grouped_experts_apply,
     no_context_parallelism,
     megatron_features_fit_the_platform,
+    gdn_training_kernel_imports,
 ]
 
 

@@ -276,3 +276,14 @@ def test_fused_rmsnorm_is_refused_where_it_cannot_reach_the_norms(tmp_path, caps
     argv = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "npu", "--dry-run",
             "--hf-checkpoint", str(hf_dir), "--use-fused-rmsnorm"]
     assert "--use-fused-rmsnorm does not reach hybrid GDN models" in parse_error(argv, capsys)
+
+
+def test_a_gdn_training_kernel_that_does_not_import_here_is_refused(tmp_path, capsys):
+    from relax.tiny_model import build_tiny_model
+
+    hf_dir = build_tiny_model(tmp_path / "qwen3_5", "qwen3_5")
+    argv = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run",
+            "--hf-checkpoint", str(hf_dir), "--gdn-training-kernel", "fla"]
+    assert "--gdn-training-kernel fla needs flash-linear-attention" in parse_error(
+        argv, capsys
+    )
