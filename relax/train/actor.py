@@ -424,7 +424,7 @@ class MegatronActor:
         return totals[0], totals[1]
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on the batch. Returns the whole batch's loss, pg_loss, clip_fraction, ppo_kl,
+        """One optimizer step on the batch. Returns the whole batch's loss, pg_loss, clip_fraction, dual_clip_fraction, ppo_kl,
         kl (with ref_logprobs), entropy, the mismatch/* metrics (with rollout_logprobs), and grad_norm, lr,
         update_successful."""
         from megatron.core import parallel_state
