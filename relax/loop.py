@@ -152,7 +152,9 @@ def collect_rollout(step, generate: Generate, loader, sampling, reward_fn, r) ->
         save_rollout_data(r.save_rollout_data, step, samples, r.n_samples_per_prompt)
     metrics = {**reward_and_length_metrics(samples), **sampling_metrics}
     if r.overlong_buffer_len:
-        apply_overlong_penalty(samples, r.rollout_max_response_len, r.overlong_buffer_len)
+        apply_overlong_penalty(
+            samples, r.rollout_max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor
+        )
     return samples, metrics
 
 
@@ -333,11 +335,13 @@ def _megatron_features(r) -> dict:
 
 def _actor_settings(config) -> ActorSettings:
     r, scheduler = config.relax, config.megatron.scheduler
-    kl = dict(kl_coef=r.kl_coef, kl_estimator=r.kl_loss_type) if _uses_reference(r) else {}
+    kl = dict(kl_coef=r.kl_coef, kl_estimator=r.kl_loss_type, k3_clamp=r.k3_clamp) if _uses_reference(r) else {}
     loss = LossSettings(
         loss_mode="cispo" if r.advantage_estimator == "cispo" else "ppo",
         clip_low=r.eps_clip,
         clip_high=r.eps_clip_high,
+        dual_clip=r.eps_clip_c,
+        log_ratio_clamp=r.log_ratio_clamp,
         ratio_level="sequence" if r.advantage_estimator == "gspo" else "token",
         aggregation=r.loss_aggregation.replace("-", "_"),
         # Dr. GRPO's constant: the longest response the engine may give, the same on every rank and step

@@ -26,12 +26,22 @@ from relax.args.megatron import (
     read_hf_config,
     resolve_architecture,
 )
-from relax.args.relax_flags import DEVICE_CHOICES, TIS_CLIP_DEFAULTS, add_relax_args
+from relax.args.relax_flags import (
+    AGGREGATION_DEFAULTS,
+    CLIP_DEFAULTS,
+    DEFAULT_AGGREGATION,
+    DEFAULT_CLIP,
+    DEVICE_CHOICES,
+    OVERLONG_PENALTY_FACTOR_DEFAULT,
+    TIS_CLIP_DEFAULTS,
+    add_relax_args,
+)
 from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
 from relax.args.strict import StrictArgumentParser
 from relax.platform import platform_facts, resolve_platform_name
 from relax.rollout.engine import server_defaults
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
+from relax.train.losses import DUAL_CLIP, K3_CLAMP
 
 __all__ = ["TrainConfig", "MegatronConfig", "MegatronValues", "build_parser", "parse_train_args", "format_config"]
 
@@ -118,10 +128,22 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
     """Defaults that are other flags' values."""
     if relax.global_batch_size is None:
         relax.global_batch_size = relax.rollout_batch_size * relax.n_samples_per_prompt
-    if relax.eps_clip_high is None:
-        relax.eps_clip_high = relax.eps_clip
-    if relax.use_kl_loss and relax.kl_loss_type is None:  # (left unset otherwise, so that giving it alone is refused)
+    estimator = relax.advantage_estimator
+    clip_low, clip_high = CLIP_DEFAULTS.get(estimator, (DEFAULT_CLIP, DEFAULT_CLIP))
+    if relax.eps_clip_high is None:  # (a given --eps-clip is the upper side too)
+        relax.eps_clip_high = clip_high if relax.eps_clip is None else relax.eps_clip
+    if relax.eps_clip is None:
+        relax.eps_clip = clip_low
+    if relax.loss_aggregation is None:
+        relax.loss_aggregation = AGGREGATION_DEFAULTS.get(estimator, DEFAULT_AGGREGATION)
+    if relax.eps_clip_c is None and estimator != "cispo":  # (likewise below: left unset where giving it is refused)
+        relax.eps_clip_c = DUAL_CLIP
+    if relax.use_kl_loss and relax.kl_loss_type is None:
         relax.kl_loss_type = "k3"
+    if relax.use_kl_loss and relax.kl_loss_type == "k3" and relax.k3_clamp is None:
+        relax.k3_clamp = K3_CLAMP
+    if relax.overlong_buffer_len and relax.overlong_penalty_factor is None:
+        relax.overlong_penalty_factor = OVERLONG_PENALTY_FACTOR_DEFAULT
     if relax.use_tis:  # (likewise)
         for name, default in TIS_CLIP_DEFAULTS.items():
             if getattr(relax, name) is None:

@@ -143,6 +143,19 @@ def clip_range_ordered(config, platform):
         return f"--eps-clip-high {r.eps_clip_high} is below --eps-clip {r.eps_clip}"
 
 
+def dual_clip_applies(config, platform):
+    r = config.relax
+    if r.eps_clip_c is None:
+        return None
+    if r.advantage_estimator == "cispo":
+        return (
+            "--eps-clip-c bounds PPO's clipped loss; cispo's loss weighs each token by its capped ratio instead "
+            "(--eps-clip, --eps-clip-high): drop --eps-clip-c"
+        )
+    if r.eps_clip_c <= 1:
+        return f"--eps-clip-c {r.eps_clip_c} must be > 1 (it bounds the loss of ratios past 1 + --eps-clip-high)"
+
+
 def kl_loss_has_weight(config, platform):
     if config.relax.use_kl_loss and config.relax.kl_coef <= 0:
         return "--use-kl-loss with --kl-coef 0 adds nothing: give --kl-coef > 0 or drop --use-kl-loss"
@@ -157,6 +170,8 @@ def kl_flags_need_kl_loss(config, platform):
         )
     if r.kl_loss_type is not None and not r.use_kl_loss:
         return "--kl-loss-type only applies with --use-kl-loss"
+    if r.k3_clamp is not None and r.kl_loss_type != "k3":
+        return "--k3-clamp only applies with --use-kl-loss and the k3 estimator (--kl-loss-type k3, the default)"
 
 
 def dapo_is_grpo_with_flags(config, platform):
@@ -174,6 +189,23 @@ def std_normalisation_applies(config, platform):
         return (
             f"--no-normalize-advantages-by-std changes nothing with --advantage-estimator {r.advantage_estimator}, "
             f"which never divides by the group's std (only {', '.join(STD_NORMALISED)} do); drop it"
+        )
+
+
+def groups_fit_the_estimator(config, platform):
+    r = config.relax
+    if r.n_samples_per_prompt > 1:
+        return None
+    if r.advantage_estimator in STD_NORMALISED and r.normalize_advantages_by_std:
+        return (
+            f"--advantage-estimator {r.advantage_estimator} divides by the std of each prompt's responses, which "
+            "one response (--n-samples-per-prompt 1) does not have: give --n-samples-per-prompt 2 or more, or "
+            "--no-normalize-advantages-by-std"
+        )
+    if r.advantage_estimator == "rloo":
+        return (
+            "--advantage-estimator rloo takes each response's baseline from the other responses to its prompt: "
+            "give --n-samples-per-prompt 2 or more"
         )
 
 
@@ -237,6 +269,8 @@ def sampling_flags_consistent(config, platform):
                 f"--over-sampling-batch-size {r.over_sampling_batch_size} "
                 f"is below --rollout-batch-size {r.rollout_batch_size}"
             )
+    if r.overlong_penalty_factor is not None and r.overlong_buffer_len is None:
+        return "--overlong-penalty-factor only applies with --overlong-buffer-len"
     if r.overlong_buffer_len is not None and r.overlong_buffer_len >= r.rollout_max_response_len:
         return (
             f"--overlong-buffer-len {r.overlong_buffer_len} "
@@ -350,10 +384,12 @@ RULES = [
     engines_within_pipeline_stages,
     colocation_releases_memory,
     clip_range_ordered,
+    dual_clip_applies,
     kl_loss_has_weight,
     kl_flags_need_kl_loss,
     dapo_is_grpo_with_flags,
     std_normalisation_applies,
+    groups_fit_the_estimator,
     off_policy_flags_consistent,
     debug_modes_consistent,
     rollout_data_patterns_valid,

@@ -10,9 +10,16 @@ import json
 from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
 from relax.train.advantages import ESTIMATORS
-from relax.train.losses import AGGREGATIONS
+from relax.train.losses import AGGREGATIONS, DUAL_CLIP, K3_CLAMP, LOG_RATIO_CLAMP
 
 LOSS_AGGREGATIONS = [name.replace("_", "-") for name in AGGREGATIONS]  # verl's loss_agg_mode spelling
+OVERLONG_PENALTY_FACTOR_DEFAULT = 1.0  # DAPO's
+# The clip range and aggregation of each estimator when not given: GSPO's paper (arXiv:2507.18071) clips its
+# sequence ratio at 3e-4 / 4e-4 and averages over sequences; the others clip PPO's token ratio at 0.2.
+CLIP_DEFAULTS = {"gspo": (3e-4, 4e-4)}
+DEFAULT_CLIP = 0.2
+AGGREGATION_DEFAULTS = {"gspo": "seq-mean-token-mean"}
+DEFAULT_AGGREGATION = "token-mean"
 TIS_CLIP_DEFAULTS = {"tis_clip": 2.0, "tis_clip_low": 0.0}  # with --use-tis (slime's defaults)
 
 # Switches of the NPU's Megatron adaptation layer (MindSpeed), by dest, spelled as MindSpeed spells them: each given
@@ -180,7 +187,10 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "(default: off).",
     )
     g.add_argument(
-        "--overlong-penalty-factor", type=float, default=1.0, help="Largest overlong penalty (default: %(default)s)."
+        "--overlong-penalty-factor",
+        type=_positive_float,
+        help="With --overlong-buffer-len: the penalty at --rollout-max-response-len tokens, subtracted from the "
+        f"reward (default: {OVERLONG_PENALTY_FACTOR_DEFAULT}).",
     )
 
     g = parser.add_argument_group("relax: reward")
@@ -191,11 +201,33 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--advantage-estimator",
         choices=list(ESTIMATORS),
         default="grpo",
-        help="Advantage estimator; gspo and cispo also switch the loss to GSPO's sequence ratio or CISPO's "
-        "capped ratio weight; dapo is refused with the flags that make DAPO (default: %(default)s).",
+        help="Advantage estimator; gspo and cispo also switch the loss to GSPO's sequence ratio (with GSPO's "
+        "clip range and sequence-mean aggregation unless given) or CISPO's capped ratio weight; dapo is refused "
+        "with the flags that make DAPO (default: %(default)s).",
     )
-    g.add_argument("--eps-clip", type=float, default=0.2, help="PPO ratio clip, lower side (default: %(default)s).")
-    g.add_argument("--eps-clip-high", type=float, help="PPO ratio clip, upper side (default: --eps-clip).")
+    g.add_argument(
+        "--eps-clip",
+        type=_non_negative_float,
+        help=f"PPO ratio clip, lower side (default: {DEFAULT_CLIP}; gspo: {CLIP_DEFAULTS['gspo'][0]}).",
+    )
+    g.add_argument(
+        "--eps-clip-high",
+        type=_non_negative_float,
+        help=f"PPO ratio clip, upper side (default: --eps-clip; gspo without --eps-clip: {CLIP_DEFAULTS['gspo'][1]}).",
+    )
+    g.add_argument(
+        "--eps-clip-c",
+        type=_positive_float,
+        help="Dual-clip: a token with a negative advantage A loses at most -A x this (> 1), however far its ratio "
+        f"has grown; not with cispo, whose weights are capped already (default: {DUAL_CLIP}).",
+    )
+    g.add_argument(
+        "--log-ratio-clamp",
+        type=_positive_float,
+        default=LOG_RATIO_CLAMP,
+        help="|log(pi / pi_old)| (and the k3 KL's |log(pi / reference)|) is clamped to this before exp, so one "
+        "token far off the old policy gives a large finite ratio, not inf (default: %(default)s).",
+    )
     g.add_argument(
         "--kl-coef",
         type=float,
@@ -209,6 +241,11 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="KL estimator of the --use-kl-loss term (default: k3).",
     )
     g.add_argument(
+        "--k3-clamp",
+        type=_positive_float,
+        help=f"With --use-kl-loss and the k3 estimator: the largest per-token KL estimate (default: {K3_CLAMP}).",
+    )
+    g.add_argument(
         "--use-kl-loss",
         action="store_true",
         help="Put --kl-coef x KL(policy || reference) in the loss (relax has no KL penalty on the reward).",
@@ -217,10 +254,9 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--loss-aggregation",
         choices=LOSS_AGGREGATIONS,
-        default="token-mean",
         help="How per-token losses become one: the mean over the batch's tokens, the mean over sequences of "
         "each one's token mean or token sum, or the token sum over (sequences x --rollout-max-response-len) "
-        "(Dr. GRPO) (default: %(default)s).",
+        f"(Dr. GRPO) (default: {DEFAULT_AGGREGATION}; gspo: {AGGREGATION_DEFAULTS['gspo']}).",
     )
     g.add_argument(
         "--normalize-advantages-by-std",

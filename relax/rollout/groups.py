@@ -118,22 +118,25 @@ def fill_with_informative_groups(
 
 # --- overlong punishment -----------------------------------------------------------------------------
 
-def overlong_penalty(response_length: int, max_response_length: int, buffer_length: int) -> float:
-    """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then falling linearly to -1 at max
-    tokens, and -1 beyond."""
+def overlong_penalty(
+    response_length: int, max_response_length: int, buffer_length: int, penalty_factor: float = 1.0
+) -> float:
+    """DAPO's soft overlong punishment: 0 up to max - buffer tokens, then falling linearly to -penalty_factor at
+    max tokens, and -penalty_factor beyond."""
     if not 0 < buffer_length <= max_response_length:
         raise ValueError(
             f"overlong buffer length {buffer_length} must be in (0, max response length {max_response_length}]"
         )
     free_length = max_response_length - buffer_length
-    if response_length <= free_length:
-        return 0.0
-    if response_length <= max_response_length:
-        return (free_length - response_length) / buffer_length
-    return -1.0
+    excess = min(max(response_length - free_length, 0), buffer_length)
+    return -penalty_factor * excess / buffer_length
 
 
-def apply_overlong_penalty(samples: list[Sample], max_response_length: int, buffer_length: int) -> None:
+def apply_overlong_penalty(
+    samples: list[Sample], max_response_length: int, buffer_length: int, penalty_factor: float
+) -> None:
     """Add the soft overlong penalty to each sample's reward (in place)."""
     for sample in samples:
-        sample.reward += overlong_penalty(len(sample.response_token_ids), max_response_length, buffer_length)
+        sample.reward += overlong_penalty(
+            len(sample.response_token_ids), max_response_length, buffer_length, penalty_factor
+        )

@@ -78,8 +78,7 @@ def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_g
 
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
     """log p(label) and (optionally) the entropy per position, from logits [..., vocab / TP] whose vocab is
-    split across the tensor-parallel ranks. Differentiable; sums over the vocab all-reduce across TP. Float32
-    `logits` may be overwritten (pass a tensor nobody reads afterwards, e.g. logits / temperature)."""
+    split across the tensor-parallel ranks. Differentiable; sums over the vocab all-reduce across TP."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
@@ -88,21 +87,45 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, with_ent
         # the steps below keep several [tokens, vocab] float32 tensors. On an H200 (1.7B Qwen3, vocabulary 151936,
         # 4 x 2048 tokens a micro-batch) that was 139 GB of peak memory against 93 GB (docs/benchmarks.md).
         return -vocab_parallel_cross_entropy(logits, labels), None
+    group = parallel_state.get_tensor_model_parallel_group()
+
+    def max_over_shards(values):
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
+        return values
+
+    return sharded_logprobs_and_entropy(
+        logits,
+        labels,
+        vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
+        sum_over_shards=reduce_from_tensor_model_parallel_region,
+        max_over_shards=max_over_shards,
+    )
+
+
+def sharded_logprobs_and_entropy(logits, labels, vocab_start: int, sum_over_shards, max_over_shards):
+    """log p(label) and the entropy per position, on one rank that holds the vocabulary shard of `logits`
+    [..., local vocab] starting at token `vocab_start`.
+
+    sum_over_shards(t) is every rank's t summed, differentiable, its backward passing the gradient of the sum
+    to this rank's t as it is (Megatron's reduce_from_tensor_model_parallel_region); max_over_shards(t) is the
+    elementwise maximum over the ranks, not differentiated.
+    """
     logits = logits.float()
     local_vocab = logits.shape[-1]
-    vocab_start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
-    logits_max = logits.detach().max(dim=-1).values
-    torch.distributed.all_reduce(
-        logits_max, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
-    )
+    logits_max = max_over_shards(logits.detach().max(dim=-1).values)
     shifted = logits - logits_max.unsqueeze(-1)
-    log_z = reduce_from_tensor_model_parallel_region(shifted.exp().sum(-1)).log()
+    exp_shifted = shifted.exp()
+    partition = sum_over_shards(exp_shifted.sum(-1))
+    log_z = partition.log()
     local_labels = labels - vocab_start
     in_shard = (local_labels >= 0) & (local_labels < local_vocab)
     label_logit = shifted.gather(-1, local_labels.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
-    logprobs = reduce_from_tensor_model_parallel_region(label_logit * in_shard) - log_z
-    probs = torch.exp(shifted - log_z.unsqueeze(-1))
-    entropy = log_z - reduce_from_tensor_model_parallel_region((probs * shifted).sum(-1))
+    logprobs = sum_over_shards(label_logit * in_shard) - log_z
+    # entropy = log Z - sum_v p_v s_v, with sum_v p_v s_v as (sum_v e^s_v s_v) / Z: each rank's share of a sum
+    # meets Z only after the all-reduce, so the gradient through Z holds every rank's terms. (With p_v = e^s_v / Z
+    # inside a rank's share, that rank's backward through Z would see its own terms only.)
+    weighted_sum = sum_over_shards((exp_shifted * shifted).sum(-1))
+    entropy = log_z - weighted_sum / partition
     return logprobs, entropy
 
 
@@ -401,7 +424,7 @@ class MegatronActor:
         return totals[0], totals[1]
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on the batch. Returns the whole batch's loss, pg_loss, clip_fraction, ppo_kl,
+        """One optimizer step on the batch. Returns the whole batch's loss, pg_loss, clip_fraction, dual_clip_fraction, ppo_kl,
         kl (with ref_logprobs), entropy, the mismatch/* metrics (with rollout_logprobs), and grad_norm, lr,
         update_successful."""
         from megatron.core import parallel_state

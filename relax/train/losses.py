@@ -22,6 +22,11 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_
 KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
 LOSS_MODES = ("ppo", "cispo")
+# verl's bounds: |log(pi / pi_old)| before exp, so one wild token gives a large finite ratio rather than inf and a
+# NaN gradient; and the k3 KL estimate per token.
+LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0
+DUAL_CLIP = 3.0  # verl's clip_ratio_c
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -85,11 +90,18 @@ def log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Te
     return seq_log_ratio + logprobs - logprobs.detach()
 
 
-def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+def kl_divergence(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    estimator: str,
+    log_ratio_clamp: float | None = None,
+    k3_clamp: float | None = None,
+) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (Schulman's k1, k2, k3).
 
     k1 = log(pi/ref) (unbiased, can be negative); k2 = log(pi/ref)^2 / 2; k3 = ref/pi - 1 - log(ref/pi)
-    (unbiased and never negative).
+    (unbiased and never negative). For k3, log(pi/ref) is clamped to +-log_ratio_clamp before exp and the
+    estimate to at most k3_clamp (None: unclamped).
     """
     _check_choice("kl estimator", estimator, KL_ESTIMATORS)
     log_r = logprobs - ref_logprobs
@@ -97,21 +109,38 @@ def kl_divergence(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator:
         return log_r
     if estimator == "k2":
         return 0.5 * log_r.square()
-    return torch.exp(-log_r) - 1 + log_r
+    if log_ratio_clamp is not None:
+        log_r = log_r.clamp(-log_ratio_clamp, log_ratio_clamp)
+    # ref/pi - 1 as expm1: near pi = ref, exp(-log_r) - 1 rounds to float32's steps around 1
+    k3 = torch.expm1(-log_r) + log_r
+    return k3 if k3_clamp is None else k3.clamp(max=k3_clamp)
 
 
 def clipped_policy_loss(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate per token, with asymmetric bounds (DAPO's clip-higher: clip_high > clip_low).
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, with asymmetric bounds (DAPO's clip-higher: clip_high > clip_low)
+    and dual-clip (Ye et al., arXiv:1912.09729; None turns it off).
 
-    Returns (loss, clipped): loss = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)); `clipped` is 1
-    where the clipped term is the one taken (the token's gradient is cut), for the clip-fraction metric.
+    loss = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high)), and where A < 0 at most -A * dual_clip: a
+    token whose ratio has grown far past the clip range while its advantage is negative would otherwise push
+    with a loss growing with r. Returns (loss, clipped, dual_clipped): `clipped` is 1 where the clipped term is
+    the one taken (the token's gradient is cut), `dual_clipped` where the dual-clip bound is, for the metrics.
     """
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), (clipped > unclipped).to(ratio.dtype)
+    loss = torch.maximum(unclipped, clipped)
+    dual_clipped = torch.zeros_like(loss, dtype=torch.bool)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual_clipped = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual_clipped, bound, loss)
+    return loss, (clipped > unclipped).to(ratio.dtype), dual_clipped.to(ratio.dtype)
 
 
 def cispo_policy_loss(
@@ -135,6 +164,9 @@ class LossSettings:
     loss_mode: str = "ppo"  # "cispo": CISPO's capped, stop-gradient ratio weight (cispo_policy_loss)
     clip_low: float = 0.2
     clip_high: float = 0.28
+    dual_clip: float | None = DUAL_CLIP  # ppo only: the loss of a negative-advantage token is at most -A * this
+    log_ratio_clamp: float | None = LOG_RATIO_CLAMP  # |log(pi / pi_old)| (and k3's |log(pi / ref)|) before exp
+    k3_clamp: float | None = K3_CLAMP  # the largest per-token k3 KL estimate
     ratio_level: str = "token"  # "sequence" for GSPO (then typical clips are 3e-4 / 4e-4)
     aggregation: str = "token_mean"
     norm_length: int | None = None  # only for seq_mean_token_sum_norm
@@ -151,6 +183,11 @@ class LossSettings:
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError(f"clip bounds must be >= 0, got clip_low={self.clip_low}, clip_high={self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip bounds a ratio above 1 + clip_high: it must be > 1, got {self.dual_clip}")
+        for name in ("log_ratio_clamp", "k3_clamp"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 (or None for no clamp), got {getattr(self, name)}")
 
 
 def policy_loss(
@@ -167,8 +204,8 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The actor's loss: clipped policy gradient (PPO's, or CISPO's with loss_mode "cispo") + kl_coef * KL
     - entropy_coef * entropy, all aggregated the same way. Returns (loss, metrics); metrics are detached
-    scalars: loss, pg_loss, clip_fraction, ppo_kl (old -> new, k1), kl (when ref_logprobs is given), entropy
-    (when entropy is given).
+    scalars: loss, pg_loss, clip_fraction, dual_clip_fraction (ppo), ppo_kl (old -> new, k1, unclamped), kl
+    (when ref_logprobs is given), entropy (when entropy is given).
 
     `token_weights` [B, T] (detached; e.g. relax.train.off_policy's importance weights) multiply each token's
     policy-gradient term, not the KL or entropy terms.
@@ -193,12 +230,17 @@ def policy_loss(
         return aggregate(values.detach(), mask, "token_mean", denominator=num_tokens)
 
     ratio_log = log_ratio(logprobs, old_logprobs, mask, settings.ratio_level)
+    if settings.log_ratio_clamp is not None:
+        ratio_log = ratio_log.clamp(-settings.log_ratio_clamp, settings.log_ratio_clamp)
+    dual_clipped = None
     if settings.loss_mode == "cispo":
         pg_per_token, clipped = cispo_policy_loss(
             ratio_log, logprobs, advantages, settings.clip_low, settings.clip_high
         )
     else:
-        pg_per_token, clipped = clipped_policy_loss(ratio_log, advantages, settings.clip_low, settings.clip_high)
+        pg_per_token, clipped, dual_clipped = clipped_policy_loss(
+            ratio_log, advantages, settings.clip_low, settings.clip_high, settings.dual_clip
+        )
     if token_weights is not None:
         pg_per_token = pg_per_token * token_weights.detach()
     pg_loss = agg(pg_per_token)
@@ -208,8 +250,14 @@ def policy_loss(
         "clip_fraction": token_mean(clipped),
         "ppo_kl": token_mean(old_logprobs - logprobs),
     }
+    if dual_clipped is not None:
+        metrics["dual_clip_fraction"] = token_mean(dual_clipped)
     if ref_logprobs is not None:
-        kl = agg(kl_divergence(logprobs, ref_logprobs, settings.kl_estimator))
+        kl = agg(
+            kl_divergence(
+                logprobs, ref_logprobs, settings.kl_estimator, settings.log_ratio_clamp, settings.k3_clamp
+            )
+        )
         loss = loss + settings.kl_coef * kl
         metrics["kl"] = kl.detach()
     if entropy is not None:

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from relax.train.losses import LossSettings, aggregate, policy_loss, sequence_mean
+from relax.train.losses import LOG_RATIO_CLAMP, LossSettings, aggregate, policy_loss, sequence_mean
 
-# |log ratio| is clamped here before exp, so one wild token gives a large finite ratio, not inf.
-LOG_RATIO_LIMIT = 20.0
 RATIO_RANGE = (0.5, 2.0)  # mismatch/ratio_outside_0.5_2_fraction: the tokens whose ratio falls outside
 
 
@@ -60,8 +58,9 @@ class RolloutCorrection:
 
 
 def rollout_log_ratio(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor) -> torch.Tensor:
-    """log(pi_old / pi_rollout) per token, clamped to +-LOG_RATIO_LIMIT."""
-    return (old_logprobs - rollout_logprobs).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    """log(pi_old / pi_rollout) per token, clamped to +-LOG_RATIO_CLAMP before any exp (a wild token gives a
+    large finite ratio, not inf)."""
+    return (old_logprobs - rollout_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def _token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens) -> torch.Tensor:

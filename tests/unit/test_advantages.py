@@ -35,6 +35,16 @@ def test_grpo_without_std_and_equal_rewards():
     close(grpo_sequence_advantages(torch.tensor([1.0, 1.0]), group_size=2), [0.0, 0.0])
 
 
+
+def test_grpo_equal_rewards_are_exactly_zero_in_float32():
+    # The float32 mean of eight 0.7s is not 0.7: its rounding divided by a std as small gave +0.056.
+    rewards = torch.tensor([0.7] * 8 + [0.1, 0.3, 0.3, 0.1, 0.2, 0.2, 0.2, 0.2], dtype=torch.float32)
+    advantages = grpo_sequence_advantages(rewards, group_size=8)
+    assert advantages[:8].tolist() == [0.0] * 8
+    # group 2: mean 0.2, sample std sqrt(4 * 0.01 / 7) = 0.0755929 -> -+0.1 / (0.0755929 + eps 1e-6), 0 for 0.2
+    a = 0.1 / (0.0755929 + 1e-6)
+    close(advantages[8:], [-a, a, a, -a, 0.0, 0.0, 0.0, 0.0])
+
 def test_rloo_leave_one_out():
     # r=1: 1 - mean(0, 0, 1) = 2/3;  r=0: 0 - mean(1, 0, 1) = -2/3.  group 2: 1 - 2/3 = 1/3, 0 - 1 = -1
     close(

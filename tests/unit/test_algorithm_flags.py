@@ -22,6 +22,7 @@ BASE = [
 ]
 KL = ["--use-kl-loss", "--kl-coef", "0.1"]
 TIS = ["--use-tis"]
+GSPO = ["--advantage-estimator", "gspo"]
 
 # flag -> cases: (argv, baseline argv) whose losses must differ, or (argv, message) that must be refused.
 CHANGES, REFUSED = "changes", "refused"
@@ -32,9 +33,25 @@ CASES = {
         (CHANGES, ["--advantage-estimator", "rloo"], []),
         (CHANGES, ["--advantage-estimator", "reinforce_plus_plus"], []),
         (REFUSED, ["--advantage-estimator", "dapo"], "DAPO is --advantage-estimator grpo with clip-higher"),
+        (REFUSED, [*GSPO, "--n-samples-per-prompt", "1"], "which one response (--n-samples-per-prompt 1) does not"),
+        (REFUSED, ["--advantage-estimator", "rloo", "--n-samples-per-prompt", "1"], "rloo takes each response's"),
     ],
-    "--eps-clip": [(CHANGES, ["--eps-clip", "0.1"], [])],
+    "--eps-clip": [
+        (CHANGES, ["--eps-clip", "0.1"], []),
+        (CHANGES, [*GSPO, "--eps-clip", "0.2"], GSPO),  # GSPO's own default is 3e-4
+    ],
     "--eps-clip-high": [(CHANGES, ["--eps-clip-high", "0.5"], [])],
+    "--eps-clip-c": [
+        (CHANGES, ["--eps-clip-c", "1.5"], []),
+        (REFUSED, ["--eps-clip-c", "1"], "--eps-clip-c 1.0 must be > 1"),
+        (REFUSED, ["--advantage-estimator", "cispo", "--eps-clip-c", "3"], "drop --eps-clip-c"),
+    ],
+    "--log-ratio-clamp": [(CHANGES, ["--log-ratio-clamp", "0.1"], [])],
+    "--k3-clamp": [
+        (CHANGES, [*KL, "--k3-clamp", "0.001"], KL),
+        (REFUSED, ["--k3-clamp", "1"], "--k3-clamp only applies with --use-kl-loss and the k3 estimator"),
+        (REFUSED, [*KL, "--kl-loss-type", "k2", "--k3-clamp", "1"], "--k3-clamp only applies with --use-kl-loss"),
+    ],
     "--kl-coef": [
         (REFUSED, ["--kl-coef", "0.1"], "--kl-coef 0.1 without --use-kl-loss would do nothing"),
         (CHANGES, KL, []),
@@ -48,8 +65,11 @@ CASES = {
     "--use-kl-loss": [(REFUSED, ["--use-kl-loss"], "--use-kl-loss with --kl-coef 0 adds nothing")],
     "--entropy-coef": [(CHANGES, ["--entropy-coef", "0.01"], [])],
     "--loss-aggregation": [
-        (CHANGES, ["--loss-aggregation", mode], [])
-        for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+        *(
+            (CHANGES, ["--loss-aggregation", mode], [])
+            for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+        ),
+        (CHANGES, [*GSPO, "--loss-aggregation", "token-mean"], GSPO),  # GSPO's own default is the sequence mean
     ],
     "--normalize-advantages-by-std": [
         (CHANGES, ["--no-normalize-advantages-by-std"], []),

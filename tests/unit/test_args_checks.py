@@ -136,6 +136,10 @@ RULES = {
         [*RUN, "--dynamic-sampling", "--over-sampling-batch-size", "16"],
         "--over-sampling-batch-size 16 is below --rollout-batch-size 32",
     ),
+    "overlong penalty factor needs the buffer": (
+        [*RUN, "--overlong-penalty-factor", "0.5"],
+        "--overlong-penalty-factor only applies with --overlong-buffer-len",
+    ),
     "overlong buffer below max response": (
         [*RUN, "--overlong-buffer-len", "1024"],
         "--overlong-buffer-len 1024 must be below --rollout-max-response-len 1024",
@@ -208,6 +212,23 @@ def test_resolved_defaults():
     assert config.relax.global_batch_size == 32 * 8  # one optimizer step per rollout
     assert config.relax.eps_clip_high == config.relax.eps_clip
     assert config.megatron.scheduler.lr_decay_iters == config.relax.num_steps
+
+
+def test_gspo_alone_is_gspo_as_published():
+    relax = parse_train_args([*RUN, "--advantage-estimator", "gspo"]).relax
+    assert (relax.eps_clip, relax.eps_clip_high, relax.loss_aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
+    given = ["--eps-clip", "1e-3", "--loss-aggregation", "token-mean"]
+    relax = parse_train_args([*RUN, "--advantage-estimator", "gspo", *given]).relax
+    assert (relax.eps_clip, relax.eps_clip_high, relax.loss_aggregation) == (1e-3, 1e-3, "token-mean")
+    relax = parse_train_args([*RUN, "--eps-clip-high", "0.28"]).relax
+    assert (relax.eps_clip, relax.eps_clip_high, relax.loss_aggregation) == (0.2, 0.28, "token-mean")
+    assert (relax.eps_clip_c, relax.log_ratio_clamp, relax.k3_clamp) == (3.0, 20.0, None)
+
+
+def test_overlong_penalty_factor_defaults_with_the_buffer():
+    argv = [*RUN, "--rollout-max-response-len", "8", "--overlong-buffer-len", "4"]
+    assert parse_train_args(argv).relax.overlong_penalty_factor == 1.0
+    assert parse_train_args([*argv, "--overlong-penalty-factor", "0.5"]).relax.overlong_penalty_factor == 0.5
 
 
 def test_gdn_training_kernel_defaults_to_the_devices_and_can_be_chosen():

@@ -20,7 +20,7 @@ def _settings(**changes):
     base = dict(
         load_rollout_data=None, save_rollout_data=None, dynamic_sampling=True, rollout_batch_size=3,
         n_samples_per_prompt=2, over_sampling_batch_size=3, dynamic_sampling_max_rounds=10,
-        overlong_buffer_len=None, rollout_max_response_len=4,
+        overlong_buffer_len=None, overlong_penalty_factor=1.0, rollout_max_response_len=4,
     )
     return argparse.Namespace(**{**base, **changes})
 
@@ -93,3 +93,6 @@ def test_overlong_penalty_comes_after_the_reward_metrics():
     samples, metrics = _collect(generate, loader, r)
     assert [s.reward for s in samples] == [1.0, 1.0 - 1.0]  # 4 tokens of at most 4, the last 2 a buffer: -1
     assert metrics["rollout/reward_mean"] == 1.0  # the reward function's own
+    r = _settings(dynamic_sampling=False, rollout_batch_size=1, overlong_buffer_len=2, overlong_penalty_factor=0.5)
+    samples, _ = _collect(generate, PromptLoader([Prompt(0, [0], "p0")]), r)
+    assert [s.reward for s in samples] == [1.0, 1.0 - 0.5]  # --overlong-penalty-factor 0.5: at most -0.5

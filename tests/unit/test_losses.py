@@ -58,11 +58,51 @@ def test_asymmetric_clip():
     # clip_low 0.2, clip_high 0.28: ratios are clamped to [0.8, 1.28].
     ratios = torch.tensor([1.5, 0.5, 1.1, 0.7])
     advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, clipped = clipped_policy_loss(ratios.log(), advantages, clip_low=0.2, clip_high=0.28)
+    loss, clipped, _ = clipped_policy_loss(ratios.log(), advantages, clip_low=0.2, clip_high=0.28)
     # r=1.5, A=+1: max(-1.5, -1.28) = -1.28, clipped.   r=0.5, A=+1: max(-0.5, -0.8) = -0.5.
     # r=1.1, A=-1: max(1.1, 1.1) = 1.1, not clipped.    r=0.7, A=-1: max(0.7, 0.8) = 0.8, clipped.
     close(loss, [-1.28, -0.5, 1.1, 0.8])
     close(clipped, [1.0, 0.0, 0.0, 1.0])
+
+
+def test_dual_clip_bounds_negative_advantage_tokens():
+    ratios = torch.tensor([4.0, 2.0, 4.0], requires_grad=True)
+    advantages = torch.tensor([-1.0, -1.0, 1.0])
+    loss, clipped, dual_clipped = clipped_policy_loss(ratios.log(), advantages, 0.2, 0.28, dual_clip=3.0)
+    # r=4, A=-1: max(4, 1.28) = 4, bounded by -A * 3 = 3.   r=2, A=-1: 2 < 3 stays.
+    # r=4, A=+1: max(-4, -1.28) = -1.28 (dual-clip acts on negative advantages only).
+    close(loss.detach(), [3.0, 2.0, -1.28])
+    close(clipped, [0.0, 0.0, 1.0])
+    close(dual_clipped, [1.0, 0.0, 0.0])
+    loss.sum().backward()
+    close(ratios.grad, [0.0, 1.0, 0.0])  # the bounded token pushes no more
+
+
+@pytest.mark.parametrize("log_r, advantage, expected", [(89.0, -1.0, 3.0), (50.0, -1.0, 3.0), (50.0, 1.0, -1.28)])
+def test_wild_log_ratios_give_a_bounded_loss_and_a_finite_gradient(log_r, advantage, expected):
+    # Unclamped, exp(89) is inf in float32 (a NaN gradient) and exp(50) * 0.5 a loss of 2.6e21. By default the
+    # log-ratio is clamped at 20 and dual-clip bounds a negative-advantage token's loss at -A * 3.
+    old = torch.zeros(1, 1)
+    new = torch.full((1, 1), log_r, requires_grad=True)
+    loss, _ = policy_loss(LossSettings(), new, old, torch.tensor([[advantage]]), torch.ones(1, 1))
+    loss.backward()
+    close(loss.detach(), expected)
+    close(new.grad, [[0.0]])
+    # Dual-clip off: e^20 * 1, large and finite
+    loss, _ = policy_loss(LossSettings(dual_clip=None), new, old, torch.tensor([[-1.0]]), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(math.exp(20.0), rel=1e-6)
+
+
+def test_k3_is_clamped_and_exact_near_zero():
+    logprobs, ref = torch.tensor([-15.0, -89.0, 1e-4]), torch.zeros(3)
+    # log(pi/ref) = -15: k3 = e^15 - 1 - 15 = 3.27e6 -> 10; -89 (e^89 is inf in float32): clamped to -20, then 10
+    close(kl_divergence(logprobs, ref, "k3", log_ratio_clamp=20.0, k3_clamp=10.0)[:2], [10.0, 10.0])
+    unclamped = kl_divergence(logprobs[:1], ref[:1], "k3")
+    assert unclamped.item() == pytest.approx(math.exp(15.0) - 16.0, rel=1e-6)
+    # log(pi/ref) = 1e-4: k3 = e^-x - 1 + x = x^2 / 2 - x^3 / 6 = 4.99983e-9; exp(-x) - 1 in float32 rounds
+    # to steps of 6e-8 around 1
+    x = float(torch.tensor(1e-4))
+    assert kl_divergence(logprobs, ref, "k3")[2].item() == pytest.approx(math.expm1(-x) + x, rel=2e-3)
 
 
 def test_cispo_caps_the_weight_and_keeps_the_gradient_of_clipped_tokens():
@@ -190,3 +230,7 @@ def test_loss_settings_validate_names():
         LossSettings(loss_mode="grpo")
     with pytest.raises(ValueError, match="ratio_level='token'"):
         LossSettings(loss_mode="cispo", ratio_level="sequence")
+    with pytest.raises(ValueError, match="dual_clip .* must be > 1, got 1.0"):
+        LossSettings(dual_clip=1.0)
+    with pytest.raises(ValueError, match="k3_clamp must be > 0"):
+        LossSettings(k3_clamp=0.0)

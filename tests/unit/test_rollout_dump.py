@@ -146,7 +146,7 @@ def test_labels_that_are_not_json_fail_and_leave_no_file(tmp_path):
 def _loop_settings(**changes):
     base = dict(
         load_rollout_data=None, save_rollout_data=None, dynamic_sampling=False, rollout_batch_size=2,
-        n_samples_per_prompt=2, overlong_buffer_len=None, rollout_max_response_len=3,
+        n_samples_per_prompt=2, overlong_buffer_len=None, overlong_penalty_factor=1.0, rollout_max_response_len=3,
     )
     return argparse.Namespace(**{**base, **changes})
 

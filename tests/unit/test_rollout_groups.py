@@ -64,5 +64,15 @@ def test_overlong_penalty_matches_dapo():
         overlong_penalty(5, 20, 0)
     group = make_group([1.0, 1.0])
     group.samples[1].response_token_ids = [5] * 18
-    apply_overlong_penalty(group.samples, 20, 4)
+    apply_overlong_penalty(group.samples, 20, 4, penalty_factor=1.0)
     assert group.rewards == [1.0, 0.5]
+
+
+def test_overlong_penalty_factor_scales_the_penalty():
+    # DAPO's reward manager: factor 0.5, at most 8 tokens, the last 4 a buffer: an 8-token response with reward
+    # 1 exceeds the free 4 tokens by 4 of 4, so it loses 0.5; a 6-token one loses 0.25; beyond 8 still 0.5
+    group = make_group([1.0, 1.0, 1.0, 1.0])
+    for sample, length in zip(group.samples, (4, 6, 8, 9)):
+        sample.response_token_ids = [5] * length
+    apply_overlong_penalty(group.samples, 8, 4, penalty_factor=0.5)
+    assert group.rewards == [1.0, 0.75, 0.5, 0.5]
