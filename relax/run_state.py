@@ -8,6 +8,10 @@ Layout of a --save directory:
     SAVE/step_000003/run.json   the loop's own state: the next step, the prompt loader's state, the seed
     SAVE/latest                 the name of the newest complete step directory
 
+With --save-hf HF, each save also writes the actor's weights as an HF directory HF/step_000003 (safetensors
+under HF names, --hf-checkpoint's config, tokenizer and generation config, and the tensors the actor does not
+train), which transformers and SGLang load; `relax convert` makes the same directory from a step directory later.
+
 step_N holds the state after step N (the `step` of metrics.jsonl). A save writes step_N.partial, renames it
 to step_N when everything is in, then replaces `latest` (both renames are atomic): a save that crashes halfway
 leaves only a .partial directory, which --load never takes and the next save of that step replaces.
@@ -59,23 +63,40 @@ def sampling_seed(seed: int, step: int) -> int:
     return random.Random(f"{seed}:sampling:{step}").getrandbits(38) << 24
 
 
-def save(save_dir: str | Path, step: int, trainers, loader, seed: int) -> Path:
+def save(save_dir: str | Path, step: int, trainers, loader, seed: int, save_hf: str | Path | None = None) -> Path:
     """Save the state after `step`: the actor's checkpoint (collective over the training ranks, which must be
-    awake), then the loop's state, then `latest`. Returns the step directory."""
+    awake), then the loop's state, then `latest`; with `save_hf` (--save-hf), then the actor's weights as an HF
+    directory save_hf/step_N. Returns the step directory."""
     from relax.ray.placement import wait_for
 
-    directory = Path(save_dir) / step_dir_name(step)
-    partial = directory.with_name(directory.name + PARTIAL_SUFFIX)
-    if partial.exists():  # left by a save that did not finish
+    directory = _fresh_partial(Path(save_dir), step)
+    wait_for(trainers.call("save_checkpoint", str(directory / ACTOR_DIR), step), trainers.placement)
+    state = {"next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None}
+    write_text_atomically(directory / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
+    directory = _complete(directory)
+    write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
+    if save_hf is not None:
+        hf_directory = _fresh_partial(Path(save_hf), step)
+        wait_for(trainers.call("save_hf", str(hf_directory)), trainers.placement)
+        _complete(hf_directory)
+    return directory
+
+
+def _fresh_partial(parent: Path, step: int) -> Path:
+    """An empty parent/step_N.partial to write step N's directory into (a save that did not finish left one)."""
+    partial = parent / (step_dir_name(step) + PARTIAL_SUFFIX)
+    if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    wait_for(trainers.call("save_checkpoint", str(partial / ACTOR_DIR), step), trainers.placement)
-    state = {"next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None}
-    write_text_atomically(partial / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
-    if directory.exists():  # this step saved before (a resumed run saving into the same directory)
+    return partial
+
+
+def _complete(partial: Path) -> Path:
+    """Rename a written step_N.partial to step_N, replacing a step_N saved before (by the run this one resumes)."""
+    directory = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
+    if directory.exists():
         shutil.rmtree(directory)
     os.replace(partial, directory)
-    write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
     return directory
 
 

@@ -194,20 +194,24 @@ def save_hf(model, hf_files_dir: str | Path, out_dir: str | Path) -> None:
 
     hf = read_hf_config(hf_files_dir)
     out_dir = Path(out_dir)
-    tensors = {name: tensor.contiguous() for name, tensor in export_hf_weights(model, hf)}  # collective
     stage = parallel_state.get_pipeline_model_parallel_rank()
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     files = stages + (1 if _frozen_names(Path(hf_files_dir)) else 0)  # the frozen tensors come last
     file_name = "model.safetensors" if files == 1 else f"model-{stage + 1:05d}-of-{files:05d}.safetensors"
     writes = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    # Every rank takes part in the export (it gathers TP/EP shards); only the writing rank keeps the whole
+    # tensors, in host memory, so the device holds at most one gathered tensor beyond the model.
+    tensors, sizes = {}, {}
+    for name, tensor in export_hf_weights(model, hf):
+        sizes[name] = tensor.numel() * tensor.element_size()
+        if writes:
+            tensors[name] = tensor.to("cpu").contiguous()
     if writes:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
     weight_files = [None] * stages
     torch.distributed.all_gather_object(
-        weight_files,
-        (file_name, {name: t.numel() * t.element_size() for name, t in tensors.items()}),
-        group=parallel_state.get_pipeline_model_parallel_group(),
+        weight_files, (file_name, sizes), group=parallel_state.get_pipeline_model_parallel_group()
     )
     if torch.distributed.get_rank() == 0:
         _copy_hf_files(Path(hf_files_dir), out_dir)
