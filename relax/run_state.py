@@ -126,7 +126,7 @@ class Checkpoint:
 def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_steps: int) -> Checkpoint:
     """The checkpoint --load names, checked against this run before anything starts: it is complete, made with
     the same --seed, from a model of the same architecture as --hf-checkpoint, and has steps left to run."""
-    directory = _step_directory(Path(load))
+    directory = step_directory(Path(load))
     state_file, actor_dir = directory / RUN_STATE_FILE, directory / ACTOR_DIR
     missing = [str(p) for p in (state_file, actor_dir / "metadata.json") if not p.is_file()]
     if missing:
@@ -145,25 +145,35 @@ def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_
             f"--load {load}: the checkpoint is after step {state['next_step'] - 1} and --num-steps is {num_steps}: "
             f"nothing is left to run; raise --num-steps above {state['next_step']}"
         )
-    _check_same_architecture(actor_dir, Path(hf_checkpoint), load)
+    check_same_architecture(actor_dir, Path(hf_checkpoint), load)
     return Checkpoint(directory, state["next_step"], state["seed"], state["loader"])
 
 
-def _step_directory(load: Path) -> Path:
+def step_directory(load: Path, step: int | None = None) -> Path:
+    """The step directory --load names: `load` itself, its step `step`, or its newest (`latest`)."""
+    if not load.is_dir():
+        raise CheckpointError(f"--load {load}: no such directory; pass a directory written by --save")
+    if step is not None:
+        directory = load / step_dir_name(step)
+        if not directory.is_dir():
+            saved = sorted(p.name for p in load.glob("step_*") if not p.name.endswith(PARTIAL_SUFFIX))
+            raise CheckpointError(
+                f"--load {load}: no step {step} there ({directory.name} does not exist); saved steps: "
+                f"{', '.join(saved) or 'none'}"
+            )
+        return directory
     if (load / RUN_STATE_FILE).is_file() or (load / ACTOR_DIR).is_dir():
         return load
     latest = load / LATEST
     if latest.is_file():
         return load / latest.read_text().strip()
-    if not load.is_dir():
-        raise CheckpointError(f"--load {load}: no such directory; pass a directory written by --save")
     raise CheckpointError(
         f"--load {load}: no checkpoint there (neither {LATEST} nor {RUN_STATE_FILE}; a save that did not finish "
-        f"writes no {LATEST}); pass the --save directory of a run or one of its step_* directories, or drop --load"
+        f"writes no {LATEST}); pass the --save directory of a run or one of its step_* directories"
     )
 
 
-def _check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None:
+def check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None:
     """The actor is built from --hf-checkpoint's config.json; the checkpoint's tensors must fit it."""
     from relax.train.checkpoint import HF_FILES_DIR
     from relax.train.model import family_of, read_hf_config

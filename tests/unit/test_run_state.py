@@ -75,7 +75,7 @@ def test_load_refuses_what_it_cannot_resume_naming_the_path_and_the_fix(tmp_path
     model, wider = models
     with pytest.raises(CheckpointError, match=f"--load {tmp_path / 'none'}: no such directory"):
         read_checkpoint(tmp_path / "none", model, seed=1234, num_steps=10)
-    with pytest.raises(CheckpointError, match=f"--load {tmp_path}: no checkpoint there .* or drop --load"):
+    with pytest.raises(CheckpointError, match=f"--load {tmp_path}: no checkpoint there .* its step_. directories"):
         read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
     unfinished = fake_save(tmp_path / "crashed", 2, model, complete=False)
     with pytest.raises(CheckpointError, match="no checkpoint there"):
@@ -94,14 +94,18 @@ def test_load_refuses_what_it_cannot_resume_naming_the_path_and_the_fix(tmp_path
 
 class ActorSaves:
     """Stands in for the training actors' group: `call("save_checkpoint", dir, step)` writes what a real save
-    writes there (an empty dist-checkpoint metadata, the HF config), or fails like a crash mid-save."""
+    writes there (an empty dist-checkpoint metadata, the HF config), or fails like a crash mid-save;
+    `call("save_hf", dir)` writes the HF config there."""
 
     placement = SimpleNamespace(groups=[])  # no actors for wait_for to watch
 
     def __init__(self, model_dir):
         self.model_dir, self.fail = model_dir, False
 
-    def call(self, method, directory, step):
+    def call(self, method, directory, step=None):
+        if method == "save_hf":
+            shutil.copy(self.model_dir / "config.json", Path(directory) / "config.json")
+            return []
         assert method == "save_checkpoint"
         (Path(directory) / "hf").mkdir(parents=True)
         shutil.copy(self.model_dir / "config.json", Path(directory) / "hf" / "config.json")
@@ -133,6 +137,18 @@ def test_a_save_is_taken_only_once_complete_and_a_crashed_one_is_replaced(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000003"]
     checkpoint = read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
     assert (checkpoint.next_step, checkpoint.loader_state["index"]) == (4, 16)
+
+
+def test_a_save_with_save_hf_writes_the_hf_directory_of_the_step(tmp_path, models, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)  # ActorSaves works in this process
+    model, _ = models
+    loader = SimpleNamespace(state_dict=lambda: {"epoch": 0, "index": 16})
+    save(tmp_path / "checkpoints", 1, ActorSaves(model), loader, seed=1234, save_hf=tmp_path / "hf")
+    save(tmp_path / "checkpoints", 1, ActorSaves(model), loader, seed=1234, save_hf=tmp_path / "hf")  # resumed
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["step_000001"]
+    assert (tmp_path / "hf" / "step_000001" / "config.json").read_text() == (model / "config.json").read_text()
 
 
 def test_first_signal_asks_to_stop_second_abandons_and_handlers_are_restored(capsys):
