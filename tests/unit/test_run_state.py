@@ -1,6 +1,7 @@
 """relax.run_state without the stack: when saves are due, the sampling seeds, how --load finds (and refuses)
-checkpoints, and the driver's signal handling. The checkpoints here are directories with the files a save
-writes, not real actor checkpoints (tests/e2e/test_loop_resume.py saves and loads real ones)."""
+checkpoints, what `relax convert` refuses before reading tensors, and the driver's signal handling. The
+checkpoints here are directories with the files a save writes, not real actor checkpoints
+(tests/e2e/test_loop_resume.py saves and loads real ones; tests/e2e/test_train_megatron.py converts one)."""
 
 import json
 import os
@@ -23,6 +24,8 @@ from relax.run_state import (
     save_due,
     step_dir_name,
 )
+from relax.convert import checked_input
+from relax.convert import main as convert_main
 from relax.tiny_model import build_tiny_model
 
 
@@ -149,6 +152,42 @@ def test_a_save_with_save_hf_writes_the_hf_directory_of_the_step(tmp_path, model
     save(tmp_path / "checkpoints", 1, ActorSaves(model), loader, seed=1234, save_hf=tmp_path / "hf")  # resumed
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["step_000001"]
     assert (tmp_path / "hf" / "step_000001" / "config.json").read_text() == (model / "config.json").read_text()
+
+
+def test_convert_takes_the_latest_or_a_named_step(tmp_path, models):
+    model, _ = models
+    fake_save(tmp_path / "saves", 1, model)
+    fake_save(tmp_path / "saves", 3, model)
+    out = tmp_path / "out"
+    assert checked_input(tmp_path / "saves", None, str(model), out) == tmp_path / "saves" / "step_000003" / "actor"
+    assert checked_input(tmp_path / "saves", 1, None, out) == tmp_path / "saves" / "step_000001" / "actor"
+
+
+def test_convert_refuses_in_one_line_what_it_cannot_convert(tmp_path, models, capsys):
+    model, wider = models
+    saves = tmp_path / "saves"
+    fake_save(saves, 1, model)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    (saves / "step_000002" / "actor").mkdir(parents=True)  # a step directory without the actor's tensors
+    refusals = {
+        f"--load {tmp_path / 'none'}: no such directory": ["--load", str(tmp_path / "none")],
+        f"--load {saves}: no step 5 there (step_000005 does not exist); saved steps: step_000001, step_000002": [
+            "--load", str(saves), "--step", "5",
+        ],
+        f"{saves / 'step_000002' / 'actor'} is not a complete actor checkpoint (missing": [
+            "--load", str(saves), "--step", "2",
+        ],
+        "the checkpoint's model differs from --hf-checkpoint": ["--load", str(saves), "--hf-checkpoint", str(wider)],
+        f"--out {tmp_path / 'full'} exists and is not an empty directory": [
+            "--load", str(saves), "--out", str(tmp_path / "full"),
+        ],
+    }
+    for message, argv in refusals.items():
+        argv = argv if "--out" in argv else [*argv, "--out", str(tmp_path / "out")]
+        assert convert_main(argv) == 2
+        errors = capsys.readouterr().err.splitlines()
+        assert len(errors) == 1 and errors[0].startswith("relax convert: ") and message in errors[0], errors
 
 
 def test_first_signal_asks_to_stop_second_abandons_and_handlers_are_restored(capsys):
