@@ -15,8 +15,9 @@ train), which transformers and SGLang load; `relax convert` makes the same direc
 step_N holds the state after step N (the `step` of metrics.jsonl). A save writes step_N.partial, renames it
 to step_N when everything is in, then replaces `latest` (both renames are atomic): a save that crashes halfway
 leaves only a .partial directory, which --load never takes and the next save of that step replaces.
---load takes a --save directory (its `latest`) or one step directory. On several nodes, --save must be a
-directory every training rank and the driver see (a shared filesystem): the ranks write the actor's shards.
+--load takes a --save directory (its `latest`) or one step directory. On several nodes, --save and --save-hf
+must be directories every training rank and the driver see (a shared filesystem): the ranks write the actor's
+shards, and the first rank of each pipeline stage its stage's HF safetensors file.
 
 What a resumed run repeats exactly: the data order (the loader's state), the actor's weights, optimizer,
 scheduler and RNG states, and the rollouts' sampling seeds, which derive from (--seed, step) alone
