@@ -1,4 +1,4 @@
-"""The `relax` console script: train, submit, doctor, patches.
+"""The `relax` console script: train, convert, submit, doctor, patches.
 
 Each subcommand imports only what it needs, so `relax patches check` works without torch on the path.
 """
@@ -6,9 +6,10 @@ Each subcommand imports only what it needs, so `relax patches check` works witho
 import sys
 from pathlib import Path
 
-USAGE = """usage: relax {train,submit,doctor,patches} ...
+USAGE = """usage: relax {train,convert,submit,doctor,patches} ...
 
   train    run the colocated RL loop (`relax train --help` lists every flag; --dry-run validates and prints)
+  convert  an actor checkpoint (`relax train --save`) to an HF directory, on the CPU (`relax convert --help`)
   submit   submit a run to a Ray cluster with `ray job submit` and the workers' environment
   doctor   preflight checks of this machine's platform, versions, patches and environment
   patches  check, apply or report the vendored patch sets (patches/): check | apply | status
@@ -23,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         return _train(rest)
+    if command == "convert":
+        from relax.convert import main as convert_main
+
+        return convert_main(rest)
     if command == "patches":
         from relax.patches import main as patches_main
 

@@ -72,7 +72,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
     start_step, saved = checkpoint.next_step if checkpoint else 0, None
     log = MetricsLog(
         Path(r.output_dir), r.num_steps, first_step=start_step, wandb_project=r.wandb_project if r.use_wandb else None,
-        other_outputs={"checkpoints": r.save, "rollout data": r.save_rollout_data},
+        other_outputs={"checkpoints": r.save, "HF checkpoints": r.save_hf, "rollout data": r.save_rollout_data},
     )
     try:
         # The actor first, then to sleep, so the engines start with the device memory to themselves.
@@ -112,7 +112,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                         train_metrics = train(trainers, data_parallel_ranks, samples, r)
                     if save_due(r, step):  # while the actor is awake
                         with timer("perf/save_time"):
-                            saved = save(r.save, step, trainers, loader, r.seed)
+                            saved = save(r.save, step, trainers, loader, r.seed, r.save_hf)
                     with timer("perf/weight_sync_time"):
                         hand_devices_to_engines(engines, trainers, r)
             log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds})
@@ -223,7 +223,7 @@ def stop_run(signum: int, last_step: int | None, saved, engines, trainers, loade
     is saved unless it just was (the actor woken for it: the engines are not needed any more)."""
     if r.save and last_step is not None and saved is None:
         hand_devices_to_actor(engines, trainers)
-        saved = save(r.save, last_step, trainers, loader, r.seed)
+        saved = save(r.save, last_step, trainers, loader, r.seed, r.save_hf)
     return RunStopped(signum, last_step, saved)
 
 

@@ -8,11 +8,16 @@ Layout of a --save directory:
     SAVE/step_000003/run.json   the loop's own state: the next step, the prompt loader's state, the seed
     SAVE/latest                 the name of the newest complete step directory
 
+With --save-hf HF, each save also writes the actor's weights as an HF directory HF/step_000003 (safetensors
+under HF names, --hf-checkpoint's config, tokenizer and generation config, and the tensors the actor does not
+train), which transformers and SGLang load; `relax convert` makes the same directory from a step directory later.
+
 step_N holds the state after step N (the `step` of metrics.jsonl). A save writes step_N.partial, renames it
 to step_N when everything is in, then replaces `latest` (both renames are atomic): a save that crashes halfway
 leaves only a .partial directory, which --load never takes and the next save of that step replaces.
---load takes a --save directory (its `latest`) or one step directory. On several nodes, --save must be a
-directory every training rank and the driver see (a shared filesystem): the ranks write the actor's shards.
+--load takes a --save directory (its `latest`) or one step directory. On several nodes, --save and --save-hf
+must be directories every training rank and the driver see (a shared filesystem): the ranks write the actor's
+shards, and the first rank of each pipeline stage its stage's HF safetensors file.
 
 What a resumed run repeats exactly: the data order (the loader's state), the actor's weights, optimizer,
 scheduler and RNG states, and the rollouts' sampling seeds, which derive from (--seed, step) alone
@@ -59,23 +64,40 @@ def sampling_seed(seed: int, step: int) -> int:
     return random.Random(f"{seed}:sampling:{step}").getrandbits(38) << 24
 
 
-def save(save_dir: str | Path, step: int, trainers, loader, seed: int) -> Path:
+def save(save_dir: str | Path, step: int, trainers, loader, seed: int, save_hf: str | Path | None = None) -> Path:
     """Save the state after `step`: the actor's checkpoint (collective over the training ranks, which must be
-    awake), then the loop's state, then `latest`. Returns the step directory."""
+    awake), then the loop's state, then `latest`; with `save_hf` (--save-hf), then the actor's weights as an HF
+    directory save_hf/step_N. Returns the step directory."""
     from relax.ray.placement import wait_for
 
-    directory = Path(save_dir) / step_dir_name(step)
-    partial = directory.with_name(directory.name + PARTIAL_SUFFIX)
-    if partial.exists():  # left by a save that did not finish
+    directory = _fresh_partial(Path(save_dir), step)
+    wait_for(trainers.call("save_checkpoint", str(directory / ACTOR_DIR), step), trainers.placement)
+    state = {"next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None}
+    write_text_atomically(directory / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
+    directory = _complete(directory)
+    write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
+    if save_hf is not None:
+        hf_directory = _fresh_partial(Path(save_hf), step)
+        wait_for(trainers.call("save_hf", str(hf_directory)), trainers.placement)
+        _complete(hf_directory)
+    return directory
+
+
+def _fresh_partial(parent: Path, step: int) -> Path:
+    """An empty parent/step_N.partial to write step N's directory into (a save that did not finish left one)."""
+    partial = parent / (step_dir_name(step) + PARTIAL_SUFFIX)
+    if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
-    wait_for(trainers.call("save_checkpoint", str(partial / ACTOR_DIR), step), trainers.placement)
-    state = {"next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None}
-    write_text_atomically(partial / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
-    if directory.exists():  # this step saved before (a resumed run saving into the same directory)
+    return partial
+
+
+def _complete(partial: Path) -> Path:
+    """Rename a written step_N.partial to step_N, replacing a step_N saved before (by the run this one resumes)."""
+    directory = partial.with_name(partial.name.removesuffix(PARTIAL_SUFFIX))
+    if directory.exists():
         shutil.rmtree(directory)
     os.replace(partial, directory)
-    write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
     return directory
 
 
@@ -105,7 +127,7 @@ class Checkpoint:
 def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_steps: int) -> Checkpoint:
     """The checkpoint --load names, checked against this run before anything starts: it is complete, made with
     the same --seed, from a model of the same architecture as --hf-checkpoint, and has steps left to run."""
-    directory = _step_directory(Path(load))
+    directory = step_directory(Path(load))
     state_file, actor_dir = directory / RUN_STATE_FILE, directory / ACTOR_DIR
     missing = [str(p) for p in (state_file, actor_dir / "metadata.json") if not p.is_file()]
     if missing:
@@ -124,25 +146,35 @@ def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_
             f"--load {load}: the checkpoint is after step {state['next_step'] - 1} and --num-steps is {num_steps}: "
             f"nothing is left to run; raise --num-steps above {state['next_step']}"
         )
-    _check_same_architecture(actor_dir, Path(hf_checkpoint), load)
+    check_same_architecture(actor_dir, Path(hf_checkpoint), load)
     return Checkpoint(directory, state["next_step"], state["seed"], state["loader"])
 
 
-def _step_directory(load: Path) -> Path:
+def step_directory(load: Path, step: int | None = None) -> Path:
+    """The step directory --load names: `load` itself, its step `step`, or its newest (`latest`)."""
+    if not load.is_dir():
+        raise CheckpointError(f"--load {load}: no such directory; pass a directory written by --save")
+    if step is not None:
+        directory = load / step_dir_name(step)
+        if not directory.is_dir():
+            saved = sorted(p.name for p in load.glob("step_*") if not p.name.endswith(PARTIAL_SUFFIX))
+            raise CheckpointError(
+                f"--load {load}: no step {step} there ({directory.name} does not exist); saved steps: "
+                f"{', '.join(saved) or 'none'}"
+            )
+        return directory
     if (load / RUN_STATE_FILE).is_file() or (load / ACTOR_DIR).is_dir():
         return load
     latest = load / LATEST
     if latest.is_file():
         return load / latest.read_text().strip()
-    if not load.is_dir():
-        raise CheckpointError(f"--load {load}: no such directory; pass a directory written by --save")
     raise CheckpointError(
         f"--load {load}: no checkpoint there (neither {LATEST} nor {RUN_STATE_FILE}; a save that did not finish "
-        f"writes no {LATEST}); pass the --save directory of a run or one of its step_* directories, or drop --load"
+        f"writes no {LATEST}); pass the --save directory of a run or one of its step_* directories"
     )
 
 
-def _check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None:
+def check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None:
     """The actor is built from --hf-checkpoint's config.json; the checkpoint's tensors must fit it."""
     from relax.train.checkpoint import HF_FILES_DIR
     from relax.train.model import family_of, read_hf_config

@@ -287,8 +287,16 @@ def chat_template_options_need_the_template(config, platform):
 
 
 def checkpoint_flags_consistent(config, platform):
-    if config.relax.save_interval is not None and not config.relax.save:
+    r = config.relax
+    if r.save_interval is not None and not r.save:
         return "--save-interval needs --save"
+    if r.save_hf is not None and not r.save:
+        return (
+            "--save-hf needs --save: the HF directories are written at the saves of --save (every --save-interval "
+            "steps and at the end); add --save DIR"
+        )
+    if r.save_hf is not None and Path(r.save_hf).resolve() == Path(r.save).resolve():
+        return f"--save-hf and --save are both {r.save}: their step_N directories would collide; give --save-hf its own"
 
 
 def new_run_starts_its_own_record(config, platform):
@@ -308,6 +316,11 @@ def new_run_starts_its_own_record(config, platform):
         return (
             f"--save {r.save} holds an earlier run's checkpoints and a new run would mix its own among them: resume "
             f"that run with --load {r.save}, or choose another --save (relax does not delete checkpoints)"
+        )
+    if r.save_hf is not None and any(Path(r.save_hf).glob("step_*")):
+        return (
+            f"--save-hf {r.save_hf} holds an earlier run's HF directories and a new run would mix its own among them: "
+            "resume that run with --load, or choose another --save-hf"
         )
 
 

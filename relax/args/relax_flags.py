@@ -374,6 +374,14 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--save", metavar="DIR", help="Where to write Megatron checkpoints (default: no checkpoints).")
     g.add_argument("--save-interval", type=_positive_int, help="Save every N steps (needs --save).")
+    g.add_argument(
+        "--save-hf",
+        metavar="DIR",
+        help="At every save (needs --save: every --save-interval steps, at the end, on a stop signal) also write the "
+        "actor's weights as an HF directory DIR/step_N that transformers and SGLang load: safetensors under HF "
+        "names, --hf-checkpoint's config, tokenizer and generation config. `relax convert` makes the same "
+        "directory from a saved step later.",
+    )
 
     g = parser.add_argument_group("relax: logging")
     g.add_argument(

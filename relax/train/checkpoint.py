@@ -14,6 +14,7 @@ All functions are collective over the actor's ranks.
 import json
 import random
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -194,20 +195,24 @@ def save_hf(model, hf_files_dir: str | Path, out_dir: str | Path) -> None:
 
     hf = read_hf_config(hf_files_dir)
     out_dir = Path(out_dir)
-    tensors = {name: tensor.contiguous() for name, tensor in export_hf_weights(model, hf)}  # collective
     stage = parallel_state.get_pipeline_model_parallel_rank()
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     files = stages + (1 if _frozen_names(Path(hf_files_dir)) else 0)  # the frozen tensors come last
     file_name = "model.safetensors" if files == 1 else f"model-{stage + 1:05d}-of-{files:05d}.safetensors"
     writes = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    # Every rank takes part in the export (it gathers TP/EP shards); only the writing rank keeps the whole
+    # tensors, in host memory, so the device holds at most one gathered tensor beyond the model.
+    tensors, sizes = {}, {}
+    for name, tensor in export_hf_weights(model, hf):
+        sizes[name] = tensor.numel() * tensor.element_size()
+        if writes:
+            tensors[name] = tensor.to("cpu").contiguous()
     if writes:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out_dir / file_name), metadata={"format": "pt"})
     weight_files = [None] * stages
     torch.distributed.all_gather_object(
-        weight_files,
-        (file_name, {name: t.numel() * t.element_size() for name, t in tensors.items()}),
-        group=parallel_state.get_pipeline_model_parallel_group(),
+        weight_files, (file_name, sizes), group=parallel_state.get_pipeline_model_parallel_group()
     )
     if torch.distributed.get_rank() == 0:
         _copy_hf_files(Path(hf_files_dir), out_dir)
@@ -222,29 +227,60 @@ def save_hf(model, hf_files_dir: str | Path, out_dir: str | Path) -> None:
     torch.distributed.barrier()
 
 
-def checkpoint_to_hf(checkpoint_dir: str | Path, out_dir: str | Path, base_config=None) -> None:
-    """Convert an actor checkpoint's model to an HF directory that transformers loads.
+def checkpoint_to_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> None:
+    """Convert an actor checkpoint's model to an HF directory that transformers loads, in the dtype the actor's
+    parameters had (bf16 under --bf16; the weights the engines got).
 
     Builds the model in the current model-parallel layout (megatron's parallel_state must be initialised;
     one process with TP=PP=1 is enough: dist_checkpointing reshards), loads the checkpoint's weights and
-    writes them with save_hf. `base_config`: a TransformerConfig for the non-architecture fields (dtype).
+    writes them with save_hf.
     """
     from megatron.core import dist_checkpointing, parallel_state
 
     checkpoint_dir = Path(checkpoint_dir)
     hf_files_dir = checkpoint_dir / HF_FILES_DIR
     hf = read_hf_config(hf_files_dir)
+    with _reading(checkpoint_dir):
+        # Megatron gives every parameter the one params_dtype; the optimizer's fp32 copies are "optimizer.*".
+        metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
+        dtype = metadata["embedding.word_embeddings.weight"].dtype
     config = transformer_config(
         hf,
-        base_config,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        pipeline_dtype=getattr(base_config, "params_dtype", torch.float32),
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         use_cpu_initialization=True,
         perform_initialization=False,
     )
     model = build_gpt_model(hf, config)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint_dir))
-    model.load_state_dict(state["model"])
+    with _reading(checkpoint_dir):
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint_dir))
+        model.load_state_dict(state["model"])
     save_hf(model, hf_files_dir, out_dir)
+
+
+class CheckpointReadError(ValueError):
+    """A checkpoint's tensors cannot be read into the model of its config.json; the message is one line."""
+
+
+@contextmanager
+def _reading(checkpoint_dir: Path):
+    """Any failure to read `checkpoint_dir`'s tensors (a missing or truncated shard, a shape its config.json does
+    not give) as one CheckpointReadError. torch's CheckpointException (a BaseException) carries each rank's own
+    exception, with its traceback in the message."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (Exception, CheckpointException) as error:
+        cause = next(iter(error.failures.values()))[0] if isinstance(error, CheckpointException) else error
+        lines = str(cause).strip().splitlines()
+        raise CheckpointReadError(
+            f"cannot read the model's tensors in checkpoint {checkpoint_dir} ({type(cause).__name__}"
+            f"{': ' + lines[0] if lines else ''}): it is incomplete, corrupt, or not of the model in its "
+            f"{HF_FILES_DIR}/config.json"
+        ) from error

@@ -75,6 +75,13 @@ class TrainWorker:
 
         save_checkpoint(self.actor, directory, step)
 
+    def save_hf(self, directory: str) -> None:
+        """The actor's weights as an HF directory (relax.train.checkpoint.save_hf, with --hf-checkpoint's other
+        files and untrained tensors); collective, the actor must be awake."""
+        from relax.train.checkpoint import save_hf
+
+        save_hf(self.actor.model, self.actor.hf_dir, directory)
+
     def load_checkpoint(self, directory: str) -> int:
         """Load what save_checkpoint wrote (collective, awake); returns the saved step."""
         from relax.train.checkpoint import load_checkpoint

@@ -4,7 +4,8 @@ actor): 4 steps in one run equal 2 steps, a resume from the checkpoint after ste
 Two runs, not three: the 4-step run saves after steps 1 and 3 (--save-interval 2), so its first half is the
 "2 steps" run; the resumed run loads the step-1 checkpoint and runs steps 2 and 3. A save that disturbed the
 run would show as a difference too, since the resumed run is compared with the run that saved. The resumed
-run writes into the first run's experiment directory: one run, one record, continued from the checkpoint.
+run writes into the first run's experiment directory: one run, one record, continued from the checkpoint. The
+first run also writes HF directories (--save-hf), which must hold its checkpoints' weights.
 
 Rollouts repeat exactly only because each request samples with a seed derived from (--seed, step), which
 SGLang honours under --sglang-enable-deterministic-inference. Same tokens, same rewards: those are compared
@@ -15,6 +16,10 @@ the losses get a 1e-6 tolerance only for the floating-point sums, which are not 
 import os
 import subprocess
 from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file
 
 from relax.metrics import read_metrics
 from relax.run_state import LATEST, read_checkpoint
@@ -37,10 +42,21 @@ def tiny_run(exp_dir: Path, *args: str) -> list[dict]:
 
 
 def test_four_steps_equal_two_steps_then_resume_and_two_more(tmp_path):
-    saves = tmp_path / "whole" / "checkpoints"
-    whole = tiny_run(tmp_path / "whole", "--save", str(saves), "--save-interval", "2")
+    saves, hf_saves = tmp_path / "whole" / "checkpoints", tmp_path / "whole" / "hf"
+    whole = tiny_run(tmp_path / "whole", "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves))
     assert [r["step"] for r in whole] == [0, 1, 2, 3]
     assert (saves / LATEST).read_text().strip() == "step_000003"
+    # --save-hf wrote an HF directory at each save, holding the weights of that step's checkpoint exactly
+    assert sorted(p.name for p in hf_saves.iterdir()) == ["step_000001", "step_000003"]
+    converted = tmp_path / "converted"
+    subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "relax"), "convert", "--load", str(saves), "--out", str(converted)],
+        check=True, capture_output=True, timeout=300,
+    )
+    trained = transformers.AutoModelForCausalLM.from_pretrained(hf_saves / "step_000003", dtype=torch.float32)
+    checkpointed = load_file(converted / "model.safetensors")
+    assert trained.state_dict().keys() == checkpointed.keys()
+    assert all(torch.equal(trained.state_dict()[k], v.float()) for k, v in checkpointed.items())
     after_step_1 = saves / "step_000001"
     assert read_checkpoint(after_step_1, tmp_path / "whole" / "model", seed=1234, num_steps=STEPS).next_step == 2
 

@@ -9,6 +9,10 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from relax.train.model import family_of, read_hf_config
 from spawned_ranks import SpawnedRanks
 
 WORLD_SIZE = 2
+RELAX = Path(sys.executable).parent / "relax"  # the console script of this virtualenv
 TASK_TIMEOUT_S = 180
 
 
@@ -510,14 +515,24 @@ def _dp_batch(actor):
     return batch
 
 
-def _train_one_step_and_save(hf_dir: str, checkpoint_dir: str, settings: dict) -> dict:
-    from relax.train.checkpoint import save_checkpoint
+def _train_one_step_and_save(hf_dir: str, checkpoint_dir: str, hf_out: str, settings: dict) -> dict:
+    """One step, then the checkpoint and (as --save-hf does) the HF directory `hf_out`: transformers' logprobs
+    of the HF directory against the trained actor's."""
+    from relax.train.checkpoint import save_checkpoint, save_hf
     from relax.train.model import export_hf_weights
 
     actor = _actor(hf_dir, **settings)
     actor.train_step(_dp_batch(actor))
     save_checkpoint(actor, checkpoint_dir, step=1)
-    return {"rng_after_save": torch.rand(3), "weights": dict(export_hf_weights(actor.model, actor.hf))}
+    rng_after_save = torch.rand(3)
+    save_hf(actor.model, actor.hf_dir, hf_out)
+    batch = _my_samples(actor)
+    logprob_difference, _ = _hf_logprob_difference(hf_out, batch, actor.compute_logprobs(batch))
+    return {
+        "rng_after_save": rng_after_save,
+        "weights": dict(export_hf_weights(actor.model, actor.hf)),
+        "saved_hf_logprob_difference": logprob_difference,
+    }
 
 
 def _resume_and_train(hf_dir: str, checkpoint_dir: str, settings: dict) -> dict:
@@ -546,28 +561,56 @@ def test_checkpoint_resume_equals_uninterrupted_and_converts_to_hf(
     ranks, hf_dirs, dp2_run, tmp_path, distributed_optimizer
 ):
     """One DP=2 step, save; a fresh actor loads it and trains 2 steps: metrics and weights equal steps 2-3 of
-    the uninterrupted DP=2 run exactly, and RNG continues where it was saved. The checkpoint converted at
-    TP=2 (resharded) is an HF directory transformers loads, with the saved weights exactly."""
+    the uninterrupted DP=2 run exactly, and RNG continues where it was saved. The trained actor's HF directory
+    (--save-hf's save_hf) gives transformers the actor's logprobs. The checkpoint converted at TP=2 (resharded),
+    and by `relax convert` on one CPU process, is an HF directory transformers loads, with the saved weights
+    exactly; `relax convert` refuses a checkpoint with a truncated shard in one line."""
     import transformers
 
     settings = dict(micro_batch_size=2, distributed_optimizer=distributed_optimizer)
     baseline_run = ranks.run(_train, hf_dirs["qwen3"], settings) if distributed_optimizer else dp2_run
-    checkpoint_dir, hf_out = str(tmp_path / "step1"), str(tmp_path / "hf")
-    saved = ranks.run(_train_one_step_and_save, hf_dirs["qwen3"], checkpoint_dir, settings)
+    step_dir = tmp_path / "step_000001"  # laid out as `relax train --save` lays out a step
+    checkpoint_dir, hf_out, saved_hf = str(step_dir / "actor"), str(tmp_path / "hf"), str(tmp_path / "saved_hf")
+    saved = ranks.run(_train_one_step_and_save, hf_dirs["qwen3"], checkpoint_dir, saved_hf, settings)
     resumed = ranks.run(_resume_and_train, hf_dirs["qwen3"], checkpoint_dir, settings)
     for saved_rank, resumed_rank, baseline in zip(saved, resumed, baseline_run):
+        assert saved_rank["saved_hf_logprob_difference"] <= 1e-5, saved_rank["saved_hf_logprob_difference"]
         assert resumed_rank["step"] == 1
         assert torch.equal(resumed_rank["rng"], saved_rank["rng_after_save"])
         assert resumed_rank["metrics"] == baseline["metrics"][1:]
         assert all(torch.equal(resumed_rank["weights"][k], baseline["weights"][k]) for k in baseline["weights"])
 
     ranks.run(_convert, checkpoint_dir, hf_out, 2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_out, dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_out)
-    assert tokenizer("12+7").input_ids == transformers.AutoTokenizer.from_pretrained(hf_dirs["qwen3"])("12+7").input_ids
-    state = model.state_dict()
-    assert sorted(state) == sorted(saved[0]["weights"])
-    assert all(torch.equal(state[k], v) for k, v in saved[0]["weights"].items())
+    outs = [hf_out, saved_hf]
+    if distributed_optimizer:  # `relax convert` reads only the model's tensors: once is enough
+        outs.append(tmp_path / "converted")
+        convert = [str(RELAX), "convert", "--load", str(step_dir), "--hf-checkpoint", hf_dirs["qwen3"]]
+        subprocess.run([*convert, "--out", str(outs[-1])], check=True, capture_output=True, timeout=300)
+    for out in outs:
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+        original_tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dirs["qwen3"])
+        assert tokenizer("12+7").input_ids == original_tokenizer("12+7").input_ids
+        state = model.state_dict()
+        assert sorted(state) == sorted(saved[0]["weights"])
+        assert all(torch.equal(state[k], v) for k, v in saved[0]["weights"].items())
+
+    if not distributed_optimizer:
+        return
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(step_dir, corrupt)
+    shard = sorted(corrupt.glob("actor/*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:1000])
+    refused = subprocess.run(
+        [str(RELAX), "convert", "--load", str(corrupt), "--out", str(tmp_path / "none")],
+        capture_output=True, text=True, timeout=300,
+    )
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("relax convert:")]
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert errors == [
+        f"relax convert: cannot read the model's tensors in checkpoint {corrupt / 'actor'} (EOFError): it is "
+        "incomplete, corrupt, or not of the model in its hf/config.json"
+    ], refused.stderr
 
 
 # --- MoE ---------------------------------------------------------------------------------------------

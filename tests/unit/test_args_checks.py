@@ -153,6 +153,11 @@ RULES = {
         "--apply-chat-template-kwargs and --system-prompt only apply with --apply-chat-template",
     ),
     "save interval needs save": ([*RUN, "--save-interval", "10"], "--save-interval needs --save"),
+    "HF directories need save": ([*RUN, "--save-hf", "hf"], "--save-hf needs --save"),
+    "HF directories beside the checkpoints": (
+        [*RUN, "--save", "checkpoints", "--save-hf", "checkpoints/"],
+        "--save-hf and --save are both checkpoints: their step_N directories would collide",
+    ),
     "grouped experts need experts": ([*RUN, "--moe-grouped-gemm"], "--moe-grouped-gemm applies to MoE models only"),
     "grouped experts keep their activations": (
         [*RUN, "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act"],

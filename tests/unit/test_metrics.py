@@ -78,6 +78,16 @@ def test_a_new_run_refuses_a_save_directory_with_checkpoints(tmp_path, capsys):
     parse_train_args([*argv, "--load", str(tmp_path / "checkpoints")])
 
 
+def test_a_new_run_refuses_an_hf_directory_with_earlier_steps(tmp_path, capsys):
+    (tmp_path / "hf" / "step_000003").mkdir(parents=True)
+    argv = [*RUN, "--output-dir", str(tmp_path / "out"), "--save", str(tmp_path / "checkpoints")]
+    with pytest.raises(SystemExit):
+        parse_train_args([*argv, "--save-hf", str(tmp_path / "hf")])
+    assert f"--save-hf {tmp_path / 'hf'} holds an earlier run's HF directories" in capsys.readouterr().err
+    parse_train_args([*argv, "--save-hf", str(tmp_path / "hf"), "--load", str(tmp_path / "checkpoints")])
+    parse_train_args([*argv, "--save-hf", str(tmp_path / "fresh")])
+
+
 STEP = {
     "rollout/reward_mean": 0.25, "rollout/response_tokens": 600.0, "rollout/prompt_tokens": 400.0,
     "perf/step_time": 10.0, "perf/rollout_time": 3.0, "perf/train_wait_time": 1.0, "perf/train_time": 4.0,

@@ -1,6 +1,7 @@
 """relax.run_state without the stack: when saves are due, the sampling seeds, how --load finds (and refuses)
-checkpoints, and the driver's signal handling. The checkpoints here are directories with the files a save
-writes, not real actor checkpoints (tests/e2e/test_loop_resume.py saves and loads real ones)."""
+checkpoints, what `relax convert` refuses before reading tensors, and the driver's signal handling. The
+checkpoints here are directories with the files a save writes, not real actor checkpoints
+(tests/e2e/test_loop_resume.py saves and loads real ones; tests/e2e/test_train_megatron.py converts one)."""
 
 import json
 import os
@@ -23,6 +24,8 @@ from relax.run_state import (
     save_due,
     step_dir_name,
 )
+from relax.convert import checked_input
+from relax.convert import main as convert_main
 from relax.tiny_model import build_tiny_model
 
 
@@ -75,7 +78,7 @@ def test_load_refuses_what_it_cannot_resume_naming_the_path_and_the_fix(tmp_path
     model, wider = models
     with pytest.raises(CheckpointError, match=f"--load {tmp_path / 'none'}: no such directory"):
         read_checkpoint(tmp_path / "none", model, seed=1234, num_steps=10)
-    with pytest.raises(CheckpointError, match=f"--load {tmp_path}: no checkpoint there .* or drop --load"):
+    with pytest.raises(CheckpointError, match=f"--load {tmp_path}: no checkpoint there .* its step_. directories"):
         read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
     unfinished = fake_save(tmp_path / "crashed", 2, model, complete=False)
     with pytest.raises(CheckpointError, match="no checkpoint there"):
@@ -94,14 +97,18 @@ def test_load_refuses_what_it_cannot_resume_naming_the_path_and_the_fix(tmp_path
 
 class ActorSaves:
     """Stands in for the training actors' group: `call("save_checkpoint", dir, step)` writes what a real save
-    writes there (an empty dist-checkpoint metadata, the HF config), or fails like a crash mid-save."""
+    writes there (an empty dist-checkpoint metadata, the HF config), or fails like a crash mid-save;
+    `call("save_hf", dir)` writes the HF config there."""
 
     placement = SimpleNamespace(groups=[])  # no actors for wait_for to watch
 
     def __init__(self, model_dir):
         self.model_dir, self.fail = model_dir, False
 
-    def call(self, method, directory, step):
+    def call(self, method, directory, step=None):
+        if method == "save_hf":
+            shutil.copy(self.model_dir / "config.json", Path(directory) / "config.json")
+            return []
         assert method == "save_checkpoint"
         (Path(directory) / "hf").mkdir(parents=True)
         shutil.copy(self.model_dir / "config.json", Path(directory) / "hf" / "config.json")
@@ -133,6 +140,54 @@ def test_a_save_is_taken_only_once_complete_and_a_crashed_one_is_replaced(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000003"]
     checkpoint = read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
     assert (checkpoint.next_step, checkpoint.loader_state["index"]) == (4, 16)
+
+
+def test_a_save_with_save_hf_writes_the_hf_directory_of_the_step(tmp_path, models, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)  # ActorSaves works in this process
+    model, _ = models
+    loader = SimpleNamespace(state_dict=lambda: {"epoch": 0, "index": 16})
+    save(tmp_path / "checkpoints", 1, ActorSaves(model), loader, seed=1234, save_hf=tmp_path / "hf")
+    save(tmp_path / "checkpoints", 1, ActorSaves(model), loader, seed=1234, save_hf=tmp_path / "hf")  # resumed
+    assert [p.name for p in (tmp_path / "hf").iterdir()] == ["step_000001"]
+    assert (tmp_path / "hf" / "step_000001" / "config.json").read_text() == (model / "config.json").read_text()
+
+
+def test_convert_takes_the_latest_or_a_named_step(tmp_path, models):
+    model, _ = models
+    fake_save(tmp_path / "saves", 1, model)
+    fake_save(tmp_path / "saves", 3, model)
+    out = tmp_path / "out"
+    assert checked_input(tmp_path / "saves", None, str(model), out) == tmp_path / "saves" / "step_000003" / "actor"
+    assert checked_input(tmp_path / "saves", 1, None, out) == tmp_path / "saves" / "step_000001" / "actor"
+
+
+def test_convert_refuses_in_one_line_what_it_cannot_convert(tmp_path, models, capsys):
+    model, wider = models
+    saves = tmp_path / "saves"
+    fake_save(saves, 1, model)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    (saves / "step_000002" / "actor").mkdir(parents=True)  # a step directory without the actor's tensors
+    refusals = {
+        f"--load {tmp_path / 'none'}: no such directory": ["--load", str(tmp_path / "none")],
+        f"--load {saves}: no step 5 there (step_000005 does not exist); saved steps: step_000001, step_000002": [
+            "--load", str(saves), "--step", "5",
+        ],
+        f"{saves / 'step_000002' / 'actor'} is not a complete actor checkpoint (missing": [
+            "--load", str(saves), "--step", "2",
+        ],
+        "the checkpoint's model differs from --hf-checkpoint": ["--load", str(saves), "--hf-checkpoint", str(wider)],
+        f"--out {tmp_path / 'full'} exists and is not an empty directory": [
+            "--load", str(saves), "--out", str(tmp_path / "full"),
+        ],
+    }
+    for message, argv in refusals.items():
+        argv = argv if "--out" in argv else [*argv, "--out", str(tmp_path / "out")]
+        assert convert_main(argv) == 2
+        errors = capsys.readouterr().err.splitlines()
+        assert len(errors) == 1 and errors[0].startswith("relax convert: ") and message in errors[0], errors
 
 
 def test_first_signal_asks_to_stop_second_abandons_and_handlers_are_restored(capsys):

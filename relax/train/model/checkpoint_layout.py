@@ -14,8 +14,8 @@ The family modules (qwen2.py, qwen3_5.py, ...) name tensors as a text-only check
 
 relax trains the language model only. Tensors under FROZEN_PREFIXES (the vision tower, the multi-token-prediction
 head) are frozen in either layout: loading names them and skips them, exports leave them out, the engine's
-completeness check does not wait for them, and checkpoint_to_hf copies them into its output unchanged. Any other
-tensor the family does not map is still an error.
+completeness check does not wait for them, and save_hf (--save-hf, relax convert) copies them into its output
+unchanged. Any other tensor the family does not map is still an error.
 
 Fused experts: Qwen/Qwen3.5-35B-A3B stores each layer's routed experts as two tensors (transformers 5's layout),
 `...mlp.experts.gate_up_proj` [experts, 2 x moe_intermediate, hidden] (gate rows, then up rows) and
