@@ -100,10 +100,10 @@ def _dry_run_prompt_data(r) -> str:
         return f"prompt data: not checked ({'; '.join(absent)})"
     from transformers import AutoTokenizer
 
-    from relax.loop import _data_config
+    from relax.loop import prompt_data_config
     from relax.rollout.data import load_prompts
 
-    _, report = load_prompts(_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
+    _, report = load_prompts(prompt_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
     return f"prompt data: {report.summary()}"
 
 

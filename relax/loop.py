@@ -293,7 +293,7 @@ def _prompt_loader_and_reward(r, checkpoint):
         return None, None
     from transformers import AutoTokenizer
 
-    prompts, report = load_prompts(_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
+    prompts, report = load_prompts(prompt_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
     print(report.summary(), flush=True)
     loader = checkpoint.loader(prompts) if checkpoint else PromptLoader(prompts, seed=r.seed, shuffle=r.rollout_shuffle)
     return loader, load_reward_fn(r.reward_fn)
@@ -310,7 +310,8 @@ def _sampling_config(r) -> SamplingConfig:
     )
 
 
-def _data_config(r) -> PromptDataConfig:
+def prompt_data_config(r) -> PromptDataConfig:
+    """How the prompts are read, from the flags (also what `relax train --dry-run` checks the data with)."""
     return PromptDataConfig(
         path=r.prompt_data,
         prompt_key=r.input_key,
