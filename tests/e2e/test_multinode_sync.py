@@ -66,6 +66,7 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
             ),
         )
         ray.get(trainers.call("sleep"))
+        data_parallel_ranks = ray.get(trainers.call("data_parallel_rank"))
         engines = create_engine_actors(
             EngineWorker, placement, devices_per_engine=1, args=(config.sglang, r.hf_checkpoint, platform.name, 1, False),
         )
@@ -80,7 +81,7 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
         for step in range(2):  # the second push reuses the groups made by the first
             samples = one_group(PROMPTS[step], [before[0][step][0][:4], before[0][step][0][4:]], rewards=[1.0, 0.0])
             hand_devices_to_actor(engines, trainers)
-            train(trainers, samples, r)
+            train(trainers, data_parallel_ranks, samples, r)
             reports = hand_devices_to_engines(engines, trainers, r)
             assert reports[0]["routes"] == [SAME_DEVICE, BROADCAST] and reports[0]["bytes"] > 0
             assert reports[1]["routes"] == [BROADCAST, SAME_DEVICE] and reports[1]["bytes"] > 0
