@@ -122,7 +122,7 @@ def test_grouped_experts_logits_equal_hf_and_export_is_exact(run_on_ranks, hf_di
     """--moe-grouped-gemm: the same with the routed experts as relax's GroupedExperts (expert TP 2 at TP=2; the VL
     checkpoint stores its experts fused, as transformers 5 does)."""
     for rank, result in enumerate(run_on_ranks(_parity, hf_dirs[family], tp, True)):
-        assert result["logits_max_abs_diff"] <= 1e-4 and result["padded_rows_max_abs_diff"] <= 1e-4, (rank, result)
+        assert result["logits_max_abs_diff"] <= 1e-4 and result["packed_rows_max_abs_diff"] <= 1e-4, (rank, result)
         assert result["names_differ"] == [] and result["not_equal"] == [], (rank, result)
         assert result["without_grad"] == [], (rank, result)
 
