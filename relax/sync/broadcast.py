@@ -4,13 +4,16 @@ Every training rank of a pipeline stage holds the same buckets of that stage's w
 plan_pushes decides, per stage and engine, who sends and how (placement: training rank i on bundle i, engine e
 on the bundles of ranks e*k .. (e+1)*k - 1, relax.ray.placement.engine_positions):
 
-- SAME_NODE, where the platform's handles cross devices (CUDA: SGLang finds a handle's device by its uuid):
-  the stage's first rank hands the engine a payload for each of its TP ranks (device IPC handles; relax.sync.bucket).
-- SAME_DEVICE, where they do not (NPU: SGLang's Ascend path rebuilds a handle on the receiver's own device, so a
-  handle from another device would be read as the receiver's own memory; also the CPU, see relax.platform.cpu):
-  when the stage has a training rank on every device of the engine, each of them makes the payload for the
-  engine rank on its own device, and the rank on the engine's first device gathers them (a gloo group per
-  engine) and makes the engine's call.
+- SAME_DEVICE, on every platform, when the stage has a training rank on every device of the engine (slime's
+  layout): each of them makes the payload for the engine rank on its own device from its own buckets, and the
+  rank on the engine's first device gathers them (a gloo group per engine) and makes the engine's call. Every
+  rank sends at once, so a node's push takes one rank's time, not one rank's time per engine. Where handles do
+  not cross devices it is also the only same-node route (NPU: SGLang's Ascend path rebuilds a handle on the
+  receiver's own device, so a handle from another device would be read as the receiver's own memory; the CPU,
+  see relax.platform.cpu).
+- SAME_NODE, where the engine's devices hold another stage and the platform's handles cross devices (CUDA:
+  SGLang finds a handle's device by its uuid): the stage's first rank hands the engine a payload for each of
+  its TP ranks (device IPC handles; relax.sync.bucket).
 - BROADCAST otherwise (engines on other nodes; with SAME_DEVICE, also engines whose devices hold another
   stage): the stage's first rank broadcasts. A broadcast group never holds two processes of one device (NCCL
   and HCCL refuse that), so an engine must not share the sender's device: the plan refuses such a layout
@@ -77,7 +80,7 @@ def plan_pushes(stage_of_rank: list[int], node_of_rank: list[str], devices_per_e
     for stage in sorted(set(stage_of_rank)):
         sender = stage_of_rank.index(stage)
         for engine, devices in enumerate(engine_positions(len(stage_of_rank), devices_per_engine)):
-            if not handles_cross_devices and all(stage_of_rank[rank] == stage for rank in devices):
+            if all(stage_of_rank[rank] == stage for rank in devices):
                 pushes.append(Push(stage, engine, SAME_DEVICE, tuple(devices)))
             elif handles_cross_devices and node_of_rank[devices[0]] == node_of_rank[sender]:
                 pushes.append(Push(stage, engine, SAME_NODE, (sender,)))

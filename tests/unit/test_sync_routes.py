@@ -33,17 +33,26 @@ def test_qwen35_35b_on_two_16_npu_nodes_each_stage_feeds_its_node_by_device_and_
     ]
 
 
-def test_qwen3_4b_on_8_gpus_one_rank_hands_every_engine_of_its_node_its_handles():
-    # DP 8; eight engines of one GPU. On NPUs the same layout would go device by device.
-    pushes = plan_pushes(*layout(1, 8, 1), devices_per_engine=1, handles_cross_devices=True)
-    assert pushes == [Push(0, engine, SAME_NODE, (0,)) for engine in range(8)]
-    pushes = plan_pushes(*layout(1, 8, 1), devices_per_engine=1, handles_cross_devices=False)
-    assert pushes == [Push(0, engine, SAME_DEVICE, (engine,)) for engine in range(8)]
+def test_qwen3_4b_on_8_gpus_each_rank_feeds_the_engine_on_its_own_gpu():
+    # DP 8; eight engines of one GPU: eight pushes at once, one per GPU, on CUDA as on NPUs.
+    for handles_cross_devices in (True, False):
+        pushes = plan_pushes(*layout(1, 8, 1), devices_per_engine=1, handles_cross_devices=handles_cross_devices)
+        assert pushes == [Push(0, engine, SAME_DEVICE, (engine,)) for engine in range(8)]
 
 
-def test_where_handles_cross_devices_engines_on_other_nodes_take_a_broadcast():
-    pushes = plan_pushes(*layout(2, 2, 1), devices_per_engine=2, handles_cross_devices=True)
-    assert pushes == [Push(0, 0, SAME_NODE, (0,)), Push(0, 1, BROADCAST, (0,))]
+def test_where_handles_cross_devices_an_engine_holding_another_stage_takes_handles_from_its_node():
+    # PP 2 over four GPUs, one engine of four: stage 0 (GPUs 0-1) reaches the engine's GPUs 2-3 by handle.
+    pushes = plan_pushes(*layout(1, 4, 2), devices_per_engine=4, handles_cross_devices=True)
+    assert pushes == [Push(0, 0, SAME_NODE, (0,)), Push(1, 0, SAME_NODE, (2,))]
+
+
+def test_where_handles_cross_devices_an_engine_holding_another_stage_on_another_node_takes_a_broadcast():
+    # PP 2 over two nodes of two GPUs: each stage feeds the engine on its own GPUs and broadcasts to the other.
+    pushes = plan_pushes(*layout(2, 2, 2), devices_per_engine=2, handles_cross_devices=True)
+    assert pushes == [
+        Push(0, 0, SAME_DEVICE, (0, 1)), Push(0, 1, BROADCAST, (0,)),
+        Push(1, 0, BROADCAST, (2,)), Push(1, 1, SAME_DEVICE, (2, 3)),
+    ]
 
 
 def test_an_engine_across_pipeline_stages_is_refused_where_handles_stay_on_their_device():
