@@ -1,0 +1,21 @@
+# shellcheck shell=bash
+# Sourced on the lent GPU machine from the repository root, after build.sh's .gpu-bundle/ was carried there:
+# unpacks the bundle (once per machine) and sets the variables the verified path needs. Verification only.
+#   source tests/gpu/bundle/enter.sh && python3 -m pytest -q tests/gpu/test_colocated_step_gpu.py
+RELAX_GPU_SITE=/tmp/relax-gpu-site
+if [ ! -f "$RELAX_GPU_SITE/.unpacked" ]; then
+    mkdir -p "$RELAX_GPU_SITE" && xz -T0 -dc .gpu-bundle/site.tar.xz | tar -C "$RELAX_GPU_SITE" -xf - \
+        && touch "$RELAX_GPU_SITE/.unpacked" || { echo "enter.sh: could not unpack .gpu-bundle/site.tar.xz" >&2; return 1; }
+fi
+# The stand-ins first (they replace sgl_kernel and cutlass), then the bundle, then this repository.
+export PYTHONPATH="$PWD/tests/gpu/bundle/standin:$RELAX_GPU_SITE:$PWD"
+# NVLink multicast stays off on the lent machines (a program that uses it can take the host's GPUs down).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
+# The stand-in is not the sglang-kernel version SGLang checks for.
+export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1
+# SGLang's Rust radix tree is dropped from the bundle (and the wheel's build links libtorch 2.14.1, which misreads
+# dtypes under the device's torch 2.11): its Python tree core instead.
+export SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND=python
+# SGLang's fused ops in torch rather than its JIT kernels, which nvcc would compile on first use (7-11 s each).
+export SGLANG_FORCE_FUSED_OP_BACKEND=torch
