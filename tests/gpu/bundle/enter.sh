@@ -7,6 +7,11 @@ if [ ! -f "$RELAX_GPU_SITE/.unpacked" ]; then
     mkdir -p "$RELAX_GPU_SITE" && xz -T0 -dc .gpu-bundle/site.tar.xz | tar -C "$RELAX_GPU_SITE" -xf - \
         && touch "$RELAX_GPU_SITE/.unpacked" || { echo "enter.sh: could not unpack .gpu-bundle/site.tar.xz" >&2; return 1; }
 fi
+# relax's patch sets on the unpacked SGLang and megatron-core, as a user's `relax patches apply` does (needs git).
+if [ ! -f "$RELAX_GPU_SITE/.patched" ]; then
+    PYTHONPATH="$RELAX_GPU_SITE:$PWD" python3 -m relax.cli patches apply sglang megatron-core \
+        && touch "$RELAX_GPU_SITE/.patched" || { echo "enter.sh: relax patches apply failed" >&2; return 1; }
+fi
 # The stand-ins first (they replace sgl_kernel and cutlass), then the bundle, then this repository.
 export PYTHONPATH="$PWD/tests/gpu/bundle/standin:$RELAX_GPU_SITE:$PWD"
 # NVLink multicast stays off on the lent machines (a program that uses it can take the host's GPUs down).

@@ -1,0 +1,91 @@
+"""Qwen3.5 inside SGLang's engine on one CUDA GPU, in one run: the GDN layers' decode through SGLang's own kernels
+against relax's fused decode kernel (patches/sglang 0004, SGLANG_RELAX_FUSED_GDN_DECODE=1;
+relax.kernels.sglang_gdn_decode), each in its own engine through relax.rollout.engine.RolloutEngine.
+
+The model: relax.tiny_model's qwen3_5 family with Qwen3.5-9B's layer shapes (hidden 4096; GDN layers of 16 key
+and 32 value heads of 128, conv width 4; full-attention layers of 16 query / 4 KV heads of 256; FFN 12288), 8
+layers (3 GDN, 1 full attention, twice), random bf16 weights built on the device, relax's tiny tokenizer.
+
+Prints, per side: the greedy tokens of 8 probe prompts (the two sides must agree: the run fails otherwise) and the
+decode step time at each batch size, from (time to generate 1 + --steps tokens - time to generate 1) / --steps
+with decode CUDA graphs on; then relax's speed-up per batch. Needs the GPU verification bundle with relax's patch
+sets applied (docs/gpu-verification.md):
+    source tests/gpu/bundle/enter.sh && python3 benchmarks/qwen35_decode_gpu.py
+"""
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+QWEN3_5_9B_LAYERS = dict(
+    hidden_size=4096, intermediate_size=12288, num_hidden_layers=8,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, full_attention_interval=4,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+    max_position_embeddings=4096,
+)
+SWITCH = "SGLANG_RELAX_FUSED_GDN_DECODE"
+SERVER_FIELDS = dict(
+    attention_backend="triton", sampling_backend="pytorch", disable_prefill_cuda_graph=True,
+    mem_fraction_static=0.7, cuda_graph_max_bs_decode=256, log_level="warning",
+)
+
+
+def measure(model_dir: str, fused: bool, args) -> dict:
+    from relax.platform import get_platform
+    from relax.rollout.engine import RolloutEngine, SamplingConfig
+
+    os.environ[SWITCH] = "1" if fused else "0"  # read by the engine's scheduler process when it imports the model
+    generator = torch.Generator().manual_seed(0)
+    with RolloutEngine(dict(SERVER_FIELDS), model_path=model_dir, platform=get_platform("cuda")) as engine:
+        probes = torch.randint(3, 60, (8, 16), generator=generator).tolist()
+        greedy = engine.generate(probes, SamplingConfig(temperature=0.0, max_new_tokens=32, ignore_eos=True))
+        step_ms = {}
+        for batch in args.batches:
+            prompts = torch.randint(3, 60, (batch, 32), generator=generator).tolist()
+
+            def seconds(new_tokens):
+                sampling = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+                engine.flush_cache()  # every prompt is prefilled anew
+                start = time.perf_counter()
+                engine.generate(prompts, sampling)
+                return time.perf_counter() - start
+
+            seconds(args.steps + 1)  # warm-up at this batch
+            prefill = min(seconds(1) for _ in range(3))
+            whole = min(seconds(args.steps + 1) for _ in range(3))
+            step_ms[batch] = (whole - prefill) / args.steps * 1e3
+    return {"side": "relax_fused" if fused else "sglang", "greedy": [c.token_ids for (c,) in greedy],
+            "decode_step_ms": step_ms}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--steps", type=int, default=128, help="decode steps timed per batch")
+    args = parser.parse_args()
+
+    from relax.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as directory:
+        model_dir = str(build_tiny_model(directory, "qwen3_5", device="cuda", dtype=torch.bfloat16, **QWEN3_5_9B_LAYERS))
+        torch.cuda.empty_cache()
+        sides = [measure(model_dir, fused, args) for fused in (False, True)]
+    for side in sides:
+        print(json.dumps(side), flush=True)
+    sglang, relax = sides
+    same = sglang["greedy"] == relax["greedy"]
+    print(json.dumps({
+        "same_greedy_tokens": same,
+        "relax_speedup": {b: sglang["decode_step_ms"][b] / relax["decode_step_ms"][b] for b in args.batches},
+    }))
+    if not same:
+        raise SystemExit("the fused decode changed the greedy tokens")
+
+
+if __name__ == "__main__":
+    main()
