@@ -259,12 +259,13 @@ def _build_actor(hf_dir: str, args, platform):
     from megatron.core.optimizer import OptimizerConfig
 
     from relax.train.actor import ActorSettings, MegatronActor
-    from relax.train.model import read_hf_config, transformer_config
+    from relax.hf_checkpoint import read_hf_checkpoint
+    from relax.train.model import transformer_config
 
     dtype = getattr(torch, args.dtype)
     bf16 = dtype == torch.bfloat16
     transformer = transformer_config(
-        read_hf_config(hf_dir), tensor_model_parallel_size=args.tp, bf16=bf16, params_dtype=dtype,
+        read_hf_checkpoint(hf_dir), tensor_model_parallel_size=args.tp, bf16=bf16, params_dtype=dtype,
         perform_initialization=False,
     )
     optimizer = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
@@ -340,7 +341,7 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     actor = _build_actor(hf_dir, args, platform)
     sender = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
     assert sender == (rank == 0), "rank 0 is data- and tensor-parallel rank 0"
-    vocab = actor.hf["vocab_size"]
+    vocab = actor.hf_checkpoint.text_config["vocab_size"]
     dp_rank = parallel_state.get_data_parallel_rank()
     result = {"phases": [], "checks": {}, "metrics": []}
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax.files import write_text_atomically
+from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 
 LATEST = "latest"
 PARTIAL_SUFFIX = ".partial"  # a step directory while it is written
@@ -179,7 +180,10 @@ def check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None:
     from relax.train.checkpoint import HF_FILES_DIR
 
     def architecture(directory: Path) -> dict:
-        checkpoint = read_hf_checkpoint(directory)
+        try:
+            checkpoint = read_hf_checkpoint(directory)
+        except HFCheckpointError as error:
+            raise CheckpointError(f"--load {load}: {error}") from error
         return {
             "model_type": checkpoint.config.get("model_type"),
             **checkpoint.model_fields,

@@ -33,6 +33,7 @@ __all__ = [
     "HFCheckpointError",
     "TensorReader",
     "describe_frozen",
+    "hf_checkpoint_of",
     "is_frozen",
     "read_hf_checkpoint",
     "trained_names",
@@ -95,14 +96,19 @@ class HFCheckpoint:
 
 def read_hf_checkpoint(directory: str | Path) -> HFCheckpoint:
     """The checkpoint in `directory` (its config.json; tensor headers when first asked for)."""
-    directory = Path(directory)
-    path = directory / "config.json"
+    path = Path(directory) / "config.json"
     if not path.is_file():
         raise HFCheckpointError(f"{path} does not exist: pass an HF model directory (config.json + *.safetensors)")
     try:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise HFCheckpointError(f"{path} is not valid JSON ({exc}): pass an HF model directory") from None
+    return hf_checkpoint_of(config, Path(directory))
+
+
+def hf_checkpoint_of(config: dict, directory: Path) -> HFCheckpoint:
+    """The checkpoint that `config` (a config.json's contents) describes, its tensors in `directory`."""
+    path = directory / "config.json"
     try:
         text_config, vision_language = language_model(config)
     except ValueError as exc:
