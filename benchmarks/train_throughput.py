@@ -256,8 +256,8 @@ def _measure(step, instrument, args, platform) -> dict:
 
 def plain_gpt(hf, platform, load_weights: bool = False):
     """megatron-core's own model for an HF Qwen3 config: GPTModel (local spec: unfused DotProductAttention), DDP
-    and Adam, with the checkpoint `hf`'s weights when `load_weights` (else uninitialised: perform_initialization is off). Returns (model,
-    optimizer, TransformerConfig), the config's hooks set for forward_backward_func."""
+    and Adam, with the checkpoint `hf`'s weights when `load_weights` (else uninitialised: perform_initialization
+    is off). Returns (model, optimizer, TransformerConfig), the config's hooks set for forward_backward_func."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -296,9 +296,9 @@ def megatron_baseline(hf, args, platform, explicit_mask: bool = False) -> dict:
     device = platform.current_device()
     model, optimizer, config = plain_gpt(hf, platform)
     generator = torch.Generator(device=device).manual_seed(0)
-    shape = (args.micro_batch_size, args.seq)
+    shape, vocab_size = (args.micro_batch_size, args.seq), hf.text_config["vocab_size"]
     batches = [
-        torch.randint(0, hf.text_config["vocab_size"], shape, device=device, generator=generator) for _ in range(args.micro_batches)
+        torch.randint(0, vocab_size, shape, device=device, generator=generator) for _ in range(args.micro_batches)
     ]
     position_ids = torch.arange(args.seq, device=device).expand(shape)
     attention_mask = None

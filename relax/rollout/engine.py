@@ -15,8 +15,8 @@ Two things differ from calling sglang.Engine directly:
   unknown name as a success that changed nothing (it only logs "Parameter ... not found in
   params_dict"), so relax refuses unknown names, wrong shapes, duplicates and incomplete updates itself,
   naming the tensor. The expected names and shapes are read once from the checkpoint's safetensors
-  headers (relax.hf_checkpoint; no tensor data): the HF names and shapes the engine's loader accepted at start are exactly
-  the ones a later update must use. A complete update is one of every tensor the actor trains: the
+  headers (relax.hf_checkpoint; no tensor data): the HF names and shapes the engine's loader accepted at
+  start are exactly the ones a later update must use. A complete update is one of every tensor the actor trains: the
   checkpoint's tensors but the frozen vision tower and MTP head (relax/hf_checkpoint/layout.py).
 """
 

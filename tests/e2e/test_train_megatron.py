@@ -539,7 +539,8 @@ def _resume_and_train(hf_dir: str, checkpoint_dir: str, settings: dict) -> dict:
     step = load_checkpoint(actor, checkpoint_dir)
     rng = torch.rand(3)
     metrics = [actor.train_step(batch) for _ in range(2)]
-    return {"step": step, "rng": rng, "metrics": metrics, "weights": dict(export_hf_weights(actor.model, actor.hf_checkpoint))}
+    weights = dict(export_hf_weights(actor.model, actor.hf_checkpoint))
+    return {"step": step, "rng": rng, "metrics": metrics, "weights": weights}
 
 
 def _convert(checkpoint_dir: str, out_dir: str, tp: int) -> None:

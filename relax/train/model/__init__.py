@@ -83,8 +83,8 @@ def build_gpt_model(
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     if settings["vocab_size"] % tp_size:
         raise ValueError(
-            f"vocab_size {settings['vocab_size']} is not divisible by tensor-model-parallel size {tp_size}; choose a TP "
-            "size that divides it (relax does not pad the vocabulary)"
+            f"vocab_size {settings['vocab_size']} is not divisible by tensor-model-parallel size {tp_size}; choose a "
+            "TP size that divides it (relax does not pad the vocabulary)"
         )
     if config.num_moe_experts:
         _define_te_general_gemm_without_te()
@@ -173,7 +173,10 @@ class _Mapping:
         self.attention = AttentionLayout(config.num_attention_heads, config.num_query_groups, config.kv_channels)
         # The family's rules with the checkpoint's tensor names.
         self.top, self.layer, self.expert = (
-            {name: Rule(rule.kind, tuple(map(checkpoint.checkpoint_name, rule.hf_names))) for name, rule in rules.items()}
+            {
+                name: Rule(rule.kind, tuple(map(checkpoint.checkpoint_name, rule.hf_names)))
+                for name, rule in rules.items()
+            }
             for rules in (self.family.top_level_rules(hf), self.family.layer_rules(hf), self.family.expert_rules(hf))
         )
         self.tied = bool(hf.get("tie_word_embeddings", False))
