@@ -13,6 +13,7 @@ difference| between the sides, seconds per step of each side, and sequential / g
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from single_rank import init_distributed
@@ -36,13 +37,16 @@ def hf_config(shape: dict, layers: int) -> dict:
 
 
 def moe_layers(hf: dict, dtype: torch.dtype, device, grouped: bool) -> list:
+    from relax.hf_checkpoint import hf_checkpoint_of
     from relax.train.model import build_gpt_model, transformer_config
 
+    checkpoint = hf_checkpoint_of(hf, Path("in-memory"))  # no weights: the layers keep their initialisation
+
     config = transformer_config(
-        hf, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        checkpoint, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         moe_grouped_gemm=grouped,
     )
-    model = build_gpt_model(hf, config).to(device)
+    model = build_gpt_model(checkpoint, config).to(device)
     return [layer.mlp for layer in model.decoder.layers]
 
 

@@ -67,12 +67,13 @@ def make_actor(hf_dir: str, platform, dtype: torch.dtype, lr: float, micro_batch
     from megatron.core.optimizer import OptimizerConfig
 
     from relax.train.actor import ActorSettings, MegatronActor
-    from relax.train.model import read_hf_config, transformer_config
+    from relax.hf_checkpoint import read_hf_checkpoint
+    from relax.train.model import transformer_config
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     bf16 = dtype == torch.bfloat16
-    hf = read_hf_config(hf_dir)
+    hf = read_hf_checkpoint(hf_dir)
     transformer = transformer_config(hf, bf16=bf16, params_dtype=dtype, perform_initialization=False)
     optimizer = OptimizerConfig(optimizer="adam", lr=lr, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
     settings = ActorSettings(micro_batch_size=micro_batch_size, keep_reference=False, gdn_training_kernel=gdn_kernel)
@@ -106,7 +107,7 @@ def logprob_parity(hf_dir: str, platform, gdn_kernel: str, seq: int = 96) -> dic
     import transformers
 
     actor = make_actor(hf_dir, platform, torch.float32, lr=1e-4, micro_batch_size=2, gdn_kernel=gdn_kernel)
-    batch = mixed_length_batch(actor.hf["vocab_size"], [(seq, 40), (seq // 2 + 7, 20), (33, 9)])
+    batch = mixed_length_batch(actor.hf_checkpoint.text_config["vocab_size"], [(seq, 40), (seq // 2 + 7, 20), (33, 9)])
     ours = actor.compute_logprobs(batch)
     device = platform.current_device()
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device).eval()
@@ -123,10 +124,10 @@ def logprob_parity(hf_dir: str, platform, gdn_kernel: str, seq: int = 96) -> dic
 def packed_parity(hf_dir: str, platform, dtype: torch.dtype, seq: int, gdn_kernel: str) -> dict:
     """Max abs diff of response-token logprobs: all samples of a mixed-length batch (the longest `seq` tokens) packed
     into one micro-batch against one sample per micro-batch, with the same weights."""
-    from relax.train.model import read_hf_config
+    from relax.hf_checkpoint import read_hf_checkpoint
 
     lengths = [(seq, seq // 2), (seq // 2 + 7, seq // 4), (33, 9), (seq // 3, seq // 6)]
-    batch = mixed_length_batch(read_hf_config(hf_dir)["vocab_size"], lengths)
+    batch = mixed_length_batch(read_hf_checkpoint(hf_dir).text_config["vocab_size"], lengths)
     logprobs = {}
     for samples_per_micro_batch in (1, len(batch)):
         actor = make_actor(
@@ -143,7 +144,7 @@ def train(
 ) -> dict:
     actor = make_actor(hf_dir, platform, torch.bfloat16, lr=lr, micro_batch_size=micro_batch_size, gdn_kernel=gdn_kernel)
     parameters = sum(p.numel() for p in actor.model.parameters())
-    batch = patterned_batch(actor.hf["vocab_size"], samples, seq, seed=0)
+    batch = patterned_batch(actor.hf_checkpoint.text_config["vocab_size"], samples, seq, seed=0)
     nll, seconds, grad_norms = [], [], []
     for _ in range(steps + 1):
         logprobs = actor.compute_logprobs(batch)

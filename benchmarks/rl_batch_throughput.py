@@ -164,7 +164,7 @@ def right_padded_rows(batch, members: list[int]):
     return tokens, torch.arange(longest).expand(len(members), longest), None, loss_mask
 
 
-def relax_side(platform, hf_dir: str, hf: dict, batch, max_tokens: int, args) -> dict:
+def relax_side(platform, hf_dir: str, hf, batch, max_tokens: int, args) -> dict:
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.batch import plan_micro_batches
 
@@ -182,12 +182,12 @@ def relax_side(platform, hf_dir: str, hf: dict, batch, max_tokens: int, args) ->
     }
 
 
-def plain_side(platform, hf_dir: str, hf: dict, batch, max_tokens: int, args, packed_with_mask: bool) -> dict:
+def plain_side(platform, hf_dir: str, hf, batch, max_tokens: int, args, packed_with_mask: bool) -> dict:
     """relax_before (packed_with_mask) or megatron_core: GPT's labels loss over the response tokens."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     device = platform.current_device()
-    model, optimizer, _ = plain_gpt(hf, platform, hf_dir)
+    model, optimizer, _ = plain_gpt(hf, platform, load_weights=True)
     counts = batch.token_counts()
     rows_shape, make_inputs = (
         (one_packed_row, masked_packed_row) if packed_with_mask else (one_padded_row_each, right_padded_rows)
@@ -234,11 +234,12 @@ def plain_side(platform, hf_dir: str, hf: dict, batch, max_tokens: int, args, pa
 
 def run_side(platform, name: str, args, max_tokens: int) -> dict:
     """One side at one budget; {"out_of_memory": message} when the device ran out of memory."""
-    from relax.train.model import read_hf_config
+    from relax.hf_checkpoint import read_hf_checkpoint
 
     hf_dir = checkpoint_dir(args)
-    hf = read_hf_config(hf_dir)
-    batch = filled_batch(args, hf["vocab_size"], max_tokens) if args.memory_at else rl_batch(args, hf["vocab_size"])
+    hf = read_hf_checkpoint(hf_dir)
+    vocab_size = hf.text_config["vocab_size"]
+    batch = filled_batch(args, vocab_size, max_tokens) if args.memory_at else rl_batch(args, vocab_size)
     batch = batch.select(i for i, count in enumerate(batch.token_counts()) if count <= max_tokens)  # see module doc
     try:
         if name == "relax":

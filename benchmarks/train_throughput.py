@@ -91,7 +91,7 @@ def parameter_count(shape: dict) -> int:
     return embeddings + shape["num_hidden_layers"] * per_layer
 
 
-def megatron_configs(hf: dict):
+def megatron_configs(hf):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -254,10 +254,10 @@ def _measure(step, instrument, args, platform) -> dict:
     return result
 
 
-def plain_gpt(hf: dict, platform, hf_dir: str | None = None):
+def plain_gpt(hf, platform, load_weights: bool = False):
     """megatron-core's own model for an HF Qwen3 config: GPTModel (local spec: unfused DotProductAttention), DDP
-    and Adam, with the weights of `hf_dir` (else uninitialised: perform_initialization is off). Returns (model,
-    optimizer, TransformerConfig), the config's hooks set for forward_backward_func."""
+    and Adam, with the checkpoint `hf`'s weights when `load_weights` (else uninitialised: perform_initialization
+    is off). Returns (model, optimizer, TransformerConfig), the config's hooks set for forward_backward_func."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -274,11 +274,11 @@ def plain_gpt(hf: dict, platform, hf_dir: str | None = None):
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization=config.normalization),
-        vocab_size=hf["vocab_size"], max_sequence_length=hf["max_position_embeddings"],
+        vocab_size=hf.text_config["vocab_size"], max_sequence_length=hf.text_config["max_position_embeddings"],
         share_embeddings_and_output_weights=False, position_embedding_type="rope", rotary_base=1e6,
     ).to(platform.current_device())
-    if hf_dir is not None:
-        load_hf_weights(model, hf_dir)
+    if load_weights:
+        load_hf_weights(model, hf)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=Float16Module(config, model))
     optimizer = get_megatron_optimizer(optimizer_config, [model])
     config.finalize_model_grads_func = finalize_model_grads
@@ -287,7 +287,7 @@ def plain_gpt(hf: dict, platform, hf_dir: str | None = None):
     return model, optimizer, config
 
 
-def megatron_baseline(hf: dict, args, platform, explicit_mask: bool = False) -> dict:
+def megatron_baseline(hf, args, platform, explicit_mask: bool = False) -> dict:
     """Plain megatron-core: GPTModel (local spec), DDP, Adam, forward_backward_func, GPT's labels loss.
     explicit_mask: pass a [rows, 1, seq, seq] causal mask, as the actor passed before it packed rows, instead of
     None (the attention then makes its own causal mask)."""
@@ -296,9 +296,9 @@ def megatron_baseline(hf: dict, args, platform, explicit_mask: bool = False) -> 
     device = platform.current_device()
     model, optimizer, config = plain_gpt(hf, platform)
     generator = torch.Generator(device=device).manual_seed(0)
-    shape = (args.micro_batch_size, args.seq)
+    shape, vocab_size = (args.micro_batch_size, args.seq), hf.text_config["vocab_size"]
     batches = [
-        torch.randint(0, hf["vocab_size"], shape, device=device, generator=generator) for _ in range(args.micro_batches)
+        torch.randint(0, vocab_size, shape, device=device, generator=generator) for _ in range(args.micro_batches)
     ]
     position_ids = torch.arange(args.seq, device=device).expand(shape)
     attention_mask = None
@@ -333,7 +333,7 @@ def megatron_baseline(hf: dict, args, platform, explicit_mask: bool = False) -> 
     return _measure(step, instrument, args, platform)
 
 
-def relax_actor(hf_dir: str, hf: dict, args, platform) -> dict:
+def relax_actor(hf_dir: str, hf, args, platform) -> dict:
     """relax.train.actor.MegatronActor.train_step on batches of the same shape."""
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.batch import RolloutBatch
@@ -343,7 +343,7 @@ def relax_actor(hf_dir: str, hf: dict, args, platform) -> dict:
     actor = MegatronActor(hf_dir, transformer, optimizer, ddp, settings, platform=platform)
     generator = torch.Generator().manual_seed(0)
     count = args.micro_batch_size * args.micro_batches
-    tokens = [torch.randint(0, hf["vocab_size"], (args.seq,), generator=generator) for _ in range(count)]
+    tokens = [torch.randint(0, hf.text_config["vocab_size"], (args.seq,), generator=generator) for _ in range(count)]
     response = args.seq // 2
     advantages = [torch.full((response,), 1.0 if i % 2 else -1.0) for i in range(count)]
     batch = RolloutBatch(tokens, [response] * count, advantages=advantages)
@@ -411,10 +411,10 @@ def print_profile_difference(plain: dict, relax: dict, rows: int) -> None:
 
 
 def run_side(platform, name: str, args) -> dict:
-    from relax.train.model import read_hf_config
+    from relax.hf_checkpoint import read_hf_checkpoint
 
     hf_dir = str(Path(args.work_dir) / f"qwen3_{args.shape}")
-    hf = read_hf_config(hf_dir)
+    hf = read_hf_checkpoint(hf_dir)
     if name == "relax":
         return relax_actor(hf_dir, hf, args, platform)
     return megatron_baseline(hf, args, platform, explicit_mask=name == "megatron_core_explicit_mask")

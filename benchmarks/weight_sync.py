@@ -16,7 +16,7 @@ barrier:
     wake            MegatronActor.wake(): process groups rebuilt, training state back on the device
     train           old-policy logprobs, then MegatronActor.train_step
     engine_resume   the receivers' weights come back
-    push            the weights under HF names (relax.sync.export.weight_buckets, TP shards gathered), bucket by
+    push            the weights under HF names (relax.train.weight_export.weight_buckets, TP shards gathered), bucket by
                     bucket from rank 0 (data- and tensor-parallel rank 0, the rank TrainWorker.push_weights sends
                     from) to every receiver: packed by relax.sync.bucket.flatten_bucket (sglang's
                     FlattenedTensorBucket, as serialize_bucket packs), pickled as serialize_flattened does (CUDA IPC
@@ -259,12 +259,13 @@ def _build_actor(hf_dir: str, args, platform):
     from megatron.core.optimizer import OptimizerConfig
 
     from relax.train.actor import ActorSettings, MegatronActor
-    from relax.train.model import read_hf_config, transformer_config
+    from relax.hf_checkpoint import read_hf_checkpoint
+    from relax.train.model import transformer_config
 
     dtype = getattr(torch, args.dtype)
     bf16 = dtype == torch.bfloat16
     transformer = transformer_config(
-        read_hf_config(hf_dir), tensor_model_parallel_size=args.tp, bf16=bf16, params_dtype=dtype,
+        read_hf_checkpoint(hf_dir), tensor_model_parallel_size=args.tp, bf16=bf16, params_dtype=dtype,
         perform_initialization=False,
     )
     optimizer = OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0, bf16=bf16, params_dtype=dtype)
@@ -329,7 +330,7 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     )
     from megatron.core import parallel_state
 
-    from relax.sync.export import weight_buckets
+    from relax.train.weight_export import weight_buckets
 
     platform.prepare_sglang()  # relax.sync.bucket.flatten_bucket imports sglang's FlattenedTensorBucket
     from relax.sync.bucket import flatten_bucket, serialize_flattened
@@ -340,7 +341,7 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     actor = _build_actor(hf_dir, args, platform)
     sender = parallel_state.get_data_parallel_rank() == 0 and parallel_state.get_tensor_model_parallel_rank() == 0
     assert sender == (rank == 0), "rank 0 is data- and tensor-parallel rank 0"
-    vocab = actor.hf["vocab_size"]
+    vocab = actor.hf_checkpoint.text_config["vocab_size"]
     dp_rank = parallel_state.get_data_parallel_rank()
     result = {"phases": [], "checks": {}, "metrics": []}
 
@@ -382,7 +383,7 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
             previous, mark = mark, time.perf_counter()
             return mark - previous
 
-        for named in weight_buckets(actor.model, actor.hf, args.bucket_mb << 20):
+        for named in weight_buckets(actor.model, actor.hf_checkpoint, args.bucket_mb << 20):
             if not sender:
                 continue
             parts["export"] += lap()  # gathering TP shards, converting to HF names
@@ -459,7 +460,7 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     # Each rank reads the receiver on its own device (every rank's export is the whole model) and compares exactly.
     received = pickle.loads(_ask(receivers[rank : rank + 1], "weights")[0])
     mismatched, compared = [], 0
-    for named in weight_buckets(actor.model, actor.hf, args.bucket_mb << 20):
+    for named in weight_buckets(actor.model, actor.hf_checkpoint, args.bucket_mb << 20):
         for name, tensor in named:
             compared += 1
             if not torch.equal(tensor, received[name].to(tensor.device)):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from relax.files import write_text_atomically
+from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 
 LATEST = "latest"
 PARTIAL_SUFFIX = ".partial"  # a step directory while it is written
@@ -177,17 +178,20 @@ def step_directory(load: Path, step: int | None = None) -> Path:
 def check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None:
     """The actor is built from --hf-checkpoint's config.json; the checkpoint's tensors must fit it."""
     from relax.train.checkpoint import HF_FILES_DIR
-    from relax.train.model import family_of, read_hf_config
-    from relax.train.model.checkpoint_layout import checkpoint_layout
 
-    def architecture(hf: dict) -> dict:
-        text = checkpoint_layout(hf).text_config  # a vision-language checkpoint's language model
-        fields = {"model_type": hf.get("model_type"), "vocab_size": text.get("vocab_size")}
-        fields["tie_word_embeddings"] = text.get("tie_word_embeddings", False)
-        return {**fields, **family_of(text).config_fields(text)}
+    def architecture(directory: Path) -> dict:
+        try:
+            checkpoint = read_hf_checkpoint(directory)
+        except HFCheckpointError as error:
+            raise CheckpointError(f"--load {load}: {error}") from error
+        return {
+            "model_type": checkpoint.config.get("model_type"),
+            **checkpoint.model_fields,
+            **checkpoint.transformer_fields,
+        }
 
-    saved = architecture(read_hf_config(actor_dir / HF_FILES_DIR))
-    current = architecture(read_hf_config(hf_checkpoint))
+    saved = architecture(actor_dir / HF_FILES_DIR)
+    current = architecture(hf_checkpoint)
     differences = [f"{key}: {saved[key]!r} vs {current.get(key)!r}" for key in saved if saved[key] != current.get(key)]
     if differences:
         raise CheckpointError(

@@ -20,10 +20,8 @@ from relax.args.megatron import (
     MegatronValues,
     add_megatron_args,
     build_megatron_config,
-    check_model_family,
     family_transformer_config,
     given_values,
-    read_hf_config,
     resolve_architecture,
 )
 from relax.args.relax_flags import (
@@ -38,6 +36,7 @@ from relax.args.relax_flags import (
 )
 from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
 from relax.args.strict import StrictArgumentParser
+from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 from relax.platform import platform_facts, resolve_platform_name
 from relax.rollout.engine import server_defaults
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
@@ -96,13 +95,15 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     _fill_relax_defaults(relax)
 
     checkpoint = relax.hf_checkpoint
-    if checkpoint is not None and not relax.dry_run and not (Path(checkpoint) / "config.json").is_file():
+    has_config = checkpoint is not None and (Path(checkpoint) / "config.json").is_file()
+    if checkpoint is not None and not relax.dry_run and not has_config:
         parser.error(f"--hf-checkpoint {checkpoint}: no config.json there (expected an HF model directory)")
+    try:
+        hf = read_hf_checkpoint(checkpoint) if has_config else None
+    except HFCheckpointError as exc:
+        parser.error(f"--hf-checkpoint: {exc}")
     given = given_values(namespace)
-    hf = read_hf_config(checkpoint)
-    if hf is not None:
-        check_model_family(hf, parser.error)
-    values = resolve_architecture(given, hf, checkpoint, parser.error)
+    values = resolve_architecture(given, hf, parser.error)
     megatron = build_megatron_config(MegatronValues(values, relax.num_steps), parser.error)
     if hf is not None:  # what the actor trains: the family of config.json fixes the architecture fields
         megatron.transformer = family_transformer_config(megatron.transformer, given, hf, parser.error)

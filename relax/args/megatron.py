@@ -19,9 +19,10 @@ A flag not given leaves the dataclass default. Megatron-LM spellings that differ
 (--norm-epsilon, --num-experts, --disable-bias-linear, ...) are added, and the GPTModel-level and
 LR-schedule settings that live in no core dataclass get flags of their own (MODEL_FLAGS, SCHEDULER_FLAGS).
 Megatron-LM flags relax does not carry out (REFUSED_FLAGS) are errors that say why.
-With an HF checkpoint the architecture comes from its config.json, and the TransformerConfig goes through
-the model family's mapping exactly as the training actor's does (family_transformer_config), so that
---dry-run prints what will be trained.
+With an HF checkpoint the architecture comes from its config.json as relax.hf_checkpoint maps it (the one
+mapping the training actor builds its model with too): resolve_architecture merges it with the flags, and
+family_transformer_config applies it to the TransformerConfig as the actor does, so that --dry-run prints what
+will be trained.
 
 The resolved values (flags merged with config.json) stay plain Python data (MegatronValues: an Enum flag
 holds its member's name until the config objects are built). They, not the config objects, travel to the
@@ -33,13 +34,12 @@ import argparse
 import dataclasses
 import enum
 import functools
-import json
 import types
 import typing
 import warnings
-from pathlib import Path
 
 from relax.args.strict import RefusedFlag
+from relax.hf_checkpoint import HFCheckpoint
 
 PREFIX = "megatron"
 
@@ -168,32 +168,6 @@ MEGATRON_LM_SPELLINGS = [
     ("--no-bias-gelu-fusion", "bias_activation_fusion", False),
 ]
 
-# What an HF config.json says about the architecture: HF key -> Megatron name. The first set defines
-# the weights' shapes, so a flag must agree with the checkpoint; the second may be overridden by a flag.
-HF_SHAPE_KEYS = {
-    "num_hidden_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_query_groups",
-    "head_dim": "kv_channels",
-    "vocab_size": "vocab_size",
-    "num_experts": "num_moe_experts",
-    "moe_intermediate_size": "moe_ffn_hidden_size",
-    "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
-    # Gated DeltaNet layers (Qwen3.5, Qwen3-Next): same names on both sides.
-    "linear_conv_kernel_dim": "linear_conv_kernel_dim",
-    "linear_key_head_dim": "linear_key_head_dim",
-    "linear_value_head_dim": "linear_value_head_dim",
-    "linear_num_key_heads": "linear_num_key_heads",
-    "linear_num_value_heads": "linear_num_value_heads",
-}
-HF_SETTING_KEYS = {
-    "rms_norm_eps": "layernorm_epsilon",
-    "max_position_embeddings": "max_position_embeddings",
-    "num_experts_per_tok": "moe_router_topk",
-    "partial_rotary_factor": "rotary_percent",
-}
 REQUIRED_MODEL_FIELDS = ("num_layers", "hidden_size", "num_attention_heads")
 
 
@@ -318,50 +292,35 @@ def given_values(namespace: argparse.Namespace) -> dict:
     return values
 
 
-def read_hf_config(checkpoint: str | None) -> dict | None:
-    """`<checkpoint>/config.json` as the training actor reads it, or None when there is none."""
-    path = Path(checkpoint) / "config.json" if checkpoint else None
-    return json.loads(path.read_text()) if path and path.is_file() else None
-
-
-def hf_architecture(config: dict) -> dict:
-    """Megatron names -> values from an HF config.json (its language model's fields: a vision-language
-    checkpoint's text_config, see relax/train/model/checkpoint_layout.py)."""
-    from relax.train.model.checkpoint_layout import checkpoint_layout
-
-    config = checkpoint_layout(config).text_config
+def checkpoint_architecture(checkpoint: HFCheckpoint) -> dict:
+    """What the checkpoint's config.json fixes, by Megatron flag name: every field of the model family's mapping
+    that is a flag (the activation function follows --swiglu / --gated-linear-unit)."""
+    forms, _, _ = field_flags()
+    fields = {**checkpoint.model_fields, **checkpoint.transformer_fields}
     found = {
-        name: config[key]
-        for key, name in {**HF_SHAPE_KEYS, **HF_SETTING_KEYS}.items()
-        if config.get(key) is not None
+        name: value for name, value in fields.items() if (name in forms or name in MODEL_FLAGS) and _is_plain(value)
     }
     if "num_query_groups" in found:
         found["group_query_attention"] = True
-    if "rms_norm_eps" in config:
-        found["normalization"] = "RMSNorm"
-    rope_theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
-    if rope_theta is not None:
-        found["rotary_base"] = float(rope_theta)
-    if "tie_word_embeddings" in config:
-        found["untie_embeddings_and_output_weights"] = not config["tie_word_embeddings"]
     return found
 
 
-def resolve_architecture(given: dict, hf: dict | None, checkpoint: str | None, error) -> dict:
-    """Flags merged with the checkpoint's config.json (`hf`); every architecture flag must agree with it.
+def resolve_architecture(given: dict, checkpoint: HFCheckpoint | None, error) -> dict:
+    """Flags merged with the checkpoint's architecture; every architecture flag must agree with it.
 
     The training actor (relax.train.model) builds the model from config.json alone, so a flag that says
     otherwise (even a setting such as --norm-epsilon or --rotary-base) would be silently ignored there:
-    it is an error instead."""
-    from_hf = hf_architecture(hf) if hf else {}
+    it is an error instead. A per-layer list (--linear-attention-freq) is compared as the model reads it, by
+    family_transformer_config."""
+    from_hf = checkpoint_architecture(checkpoint) if checkpoint else {}
     merged = dict(given)
     for name, value in from_hf.items():
         if given.get(name) is None:
             merged[name] = value
-        elif given[name] != value:
+        elif given[name] != value and not isinstance(value, list):
             error(
-                f"{_flag(name)} {given[name]} disagrees with {checkpoint}/config.json ({value}); relax builds the "
-                "model from the checkpoint's config: drop the flag, or edit config.json"
+                f"{_flag(name)} {given[name]} disagrees with {checkpoint.directory}/config.json ({value}); relax "
+                "builds the model from the checkpoint's config: drop the flag, or edit config.json"
             )
     missing = [_flag(name) for name in REQUIRED_MODEL_FIELDS if not merged.get(name)]
     if missing:
@@ -421,36 +380,21 @@ def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
     return MegatronConfig(values=resolved, model=model, scheduler=scheduler, **built)
 
 
-def check_model_family(hf: dict, error) -> None:
-    """config.json names a model family relax's actor builds (before its fields are read as flags)."""
-    from relax.train.model import family_of
-
-    try:
-        family_of(hf)
-    except ValueError as exc:
-        error(f"--hf-checkpoint's config.json: {exc}")
-
-
-def family_transformer_config(transformer, given: dict, hf: dict, error):
+def family_transformer_config(transformer, given: dict, checkpoint: HFCheckpoint, error):
     """The TransformerConfig the training actor builds: `transformer` with the architecture fields the model
-    family of config.json fixes (relax.train.model.transformer_config, the actor's own call).
+    family of config.json fixes (relax.train.model.transformer_config applies the same fields).
 
     A flag given on the command line that the family overrides with another value would be silently
     ignored by the actor: it is an error naming the flag."""
-    from relax.train.model import transformer_config
-
-    problem = f"--hf-checkpoint's config.json: relax's Megatron actor cannot build this {hf.get('model_type')} model"
     try:
-        family = transformer_config(hf, transformer)
-    except KeyError as exc:
-        error(f"{problem}: its family mapping reads {exc}, which config.json lacks")
+        family = dataclasses.replace(transformer, **checkpoint.transformer_fields)
     except (ValueError, AssertionError, TypeError) as exc:
-        error(f"{problem}: {exc}")
+        error(f"--hf-checkpoint: relax's Megatron actor cannot build this {checkpoint.family} model: {exc}")
     for name in sorted(given.keys() & {f.name for f in dataclasses.fields(transformer)}):
         yours, theirs = _meaning(name, transformer), _meaning(name, family)
         if yours != theirs:
             error(
-                f"{_flag(name)} {getattr(transformer, name)} disagrees with the {hf.get('model_type')} model of "
+                f"{_flag(name)} {getattr(transformer, name)} disagrees with the {checkpoint.family} model of "
                 f"--hf-checkpoint ({name} = {getattr(family, name)}); relax builds that model as its family "
                 "mapping says: drop the flag"
             )

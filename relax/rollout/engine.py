@@ -15,9 +15,9 @@ Two things differ from calling sglang.Engine directly:
   unknown name as a success that changed nothing (it only logs "Parameter ... not found in
   params_dict"), so relax refuses unknown names, wrong shapes, duplicates and incomplete updates itself,
   naming the tensor. The expected names and shapes are read once from the checkpoint's safetensors
-  headers (no tensor data): the HF names and shapes the engine's loader accepted at start are exactly
-  the ones a later update must use. A complete update is one of every tensor the actor trains: the
-  checkpoint's tensors but the frozen vision tower and MTP head (relax/train/model/checkpoint_layout.py).
+  headers (relax.hf_checkpoint; no tensor data): the HF names and shapes the engine's loader accepted at
+  start are exactly the ones a later update must use. A complete update is one of every tensor the actor trains: the
+  checkpoint's tensors but the frozen vision tower and MTP head (relax/hf_checkpoint/layout.py).
 """
 
 import asyncio
@@ -31,9 +31,9 @@ from pathlib import Path
 
 import psutil
 
+from relax.hf_checkpoint import read_hf_checkpoint, trained_names
 from relax.ports import free_port
 from relax.sync import bucket as weight_bucket
-from relax.train.model.checkpoint_layout import per_expert_shapes, trained_names
 
 logger = logging.getLogger(__name__)
 
@@ -101,25 +101,6 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop", "length" or "abort"
     text: str  # the response decoded without special tokens
-
-
-def checkpoint_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the safetensors files of a local HF checkpoint (headers only), fused
-    experts tensors per expert, as relax sends them (relax/train/model/checkpoint_layout.py)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise WeightUpdateError(
-            f"no *.safetensors files in {model_path}: relax checks weight updates against the checkpoint's "
-            "tensor names, so the model path must be a local directory with safetensors weights"
-        )
-    shapes = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return per_expert_shapes(shapes)
 
 
 def server_defaults(platform) -> dict:
@@ -196,7 +177,7 @@ class RolloutEngine:
         self.platform = platform
         self.model_path = model_path
         self.tp_size = tp_size
-        self._expected_shapes = checkpoint_tensor_shapes(model_path)
+        self._expected_shapes = read_hf_checkpoint(model_path).tensor_shapes
         self._trained_names = trained_names(self._expected_shapes)
         self._update_session: set[str] | None = None
         self._engine = sglang.Engine(server_args=ServerArgs(**fields))

@@ -1,6 +1,6 @@
 """How the training ranks reach each engine: by handle where they share a node or a device, by broadcast elsewhere.
 
-Every training rank of a pipeline stage holds the same buckets of that stage's weights (relax.sync.export).
+Every training rank of a pipeline stage holds the same buckets of that stage's weights (relax.train.weight_export).
 plan_pushes decides, per stage and engine, who sends and how (placement: training rank i on bundle i, engine e
 on the bundles of ranks e*k .. (e+1)*k - 1, relax.ray.placement.engine_positions):
 

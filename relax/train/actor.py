@@ -19,15 +19,13 @@ megatron's model-parallel groups itself.
 import dataclasses
 import datetime
 from functools import partial
-from pathlib import Path
-
 import torch
 
+from relax.hf_checkpoint import read_hf_checkpoint
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
 from relax.metrics import extreme
 from relax.train.losses import LossSettings, aggregation_denominator
-from relax.train.model import build_gpt_model, load_hf_weights, read_hf_config, transformer_config, unwrap
-from relax.train.model.checkpoint_layout import checkpoint_layout
+from relax.train.model import build_gpt_model, load_hf_weights, transformer_config, unwrap
 from relax.train.off_policy import RolloutCorrection, corrected_policy_loss
 from relax.train.offload import training_memory
 from relax.train.process_groups import ReloadableGroups
@@ -141,8 +139,7 @@ class MegatronActor:
                 "aggregation seq_mean_token_sum_norm needs LossSettings.norm_length (e.g. the longest allowed "
                 "response) so every data-parallel rank divides by the same length"
             )
-        self.hf_dir = Path(hf_dir)
-        self.hf = read_hf_config(hf_dir)
+        self.hf_checkpoint = read_hf_checkpoint(hf_dir)
         # Every group made while the actor builds itself can be destroyed on sleep and rebuilt on wake.
         self.process_groups = ReloadableGroups(datetime.timedelta(minutes=self.settings.distributed_timeout_minutes))
         # Where the training state lives so that sleep can hand its device memory back.
@@ -170,15 +167,15 @@ class MegatronActor:
         if transformer.context_parallel_size != 1:
             raise ValueError("context parallelism is not supported by the actor yet (context_parallel_size=1)")
         model_parallel_cuda_manual_seed(self.settings.seed)
-        self.config = transformer_config(self.hf, transformer)
+        self.config = transformer_config(self.hf_checkpoint, transformer)
         # use_cpu_initialization builds on the host
         model = build_gpt_model(
-            self.hf,
+            self.hf_checkpoint,
             self.config,
             attention_kernel=self.platform.attention_kernel,
             gdn_kernel=self.settings.gdn_training_kernel,
         ).to(self.device)
-        load_hf_weights(model, self.hf_dir)
+        load_hf_weights(model, self.hf_checkpoint)
         if self.config.fp16 or self.config.bf16:
             model = Float16Module(self.config, model)
         # DDP's buffers and the optimizer's main parameters are made inside the memory route's region (the
@@ -315,7 +312,7 @@ class MegatronActor:
             batch,
             settings.micro_batch_size,
             max_tokens,
-            pad_token_id=checkpoint_layout(self.hf).text_config.get("pad_token_id") or 0,
+            pad_token_id=self.hf_checkpoint.text_config.get("pad_token_id") or 0,
             multiple=multiple,
             uniform_shape=uniform_shape,
         )

@@ -5,7 +5,7 @@ format: the model loads at any TP/PP layout; the distributed optimizer's state, 
 needs the same TP/PP layout and may change only the DP size), the LR scheduler, step and Adam step counts
 as common state, each rank's RNG states, and under hf/ the non-weight files of the HF model it started
 from (config.json, tokenizer, generation config) and the tensors the actor does not train (a Qwen3.5
-vision-language checkpoint's vision tower and MTP head, relax/train/model/checkpoint_layout.py), so that
+vision-language checkpoint's vision tower and MTP head, relax/hf_checkpoint/layout.py), so that
 `checkpoint_to_hf` needs nothing else and writes a whole checkpoint again.
 
 All functions are collective over the actor's ranks.
@@ -21,15 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from relax.train.model import (
-    HFCheckpoint,
-    build_gpt_model,
-    export_hf_weights,
-    read_hf_config,
-    transformer_config,
-    unwrap,
-)
-from relax.train.model.checkpoint_layout import is_frozen
+from relax.hf_checkpoint import HFCheckpoint, TensorReader, is_frozen, read_hf_checkpoint
+from relax.train.model import build_gpt_model, export_hf_weights, transformer_config, unwrap
 
 HF_FILES_DIR = "hf"
 FROZEN_FILE = "frozen.safetensors"  # under HF_FILES_DIR
@@ -94,8 +87,8 @@ def save_checkpoint(actor, directory: str | Path, step: int) -> None:
     if torch.distributed.get_rank() == 0:
         # After megatron's save, which warns "Overwriting old incomplete / corrupted checkpoint" into a
         # directory that is not empty.
-        _copy_hf_files(actor.hf_dir, directory / HF_FILES_DIR)
-        _save_frozen_tensors(actor.hf_dir, directory / HF_FILES_DIR / FROZEN_FILE)
+        _copy_hf_files(actor.hf_checkpoint.directory, directory / HF_FILES_DIR)
+        _save_frozen_tensors(actor.hf_checkpoint, directory / HF_FILES_DIR / FROZEN_FILE)
     torch.distributed.barrier()
 
 
@@ -169,41 +162,40 @@ def _copy_hf_files(source: Path, destination: Path) -> None:
             shutil.copy2(path, destination / path.name)
 
 
-def _frozen_names(hf_dir: Path) -> list[str]:
-    """The frozen tensors among `hf_dir`'s safetensors (headers only; none without safetensors)."""
-    if not any(Path(hf_dir).glob("*.safetensors")):
+def _frozen_names(checkpoint: HFCheckpoint) -> list[str]:
+    """The frozen tensors among the checkpoint's safetensors (headers only; none without safetensors)."""
+    if not any(checkpoint.directory.glob("*.safetensors")):
         return []
-    return sorted(name for name in HFCheckpoint(hf_dir).names() if is_frozen(name))
+    return sorted(name for name in checkpoint.tensors if is_frozen(name))
 
 
-def _save_frozen_tensors(hf_dir: Path, out_file: Path) -> dict[str, int]:
-    """Copy the frozen tensors among `hf_dir`'s safetensors (if any) to `out_file`; their sizes in bytes."""
-    names = _frozen_names(hf_dir)
+def _save_frozen_tensors(checkpoint: HFCheckpoint, out_file: Path) -> dict[str, int]:
+    """Copy the frozen tensors among the checkpoint's safetensors (if any) to `out_file`; their sizes in bytes."""
+    names = _frozen_names(checkpoint)
     if not names:
         return {}
-    checkpoint = HFCheckpoint(hf_dir)
-    frozen = {name: checkpoint.get(name) for name in names}
+    tensors = TensorReader(checkpoint)
+    frozen = {name: tensors.get(name) for name in names}
     save_file(frozen, str(out_file), metadata={"format": "pt"})
     return {name: t.numel() * t.element_size() for name, t in frozen.items()}
 
 
-def save_hf(model, hf_files_dir: str | Path, out_dir: str | Path) -> None:
-    """Write `model` (this rank's shard of a Megatron GPTModel) as an HF directory: safetensors (one file
-    per pipeline stage, one more for the frozen tensors of `hf_files_dir`'s safetensors, and an index when
-    there are several) and the other files of `hf_files_dir`."""
+def save_hf(model, hf_files: HFCheckpoint, out_dir: str | Path) -> None:
+    """Write `model` (this rank's shard of a Megatron GPTModel of `hf_files`) as an HF directory: safetensors
+    (one file per pipeline stage, one more for the frozen tensors of `hf_files`' safetensors, and an index when
+    there are several) and the other files of `hf_files`' directory."""
     from megatron.core import parallel_state
 
-    hf = read_hf_config(hf_files_dir)
     out_dir = Path(out_dir)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     stages = parallel_state.get_pipeline_model_parallel_world_size()
-    files = stages + (1 if _frozen_names(Path(hf_files_dir)) else 0)  # the frozen tensors come last
+    files = stages + (1 if _frozen_names(hf_files) else 0)  # the frozen tensors come last
     file_name = "model.safetensors" if files == 1 else f"model-{stage + 1:05d}-of-{files:05d}.safetensors"
     writes = parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
     # Every rank takes part in the export (it gathers TP/EP shards); only the writing rank keeps the whole
     # tensors, in host memory, so the device holds at most one gathered tensor beyond the model.
     tensors, sizes = {}, {}
-    for name, tensor in export_hf_weights(model, hf):
+    for name, tensor in export_hf_weights(model, hf_files):
         sizes[name] = tensor.numel() * tensor.element_size()
         if writes:
             tensors[name] = tensor.to("cpu").contiguous()
@@ -215,10 +207,10 @@ def save_hf(model, hf_files_dir: str | Path, out_dir: str | Path) -> None:
         weight_files, (file_name, sizes), group=parallel_state.get_pipeline_model_parallel_group()
     )
     if torch.distributed.get_rank() == 0:
-        _copy_hf_files(Path(hf_files_dir), out_dir)
+        _copy_hf_files(hf_files.directory, out_dir)
         if files > stages:
             frozen_file = f"model-{files:05d}-of-{files:05d}.safetensors"
-            weight_files.append((frozen_file, _save_frozen_tensors(Path(hf_files_dir), out_dir / frozen_file)))
+            weight_files.append((frozen_file, _save_frozen_tensors(hf_files, out_dir / frozen_file)))
         if files > 1:
             weight_map = {name: file for file, sizes in weight_files for name in sizes}
             total_size = sum(size for _, sizes in weight_files for size in sizes.values())
@@ -238,14 +230,13 @@ def checkpoint_to_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
     checkpoint_dir = Path(checkpoint_dir)
-    hf_files_dir = checkpoint_dir / HF_FILES_DIR
-    hf = read_hf_config(hf_files_dir)
+    hf_files = read_hf_checkpoint(checkpoint_dir / HF_FILES_DIR)
     with _reading(checkpoint_dir):
         # Megatron gives every parameter the one params_dtype; the optimizer's fp32 copies are "optimizer.*".
         metadata = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
         dtype = metadata["embedding.word_embeddings.weight"].dtype
     config = transformer_config(
-        hf,
+        hf_files,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
@@ -256,11 +247,11 @@ def checkpoint_to_hf(checkpoint_dir: str | Path, out_dir: str | Path) -> None:
         use_cpu_initialization=True,
         perform_initialization=False,
     )
-    model = build_gpt_model(hf, config)
+    model = build_gpt_model(hf_files, config)
     with _reading(checkpoint_dir):
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(checkpoint_dir))
         model.load_state_dict(state["model"])
-    save_hf(model, hf_files_dir, out_dir)
+    save_hf(model, hf_files, out_dir)
 
 
 class CheckpointReadError(ValueError):

@@ -80,7 +80,7 @@ class TrainWorker:
         files and untrained tensors); collective, the actor must be awake."""
         from relax.train.checkpoint import save_hf
 
-        save_hf(self.actor.model, self.actor.hf_dir, directory)
+        save_hf(self.actor.model, self.actor.hf_checkpoint, directory)
 
     def load_checkpoint(self, directory: str) -> int:
         """Load what save_checkpoint wrote (collective, awake); returns the saved step."""
@@ -100,7 +100,7 @@ class TrainWorker:
         it sent them on ("same_node", "same_device" or "broadcast"; None where this rank sends nothing)."""
         import ray
 
-        from relax.sync.export import weight_buckets
+        from relax.train.weight_export import weight_buckets
 
         if self.weight_routes is None:
             self.weight_routes = self._plan_weight_routes(engines, engine_tp_size, engine_nodes)
@@ -111,7 +111,7 @@ class TrainWorker:
             ray.get([engine.begin_weight_update.remote() for engine in engines])
         torch.distributed.barrier()
         sent = 0
-        for named_tensors in weight_buckets(self.actor.model, self.actor.hf, self.bucket_bytes):
+        for named_tensors in weight_buckets(self.actor.model, self.actor.hf_checkpoint, self.bucket_bytes):
             if routes.sends:
                 routes.send(named_tensors)
                 sent += sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)

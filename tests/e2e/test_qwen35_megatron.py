@@ -6,7 +6,7 @@ exported weights are the checkpoint's exactly, and a backward pass reaches every
 gradient equals HF's (DDP and finalize_model_grads as the actor runs them; TP=2 with and without sequence
 parallelism: without it the GDN output norm's gradient was each rank's own heads' part).
 The same for the language model of Qwen3.5 vision-language checkpoints (dense and MoE, laid out as the released
-Qwen3.5 ones, relax/train/model/checkpoint_layout.py): logits equal Qwen3_5(Moe)ForConditionalGeneration's on
+Qwen3.5 ones, relax/hf_checkpoint/layout.py): logits equal Qwen3_5(Moe)ForConditionalGeneration's on
 text-only input, and the export holds exactly the checkpoint's language-model tensors under their names (the vision
 tower and MTP head are not trained; the MoE one's fused experts are exported per expert).
 
@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from relax.tiny_model import build_tiny_model
-from relax.train.model import read_hf_config
-from relax.train.model.checkpoint_layout import checkpoint_layout, trained_names
+from relax.hf_checkpoint import TensorReader, read_hf_checkpoint, trained_names
 
 from spawned_ranks import SpawnedRanks
 
@@ -67,25 +66,24 @@ def _parity(hf_dir: str, tp: int, grouped_experts: bool = False) -> dict:
     import transformers
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
-    from relax.train.model import HFCheckpoint, build_gpt_model, export_hf_weights, load_hf_weights, transformer_config
+    from relax.train.model import build_gpt_model, export_hf_weights, load_hf_weights, transformer_config
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(0)
-    hf = read_hf_config(hf_dir)
-    layout = checkpoint_layout(hf)
-    vocab_size = layout.text_config["vocab_size"]
+    hf = read_hf_checkpoint(hf_dir)
+    vocab_size = hf.text_config["vocab_size"]
     config = transformer_config(
         hf, tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=True,
         perform_initialization=False, moe_grouped_gemm=grouped_experts,
     )
     model = build_gpt_model(hf, config)
-    load_hf_weights(model, hf_dir)
+    load_hf_weights(model, hf)
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(0, vocab_size, (2, SEQUENCE_LENGTH), generator=generator)
     position_ids = torch.arange(SEQUENCE_LENGTH).expand(2, -1)
     # The whole vision-language model for a VL checkpoint: its text-only forward (3D rope positions) is the reference.
     auto_class = (
-        transformers.AutoModelForImageTextToText if layout.vision_language else transformers.AutoModelForCausalLM
+        transformers.AutoModelForImageTextToText if hf.vision_language else transformers.AutoModelForCausalLM
     )
     reference = auto_class.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -96,8 +94,8 @@ def _parity(hf_dir: str, tp: int, grouped_experts: bool = False) -> dict:
     packed_diff = _packed_rows_max_abs_diff(model, reference, vocab_size, tp)
     exported = dict(export_hf_weights(model, hf))
     # What the checkpoint holds, fused experts per expert (the MoE VL one stores them fused, as the released one)
-    checkpoint = HFCheckpoint(hf_dir)
-    on_disk = {name: checkpoint.get(name) for name in trained_names(checkpoint.names())}
+    tensors = TensorReader(hf)
+    on_disk = {name: tensors.get(name) for name in trained_names(hf.tensors)}
     return {
         "logits_max_abs_diff": (logits.detach() - expected).abs().max().item(),
         "packed_rows_max_abs_diff": packed_diff,
@@ -139,7 +137,7 @@ def _vl_actor_saves_and_converts(hf_dir: str, checkpoint_dir: str, out_dir: str)
     from relax.train.model import export_hf_weights, transformer_config, unwrap
 
     transformer = transformer_config(
-        read_hf_config(hf_dir), tensor_model_parallel_size=2, pipeline_dtype=torch.float32,
+        read_hf_checkpoint(hf_dir), tensor_model_parallel_size=2, pipeline_dtype=torch.float32,
         use_cpu_initialization=True, perform_initialization=False,
     )
     actor = MegatronActor(
@@ -149,7 +147,7 @@ def _vl_actor_saves_and_converts(hf_dir: str, checkpoint_dir: str, out_dir: str)
     with torch.no_grad():  # stands in for training: every trained tensor changes
         for param in unwrap(actor.model).parameters():
             param.add_(0.5)
-    exported = dict(export_hf_weights(actor.model, actor.hf))
+    exported = dict(export_hf_weights(actor.model, actor.hf_checkpoint))
     save_checkpoint(actor, checkpoint_dir, step=1)
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
@@ -165,14 +163,13 @@ def test_a_vision_language_actor_checkpoint_converts_to_a_whole_vision_language_
     import transformers
     from safetensors import safe_open
 
-    from relax.train.model import HFCheckpoint
-
     hf_dir, out_dir = hf_dirs["qwen3_5_vl"], tmp_path / "hf"
     exported, _ = run_on_ranks(_vl_actor_saves_and_converts, hf_dir, str(tmp_path / "step1"), str(out_dir))
-    original, converted = HFCheckpoint(hf_dir), HFCheckpoint(out_dir)
-    assert converted.names() == original.names()
-    frozen = original.names() - trained_names(original.names())
-    assert frozen and set(exported) == original.names() - frozen
+    names = read_hf_checkpoint(hf_dir).tensors.keys()
+    original, converted = TensorReader(read_hf_checkpoint(hf_dir)), TensorReader(read_hf_checkpoint(out_dir))
+    assert converted.checkpoint.tensors.keys() == names
+    frozen = names - trained_names(names)
+    assert frozen and set(exported) == names - frozen
     assert all(torch.equal(converted.get(name), exported[name]) for name in exported)
     assert all(not torch.equal(converted.get(name), original.get(name)) for name in exported)
     assert all(torch.equal(converted.get(name), original.get(name)) for name in frozen)
@@ -185,7 +182,7 @@ def test_a_vision_language_actor_checkpoint_converts_to_a_whole_vision_language_
 
 def _hf_gradients(model) -> dict[str, torch.Tensor]:
     """HF parameter name -> gradient, fused experts tensors per expert (as relax exports them)."""
-    from relax.train.model.checkpoint_layout import per_expert_views
+    from relax.hf_checkpoint.layout import per_expert_views
 
     grads = {}
     for name, param in model.named_parameters():
@@ -208,16 +205,16 @@ def _gradient_parity(hf_dir: str, tp: int, sequence_parallel: bool) -> dict:
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(0)
-    hf = read_hf_config(hf_dir)
+    hf = read_hf_checkpoint(hf_dir)
     config = transformer_config(
         hf, tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel, use_cpu_initialization=True,
         perform_initialization=False,
     )
     model = build_gpt_model(hf, config)
-    load_hf_weights(model, hf_dir)
+    load_hf_weights(model, hf)
     model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=model)
     generator = torch.Generator().manual_seed(4)
-    vocab_size, pad = hf["vocab_size"], hf["pad_token_id"]
+    vocab_size, pad = hf.text_config["vocab_size"], hf.text_config["pad_token_id"]
     # No pad token in the batch: HF's nn.Embedding(padding_idx=pad) never updates that row, Megatron's embedding does.
     input_ids, labels = torch.randint(0, vocab_size - 1, (2, 2, SEQUENCE_LENGTH), generator=generator)
     input_ids[input_ids >= pad] += 1
@@ -270,10 +267,10 @@ def _gdn_layer_against_megatrons_own_forward(hf_dir: str) -> dict:
 
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)
-    hf = read_hf_config(hf_dir)
+    hf = read_hf_checkpoint(hf_dir)
     config = transformer_config(hf, use_cpu_initialization=True, perform_initialization=False)
     model = build_gpt_model(hf, config, gdn_kernel="reference")
-    load_hf_weights(model, hf_dir)
+    load_hf_weights(model, hf)
     layer = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
     hidden = torch.randn(70, 2, config.hidden_size, generator=torch.Generator().manual_seed(5))  # [s, b, h]
     with torch.no_grad():

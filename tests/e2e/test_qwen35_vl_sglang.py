@@ -20,9 +20,8 @@ import transformers
 
 from relax.platform import get_platform
 from relax.rollout.engine import RolloutEngine, SamplingConfig, WeightUpdateError
+from relax.hf_checkpoint import read_hf_checkpoint, trained_names
 from relax.tiny_model import build_tiny_model
-from relax.train.model import read_hf_config
-from relax.train.model.checkpoint_layout import trained_names
 
 from hf_reference import hf_greedy
 from spawned_ranks import SpawnedRanks
@@ -43,9 +42,9 @@ def _export(config_dir: str, weights_dir: str, out_file: str) -> None:
 
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)
-    hf = read_hf_config(config_dir)
+    hf = read_hf_checkpoint(config_dir)
     model = build_gpt_model(hf, transformer_config(hf, use_cpu_initialization=True, perform_initialization=False))
-    load_hf_weights(model, weights_dir)
+    load_hf_weights(model, read_hf_checkpoint(weights_dir))
     save_file({name: tensor.contiguous() for name, tensor in export_hf_weights(model, hf)}, out_file)
 
 

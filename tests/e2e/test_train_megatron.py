@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from relax.hf_checkpoint import read_hf_checkpoint
 from relax.tiny_model import build_tiny_model
-from relax.train.model import family_of, read_hf_config
 
 from spawned_ranks import SpawnedRanks
 
@@ -51,7 +51,7 @@ def _megatron_model(hf_dir: str, tp: int, ep: int = 1, grouped_experts: bool = F
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(0)
-    hf = read_hf_config(hf_dir)
+    hf = read_hf_checkpoint(hf_dir)
     config = transformer_config(
         hf,
         tensor_model_parallel_size=tp,
@@ -62,7 +62,7 @@ def _megatron_model(hf_dir: str, tp: int, ep: int = 1, grouped_experts: bool = F
         moe_grouped_gemm=grouped_experts,
     )
     model = build_gpt_model(hf, config)
-    load_hf_weights(model, hf_dir)
+    load_hf_weights(model, hf)
     return model.eval(), hf
 
 
@@ -76,7 +76,7 @@ def _parity(hf_dir: str, tp: int, ep: int, grouped_experts: bool = False) -> dic
 
     model, hf = _megatron_model(hf_dir, tp, ep, grouped_experts)
     generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, hf["vocab_size"], (2, 13), generator=generator)
+    input_ids = torch.randint(0, hf.text_config["vocab_size"], (2, 13), generator=generator)
     position_ids = torch.arange(13).expand(2, -1)
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -127,7 +127,7 @@ def test_mis_shaped_and_missing_tensors_are_named(ranks, hf_dirs, tmp_path):
     tensors = load_file(os.path.join(hf_dirs["qwen3"], "model.safetensors"))
     bad_dir = tmp_path / "bad"
     bad_dir.mkdir()
-    (bad_dir / "config.json").write_text(json.dumps(read_hf_config(hf_dirs["qwen3"])))
+    (bad_dir / "config.json").write_text((Path(hf_dirs["qwen3"]) / "config.json").read_text())
     name = "model.layers.1.self_attn.k_proj.weight"
     save_file({**tensors, name: torch.zeros(16, 64)}, bad_dir / "model.safetensors")
     message = ranks.run(_load_error, str(bad_dir))[0]
@@ -137,11 +137,6 @@ def test_mis_shaped_and_missing_tensors_are_named(ranks, hf_dirs, tmp_path):
     save_file(tensors, bad_dir / "model.safetensors")
     message = ranks.run(_load_error, str(bad_dir))[0]
     assert "model.norm.weight" in message and "missing" in message, message
-
-
-def test_unsupported_architecture_lists_supported_ones():
-    with pytest.raises(ValueError, match=r"qwen2.*qwen3.*qwen3_moe"):
-        family_of({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
 
 
 # --- the actor ---------------------------------------------------------------------------------------
@@ -169,7 +164,7 @@ def _my_samples(actor):
 
     from relax.train.batch import RolloutBatch
 
-    batch = _samples(actor.hf["vocab_size"])
+    batch = _samples(actor.hf_checkpoint.text_config["vocab_size"])
     pick = range(parallel_state.get_data_parallel_rank(), len(batch), parallel_state.get_data_parallel_world_size())
     return RolloutBatch(
         [batch.tokens[i] for i in pick],
@@ -193,7 +188,7 @@ def _actor(
     from relax.train.model import transformer_config
 
     transformer = transformer_config(
-        read_hf_config(hf_dir),
+        read_hf_checkpoint(hf_dir),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
@@ -362,7 +357,7 @@ def _train(
     current_after = actor.compute_logprobs(batch)
     return {
         "metrics": metrics,
-        "weights": dict(export_hf_weights(actor.model, actor.hf)),
+        "weights": dict(export_hf_weights(actor.model, actor.hf_checkpoint)),
         "reference_unchanged": all(torch.equal(a, b) for a, b in zip(initial, reference_after)),
         "policy_moved": max((a - b).abs().max().item() for a, b in zip(initial, current_after)),
         "sleep_checks": sleep_checks,
@@ -432,7 +427,7 @@ def test_parallel_layouts_train_like_dp2(ranks, hf_dirs, dp2_run, settings):
 
 def _buckets(hf_dir: str, tp: int, ep: int, bucket_bytes: int) -> dict:
     import relax.train.model as model_module
-    from relax.sync.export import weight_buckets
+    from relax.train.weight_export import weight_buckets
     from safetensors.torch import load_file
 
     model, hf = _megatron_model(hf_dir, tp, ep)
@@ -525,12 +520,12 @@ def _train_one_step_and_save(hf_dir: str, checkpoint_dir: str, hf_out: str, sett
     actor.train_step(_dp_batch(actor))
     save_checkpoint(actor, checkpoint_dir, step=1)
     rng_after_save = torch.rand(3)
-    save_hf(actor.model, actor.hf_dir, hf_out)
+    save_hf(actor.model, actor.hf_checkpoint, hf_out)
     batch = _my_samples(actor)
     logprob_difference, _ = _hf_logprob_difference(hf_out, batch, actor.compute_logprobs(batch))
     return {
         "rng_after_save": rng_after_save,
-        "weights": dict(export_hf_weights(actor.model, actor.hf)),
+        "weights": dict(export_hf_weights(actor.model, actor.hf_checkpoint)),
         "saved_hf_logprob_difference": logprob_difference,
     }
 
@@ -544,7 +539,8 @@ def _resume_and_train(hf_dir: str, checkpoint_dir: str, settings: dict) -> dict:
     step = load_checkpoint(actor, checkpoint_dir)
     rng = torch.rand(3)
     metrics = [actor.train_step(batch) for _ in range(2)]
-    return {"step": step, "rng": rng, "metrics": metrics, "weights": dict(export_hf_weights(actor.model, actor.hf))}
+    weights = dict(export_hf_weights(actor.model, actor.hf_checkpoint))
+    return {"step": step, "rng": rng, "metrics": metrics, "weights": weights}
 
 
 def _convert(checkpoint_dir: str, out_dir: str, tp: int) -> None:

@@ -76,7 +76,7 @@ def _packed_against_one_per_micro_batch(hf_dir, platform) -> float:
 
     actor = qwen35_train.make_actor(hf_dir, platform, torch.bfloat16, lr=1e-4, micro_batch_size=1, gdn_kernel="fla")
     generator = torch.Generator().manual_seed(4)
-    vocab = actor.hf["vocab_size"]
+    vocab = actor.hf_checkpoint.text_config["vocab_size"]
     lengths = [(n, max(1, n // 3)) for n in (200, 37, 130, 2, 96, 64)]
     batch = RolloutBatch([torch.randint(0, vocab, (n,), generator=generator) for n, _ in lengths], [r for _, r in lengths])
     alone = actor.compute_logprobs(batch)

@@ -70,13 +70,14 @@ def _actor(hf_dir, bf16=False, memory_saver=True, distributed_optimizer=False):
     from relax.platform import get_platform
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.losses import LossSettings
-    from relax.train.model import read_hf_config, transformer_config
+    from relax.hf_checkpoint import read_hf_checkpoint
+    from relax.train.model import transformer_config
 
     gc.collect()  # the previous test's actor, before this one's groups and memory
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     dtype = torch.bfloat16 if bf16 else torch.float32
-    hf = read_hf_config(hf_dir)
+    hf = read_hf_checkpoint(hf_dir)
     transformer = transformer_config(hf, bf16=bf16, params_dtype=dtype, perform_initialization=False)
     optimizer = OptimizerConfig(
         optimizer="adam", lr=1e-3, clip_grad=1.0, bf16=bf16, params_dtype=dtype,
@@ -93,7 +94,7 @@ def test_logprobs_equal_hf_on_the_gpu(hf_dir):
     import transformers
 
     actor = _actor(hf_dir)
-    batch = _batch(actor.hf["vocab_size"])
+    batch = _batch(actor.hf_checkpoint.text_config["vocab_size"])
     logprobs = actor.compute_logprobs(batch)
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda().eval()
     for tokens, length, actual in zip(batch.tokens, batch.response_lengths, logprobs):
@@ -142,7 +143,7 @@ def _run(hf_dir, sleep, **actor_args):
         return {name: p.detach().cpu() for name, p in unwrap(actor.model).named_parameters()}
 
     actor = _actor(hf_dir, **actor_args)
-    batch = _batch(actor.hf["vocab_size"])
+    batch = _batch(actor.hf_checkpoint.text_config["vocab_size"])
     batch.old_logprobs = batch.ref_logprobs = actor.compute_logprobs(batch)
     metrics, checks, moved = [], [], []
     for step in range(3):

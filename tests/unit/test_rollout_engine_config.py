@@ -6,12 +6,9 @@ from relax.platform import get_platform
 from relax.rollout.engine import (
     RolloutEngine,
     SamplingConfig,
-    WeightUpdateError,
     _completion,
     _chosen_fields,
-    checkpoint_tensor_shapes,
 )
-from relax.tiny_model import build_tiny_model
 
 
 def test_sampling_config_checks_and_sglang_params():
@@ -43,14 +40,6 @@ def test_chosen_fields_put_platform_defaults_under_a_dict_but_take_a_server_args
     chosen = _chosen_fields({"dtype": "auto", "max_total_tokens": 512}, cpu)
     assert chosen["dtype"] == "auto" and chosen["max_total_tokens"] == 512
     assert chosen["attention_backend"] == "torch_native" and chosen["log_level"] == "warning"
-
-
-def test_checkpoint_tensor_shapes(tmp_path):
-    shapes = checkpoint_tensor_shapes(str(build_tiny_model(tmp_path / "m", "qwen3")))
-    assert shapes["model.layers.0.self_attn.q_proj.weight"] == (64, 64)
-    assert shapes["model.layers.1.self_attn.k_norm.weight"] == (16,)
-    with pytest.raises(WeightUpdateError, match="no \\*.safetensors files in"):
-        checkpoint_tensor_shapes(str(tmp_path))
 
 
 def test_completion_from_sglang_output():

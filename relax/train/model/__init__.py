@@ -2,39 +2,44 @@
 from an HF directory, load its safetensors into the (TP/EP/PP-sharded) model, and export the model back
 under HF names with the shards gathered.
 
-One module per family (qwen2.py, qwen3.py, qwen3_moe.py) holds its mapping and nothing else:
-  MODEL_TYPES                       HF model_type values it serves
-  config_fields(hf) -> dict         TransformerConfig fields fixed by config.json
+The checkpoint comes as relax.hf_checkpoint reads it (an HFCheckpoint: config.json, the language model in it, its
+family, the TransformerConfig fields it fixes, the tensors' names and shapes). One module per family (qwen2.py,
+qwen3.py, qwen3_moe.py, ...) holds its tensor-name mapping and nothing else; the rules take the language model's
+config (HFCheckpoint.text_config):
   top_level_rules(hf)               Megatron name -> Rule for embedding, final norm, output layer
   layer_rules(hf)                   the same for `decoder.layers.{i}.*` ({layer} in HF names)
   expert_rules(hf)                  the same for `mlp.experts.local_experts.{j}.*` ({expert} in HF names); with
                                     --moe-grouped-gemm the same rules map each expert's slice of the grouped
                                     `mlp.experts.linear_fc1.weight` / `linear_fc2.weight` (grouped_experts.py)
-The layout kinds of a Rule (how HF tensors fuse and how TP cuts them) are in layouts.py. The functions here take
-config.json as it is; checkpoint_layout.py finds the language model in it (a text model, or Qwen3.5's
-vision-language checkpoints) and renames the family's tensor names to the checkpoint's.
+The layout kinds of a Rule (how HF tensors fuse and how TP cuts them) are in layouts.py. A vision-language
+checkpoint's tensor names differ from the family's (HFCheckpoint.checkpoint_name renames them).
 
 megatron.core must be importable when these functions run: on the CPU call
 `relax.platform.get_platform("cpu").prepare_megatron()` before importing megatron.
 """
 
 import dataclasses
-import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
+from relax.hf_checkpoint import HFCheckpoint, TensorReader, describe_frozen, is_frozen
 from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
-from relax.train.model.checkpoint_layout import checkpoint_layout, describe_frozen, is_frozen, per_expert_views
 from relax.train.model.core_attention import with_core_attention
 from relax.train.model.gdn_spec import with_gdn_kernel
 from relax.train.model.grouped_experts import with_grouped_experts
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
+# The language model's model_type (HFCheckpoint.family, one of relax.hf_checkpoint.architecture.FAMILY_FIELDS)
+# -> its family module.
 FAMILIES = {
-    model_type: module for module in (qwen2, qwen3, qwen3_moe, qwen3_5, qwen3_next) for model_type in module.MODEL_TYPES
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+    "qwen3_moe": qwen3_moe,
+    "qwen3_5_text": qwen3_5,
+    "qwen3_5_moe_text": qwen3_5,
+    "qwen3_next": qwen3_next,
 }
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
@@ -42,60 +47,23 @@ _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _GROUPED_EXPERTS_NAME = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)")  # grouped_experts.py
 
 
-def read_hf_config(hf_dir: str | Path) -> dict:
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: pass an HF model directory (config.json + *.safetensors)")
-    return json.loads(path.read_text())
+def transformer_config(checkpoint: HFCheckpoint, base=None, **overrides):
+    """A megatron-core TransformerConfig for an HF checkpoint.
 
-
-def family_of(hf: dict):
-    """The family module of an HF config's language model; unsupported architectures name the supported ones."""
-    text = checkpoint_layout(hf).text_config
-    model_type = text.get("model_type")
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"model_type {model_type!r} (architectures {hf.get('architectures')}) is not supported by relax's "
-            f"Megatron actor; supported model types: {sorted(FAMILIES)}"
-        )
-    return FAMILIES[model_type]
-
-
-def _rope_theta(hf: dict) -> float:
-    """RoPE base; only plain RoPE is supported (transformers 5 writes rope_parameters, 4.x rope_theta)."""
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported yet (only 'default' RoPE): {rope}")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-
-
-def transformer_config(hf: dict, base=None, **overrides):
-    """A megatron-core TransformerConfig for an HF config.
-
-    The architecture (layers, heads, norms, MoE, ...) comes from config.json; everything else (parallel
-    sizes, dtype, recompute, ...) from `base` (a TransformerConfig, e.g. from relax.args) and then
-    `overrides`. Dropouts are 0 as in the Qwen checkpoints' configs.
+    The architecture (layers, heads, norms, MoE, ...) comes from config.json (checkpoint.transformer_fields);
+    everything else (parallel sizes, dtype, recompute, ...) from `base` (a TransformerConfig, e.g. from
+    relax.args) and then `overrides`.
     """
     from megatron.core.transformer import TransformerConfig
 
-    hf = checkpoint_layout(hf).text_config
-    if hf.get("use_sliding_window"):
-        raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
-    _rope_theta(hf)  # fail early on an unsupported RoPE
-    fields = {
-        **family_of(hf).config_fields(hf),
-        "hidden_dropout": 0.0,
-        "attention_dropout": float(hf.get("attention_dropout", 0.0)),
-        **overrides,
-    }
+    fields = {**checkpoint.transformer_fields, **overrides}
     if base is None:
         return TransformerConfig(**fields)
     return dataclasses.replace(base, **fields)
 
 
 def build_gpt_model(
-    hf: dict,
+    checkpoint: HFCheckpoint,
     config,
     pre_process: bool | None = None,
     post_process: bool | None = None,
@@ -111,16 +79,16 @@ def build_gpt_model(
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    hf = checkpoint_layout(hf).text_config
+    hf, settings = checkpoint.text_config, checkpoint.model_fields
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    if hf["vocab_size"] % tp_size:
+    if settings["vocab_size"] % tp_size:
         raise ValueError(
-            f"vocab_size {hf['vocab_size']} is not divisible by tensor-model-parallel size {tp_size}; choose a TP "
-            "size that divides it (relax does not pad the vocabulary)"
+            f"vocab_size {settings['vocab_size']} is not divisible by tensor-model-parallel size {tp_size}; choose a "
+            "TP size that divides it (relax does not pad the vocabulary)"
         )
     if config.num_moe_experts:
         _define_te_general_gemm_without_te()
-    family = family_of(hf)
+    family = FAMILIES[checkpoint.family]
     if hasattr(family, "block_spec"):  # hybrid families (qwen3_5) build their own per-layer specs
         spec = with_gdn_kernel(family.block_spec(config, hf), gdn_kernel)
     else:
@@ -133,28 +101,28 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=hf["vocab_size"],
-        max_sequence_length=hf["max_position_embeddings"],
+        vocab_size=settings["vocab_size"],
+        max_sequence_length=settings["max_position_embeddings"],
         pre_process=parallel_state.is_pipeline_first_stage() if pre_process is None else pre_process,
         post_process=parallel_state.is_pipeline_last_stage() if post_process is None else post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=bool(hf.get("tie_word_embeddings", False)),
+        share_embeddings_and_output_weights=not settings["untie_embeddings_and_output_weights"],
         position_embedding_type="rope",
-        rotary_percent=family.rotary_percent(hf) if hasattr(family, "rotary_percent") else 1.0,
-        rotary_base=_rope_theta(hf),
+        rotary_percent=settings["rotary_percent"],
+        rotary_base=settings["rotary_base"],
     )
-    _mark_tensor_parallel_parameters(model, hf)
+    _mark_tensor_parallel_parameters(model, checkpoint)
     return model
 
 
-def _mark_tensor_parallel_parameters(model, hf: dict) -> None:
+def _mark_tensor_parallel_parameters(model, checkpoint: HFCheckpoint) -> None:
     """Set megatron's TP attributes (tensor_model_parallel, partition_dim, partition_stride) from the family's
     layouts. megatron-core sets them only while it initialises weights; with perform_initialization=False
     (weights come from the checkpoint anyway) they stay unset, every TP rank but the first then counts as a
     duplicate, and the gradient norm (so clipping) leaves out their shards."""
     from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
-    mapping = _Mapping(model, hf)
+    mapping = _Mapping(model, checkpoint)
     for name, param in mapping.model.named_parameters():
         place = mapping.place(name)
         kind = place.rule.kind
@@ -195,18 +163,20 @@ class _Placement:
 class _Mapping:
     """Resolves the local Megatron parameter names of one model (one PP stage, one TP/EP rank)."""
 
-    def __init__(self, model, hf: dict):
+    def __init__(self, model, checkpoint: HFCheckpoint):
         from megatron.core import parallel_state as ps
 
         self.model = unwrap(model)
-        layout = checkpoint_layout(hf)
-        self.hf = hf = layout.text_config
-        self.family = family_of(hf)
+        self.hf = hf = checkpoint.text_config
+        self.family = FAMILIES[checkpoint.family]
         config = self.model.config
         self.attention = AttentionLayout(config.num_attention_heads, config.num_query_groups, config.kv_channels)
         # The family's rules with the checkpoint's tensor names.
         self.top, self.layer, self.expert = (
-            {name: Rule(rule.kind, tuple(map(layout.checkpoint_name, rule.hf_names))) for name, rule in rules.items()}
+            {
+                name: Rule(rule.kind, tuple(map(checkpoint.checkpoint_name, rule.hf_names)))
+                for name, rule in rules.items()
+            }
             for rules in (self.family.top_level_rules(hf), self.family.layer_rules(hf), self.family.expert_rules(hf))
         )
         self.tied = bool(hf.get("tie_word_embeddings", False))
@@ -289,53 +259,19 @@ def _whole_shape(kind: str, shard_shape: torch.Size, tp_size: int) -> list[int]:
     return shape
 
 
-class HFCheckpoint:
-    """Lazy reader of an HF directory's safetensors (one file or an index of shards). Fused experts tensors
-    (checkpoint_layout.per_expert_views) are read as their per-expert tensors."""
-
-    def __init__(self, hf_dir: str | Path):
-        from safetensors import safe_open
-
-        hf_dir = Path(hf_dir)
-        files = sorted(hf_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {hf_dir}")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
-        self._file_of = {name: handle for handle in self._handles for name in handle.keys()}
-        self._expert_views = {}
-        for name, handle in list(self._file_of.items()):
-            views = per_expert_views(name, handle.get_slice(name).get_shape())
-            if views:
-                self._expert_views.update(views)
-                del self._file_of[name]
-                self._file_of.update(dict.fromkeys(views, handle))
-
-    def names(self) -> set[str]:
-        return set(self._file_of)
-
-    def shape(self, name: str) -> list[int]:
-        if name in self._expert_views:
-            return list(self._expert_views[name].shape)
-        return list(self._file_of[name].get_slice(name).get_shape())
-
-    def get(self, name: str) -> torch.Tensor:
-        view = self._expert_views.get(name)
-        if view is None:
-            return self._file_of[name].get_tensor(name)
-        return self._file_of[name].get_slice(view.fused_name)[view.expert : view.expert + 1][0, view.rows].contiguous()
-
-
-def load_hf_weights(model, hf_dir: str | Path) -> None:
+def load_hf_weights(model, checkpoint: HFCheckpoint) -> None:
     """Copy an HF checkpoint into this rank's shard of `model` (one PP stage, one TP/EP rank).
 
     Every tensor is read lazily, only the ones this stage needs. A tensor the model needs but the checkpoint
     lacks, a tensor of the wrong shape, or a checkpoint tensor the family does not map, is an error naming it;
-    the frozen ones (checkpoint_layout.FROZEN_PREFIXES: vision tower, MTP head) are left alone, in one line.
+    the frozen ones (relax.hf_checkpoint.layout.FROZEN_PREFIXES: vision tower, MTP head) are left alone, in one
+    line.
     """
-    hf = read_hf_config(hf_dir)
-    mapping = _Mapping(model, hf)
-    checkpoint = HFCheckpoint(hf_dir)
-    not_mapped = checkpoint.names() - mapping.all_hf_names()
+    hf_dir = checkpoint.directory
+    mapping = _Mapping(model, checkpoint)
+    tensors = TensorReader(checkpoint)
+    shapes = checkpoint.tensor_shapes
+    not_mapped = shapes.keys() - mapping.all_hf_names()
     frozen = {name for name in not_mapped if is_frozen(name)}
     unexpected = not_mapped - frozen
     if frozen and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
@@ -350,14 +286,14 @@ def load_hf_weights(model, hf_dir: str | Path) -> None:
             whole_shape = _whole_shape(place.rule.kind, target.shape, place.tp_size)
             expected = unfuse(place.rule.kind, torch.empty(whole_shape, device="meta"), mapping.attention)
             for hf_name, expected_tensor in zip(place.rule.hf_names, expected):
-                if hf_name not in checkpoint.names():
+                if hf_name not in shapes:
                     raise KeyError(f"{hf_dir}: tensor {hf_name!r} (for Megatron {name!r}) is missing")
-                if checkpoint.shape(hf_name) != list(expected_tensor.shape):
+                if list(shapes[hf_name]) != list(expected_tensor.shape):
                     raise ValueError(
-                        f"{hf_dir}: tensor {hf_name!r} has shape {checkpoint.shape(hf_name)} but Megatron {name!r} "
+                        f"{hf_dir}: tensor {hf_name!r} has shape {list(shapes[hf_name])} but Megatron {name!r} "
                         f"needs {list(expected_tensor.shape)}"
                     )
-            whole = fuse(place.rule.kind, [checkpoint.get(n) for n in place.rule.hf_names], mapping.attention)
+            whole = fuse(place.rule.kind, [tensors.get(n) for n in place.rule.hf_names], mapping.attention)
             with torch.no_grad():
                 target.copy_(tp_shard(place.rule.kind, whole, place.tp_rank, place.tp_size))
 
@@ -370,7 +306,7 @@ def _all_gather(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
     return shards
 
 
-def export_hf_weights(model, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model, checkpoint: HFCheckpoint) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, whole tensor) for every parameter of this PP stage, TP shards (and EP experts) gathered.
 
     One parameter is gathered at a time, so at most one whole tensor (times the EP size for experts) exists
@@ -378,7 +314,7 @@ def export_hf_weights(model, hf: dict) -> Iterator[tuple[str, torch.Tensor]]:
     its own layers (with global layer indices); the stages together cover the model once. A tied lm_head
     is not yielded (it is model.embed_tokens.weight).
     """
-    mapping = _Mapping(model, hf)
+    mapping = _Mapping(model, checkpoint)
     for name, param in mapping.model.named_parameters():
         if mapping.tied and name == "output_layer.weight":
             continue

@@ -19,10 +19,8 @@ import functools
 
 import torch
 
+from relax.hf_checkpoint.architecture import FULL_ATTENTION, LINEAR_ATTENTION
 from relax.kernels.gdn_training import gdn_training_kernel
-
-LINEAR_ATTENTION = "linear_attention"
-FULL_ATTENTION = "full_attention"
 
 
 class RMSNorm(torch.nn.Module):

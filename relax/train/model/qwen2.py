@@ -1,37 +1,9 @@
-"""Qwen2 (dense): HF <-> Megatron names, layouts and architecture fields.
+"""Qwen2 (dense): HF <-> Megatron names and layouts (its architecture fields: relax.hf_checkpoint.architecture).
 
 Qwen2 attention has q/k/v biases and no q/k norm; MLP is SwiGLU; norms are RMSNorm.
 """
 
-import torch.nn.functional as F
-
 from relax.train.model.layouts import Rule
-
-MODEL_TYPES = ("qwen2",)
-
-
-def config_fields(hf: dict) -> dict:
-    """TransformerConfig fields for this architecture (what config.json fixes)."""
-    return {**fields_without_dense_mlp(hf), "ffn_hidden_size": hf["intermediate_size"]}
-
-
-def fields_without_dense_mlp(hf: dict) -> dict:
-    """config_fields but the dense MLP's size, which an all-MoE model (Qwen3.5-MoE) has not got."""
-    num_heads = hf["num_attention_heads"]
-    return dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=num_heads,
-        num_query_groups=hf.get("num_key_value_heads", num_heads),
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-        normalization="RMSNorm",
-        layernorm_epsilon=hf["rms_norm_eps"],
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        qk_layernorm=False,
-    )
 
 
 def top_level_rules(hf: dict) -> dict[str, Rule]:

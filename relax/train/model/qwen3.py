@@ -3,14 +3,8 @@
 from relax.train.model import qwen2
 from relax.train.model.layouts import Rule
 
-MODEL_TYPES = ("qwen3",)
 top_level_rules = qwen2.top_level_rules
 expert_rules = qwen2.expert_rules
-
-
-def config_fields(hf: dict) -> dict:
-    attention_bias = bool(hf.get("attention_bias", False))
-    return {**qwen2.config_fields(hf), "add_qkv_bias": attention_bias, "qk_layernorm": True}
 
 
 def layer_rules(hf: dict) -> dict[str, Rule]:

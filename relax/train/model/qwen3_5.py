@@ -17,66 +17,12 @@ gate mlp.shared_expert_gate (Megatron's shared_experts.gate_weight). HF normalis
 probabilities, which is Megatron's top-k-then-softmax router (moe_router_pre_softmax=False).
 """
 
+from relax.hf_checkpoint.architecture import layer_types, qwen3_5_is_moe
 from relax.train.model import qwen2
-from relax.train.model.gdn_spec import FULL_ATTENTION, LINEAR_ATTENTION, hybrid_block_spec
+from relax.train.model.gdn_spec import hybrid_block_spec
 from relax.train.model.layouts import Rule, Segments
 
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 top_level_rules = qwen2.top_level_rules
-
-
-def layer_types(hf: dict) -> list[str]:
-    """Per-layer kind: HF's layer_types, else every full_attention_interval-th layer is full attention."""
-    if "layer_types" in hf:
-        return list(hf["layer_types"])
-    interval = hf.get("full_attention_interval", 4)
-    return [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(hf["num_hidden_layers"])]
-
-
-def is_moe(hf: dict) -> bool:
-    return bool(hf.get("num_experts"))
-
-
-def config_fields(hf: dict) -> dict:
-    if hf.get("attention_bias"):
-        raise ValueError("qwen3_5 with attention_bias=true is not supported (the released models have none)")
-    kinds = layer_types(hf)
-    fields = {
-        **qwen2.fields_without_dense_mlp(hf),
-        # Every layer of Qwen3.5-MoE is MoE and its config.json has no intermediate_size: megatron-core's
-        # ffn_hidden_size (read by dense layers only) is the experts' size there.
-        "ffn_hidden_size": hf["moe_intermediate_size"] if is_moe(hf) else hf["intermediate_size"],
-        "add_qkv_bias": False,
-        "qk_layernorm": True,
-        "layernorm_zero_centered_gamma": True,
-        "attention_output_gate": True,
-        "experimental_attention_variant": "gated_delta_net",
-        "linear_attention_freq": [1 if kind == LINEAR_ATTENTION else 0 for kind in kinds],
-        "linear_conv_kernel_dim": hf["linear_conv_kernel_dim"],
-        "linear_key_head_dim": hf["linear_key_head_dim"],
-        "linear_value_head_dim": hf["linear_value_head_dim"],
-        "linear_num_key_heads": hf["linear_num_key_heads"],
-        "linear_num_value_heads": hf["linear_num_value_heads"],
-    }
-    if is_moe(hf):
-        fields.update(
-            num_moe_experts=hf["num_experts"],
-            moe_ffn_hidden_size=hf["moe_intermediate_size"],
-            moe_router_topk=hf["num_experts_per_tok"],
-            moe_router_pre_softmax=False,
-        )
-        if hf.get("shared_expert_intermediate_size"):
-            fields.update(
-                moe_shared_expert_intermediate_size=hf["shared_expert_intermediate_size"],
-                moe_shared_expert_gate=True,
-            )
-    return fields
-
-
-def rotary_percent(hf: dict) -> float:
-    """Qwen3.5 rotates only the first partial_rotary_factor of each head's dims."""
-    rope = hf.get("rope_parameters") or {}
-    return float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
 
 
 def block_spec(config, hf: dict):
@@ -120,7 +66,7 @@ def full_attention_rules(hf: dict) -> dict[str, Rule]:
 
 def mlp_rules(hf: dict) -> dict[str, Rule]:
     hf_prefix = "model.layers.{layer}.mlp."
-    if not is_moe(hf):
+    if not qwen3_5_is_moe(hf):
         return {"mlp." + name: rule for name, rule in qwen2.dense_mlp_rules(hf_prefix).items()}
     rules = {"mlp.router.weight": Rule("replicated", (hf_prefix + "gate.weight",))}
     if hf.get("shared_expert_intermediate_size"):
@@ -138,4 +84,4 @@ def layer_rules(hf: dict) -> dict[str, Rule]:
 
 def expert_rules(hf: dict) -> dict[str, Rule]:
     """Rules for one routed expert, Megatron names relative to `mlp.experts.local_experts.{i}.`."""
-    return qwen2.dense_mlp_rules("model.layers.{layer}.mlp.experts.{expert}.") if is_moe(hf) else {}
+    return qwen2.dense_mlp_rules("model.layers.{layer}.mlp.experts.{expert}.") if qwen3_5_is_moe(hf) else {}

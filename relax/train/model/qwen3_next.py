@@ -2,27 +2,15 @@
 
 HF in_proj_qkvz holds per key head [q (K) | k (K) | v (r*V) | z (r*V)] and in_proj_ba per key head [b (r) | a (r)],
 r = value heads per key head; megatron's in_proj holds [q | k | v | z | b | a] over all heads (layout
-Segments(..., groups=key heads)). The router softmax follows norm_topk_prob as in qwen3_moe.
+Segments(..., groups=key heads)).
 """
 
 from relax.train.model import qwen3_5
 from relax.train.model.layouts import Rule, Segments
 
-MODEL_TYPES = ("qwen3_next",)
 top_level_rules = qwen3_5.top_level_rules
-rotary_percent = qwen3_5.rotary_percent
 block_spec = qwen3_5.block_spec
 expert_rules = qwen3_5.expert_rules
-
-
-def config_fields(hf: dict) -> dict:
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-        raise ValueError(
-            "qwen3_next with dense layers among the MoE ones (decoder_sparse_step != 1 or mlp_only_layers) is not "
-            f"supported: decoder_sparse_step={hf.get('decoder_sparse_step')}, "
-            f"mlp_only_layers={hf.get('mlp_only_layers')}"
-        )
-    return {**qwen3_5.config_fields(hf), "moe_router_pre_softmax": not hf.get("norm_topk_prob", True)}
 
 
 def in_proj_rule(hf: dict) -> Rule:

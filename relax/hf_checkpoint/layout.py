@@ -1,7 +1,8 @@
 """Where the language model sits in an HF checkpoint, and which of its tensors relax leaves untouched.
 
-The family modules (qwen2.py, qwen3_5.py, ...) name tensors as a text-only checkpoint does ("text names"):
-`model.embed_tokens.weight`, `model.layers.{i}.*`, `model.norm.weight`, `lm_head.weight`. Two layouts hold them:
+relax.train.model's family modules (qwen2.py, qwen3_5.py, ...) name tensors as a text-only checkpoint does ("text
+names"): `model.embed_tokens.weight`, `model.layers.{i}.*`, `model.norm.weight`, `lm_head.weight`. Two layouts hold
+them:
 
 - text: config.json is the language model's (Qwen3ForCausalLM, Qwen3_5ForCausalLM, ...); checkpoint names are
   the text names.
@@ -36,39 +37,34 @@ FROZEN_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token predict
 INHERITED_FIELDS = {"tie_word_embeddings": False}
 
 
-@dataclass(frozen=True)
-class CheckpointLayout:
-    text_config: dict  # the language model's config, as a text-only config.json would hold it
-    vision_language: bool
-
-    def checkpoint_name(self, text_name: str) -> str:
-        """The checkpoint's name of a tensor the family names `text_name`."""
-        if self.vision_language and text_name.startswith("model."):
-            return LANGUAGE_MODEL_PREFIX + text_name[len("model.") :]
-        return text_name
-
-
-def checkpoint_layout(hf: dict) -> CheckpointLayout:
-    """The layout of a checkpoint from its config.json (a text config passes through unchanged)."""
-    if "text_config" not in hf:
-        return CheckpointLayout(hf, vision_language=False)
-    model_type = hf.get("model_type")
+def language_model(config: dict) -> tuple[dict, bool]:
+    """(the language model's config as a text-only config.json would hold it, whether the checkpoint is a
+    vision-language one) from a checkpoint's config.json; a text config passes through unchanged."""
+    if "text_config" not in config:
+        return config, False
+    model_type = config.get("model_type")
     if model_type not in VISION_LANGUAGE_MODEL_TYPES:
         raise ValueError(
-            f"model_type {model_type!r} (architectures {hf.get('architectures')}) is a multimodal config relax does "
-            f"not read; supported model types with a text_config (relax trains their language model): "
+            f"model_type {model_type!r} (architectures {config.get('architectures')}) is a multimodal config relax "
+            f"does not read; supported model types with a text_config (relax trains their language model): "
             f"{sorted(VISION_LANGUAGE_MODEL_TYPES)}"
         )
-    text = dict(hf["text_config"])
+    text = dict(config["text_config"])
     expected = VISION_LANGUAGE_MODEL_TYPES[model_type]
     if text.get("model_type", expected) != expected:
         raise ValueError(
-            f"config.json of model_type {model_type!r} has a text_config of model_type {text['model_type']!r}; "
-            f"expected {expected!r}"
+            f"model_type {model_type!r} has a text_config of model_type {text['model_type']!r}; expected {expected!r}"
         )
     text["model_type"] = expected
-    text.update({field: hf.get(field, default) for field, default in INHERITED_FIELDS.items()})
-    return CheckpointLayout(text, vision_language=True)
+    text.update({field: config.get(field, default) for field, default in INHERITED_FIELDS.items()})
+    return text, True
+
+
+def checkpoint_name(text_name: str, vision_language: bool) -> str:
+    """The checkpoint's name of a tensor the family names `text_name`."""
+    if vision_language and text_name.startswith("model."):
+        return LANGUAGE_MODEL_PREFIX + text_name[len("model.") :]
+    return text_name
 
 
 _FUSED_EXPERTS = re.compile(r"(.+\.mlp\.experts\.)(gate_up_proj|down_proj)")
@@ -100,15 +96,6 @@ def per_expert_views(name: str, shape) -> dict[str, ExpertView]:
         for j in range(experts)
         for part, start in (("gate", 0), ("up", half))
     }
-
-
-def per_expert_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of a checkpoint's tensors as relax reads and sends them: fused experts per expert."""
-    result = {}
-    for name, shape in shapes.items():
-        views = per_expert_views(name, shape)
-        result.update({view_name: view.shape for view_name, view in views.items()} if views else {name: shape})
-    return result
 
 
 def is_frozen(name: str) -> bool:

@@ -1,5 +1,6 @@
-"""relax/train/model/checkpoint_layout.py: the language model of a Qwen3.5 vision-language checkpoint (config and
-tensor names), the frozen tensors, and the dry run of such a checkpoint."""
+"""relax/hf_checkpoint: an HF checkpoint read once (config.json, the language model of a Qwen3.5 vision-language
+checkpoint, the family and what it fixes in Megatron, tensor names and shapes), the frozen tensors, and the dry
+run of a vision-language checkpoint."""
 
 import json
 
@@ -8,15 +9,17 @@ import torch
 import transformers
 
 from relax.args import format_config, parse_train_args
-from relax.tiny_model import build_tiny_model
-from relax.train.model import family_of, qwen3_5
-from relax.train.model.checkpoint_layout import (
-    checkpoint_layout,
+from relax.hf_checkpoint import (
+    HFCheckpointError,
+    TensorReader,
     describe_frozen,
     is_frozen,
-    per_expert_shapes,
+    read_hf_checkpoint,
     trained_names,
 )
+from relax.hf_checkpoint.architecture import FAMILY_FIELDS
+from relax.hf_checkpoint.layout import language_model
+from relax.tiny_model import build_tiny_model
 
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
 
@@ -27,32 +30,72 @@ def vl_dirs(tmp_path_factory):
     return {family: build_tiny_model(tmp_path_factory.mktemp(family), family) for family in families}
 
 
-def test_a_text_config_is_its_own_language_model():
-    text = {"model_type": "qwen3", "tie_word_embeddings": True}
-    layout = checkpoint_layout(text)
-    assert layout.text_config is text and not layout.vision_language
-    assert layout.checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+def test_a_text_checkpoint_is_its_own_language_model(tmp_path):
+    checkpoint = read_hf_checkpoint(build_tiny_model(tmp_path / "m", "qwen3"))
+    assert checkpoint.text_config is checkpoint.config and not checkpoint.vision_language
+    assert checkpoint.family == "qwen3"
+    assert checkpoint.checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    fields = checkpoint.transformer_fields
+    assert (fields["num_layers"], fields["hidden_size"], fields["qk_layernorm"]) == (2, 64, True)
+    assert checkpoint.model_fields["vocab_size"] == checkpoint.config["vocab_size"]
+    # Headers only: names and shapes, as the engines check weight updates against them.
+    assert checkpoint.tensor_shapes["model.layers.0.self_attn.q_proj.weight"] == (64, 64)
+    assert checkpoint.tensor_shapes["model.layers.1.self_attn.k_norm.weight"] == (16,)
 
 
-def test_a_vision_language_config_gives_its_text_config_with_the_top_level_tie():
+def test_a_vision_language_checkpoint_gives_its_text_config_and_names(vl_dirs):
+    checkpoint = read_hf_checkpoint(vl_dirs["qwen3_5_vl"])
+    assert checkpoint.vision_language and checkpoint.family == "qwen3_5_text"
+    assert checkpoint.text_config["model_type"] == "qwen3_5_text"
+    assert checkpoint.checkpoint_name("model.norm.weight") == "model.language_model.norm.weight"
+    assert checkpoint.checkpoint_name("lm_head.weight") == "lm_head.weight"
+    assert checkpoint.model_fields["rotary_percent"] == 0.25
+
+
+def test_the_language_model_takes_the_top_level_tie():
     config = {"model_type": "qwen3_5", "tie_word_embeddings": True, "text_config": {"model_type": "qwen3_5_text",
                                                                                        "tie_word_embeddings": False}}
-    layout = checkpoint_layout(config)
-    assert layout.vision_language and layout.text_config == {"model_type": "qwen3_5_text", "tie_word_embeddings": True}
-    assert family_of(config) is qwen3_5
-    assert layout.checkpoint_name("model.norm.weight") == "model.language_model.norm.weight"
-    assert layout.checkpoint_name("lm_head.weight") == "lm_head.weight"
+    assert language_model(config) == ({"model_type": "qwen3_5_text", "tie_word_embeddings": True}, True)
     # transformers' default for a Qwen3_5Config without the field: untied, whatever text_config says.
     del config["tie_word_embeddings"]
     config["text_config"]["tie_word_embeddings"] = True
-    assert checkpoint_layout(config).text_config["tie_word_embeddings"] is False
+    assert language_model(config)[0]["tie_word_embeddings"] is False
 
 
-def test_other_multimodal_configs_and_mismatched_text_configs_are_refused():
-    with pytest.raises(ValueError, match="model_type 'qwen3_vl'.*supported model types with a text_config"):
-        checkpoint_layout({"model_type": "qwen3_vl", "text_config": {"model_type": "qwen3_vl_text"}})
-    with pytest.raises(ValueError, match="text_config of model_type 'qwen3_text'; expected 'qwen3_5_moe_text'"):
-        checkpoint_layout({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_text"}})
+def write_config(directory, config):
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_what_relax_cannot_train_is_one_error_naming_the_file(tmp_path):
+    with pytest.raises(HFCheckpointError, match=f"{tmp_path}/config.json does not exist: pass an HF model"):
+        read_hf_checkpoint(tmp_path)
+    vl = write_config(tmp_path / "vl", {"model_type": "qwen3_vl", "text_config": {"model_type": "qwen3_vl_text"}})
+    with pytest.raises(HFCheckpointError, match="vl/config.json: model_type 'qwen3_vl'.*supported model types with"):
+        read_hf_checkpoint(vl)
+    mismatched = write_config(tmp_path / "mm", {"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3"}})
+    with pytest.raises(HFCheckpointError, match="text_config of model_type 'qwen3'; expected 'qwen3_5_moe_text'"):
+        read_hf_checkpoint(mismatched)
+    llama = write_config(tmp_path / "llama", {"model_type": "llama"})
+    with pytest.raises(HFCheckpointError, match="llama/config.json: model_type 'llama'.*supported model types"):
+        read_hf_checkpoint(llama)
+    config = json.loads((build_tiny_model(tmp_path / "q", "qwen3") / "config.json").read_text())
+    del config["intermediate_size"]
+    lacking = write_config(tmp_path / "q", config)
+    with pytest.raises(HFCheckpointError, match="q/config.json: relax cannot build this qwen3 model: its family "
+                                                "mapping reads 'intermediate_size', which config.json lacks"):
+        read_hf_checkpoint(lacking)
+    no_weights = write_config(tmp_path / "nw", {**config, "intermediate_size": 128})
+    with pytest.raises(HFCheckpointError, match="no \\*.safetensors files in .*nw"):
+        read_hf_checkpoint(no_weights).tensor_shapes
+    assert issubclass(HFCheckpointError, ValueError)
+
+
+def test_every_family_the_reader_accepts_has_a_tensor_mapping():
+    from relax.train.model import FAMILIES
+
+    assert FAMILIES.keys() == FAMILY_FIELDS.keys()
 
 
 def test_vision_tower_and_mtp_are_frozen_and_named_in_one_line():
@@ -89,9 +132,8 @@ def test_tiny_vision_language_checkpoints_are_laid_out_as_the_released_ones(vl_d
 def test_fused_experts_read_as_the_per_expert_tensors_transformers_saves(vl_dirs, tmp_path):
     """The fused tiny MoE checkpoint, loaded by transformers and read per expert by relax, holds the tensors
     transformers writes one per expert (save_pretrained of a model built from per-expert tensors)."""
-    from relax.train.model import HFCheckpoint
-
-    fused = HFCheckpoint(vl_dirs["qwen3_5_moe_vl"])
+    checkpoint = read_hf_checkpoint(vl_dirs["qwen3_5_moe_vl"])
+    fused = TensorReader(checkpoint)
     model = transformers.AutoModelForImageTextToText.from_pretrained(vl_dirs["qwen3_5_moe_vl"], dtype=torch.float32)
     experts = model.model.language_model.layers[1].mlp.experts  # transformers' own fused parameters
     for j in range(4):
@@ -100,14 +142,9 @@ def test_fused_experts_read_as_the_per_expert_tensors_transformers_saves(vl_dirs
         assert torch.equal(fused.get(prefix + "gate_proj.weight"), gate)
         assert torch.equal(fused.get(prefix + "up_proj.weight"), up)
         assert torch.equal(fused.get(prefix + "down_proj.weight"), experts.down_proj[j].detach())
-        assert fused.shape(prefix + "gate_proj.weight") == [32, 64]
-    assert "model.language_model.layers.1.mlp.experts.gate_up_proj" not in fused.names()
-    shapes = per_expert_shapes({"x.mlp.experts.gate_up_proj": (2, 8, 4), "x.mlp.experts.down_proj": (2, 4, 4)})
-    assert shapes == {
-        "x.mlp.experts.0.gate_proj.weight": (4, 4), "x.mlp.experts.0.up_proj.weight": (4, 4),
-        "x.mlp.experts.1.gate_proj.weight": (4, 4), "x.mlp.experts.1.up_proj.weight": (4, 4),
-        "x.mlp.experts.0.down_proj.weight": (4, 4), "x.mlp.experts.1.down_proj.weight": (4, 4),
-    }
+        assert checkpoint.tensor_shapes[prefix + "gate_proj.weight"] == (32, 64)
+        assert checkpoint.tensor_shapes[prefix + "down_proj.weight"] == (64, 32)
+    assert "model.language_model.layers.1.mlp.experts.gate_up_proj" not in checkpoint.tensor_shapes
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_vl", "qwen3_5_moe_vl"])

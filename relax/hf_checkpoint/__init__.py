@@ -1,0 +1,151 @@
+"""An HF checkpoint directory as relax reads it: config.json, the language model in it, its model family, what
+that fixes in Megatron, and the tensors' names and shapes. Read once, into one frozen value that the parser
+(relax.args), the engines (relax.rollout), the training actor (relax.train) and the run state share:
+
+    checkpoint = read_hf_checkpoint("/models/Qwen3-4B")   # HFCheckpointError on anything relax cannot train
+    checkpoint.text_config          # the language model's config (text_config of a vision-language checkpoint)
+    checkpoint.family               # its model_type, one relax.train.model builds
+    checkpoint.transformer_fields   # TransformerConfig fields config.json fixes (architecture.py)
+    checkpoint.model_fields         # GPTModel-level settings config.json fixes, by Megatron flag names
+    checkpoint.tensor_shapes        # name -> shape from the safetensors headers, fused experts per expert
+
+Where the language model sits and which tensors stay frozen: layout.py. Tensor data: TensorReader.
+"""
+
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from relax.hf_checkpoint.architecture import FAMILY_FIELDS, model_fields, transformer_fields
+from relax.hf_checkpoint.layout import (
+    ExpertView,
+    checkpoint_name,
+    describe_frozen,
+    is_frozen,
+    language_model,
+    per_expert_views,
+    trained_names,
+)
+
+__all__ = [
+    "HFCheckpoint",
+    "HFCheckpointError",
+    "TensorReader",
+    "describe_frozen",
+    "hf_checkpoint_of",
+    "is_frozen",
+    "read_hf_checkpoint",
+    "trained_names",
+]
+
+
+class HFCheckpointError(ValueError):
+    """An HF checkpoint directory relax cannot read or train; the message names the directory or file."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where a tensor relax reads lives: its safetensors file, and for a per-expert tensor the fused tensor
+    that holds it (layout.per_expert_views)."""
+
+    file: Path
+    shape: tuple[int, ...]
+    expert_view: ExpertView | None = None
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    directory: Path
+    config: dict = field(repr=False)  # config.json as written
+    text_config: dict = field(repr=False)  # the language model's, as a text-only config.json would hold it
+    vision_language: bool  # tensors under model.language_model.* (layout.py)
+    family: str  # the language model's model_type
+    transformer_fields: dict = field(repr=False)
+    model_fields: dict = field(repr=False)
+
+    def checkpoint_name(self, text_name: str) -> str:
+        """The checkpoint's name of a tensor the family names `text_name`."""
+        return checkpoint_name(text_name, self.vision_language)
+
+    @cached_property
+    def tensors(self) -> dict[str, TensorEntry]:
+        """Every tensor as relax reads it (fused experts per expert), from the safetensors headers only."""
+        from safetensors import safe_open
+
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise HFCheckpointError(
+                f"no *.safetensors files in {self.directory}: pass a local HF model directory with its weights"
+            )
+        entries = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    shape = tuple(handle.get_slice(name).get_shape())
+                    views = per_expert_views(name, shape)
+                    entries.update({n: TensorEntry(file, v.shape, v) for n, v in views.items()})
+                    if not views:
+                        entries[name] = TensorEntry(file, shape)
+        return entries
+
+    @property
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: entry.shape for name, entry in self.tensors.items()}
+
+
+def read_hf_checkpoint(directory: str | Path) -> HFCheckpoint:
+    """The checkpoint in `directory` (its config.json; tensor headers when first asked for)."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise HFCheckpointError(f"{path} does not exist: pass an HF model directory (config.json + *.safetensors)")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise HFCheckpointError(f"{path} is not valid JSON ({exc}): pass an HF model directory") from None
+    return hf_checkpoint_of(config, Path(directory))
+
+
+def hf_checkpoint_of(config: dict, directory: Path) -> HFCheckpoint:
+    """The checkpoint that `config` (a config.json's contents) describes, its tensors in `directory`."""
+    path = directory / "config.json"
+    try:
+        text_config, vision_language = language_model(config)
+    except ValueError as exc:
+        raise HFCheckpointError(f"{path}: {exc}") from None
+    family = text_config.get("model_type")
+    if family not in FAMILY_FIELDS:
+        raise HFCheckpointError(
+            f"{path}: model_type {family!r} (architectures {config.get('architectures')}) is not supported by "
+            f"relax's Megatron actor; supported model types: {sorted(FAMILY_FIELDS)}"
+        )
+    try:
+        fields = transformer_fields(text_config), model_fields(text_config)
+    except KeyError as exc:
+        raise HFCheckpointError(
+            f"{path}: relax cannot build this {family} model: its family mapping reads {exc}, which config.json "
+            "lacks (is it the config.json of these weights?)"
+        ) from None
+    except ValueError as exc:
+        raise HFCheckpointError(f"{path}: relax cannot build this {family} model: {exc}") from None
+    return HFCheckpoint(directory, config, text_config, vision_language, family, *fields)
+
+
+class TensorReader:
+    """Tensor data of a checkpoint, read lazily by name (the names of HFCheckpoint.tensors)."""
+
+    def __init__(self, checkpoint: HFCheckpoint):
+        self.checkpoint = checkpoint
+        self._handles = {}
+
+    def get(self, name: str):
+        """The tensor `name` (a torch.Tensor)."""
+        from safetensors import safe_open
+
+        entry = self.checkpoint.tensors[name]
+        if entry.file not in self._handles:
+            self._handles[entry.file] = safe_open(str(entry.file), framework="pt")
+        handle, view = self._handles[entry.file], entry.expert_view
+        if view is None:
+            return handle.get_tensor(name)
+        return handle.get_slice(view.fused_name)[view.expert : view.expert + 1][0, view.rows].contiguous()
