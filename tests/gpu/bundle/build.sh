@@ -50,7 +50,7 @@ done
 
 # Not loaded on the verified path (see the header); each is a large compiled or data-heavy part.
 rm -rf "$STAGE"/sglang/multimodal_gen "$STAGE"/sglang/srt/rust_extensions/*.so "$STAGE"/sglang/srt/mem_cache/rust_tree_core/*.so
-rm -rf "$STAGE"/ray/{data,train,tune,serve,rllib,llm,jars,air,widgets} "$STAGE"/ray/dashboard/client
+rm -rf "$STAGE"/ray/{data,train,tune,serve,rllib,llm,jars,air} "$STAGE"/ray/dashboard/client
 find "$STAGE" -name __pycache__ -prune -exec rm -rf {} +
 
 mkdir -p "$OUT_DIR"

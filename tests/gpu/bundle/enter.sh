@@ -3,10 +3,13 @@
 # unpacks the bundle (once per machine) and sets the variables the verified path needs. Verification only.
 #   source tests/gpu/bundle/enter.sh && python3 -m pytest -q tests/gpu/test_colocated_step_gpu.py
 RELAX_GPU_SITE=/tmp/relax-gpu-site
-if [ ! -f "$RELAX_GPU_SITE/.unpacked" ]; then
-    mkdir -p "$RELAX_GPU_SITE" && xz -T0 -dc .gpu-bundle/site.tar.xz | tar -C "$RELAX_GPU_SITE" -xf - \
-        && touch "$RELAX_GPU_SITE/.unpacked" || { echo "enter.sh: could not unpack .gpu-bundle/site.tar.xz" >&2; return 1; }
-fi
+mkdir -p "$RELAX_GPU_SITE"
+for archive in .gpu-bundle/*.tar.xz; do  # build.sh writes site.tar.xz; later additions sit beside it
+    marker="$RELAX_GPU_SITE/.unpacked-$(basename "$archive")"
+    [ -f "$marker" ] && continue
+    xz -T0 -dc "$archive" | tar -C "$RELAX_GPU_SITE" -xf - && touch "$marker" \
+        || { echo "enter.sh: could not unpack $archive" >&2; return 1; }
+done
 # relax's patch sets on the unpacked SGLang and megatron-core, as a user's `relax patches apply` does (needs git).
 if [ ! -f "$RELAX_GPU_SITE/.patched" ]; then
     PYTHONPATH="$RELAX_GPU_SITE:$PWD" python3 -m relax.cli patches apply sglang megatron-core \
