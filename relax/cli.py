@@ -50,10 +50,10 @@ def _train(argv: list[str]) -> int:
     from relax.rollout.dump import RolloutDataError
 
     config = parse_train_args(argv)
-    if config.relax.dry_run:
+    if config.run.dry_run:
         print(format_config(config))
         try:
-            print(_dry_run_prompt_data(config.relax))
+            print(_dry_run_prompt_data(config.run.hf_checkpoint, config.rollout))
         except PromptDataError as error:
             print(f"relax train: {error}", file=sys.stderr)
             return 2
@@ -86,24 +86,25 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _dry_run_prompt_data(r) -> str:
+def _dry_run_prompt_data(hf_checkpoint: str | None, rollout) -> str:
     """Read the prompt data as the run would (every row checked and tokenized) and return its load report. Data or
-    a model that is not there yet (a preset dry-run on a machine without them) is reported as not checked."""
-    if r.load_rollout_data:
+    a model that is not there yet (a preset dry-run on a machine without them) is reported as not checked.
+    `rollout`: relax.args.RolloutSettings."""
+    if rollout.load_data:
         return "prompt data: not read (the run replays --load-rollout-data)"
+    prompt_data = rollout.data.path if rollout.data else None
     absent = [
         f"{flag} {'not given' if path is None else f'{path} does not exist'}"
-        for flag, path in (("--prompt-data", r.prompt_data), ("--hf-checkpoint", r.hf_checkpoint))
+        for flag, path in (("--prompt-data", prompt_data), ("--hf-checkpoint", hf_checkpoint))
         if path is None or not Path(path).exists()
     ]
     if absent:
         return f"prompt data: not checked ({'; '.join(absent)})"
     from transformers import AutoTokenizer
 
-    from relax.loop import prompt_data_config
     from relax.rollout.data import load_prompts
 
-    _, report = load_prompts(prompt_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
+    _, report = load_prompts(rollout.data, AutoTokenizer.from_pretrained(hf_checkpoint))
     return f"prompt data: {report.summary()}"
 
 
