@@ -53,7 +53,6 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
     directory. With `stop` (entered by the `relax train` driver), a signal ends the run after its current step
     with RunStopped."""
     settings, rollout, outputs = config.run, config.rollout, config.outputs
-    refuse_unbuilt_settings(config.flags)
     stop = stop or StopOnSignal()  # not entered: never signalled
     checkpoint = None
     if settings.load:
@@ -273,27 +272,6 @@ class PhaseTimer:
 
 
 # --- setup ------------------------------------------------------------------------------------------------
-
-
-# Settings `relax train` accepts (so run scripts dry-run and keep them) that the loop does not carry out yet:
-# refused here rather than ignored. Each entry: (is it asked for?, what to do instead).
-_UNBUILT = {
-    "--save / --load with --debug-rollout-only": (
-        lambda r: r.debug_rollout_only and (r.save is not None or r.load is not None),
-        "drop them: without a training actor there is nothing to checkpoint",
-    ),
-    "--no-colocate": (lambda r: not r.colocate, "drop it: only the colocated mode exists"),
-    "--log-interval > 1": (lambda r: r.log_interval != 1, "drop it: every step is logged"),
-}
-
-
-def refuse_unbuilt_settings(r) -> None:
-    asked = [f"{name} ({fix})" for name, (is_asked, fix) in _UNBUILT.items() if is_asked(r)]
-    if asked:
-        raise SystemExit(
-            "relax train: these settings are accepted by --dry-run but not carried out by the loop yet: "
-            + "; ".join(asked)
-        )
 
 
 def _prompt_loader_and_reward(settings: RunSettings, rollout: RolloutSettings, checkpoint):

@@ -10,6 +10,7 @@ import typing
 from pathlib import Path
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
+from relax.args.unsupported import unsupported_combinations
 from relax.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
@@ -141,7 +142,8 @@ def colocation_releases_memory(config, platform):
     if config.flags.colocate and platform.colocation_needs_release and not platform.has_memory_saver:
         return (
             f"--colocate on {platform.name} needs the rollout engine to release its memory (SGLang's memory saver), "
-            f"which this platform lacks: use --no-colocate"
+            "which this platform lacks: install torch_memory_saver (relax runs the engines and the actor colocated "
+            "only)"
         )
 
 
@@ -180,15 +182,6 @@ def kl_flags_need_kl_loss(config, platform):
         return "--kl-loss-type only applies with --use-kl-loss"
     if r.k3_clamp is not None and r.kl_loss_type != "k3":
         return "--k3-clamp only applies with --use-kl-loss and the k3 estimator (--kl-loss-type k3, the default)"
-
-
-def dapo_is_grpo_with_flags(config, platform):
-    if config.flags.advantage_estimator == "dapo":
-        return (
-            "--advantage-estimator dapo computes GRPO's advantages and changes nothing else: DAPO is "
-            "--advantage-estimator grpo with clip-higher (--eps-clip-high, e.g. 0.28), --dynamic-sampling and "
-            "--overlong-buffer-len, and the token-mean loss that is the default; give those instead"
-        )
 
 
 def std_normalisation_applies(config, platform):
@@ -338,20 +331,6 @@ def grouped_experts_apply(config, platform):
         return None
     if not tc.num_moe_experts:
         return "--moe-grouped-gemm applies to MoE models only (no --num-experts, nor num_experts in config.json)"
-    if tc.recompute_granularity == "selective" and "moe_act" in (tc.recompute_modules or []):
-        return (
-            "--recompute-modules moe_act is not supported with --moe-grouped-gemm: relax's grouped experts keep "
-            "their activations; drop moe_act from --recompute-modules"
-        )
-
-
-def no_context_parallelism(config, platform):
-    cp = config.megatron.transformer.context_parallel_size
-    if cp != 1:
-        return (
-            f"--context-parallel-size {cp} is not supported: the actor builds megatron-core's local layers, whose "
-            "attention has no context parallelism without TransformerEngine; use 1"
-        )
 
 
 def gdn_training_kernel_imports(config, platform):
@@ -395,6 +374,7 @@ def megatron_features_fit_the_platform(config, platform):
 
 
 RULES = [
+    unsupported_combinations,
     required_flags,
     model_parallel_fits_devices,
     expert_parallel_fits,
@@ -408,7 +388,6 @@ RULES = [
     dual_clip_applies,
     kl_loss_has_weight,
     kl_flags_need_kl_loss,
-    dapo_is_grpo_with_flags,
     std_normalisation_applies,
     groups_fit_the_estimator,
     off_policy_flags_consistent,
@@ -420,7 +399,6 @@ RULES = [
     checkpoint_flags_consistent,
     new_run_starts_its_own_record,
     grouped_experts_apply,
-    no_context_parallelism,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
 ]

@@ -138,8 +138,6 @@ class MegatronActor:
             expert_tensor_parallel_size=transformer.expert_tensor_parallel_size,
             distributed_timeout_minutes=self.settings.distributed_timeout_minutes,
         )
-        if transformer.context_parallel_size != 1:
-            raise ValueError("context parallelism is not supported by the actor yet (context_parallel_size=1)")
         model_parallel_cuda_manual_seed(self.settings.seed)
         self.config = transformer_config(self.hf_checkpoint, transformer)
         # use_cpu_initialization builds on the host

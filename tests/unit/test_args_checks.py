@@ -145,10 +145,6 @@ RULES = {
         [*RUN, "--overlong-buffer-len", "1024"],
         "--overlong-buffer-len 1024 must be below --rollout-max-response-len 1024",
     ),
-    "no context parallelism": (
-        [*RUN, "--context-parallel-size", "2"],
-        "--context-parallel-size 2 is not supported: the actor builds megatron-core's local layers",
-    ),
     "chat template options need the template": (
         [*RUN, "--system-prompt", "Be brief.", "--apply-chat-template-kwargs", '{"enable_thinking": false}'],
         "--apply-chat-template-kwargs and --system-prompt only apply with --apply-chat-template",
@@ -160,10 +156,6 @@ RULES = {
         "--save-hf and --save are both checkpoints: their step_N directories would collide",
     ),
     "grouped experts need experts": ([*RUN, "--moe-grouped-gemm"], "--moe-grouped-gemm applies to MoE models only"),
-    "grouped experts keep their activations": (
-        [*RUN, "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act"],
-        "--recompute-modules moe_act is not supported with --moe-grouped-gemm",
-    ),
     "MindSpeed switches off NPU": (
         [*RUN, "--use-fused-rmsnorm", "--use-fused-swiglu"],
         "--use-fused-rmsnorm, --use-fused-swiglu: switches of the NPU's Megatron adaptation layer (MindSpeed); the "

@@ -1,13 +1,12 @@
 """The colocated loop's pure pieces: batch assembly with advantages, phase timing, metrics files."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
 from relax.args import AlgorithmSettings
-from relax.loop import PhaseTimer, _mean_over_steps, refuse_unbuilt_settings, rollout_batch
+from relax.loop import PhaseTimer, _mean_over_steps, rollout_batch
 from relax.metrics import MetricsLog, read_metrics
 from relax.rollout.data import Prompt
 from relax.rollout.groups import Sample
@@ -73,19 +72,3 @@ def test_metrics_log_writes_jsonl_tensorboard_and_reward_curve(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def _flags(**changes):
-    base = dict(
-        save=None, load=None, debug_rollout_only=False, debug_train_only=False, save_rollout_data=None,
-        load_rollout_data=None, dynamic_sampling=False, colocate=True, num_nodes=1, log_interval=1,
-    )
-    return argparse.Namespace(**{**base, **changes})
-
-
-def test_settings_the_loop_does_not_carry_out_are_refused_not_ignored():
-    refuse_unbuilt_settings(_flags())  # the defaults pass
-    refuse_unbuilt_settings(_flags(save="ckpt", load="ckpt"))  # the loop checkpoints and resumes
-    with pytest.raises(SystemExit, match=r"--save / --load with --debug-rollout-only \(drop them.*--log-interval > 1"):
-        refuse_unbuilt_settings(_flags(save="ckpt", debug_rollout_only=True, log_interval=2))
-    refuse_unbuilt_settings(_flags(num_nodes=2))  # engines on other nodes take weights by broadcast
