@@ -147,6 +147,19 @@ def colocation_releases_memory(config, platform):
         )
 
 
+def lr_warmup_given_once(config, platform):
+    scheduler = config.megatron.scheduler
+    if scheduler.lr_warmup_fraction is None:
+        return None
+    if scheduler.lr_warmup_iters:
+        return (
+            f"--lr-warmup-fraction {scheduler.lr_warmup_fraction} and --lr-warmup-iters {scheduler.lr_warmup_iters} "
+            "both set the warmup's length: give one"
+        )
+    if not 0 <= scheduler.lr_warmup_fraction <= 1:
+        return f"--lr-warmup-fraction {scheduler.lr_warmup_fraction} must be within [0, 1] (of --lr-decay-iters)"
+
+
 def clip_range_ordered(config, platform):
     r = config.flags
     if r.eps_clip_high < r.eps_clip:
@@ -384,6 +397,7 @@ RULES = [
     engine_fits_devices,
     engines_within_pipeline_stages,
     colocation_releases_memory,
+    lr_warmup_given_once,
     clip_range_ordered,
     dual_clip_applies,
     kl_loss_has_weight,

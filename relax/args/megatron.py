@@ -108,10 +108,7 @@ class MegatronConfig:
 # from the HF checkpoint's config.json, else as the help says.
 MODEL_FLAGS = {
     "vocab_size": dict(type=int, help="Vocabulary size (default: the HF config's vocab_size)."),
-    "max_position_embeddings": dict(type=int, help="Maximum positions (default: the HF config's, else --seq-length)."),
-    "seq_length": dict(
-        type=int, default=4096, help="Longest training sequence, prompt + response (default: %(default)s)."
-    ),
+    "max_position_embeddings": dict(type=int, help="Maximum positions (default: the HF config's)."),
     "position_embedding_type": dict(
         choices=["learned_absolute", "rope", "mrope", "none"], default="rope", help="(default: %(default)s)"
     ),
@@ -370,8 +367,6 @@ def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
         model.rotary_base = 10000.0
     if model.rotary_percent is None:
         model.rotary_percent = 1.0
-    if model.max_position_embeddings is None:
-        model.max_position_embeddings = model.seq_length
     scheduler = argparse.Namespace(**{name: values.get(name) for name in SCHEDULER_FLAGS})
     if scheduler.lr_decay_iters is None:
         scheduler.lr_decay_iters = resolved.num_steps

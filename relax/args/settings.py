@@ -181,6 +181,13 @@ def actor_settings(flags: argparse.Namespace, scheduler: argparse.Namespace) -> 
         use_rollout_logprobs=flags.use_rollout_logprobs,
         **tis,
     )
+    decay_steps = scheduler.lr_decay_iters or flags.num_steps
+    # Megatron-LM's rule: a warmup fraction is of the decay steps, else --lr-warmup-iters (both: refused)
+    warmup_steps = (
+        scheduler.lr_warmup_iters
+        if scheduler.lr_warmup_fraction is None
+        else round(scheduler.lr_warmup_fraction * decay_steps)
+    )
     return ActorSettings(
         loss=loss,
         rollout_correction=correction,
@@ -192,8 +199,9 @@ def actor_settings(flags: argparse.Namespace, scheduler: argparse.Namespace) -> 
         seed=flags.seed,
         keep_reference=uses_reference(flags),
         memory_saver=flags.colocate,  # the workers run beside a memory saver only when colocated
-        lr_warmup_steps=scheduler.lr_warmup_iters,
-        lr_decay_steps=scheduler.lr_decay_iters or flags.num_steps,
+        lr_warmup_steps=warmup_steps,
+        lr_warmup_init=scheduler.lr_warmup_init,
+        lr_decay_steps=decay_steps,
         lr_decay_style=scheduler.lr_decay_style,
     )
 

@@ -30,6 +30,13 @@ REFUSED_FLAGS = [
         "sample over the HF vocabulary, which the actor's logprobs must match",
         "remove it (the vocabulary size must then divide by --tensor-model-parallel-size)",
     ),
+    Unsupported(
+        "--seq-length",
+        "nothing in relax reads a fixed sequence length: each sample is trained whole, packed with others up to a "
+        "token budget",
+        "remove it; --max-prompt-length and --rollout-max-response-len bound a sample's length, "
+        "--max-tokens-per-device a packed micro-batch's",
+    ),
 ]
 
 # ServerArgs fields relax sets itself, and what the user sets instead.
@@ -58,6 +65,11 @@ def _grouped_experts_recomputing_moe_act(parsed) -> str | None:
     tc = parsed.megatron.transformer
     recomputed = tc.recompute_granularity == "selective" and "moe_act" in (tc.recompute_modules or [])
     return "--recompute-modules moe_act with --moe-grouped-gemm" if tc.moe_grouped_gemm and recomputed else None
+
+
+def _position_embedding(parsed) -> str | None:
+    kind = parsed.megatron.model.position_embedding_type
+    return f"--position-embedding-type {kind}" if kind != "rope" else None
 
 
 def _dapo_estimator(parsed) -> str | None:
@@ -105,6 +117,12 @@ UNSUPPORTED_COMBINATIONS = [
         "relax's grouped experts keep their activations",
         "drop moe_act from --recompute-modules",
         _grouped_experts_recomputing_moe_act,
+    ),
+    Unsupported(
+        "--position-embedding-type other than rope",
+        "the actor builds every model family with rotary position embeddings, as their HF checkpoints do",
+        "give rope or drop the flag",
+        _position_embedding,
     ),
     Unsupported(
         "--advantage-estimator dapo",

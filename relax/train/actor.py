@@ -158,7 +158,7 @@ class MegatronActor:
         self._adopt_parameters()
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
-            init_lr=0.0 if self.settings.lr_warmup_steps else optimizer.lr,
+            init_lr=self.settings.lr_warmup_init if self.settings.lr_warmup_steps else optimizer.lr,
             max_lr=optimizer.lr,
             min_lr=optimizer.min_lr or 0.0,
             lr_warmup_steps=self.settings.lr_warmup_steps,

@@ -1,5 +1,5 @@
-"""What the training actor needs beyond megatron-core's config objects, importable without Megatron (the driver
-builds it; the training workers receive it)."""
+"""What the training actor needs beyond megatron-core's config objects, importable without Megatron (relax.args
+builds it at parse time; the training workers receive it)."""
 
 import dataclasses
 
@@ -28,6 +28,7 @@ class ActorSettings:
     memory_saver: bool = True
     # OptimizerParamScheduler; lr, min_lr and weight decay come from the OptimizerConfig
     lr_warmup_steps: int = 0
+    lr_warmup_init: float = 0.0  # the lr the warmup starts from
     lr_decay_steps: int = 1  # steps over which lr goes from lr to min_lr ("constant" ignores it)
     lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
     distributed_timeout_minutes: int = 30  # of the actor's process groups (megatron's default)
