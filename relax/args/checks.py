@@ -13,6 +13,7 @@ from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.args.unsupported import unsupported_combinations
 from relax.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
+from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
 from relax.run_state import LATEST
 from relax.train.advantages import STD_NORMALISED
@@ -346,6 +347,17 @@ def grouped_experts_apply(config, platform):
         return "--moe-grouped-gemm applies to MoE models only (no --num-experts, nor num_experts in config.json)"
 
 
+def reward_function_loads(config, platform):
+    """The reward function imports and has the signature a run calls (not read when rollouts are replayed)."""
+    r = config.flags
+    if r.reward_fn is None or r.load_rollout_data:
+        return None
+    try:
+        load_reward_fn(r.reward_fn)
+    except ValueError as error:  # its message names --reward-fn and what is wrong
+        return str(error)
+
+
 def gdn_training_kernel_imports(config, platform):
     """Checked where the run's device is this machine's (its workers import the kernel here too)."""
     kernel = config.flags.gdn_training_kernel
@@ -415,6 +427,7 @@ RULES = [
     grouped_experts_apply,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
+    reward_function_loads,
 ]
 
 

@@ -38,10 +38,6 @@ class RunSettings:
     load: str | None  # a --save directory (or one of its steps) to resume from
     dry_run: bool  # validate and print; run nothing
 
-    @property
-    def world_size(self) -> int:
-        return self.num_nodes * self.num_devices_per_node
-
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:

@@ -156,6 +156,10 @@ RULES = {
         "--save-hf and --save are both checkpoints: their step_N directories would collide",
     ),
     "grouped experts need experts": ([*RUN, "--moe-grouped-gemm"], "--moe-grouped-gemm applies to MoE models only"),
+    "reward function imports": (
+        [*RUN, "--reward-fn", "relax_no_such_module:score"],
+        "--reward-fn relax_no_such_module:score: cannot import module 'relax_no_such_module'",
+    ),
     "MindSpeed switches off NPU": (
         [*RUN, "--use-fused-rmsnorm", "--use-fused-swiglu"],
         "--use-fused-rmsnorm, --use-fused-swiglu: switches of the NPU's Megatron adaptation layer (MindSpeed); the "
