@@ -143,8 +143,8 @@ def colocation_releases_memory(config, platform):
     if config.flags.colocate and platform.colocation_needs_release and not platform.has_memory_saver:
         return (
             f"--colocate on {platform.name} needs the rollout engine to release its memory (SGLang's memory saver), "
-            "which this platform lacks: install torch_memory_saver (relax runs the engines and the actor colocated "
-            "only)"
+            "which this platform's record (relax.platform) names none of: relax runs the engines and the actor "
+            "colocated only (--no-colocate is not supported), so run on a platform that has one"
         )
 
 
