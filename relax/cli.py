@@ -49,18 +49,22 @@ def _train(argv: list[str]) -> int:
     from relax.rollout.data import PromptDataError
     from relax.rollout.dump import RolloutDataError
 
+    from relax.run_state import CheckpointError
+
     config = parse_train_args(argv)
-    if config.relax.dry_run:
+    if config.run.dry_run:
         print(format_config(config))
         try:
-            print(_dry_run_prompt_data(config.relax))
-        except PromptDataError as error:
+            print(_dry_run_prompt_data(config.run.hf_checkpoint, config.rollout))
+            if config.run.load is not None:
+                print(_dry_run_checkpoint(config.run))
+        except (PromptDataError, CheckpointError) as error:
             print(f"relax train: {error}", file=sys.stderr)
             return 2
         return 0
     from relax.loop import run
     from relax.ray.placement import WorkerFailed
-    from relax.run_state import CheckpointError, RunStopped, StopOnSignal
+    from relax.run_state import RunStopped, StopOnSignal
 
     # SIGINT / SIGTERM: the current step finishes, then a save (with --save) and the loop's cleanup (engines,
     # actors, the local Ray it started); a second signal abandons the step. Exit 128 + signal (130, 143).
@@ -86,25 +90,42 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _dry_run_prompt_data(r) -> str:
+def _dry_run_prompt_data(hf_checkpoint: str | None, rollout) -> str:
     """Read the prompt data as the run would (every row checked and tokenized) and return its load report. Data or
-    a model that is not there yet (a preset dry-run on a machine without them) is reported as not checked."""
-    if r.load_rollout_data:
+    a model that is not there yet (a preset dry-run on a machine without them) is reported as not checked.
+    `rollout`: relax.args.RolloutSettings."""
+    if rollout.load_data:
         return "prompt data: not read (the run replays --load-rollout-data)"
+    prompt_data = rollout.data.path if rollout.data else None
     absent = [
         f"{flag} {'not given' if path is None else f'{path} does not exist'}"
-        for flag, path in (("--prompt-data", r.prompt_data), ("--hf-checkpoint", r.hf_checkpoint))
+        for flag, path in (("--prompt-data", prompt_data), ("--hf-checkpoint", hf_checkpoint))
         if path is None or not Path(path).exists()
     ]
     if absent:
         return f"prompt data: not checked ({'; '.join(absent)})"
     from transformers import AutoTokenizer
 
-    from relax.loop import prompt_data_config
     from relax.rollout.data import load_prompts
 
-    _, report = load_prompts(prompt_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
+    _, report = load_prompts(rollout.data, AutoTokenizer.from_pretrained(hf_checkpoint))
     return f"prompt data: {report.summary()}"
+
+
+def _dry_run_checkpoint(run) -> str:
+    """Check the checkpoint --load names as the run would (complete, same seed and architecture, steps left);
+    `run`: relax.args.RunSettings. A directory that is not there yet is reported as not checked."""
+    absent = [
+        f"{flag} {'not given' if path is None else f'{path} does not exist'}"
+        for flag, path in (("--load", run.load), ("--hf-checkpoint", run.hf_checkpoint))
+        if path is None or not Path(path).exists()
+    ]
+    if absent:
+        return f"--load: not checked ({'; '.join(absent)})"
+    from relax.run_state import read_checkpoint
+
+    checkpoint = read_checkpoint(run.load, run.hf_checkpoint, run.seed, run.num_steps)
+    return f"--load: {checkpoint.directory}, the run resumes at step {checkpoint.next_step}"
 
 
 if __name__ == "__main__":

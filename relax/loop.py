@@ -25,12 +25,12 @@ from pathlib import Path
 import ray
 import torch
 
-from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
+from relax.args.settings import AlgorithmSettings, OutputSettings, RolloutSettings, RunSettings
 from relax.metrics import MetricsLog, extreme
 from relax.ray.placement import (
     create_engine_actors, create_node_placement, create_training_actors, wait_for, worker_failure,
 )
-from relax.rollout.data import PromptDataConfig, PromptLoader, load_prompts
+from relax.rollout.data import PromptLoader, load_prompts
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import load_rollout_data, save_rollout_data
 from relax.rollout.groups import Sample, apply_overlong_penalty
@@ -41,80 +41,84 @@ from relax.rollout.rollout import (
 )
 from relax.rollout.worker import EngineWorker
 from relax.run_state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
-from relax.train.actor import ActorSettings
 from relax.train.advantages import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
-from relax.train.losses import LossSettings
-from relax.train.off_policy import RolloutCorrection
 from relax.train.worker import TrainWorker
 
 ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
 
 
 def run(config, stop: StopOnSignal | None = None) -> Path:
-    """Train as `config` (relax.args.TrainConfig) says; returns the output directory. With `stop` (entered by
-    the `relax train` driver), a signal ends the run after its current step with RunStopped."""
-    r = config.relax
-    refuse_unbuilt_settings(r)
+    """Train as `config` (relax.args.TrainConfig: settings built and checked at parse time) says; returns the output
+    directory. With `stop` (entered by the `relax train` driver), a signal ends the run after its current step
+    with RunStopped."""
+    settings, rollout, outputs = config.run, config.rollout, config.outputs
     stop = stop or StopOnSignal()  # not entered: never signalled
-    checkpoint = read_checkpoint(r.load, r.hf_checkpoint, r.seed, r.num_steps) if r.load else None
+    checkpoint = None
+    if settings.load:
+        checkpoint = read_checkpoint(settings.load, settings.hf_checkpoint, settings.seed, settings.num_steps)
     from relax.platform import get_platform
 
-    platform = get_platform(r.device)
-    loader, reward_fn = _prompt_loader_and_reward(r, checkpoint)
-    sampling = _sampling_config(r)
-    memory_saver_on = r.colocate and platform.has_memory_saver
+    platform = get_platform(settings.device)
+    loader, reward_fn = _prompt_loader_and_reward(settings, rollout, checkpoint)
+    memory_saver_on = settings.colocate and platform.has_memory_saver
 
     started_ray = _init_ray()
     stop.take_back()  # ray.init set its own SIGTERM handler
-    placement = create_node_placement(platform, r.num_nodes, r.num_devices_per_node)
+    placement = create_node_placement(platform, settings.num_nodes, settings.num_devices_per_node)
     trainers = engines = None
     start_step, saved = checkpoint.next_step if checkpoint else 0, None
     log = MetricsLog(
-        Path(r.output_dir), r.num_steps, first_step=start_step, wandb_project=r.wandb_project if r.use_wandb else None,
-        other_outputs={"checkpoints": r.save, "HF checkpoints": r.save_hf, "rollout data": r.save_rollout_data},
+        Path(outputs.output_dir), settings.num_steps, first_step=start_step, wandb_project=outputs.wandb_project,
+        other_outputs={
+            "checkpoints": outputs.save, "HF checkpoints": outputs.save_hf, "rollout data": rollout.save_data
+        },
     )
     try:
         # The actor first, then to sleep, so the engines start with the device memory to themselves.
-        if not r.debug_rollout_only:
+        if not settings.debug_rollout_only:
             trainers = create_training_actors(
                 TrainWorker, placement, memory_saver_on=memory_saver_on,
                 args=(
-                    r.hf_checkpoint, config.megatron.values, _actor_settings(config), platform.name,
-                    r.update_weight_buffer_size, _megatron_features(r),
+                    settings.hf_checkpoint, config.megatron.values, config.actor, platform.name,
+                    settings.update_weight_buffer_size, settings.megatron_features,
                 ),
             )
             wait_for(trainers.call("sleep"), placement)
             data_parallel_ranks = wait_for(trainers.call("data_parallel_rank"), placement)
-        if not r.debug_train_only:
+        if not settings.debug_train_only:
             engines = create_engine_actors(
                 EngineWorker, placement,
-                devices_per_engine=r.rollout_num_devices_per_engine, memory_saver_on=memory_saver_on,
-                args=(config.sglang, r.hf_checkpoint, platform.name, r.rollout_num_devices_per_engine, memory_saver_on),
+                devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
+                args=(
+                    config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on
+                ),
             )
         if checkpoint is not None:
-            resume_actor(checkpoint, engines, trainers, r)
+            resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine)
 
         generate = partial(generate_on_engines, engines)
-        for step in range(start_step, r.num_steps):
+        for step in range(start_step, settings.num_steps):
             if stop.requested:  # a signal came during the previous step (or the setup), which has ended
                 last_step = step - 1 if step > start_step else None
-                raise stop_run(stop.signum, last_step, saved, engines, trainers, loader, r)
+                raise stop_run(stop.signum, last_step, saved, engines, trainers, loader, settings.seed, outputs)
             timer, train_metrics, saved = PhaseTimer(), {}, None
-            step_sampling = replace(sampling, seed=sampling_seed(r.seed, step))
+            step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
             with timer("perf/step_time"):
                 with timer("perf/rollout_time"):
-                    samples, rollout_metrics = collect_rollout(step, generate, loader, step_sampling, reward_fn, r)
+                    samples, rollout_metrics = collect_rollout(
+                        step, generate, loader, step_sampling, reward_fn, rollout
+                    )
                 if trainers is not None:  # None under --debug-rollout-only
                     with timer("perf/train_wait_time"):
                         hand_devices_to_actor(engines, trainers)
                     with timer("perf/train_time"):
-                        train_metrics = train(trainers, data_parallel_ranks, samples, r)
-                    if save_due(r, step):  # while the actor is awake
+                        train_metrics = train(trainers, data_parallel_ranks, samples, config.algorithm)
+                    if save_due(outputs, settings.num_steps, step):  # while the actor is awake
                         with timer("perf/save_time"):
-                            saved = save(r.save, step, trainers, loader, r.seed, r.save_hf)
+                            saved = save(outputs.save, step, trainers, loader, settings.seed, outputs.save_hf)
                     with timer("perf/weight_sync_time"):
-                        hand_devices_to_engines(engines, trainers, r)
+                        hand_devices_to_engines(engines, trainers, rollout.devices_per_engine)
             log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds})
         if trainers is not None and engines is not None:
             wait_for(trainers.call("close_weight_sync"), placement)  # the broadcast groups to engines on other nodes
@@ -128,32 +132,34 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
         placement.remove()
         if started_ray:  # the run's own local cluster: its processes end here, not at interpreter exit
             ray.shutdown()
-    return Path(r.output_dir)
+    return Path(outputs.output_dir)
 
 
 # --- phases ----------------------------------------------------------------------------------------------
 
 
-def collect_rollout(step, generate: Generate, loader, sampling, reward_fn, r) -> tuple[list[Sample], dict]:
+def collect_rollout(
+    step, generate: Generate, loader, sampling, reward_fn, rollout: RolloutSettings
+) -> tuple[list[Sample], dict]:
     """This step's scored samples (prompt by prompt) and their metrics: replayed from --load-rollout-data,
     else generated (under --dynamic-sampling, refilled with informative groups); saved to --save-rollout-data.
     The overlong penalty comes last, so saved rewards and reward metrics are the reward function's own."""
-    sampling_metrics = {}
-    if r.load_rollout_data:
-        samples = load_rollout_data(r.load_rollout_data, step, r.rollout_batch_size, r.n_samples_per_prompt)
-    elif r.dynamic_sampling:
+    sampling_metrics, group_size = {}, rollout.sampling.n
+    if rollout.load_data:
+        samples = load_rollout_data(rollout.load_data, step, rollout.batch_size, group_size)
+    elif rollout.dynamic_sampling:
         samples, sampling_metrics = generate_informative_groups(
-            generate, loader, sampling, reward_fn, num_groups=r.rollout_batch_size,
-            prompts_per_round=r.over_sampling_batch_size, max_rounds=r.dynamic_sampling_max_rounds,
+            generate, loader, sampling, reward_fn, num_groups=rollout.batch_size,
+            prompts_per_round=rollout.over_sampling_batch_size, max_rounds=rollout.dynamic_sampling_max_rounds,
         )
     else:
-        samples = generate_and_score(generate, take_prompts(loader, r.rollout_batch_size), sampling, reward_fn)
-    if r.save_rollout_data:
-        save_rollout_data(r.save_rollout_data, step, samples, r.n_samples_per_prompt)
+        samples = generate_and_score(generate, take_prompts(loader, rollout.batch_size), sampling, reward_fn)
+    if rollout.save_data:
+        save_rollout_data(rollout.save_data, step, samples, group_size)
     metrics = {**reward_and_length_metrics(samples), **sampling_metrics}
-    if r.overlong_buffer_len:
+    if rollout.overlong_buffer_len:
         apply_overlong_penalty(
-            samples, r.rollout_max_response_len, r.overlong_buffer_len, r.overlong_penalty_factor
+            samples, rollout.max_response_len, rollout.overlong_buffer_len, rollout.overlong_penalty_factor
         )
     return samples, metrics
 
@@ -177,23 +183,23 @@ def hand_devices_to_actor(engines, trainers) -> None:
     wait_for(trainers.call("wake"), trainers.placement)
 
 
-def train(trainers, data_parallel_ranks: list[int], samples: list[Sample], r) -> dict[str, float]:
+def train(trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings) -> dict:
     """Advantages; each data-parallel rank gets its token-balanced share of every optimizer step; old-policy (and
     reference) logprobs and the optimizer steps on every rank; mean metrics."""
-    batch = rollout_batch(samples, r)
+    batch = rollout_batch(samples, algorithm)
     shares, imbalance = split_over_data_parallel(
-        batch.token_counts(), r.global_batch_size, max(data_parallel_ranks) + 1
+        batch.token_counts(), algorithm.global_batch_size, max(data_parallel_ranks) + 1
     )
     share_refs = [ray.put(batch.select(share.indices)) for share in shares]  # one copy per replica's TP/PP ranks
     calls = [
-        actor.train.remote(share_refs[rank], shares[rank].step_sizes, _uses_reference(r))
+        actor.train.remote(share_refs[rank], shares[rank].step_sizes, algorithm.uses_reference)
         for actor, rank in zip(trainers.actors, data_parallel_ranks)
     ]
     metrics = wait_for(calls, trainers.placement)
     return {**_mean_over_steps(metrics[0]), "perf/data_parallel_token_imbalance": imbalance}
 
 
-def hand_devices_to_engines(engines, trainers, r) -> list[dict] | None:
+def hand_devices_to_engines(engines, trainers, devices_per_engine: int) -> list[dict] | None:
     """Push the new weights (the engines' weights resumed, their KV cache not yet), put the actor to sleep,
     resume the engines' KV cache. Each sending rank reaches the engines on its node by handle and the others
     by broadcast: it is told every engine's node. Returns each rank's push report (TrainWorker.push_weights).
@@ -203,42 +209,44 @@ def hand_devices_to_engines(engines, trainers, r) -> list[dict] | None:
         return None
     wait_for(engines.call("resume_memory_occupation", ["weights"]), engines.placement)
     engine_nodes = [bundle.node_id for bundle in engines.bundles]
-    push = trainers.call("push_weights", engines.actors, r.rollout_num_devices_per_engine, engine_nodes)
+    push = trainers.call("push_weights", engines.actors, devices_per_engine, engine_nodes)
     reports = wait_for(push, trainers.placement)
     wait_for(trainers.call("sleep"), trainers.placement)
     wait_for(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]), engines.placement)
     return reports
 
 
-def resume_actor(checkpoint, engines, trainers, r) -> None:
+def resume_actor(checkpoint, engines, trainers, devices_per_engine: int) -> None:
     """Load the actor's checkpoint (awake, the engines' memory released) and push its weights to the engines,
     which started from --hf-checkpoint."""
     hand_devices_to_actor(engines, trainers)
     wait_for(trainers.call("load_checkpoint", str(checkpoint.actor_dir)), trainers.placement)
-    hand_devices_to_engines(engines, trainers, r)
+    hand_devices_to_engines(engines, trainers, devices_per_engine)
 
 
-def stop_run(signum: int, last_step: int | None, saved, engines, trainers, loader, r) -> RunStopped:
+def stop_run(
+    signum: int, last_step: int | None, saved, engines, trainers, loader, seed: int, outputs: OutputSettings
+) -> RunStopped:
     """The run ends after `last_step` (None: before its first step) on a signal. With --save, that step's state
     is saved unless it just was (the actor woken for it: the engines are not needed any more)."""
-    if r.save and last_step is not None and saved is None:
+    if outputs.save and last_step is not None and saved is None:
         hand_devices_to_actor(engines, trainers)
-        saved = save(r.save, last_step, trainers, loader, r.seed, r.save_hf)
+        saved = save(outputs.save, last_step, trainers, loader, seed, outputs.save_hf)
     return RunStopped(signum, last_step, saved)
 
 
-def rollout_batch(samples: list[Sample], r) -> RolloutBatch:
+def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> RolloutBatch:
     """Token sequences, per-token advantages and the engine's logprobs of the samples, for the training ranks."""
     lengths = [len(s.response_token_ids) for s in samples]
     mask = torch.zeros(len(samples), max(lengths))
     for i, length in enumerate(lengths):
         mask[i, :length] = 1
     advantages = compute_advantages(
-        r.advantage_estimator,
+        algorithm.advantage_estimator,
         torch.tensor([s.reward for s in samples]),
         mask,
-        group_size=r.n_samples_per_prompt,
-        normalize_std=r.normalize_advantages_by_std,
+        group_size=algorithm.group_size,
+        normalize_std=algorithm.normalize_advantages_by_std,
     )
     return RolloutBatch(
         tokens=[s.prompt.token_ids + s.response_token_ids for s in samples],
@@ -263,114 +271,23 @@ class PhaseTimer:
             self.seconds[name] = time.perf_counter() - start
 
 
-# --- configuration -----------------------------------------------------------------------------------------
-
-# Settings `relax train` accepts (so run scripts dry-run and keep them) that the loop does not carry out yet:
-# refused here rather than ignored. Each entry: (is it asked for?, what to do instead).
-_UNBUILT = {
-    "--save / --load with --debug-rollout-only": (
-        lambda r: r.debug_rollout_only and (r.save is not None or r.load is not None),
-        "drop them: without a training actor there is nothing to checkpoint",
-    ),
-    "--no-colocate": (lambda r: not r.colocate, "drop it: only the colocated mode exists"),
-    "--log-interval > 1": (lambda r: r.log_interval != 1, "drop it: every step is logged"),
-}
+# --- setup ------------------------------------------------------------------------------------------------
 
 
-def refuse_unbuilt_settings(r) -> None:
-    asked = [f"{name} ({fix})" for name, (is_asked, fix) in _UNBUILT.items() if is_asked(r)]
-    if asked:
-        raise SystemExit(
-            "relax train: these settings are accepted by --dry-run but not carried out by the loop yet: "
-            + "; ".join(asked)
-        )
-
-
-def _prompt_loader_and_reward(r, checkpoint):
+def _prompt_loader_and_reward(settings: RunSettings, rollout: RolloutSettings, checkpoint):
     """The prompt loader (at the checkpoint's position when resuming) and the reward function; neither is
     needed when rollouts are replayed (--load-rollout-data)."""
-    if r.load_rollout_data:
+    if rollout.load_data:
         return None, None
     from transformers import AutoTokenizer
 
-    prompts, report = load_prompts(prompt_data_config(r), AutoTokenizer.from_pretrained(r.hf_checkpoint))
+    prompts, report = load_prompts(rollout.data, AutoTokenizer.from_pretrained(settings.hf_checkpoint))
     print(report.summary(), flush=True)
-    loader = checkpoint.loader(prompts) if checkpoint else PromptLoader(prompts, seed=r.seed, shuffle=r.rollout_shuffle)
-    return loader, load_reward_fn(r.reward_fn)
-
-
-def _sampling_config(r) -> SamplingConfig:
-    return SamplingConfig(
-        n=r.n_samples_per_prompt,
-        temperature=r.rollout_temperature,
-        top_p=r.rollout_top_p,
-        top_k=r.rollout_top_k,
-        max_new_tokens=r.rollout_max_response_len,
-        stop_token_ids=tuple(r.rollout_stop_token_ids or ()),
-    )
-
-
-def prompt_data_config(r) -> PromptDataConfig:
-    """How the prompts are read, from the flags (also what `relax train --dry-run` checks the data with)."""
-    return PromptDataConfig(
-        path=r.prompt_data,
-        prompt_key=r.input_key,
-        label_key=r.label_key,
-        metadata_key=r.metadata_key,
-        apply_chat_template=r.apply_chat_template,
-        chat_template_kwargs=r.apply_chat_template_kwargs or {},
-        system_prompt=r.system_prompt,
-        max_prompt_tokens=r.max_prompt_length,
-        skip_bad_rows=r.skip_bad_rows,
-    )
-
-
-def _uses_reference(r) -> bool:
-    return r.use_kl_loss and r.kl_coef != 0.0
-
-
-def _megatron_features(r) -> dict:
-    """The switches of the platform's Megatron adaptation layer that were given (MindSpeed's, on NPU)."""
-    return {name: True for name in MEGATRON_FEATURE_FLAGS if getattr(r, name)}
-
-
-def _actor_settings(config) -> ActorSettings:
-    r, scheduler = config.relax, config.megatron.scheduler
-    kl = dict(kl_coef=r.kl_coef, kl_estimator=r.kl_loss_type, k3_clamp=r.k3_clamp) if _uses_reference(r) else {}
-    loss = LossSettings(
-        loss_mode="cispo" if r.advantage_estimator == "cispo" else "ppo",
-        clip_low=r.eps_clip,
-        clip_high=r.eps_clip_high,
-        dual_clip=r.eps_clip_c,
-        log_ratio_clamp=r.log_ratio_clamp,
-        ratio_level="sequence" if r.advantage_estimator == "gspo" else "token",
-        aggregation=r.loss_aggregation.replace("-", "_"),
-        # Dr. GRPO's constant: the longest response the engine may give, the same on every rank and step
-        norm_length=r.rollout_max_response_len,
-        entropy_coef=r.entropy_coef,
-        **kl,
-    )
-    tis = dict(tis_clip=r.tis_clip, tis_clip_low=r.tis_clip_low) if r.use_tis else {}
-    correction = RolloutCorrection(
-        mis_bounds=r.rollout_rs_threshold if r.rollout_rs == "seq_mean_k1" else None,
-        use_rollout_logprobs=r.use_rollout_logprobs,
-        **tis,
-    )
-    return ActorSettings(
-        loss=loss,
-        rollout_correction=correction,
-        micro_batch_size=r.micro_batch_size,
-        max_tokens_per_micro_batch=r.max_tokens_per_device if r.use_dynamic_batch_size else None,
-        max_tokens_per_forward=r.log_probs_max_tokens_per_device,
-        gdn_training_kernel=r.gdn_training_kernel,
-        temperature=r.rollout_temperature or 1.0,
-        seed=r.seed,
-        keep_reference=_uses_reference(r),
-        memory_saver=r.colocate,  # the workers run beside a memory saver only when colocated
-        lr_warmup_steps=scheduler.lr_warmup_iters,
-        lr_decay_steps=scheduler.lr_decay_iters or r.num_steps,
-        lr_decay_style=scheduler.lr_decay_style,
-    )
+    if checkpoint:
+        loader = checkpoint.loader(prompts)
+    else:
+        loader = PromptLoader(prompts, seed=settings.seed, shuffle=rollout.shuffle)
+    return loader, load_reward_fn(rollout.reward_fn)
 
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -31,11 +31,15 @@ import random
 import shutil
 import signal
 import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 from relax.files import write_text_atomically
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
+
+if typing.TYPE_CHECKING:  # (relax.args imports this module: LATEST)
+    from relax.args.settings import OutputSettings
 
 LATEST = "latest"
 PARTIAL_SUFFIX = ".partial"  # a step directory while it is written
@@ -51,11 +55,11 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def save_due(r, step: int) -> bool:
+def save_due(outputs: "OutputSettings", num_steps: int, step: int) -> bool:
     """Save after this step? Every --save-interval steps and after the last step, when --save is set."""
-    if r.save is None:
+    if outputs.save is None:
         return False
-    return step == r.num_steps - 1 or (r.save_interval is not None and (step + 1) % r.save_interval == 0)
+    return step == num_steps - 1 or (outputs.save_interval is not None and (step + 1) % outputs.save_interval == 0)
 
 
 def sampling_seed(seed: int, step: int) -> int:

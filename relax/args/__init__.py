@@ -1,7 +1,10 @@
 """One parser, three namespaces: relax's own flags, SGLang's ServerArgs, Megatron's config dataclasses.
 
 config = parse_train_args(argv)   # exits 2 with a message on bad input, like argparse
-config.relax                      # argparse.Namespace of relax's flags (resolved defaults filled in)
+config.run, config.rollout, config.algorithm, config.actor, config.outputs
+                                  # relax's typed, frozen settings (relax.args.settings): what a run reads
+config.flags                      # argparse.Namespace of relax's flags (resolved defaults filled in): what the
+                                  # settings were built from, what the checks and --dry-run read
 config.sglang                     # sglang.srt.server_args.ServerArgs
 config.megatron                   # MegatronConfig: TransformerConfig, OptimizerConfig, DDP config, ...
 config.megatron.values            # MegatronValues: the same as plain data, what training workers receive
@@ -34,6 +37,17 @@ from relax.args.relax_flags import (
     TIS_CLIP_DEFAULTS,
     add_relax_args,
 )
+from relax.args.settings import (
+    AlgorithmSettings,
+    OutputSettings,
+    RolloutSettings,
+    RunSettings,
+    actor_settings,
+    algorithm_settings,
+    output_settings,
+    rollout_settings,
+    run_settings,
+)
 from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
 from relax.args.strict import StrictArgumentParser
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
@@ -41,15 +55,33 @@ from relax.platform import platform_facts, resolve_platform_name
 from relax.rollout.engine import server_defaults
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
 from relax.train.losses import DUAL_CLIP, K3_CLAMP
+from relax.train.settings import ActorSettings
 
-__all__ = ["TrainConfig", "MegatronConfig", "MegatronValues", "build_parser", "parse_train_args", "format_config"]
+__all__ = [
+    "TrainConfig",
+    "RunSettings",
+    "RolloutSettings",
+    "AlgorithmSettings",
+    "ActorSettings",
+    "OutputSettings",
+    "MegatronConfig",
+    "MegatronValues",
+    "build_parser",
+    "parse_train_args",
+    "format_config",
+]
 
 _NAMESPACED = ("sglang_", "megatron_")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    relax: argparse.Namespace
+    flags: argparse.Namespace  # relax's parsed flags, defaults filled in: what the settings below are built from
+    run: RunSettings
+    rollout: RolloutSettings
+    algorithm: AlgorithmSettings
+    actor: ActorSettings
+    outputs: OutputSettings
     sglang: object  # sglang.srt.server_args.ServerArgs
     megatron: MegatronConfig
 
@@ -118,11 +150,22 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
         ),
         defaults=server_defaults(platform),
     )
-    config = TrainConfig(relax=relax, sglang=sglang, megatron=megatron)
-    problems = check_config(config, platform)
+    problems = check_config(relax, megatron, platform)
     if problems:
         parser.error("\n".join(problems))
-    return config
+    try:
+        return TrainConfig(
+            flags=relax,
+            run=run_settings(relax),
+            rollout=rollout_settings(relax),
+            algorithm=algorithm_settings(relax),
+            actor=actor_settings(relax, megatron.scheduler),
+            outputs=output_settings(relax),
+            sglang=sglang,
+            megatron=megatron,
+        )
+    except ValueError as exc:  # a setting's own check (SamplingConfig, LossSettings, ...)
+        parser.error(f"relax's settings reject these flags: {exc}")
 
 
 def _fill_relax_defaults(relax: argparse.Namespace) -> None:
@@ -159,8 +202,12 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
 def format_config(config: TrainConfig) -> str:
     """The resolved configuration, one `name = value` line per field; `*` marks a value that is not the default."""
     parser = _parser()  # SGLang is imported already: parsing made this config
-    relax_dests = [a.dest for a in parser._actions if a.dest in vars(config.relax)]  # in --help's order
-    sections = [("relax", [(k, getattr(config.relax, k), parser.get_default(k)) for k in relax_dests])]
+    relax_dests = [a.dest for a in parser._actions if a.dest in vars(config.flags)]  # in --help's order
+    sections = [("relax", [(k, getattr(config.flags, k), parser.get_default(k)) for k in relax_dests])]
+    for name in ("run", "rollout", "algorithm", "actor", "outputs"):  # what the run reads, built from the above
+        settings = getattr(config, name)
+        rows = [(f.name, getattr(settings, f.name), getattr(settings, f.name)) for f in dataclasses.fields(settings)]
+        sections.append((f"settings.{name} ({_class_path(settings)})", rows))  # (no defaults of their own: no *)
     sections.append((f"sglang ({_class_path(config.sglang)})", _struct_rows(config.sglang)))
     m = config.megatron
     for name in ("transformer", "optimizer", "ddp"):

@@ -1,32 +1,42 @@
 """Rules that involve more than one flag. Each returns the problem in words naming the flags, or None.
 
-Each rule takes the TrainConfig and the relax.platform record of the run's device.
+Each rule takes the parsed configuration (Parsed: relax's flags and the Megatron config objects) and the
+relax.platform record of the run's device. They run before the settings are built (relax.args.settings).
 """
 
+import argparse
 import importlib.util
+import typing
 from pathlib import Path
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
+from relax.args.unsupported import unsupported_combinations
 from relax.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
+from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
 from relax.run_state import LATEST
 from relax.train.advantages import STD_NORMALISED
 
 
-def world_size(relax) -> int:
-    return relax.num_nodes * relax.num_devices_per_node
+class Parsed(typing.NamedTuple):
+    flags: argparse.Namespace  # relax's flags, defaults filled in
+    megatron: typing.Any  # relax.args.megatron.MegatronConfig
+
+
+def world_size(flags) -> int:
+    return flags.num_nodes * flags.num_devices_per_node
 
 
 def data_parallel_size(config) -> int:
     tc = config.megatron.transformer
-    return world_size(config.relax) // (
+    return world_size(config.flags) // (
         tc.tensor_model_parallel_size * tc.pipeline_model_parallel_size * tc.context_parallel_size
     )
 
 
 def required_flags(config, platform):
-    r = config.relax
+    r = config.flags
     needed = []
     if r.hf_checkpoint is None and not r.dry_run:
         needed.append("--hf-checkpoint (only --dry-run may leave it out)")
@@ -40,7 +50,7 @@ def required_flags(config, platform):
 
 
 def model_parallel_fits_devices(config, platform):
-    tc, r = config.megatron.transformer, config.relax
+    tc, r = config.megatron.transformer, config.flags
     product = tc.tensor_model_parallel_size * tc.pipeline_model_parallel_size * tc.context_parallel_size
     if world_size(r) % product:
         return (
@@ -52,7 +62,7 @@ def model_parallel_fits_devices(config, platform):
 
 
 def expert_parallel_fits(config, platform):
-    tc, r = config.megatron.transformer, config.relax
+    tc, r = config.megatron.transformer, config.flags
     ep = tc.expert_model_parallel_size
     etp = tc.expert_tensor_parallel_size or tc.tensor_model_parallel_size
     if ep == 1:
@@ -78,7 +88,7 @@ def vocabulary_splits_over_tensor_parallel(config, platform):
 
 
 def rollout_fills_global_batches(config, platform):
-    r = config.relax
+    r = config.flags
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     if samples % r.global_batch_size:
         return (
@@ -89,7 +99,7 @@ def rollout_fills_global_batches(config, platform):
 
 
 def global_batch_splits_over_data_parallel(config, platform):
-    r = config.relax
+    r = config.flags
     dp = data_parallel_size(config)
     if dp == 0:
         return None  # model_parallel_fits_devices reports it
@@ -104,7 +114,7 @@ def global_batch_splits_over_data_parallel(config, platform):
 
 
 def engine_fits_devices(config, platform):
-    r = config.relax
+    r = config.flags
     if world_size(r) % r.rollout_num_devices_per_engine:
         return (
             f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} "
@@ -116,7 +126,7 @@ def engine_fits_devices(config, platform):
 def engines_within_pipeline_stages(config, platform):
     """Where handles do not cross devices, weights reach an engine rank from the training rank on its device or by
     broadcast, never from a rank on one of its devices by broadcast (relax.sync.broadcast.plan_pushes)."""
-    r, pp = config.relax, config.megatron.transformer.pipeline_model_parallel_size
+    r, pp = config.flags, config.megatron.transformer.pipeline_model_parallel_size
     if platform.handles_cross_devices or r.debug_rollout_only or r.debug_train_only or world_size(r) % pp:
         return None
     per_stage = world_size(r) // pp
@@ -130,21 +140,35 @@ def engines_within_pipeline_stages(config, platform):
 
 
 def colocation_releases_memory(config, platform):
-    if config.relax.colocate and platform.colocation_needs_release and not platform.has_memory_saver:
+    if config.flags.colocate and platform.colocation_needs_release and not platform.has_memory_saver:
         return (
             f"--colocate on {platform.name} needs the rollout engine to release its memory (SGLang's memory saver), "
-            f"which this platform lacks: use --no-colocate"
+            "which this platform's record (relax.platform) names none of: relax runs the engines and the actor "
+            "colocated only (--no-colocate is not supported), so run on a platform that has one"
         )
 
 
+def lr_warmup_given_once(config, platform):
+    scheduler = config.megatron.scheduler
+    if scheduler.lr_warmup_fraction is None:
+        return None
+    if scheduler.lr_warmup_iters:
+        return (
+            f"--lr-warmup-fraction {scheduler.lr_warmup_fraction} and --lr-warmup-iters {scheduler.lr_warmup_iters} "
+            "both set the warmup's length: give one"
+        )
+    if not 0 <= scheduler.lr_warmup_fraction <= 1:
+        return f"--lr-warmup-fraction {scheduler.lr_warmup_fraction} must be within [0, 1] (of --lr-decay-iters)"
+
+
 def clip_range_ordered(config, platform):
-    r = config.relax
+    r = config.flags
     if r.eps_clip_high < r.eps_clip:
         return f"--eps-clip-high {r.eps_clip_high} is below --eps-clip {r.eps_clip}"
 
 
 def dual_clip_applies(config, platform):
-    r = config.relax
+    r = config.flags
     if r.eps_clip_c is None:
         return None
     if r.advantage_estimator == "cispo":
@@ -157,12 +181,12 @@ def dual_clip_applies(config, platform):
 
 
 def kl_loss_has_weight(config, platform):
-    if config.relax.use_kl_loss and config.relax.kl_coef <= 0:
+    if config.flags.use_kl_loss and config.flags.kl_coef <= 0:
         return "--use-kl-loss with --kl-coef 0 adds nothing: give --kl-coef > 0 or drop --use-kl-loss"
 
 
 def kl_flags_need_kl_loss(config, platform):
-    r = config.relax
+    r = config.flags
     if r.kl_coef != 0 and not r.use_kl_loss:
         return (
             f"--kl-coef {r.kl_coef} without --use-kl-loss would do nothing: relax puts the KL-to-reference penalty "
@@ -174,17 +198,8 @@ def kl_flags_need_kl_loss(config, platform):
         return "--k3-clamp only applies with --use-kl-loss and the k3 estimator (--kl-loss-type k3, the default)"
 
 
-def dapo_is_grpo_with_flags(config, platform):
-    if config.relax.advantage_estimator == "dapo":
-        return (
-            "--advantage-estimator dapo computes GRPO's advantages and changes nothing else: DAPO is "
-            "--advantage-estimator grpo with clip-higher (--eps-clip-high, e.g. 0.28), --dynamic-sampling and "
-            "--overlong-buffer-len, and the token-mean loss that is the default; give those instead"
-        )
-
-
 def std_normalisation_applies(config, platform):
-    r = config.relax
+    r = config.flags
     if not r.normalize_advantages_by_std and r.advantage_estimator not in STD_NORMALISED:
         return (
             f"--no-normalize-advantages-by-std changes nothing with --advantage-estimator {r.advantage_estimator}, "
@@ -193,7 +208,7 @@ def std_normalisation_applies(config, platform):
 
 
 def groups_fit_the_estimator(config, platform):
-    r = config.relax
+    r = config.flags
     if r.n_samples_per_prompt > 1:
         return None
     if r.advantage_estimator in STD_NORMALISED and r.normalize_advantages_by_std:
@@ -210,7 +225,7 @@ def groups_fit_the_estimator(config, platform):
 
 
 def off_policy_flags_consistent(config, platform):
-    r = config.relax
+    r = config.flags
     if not r.use_tis and (r.tis_clip is not None or r.tis_clip_low is not None):
         return "--tis-clip and --tis-clip-low only apply with --use-tis"
     if r.use_tis and r.tis_clip_low > r.tis_clip:
@@ -227,7 +242,7 @@ def off_policy_flags_consistent(config, platform):
 
 
 def debug_modes_consistent(config, platform):
-    r = config.relax
+    r = config.flags
     if r.debug_rollout_only and r.debug_train_only:
         return "--debug-rollout-only and --debug-train-only exclude each other"
     if r.debug_train_only and not r.load_rollout_data:
@@ -235,14 +250,14 @@ def debug_modes_consistent(config, platform):
 
 
 def rollout_data_patterns_valid(config, platform):
-    r = config.relax
+    r = config.flags
     return pattern_problem("--save-rollout-data", r.save_rollout_data, r.num_steps) or pattern_problem(
         "--load-rollout-data", r.load_rollout_data, r.num_steps
     )
 
 
 def batching_flags_consistent(config, platform):
-    r = config.relax
+    r = config.flags
     if r.use_dynamic_batch_size and not r.max_tokens_per_device:
         return "--use-dynamic-batch-size needs --max-tokens-per-device"
     if r.max_tokens_per_device and not r.use_dynamic_batch_size:
@@ -252,7 +267,7 @@ def batching_flags_consistent(config, platform):
 
 
 def sampling_flags_consistent(config, platform):
-    r = config.relax
+    r = config.flags
     if r.dynamic_sampling_max_rounds is not None and not r.dynamic_sampling:
         return "--dynamic-sampling-max-rounds only applies with --dynamic-sampling"
     if r.dynamic_sampling:  # (relax.args filled both round settings)
@@ -279,7 +294,7 @@ def sampling_flags_consistent(config, platform):
 
 
 def chat_template_options_need_the_template(config, platform):
-    r = config.relax
+    r = config.flags
     options = (("--apply-chat-template-kwargs", r.apply_chat_template_kwargs), ("--system-prompt", r.system_prompt))
     given = [flag for flag, value in options if value is not None]
     if given and not r.apply_chat_template:
@@ -287,7 +302,7 @@ def chat_template_options_need_the_template(config, platform):
 
 
 def checkpoint_flags_consistent(config, platform):
-    r = config.relax
+    r = config.flags
     if r.save_interval is not None and not r.save:
         return "--save-interval needs --save"
     if r.save_hf is not None and not r.save:
@@ -302,7 +317,7 @@ def checkpoint_flags_consistent(config, platform):
 def new_run_starts_its_own_record(config, platform):
     """A new run (no --load) never mixes its steps with an earlier run's metrics or checkpoints; a resumed run
     continues its own record (relax.metrics)."""
-    r = config.relax
+    r = config.flags
     if r.load is not None:
         return None
     found = earlier_record(r.output_dir)
@@ -330,25 +345,22 @@ def grouped_experts_apply(config, platform):
         return None
     if not tc.num_moe_experts:
         return "--moe-grouped-gemm applies to MoE models only (no --num-experts, nor num_experts in config.json)"
-    if tc.recompute_granularity == "selective" and "moe_act" in (tc.recompute_modules or []):
-        return (
-            "--recompute-modules moe_act is not supported with --moe-grouped-gemm: relax's grouped experts keep "
-            "their activations; drop moe_act from --recompute-modules"
-        )
 
 
-def no_context_parallelism(config, platform):
-    cp = config.megatron.transformer.context_parallel_size
-    if cp != 1:
-        return (
-            f"--context-parallel-size {cp} is not supported: the actor builds megatron-core's local layers, whose "
-            "attention has no context parallelism without TransformerEngine; use 1"
-        )
+def reward_function_loads(config, platform):
+    """The reward function imports and has the signature a run calls (not read when rollouts are replayed)."""
+    r = config.flags
+    if r.reward_fn is None or r.load_rollout_data:
+        return None
+    try:
+        load_reward_fn(r.reward_fn)
+    except ValueError as error:  # its message names --reward-fn and what is wrong
+        return str(error)
 
 
 def gdn_training_kernel_imports(config, platform):
     """Checked where the run's device is this machine's (its workers import the kernel here too)."""
-    kernel = config.relax.gdn_training_kernel
+    kernel = config.flags.gdn_training_kernel
     if config.megatron.transformer.experimental_attention_variant != "gated_delta_net" or kernel != "fla":
         return None
     if platform.unavailable_reason() is None and importlib.util.find_spec("fla") is None:
@@ -359,7 +371,7 @@ def gdn_training_kernel_imports(config, platform):
 
 
 def megatron_features_fit_the_platform(config, platform):
-    r = config.relax
+    r = config.flags
     asked = [name for name in MEGATRON_FEATURE_FLAGS if getattr(r, name)]
     refused = [name for name in asked if name not in platform.megatron_features]
     if refused:
@@ -387,6 +399,7 @@ def megatron_features_fit_the_platform(config, platform):
 
 
 RULES = [
+    unsupported_combinations,
     required_flags,
     model_parallel_fits_devices,
     expert_parallel_fits,
@@ -396,11 +409,11 @@ RULES = [
     engine_fits_devices,
     engines_within_pipeline_stages,
     colocation_releases_memory,
+    lr_warmup_given_once,
     clip_range_ordered,
     dual_clip_applies,
     kl_loss_has_weight,
     kl_flags_need_kl_loss,
-    dapo_is_grpo_with_flags,
     std_normalisation_applies,
     groups_fit_the_estimator,
     off_policy_flags_consistent,
@@ -412,12 +425,13 @@ RULES = [
     checkpoint_flags_consistent,
     new_run_starts_its_own_record,
     grouped_experts_apply,
-    no_context_parallelism,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
+    reward_function_loads,
 ]
 
 
-def check_config(config, platform) -> list[str]:
+def check_config(flags, megatron, platform) -> list[str]:
     """Every rule's problem, in order; empty when the configuration is consistent."""
-    return [problem for rule in RULES if (problem := rule(config, platform))]
+    parsed = Parsed(flags, megatron)
+    return [problem for rule in RULES if (problem := rule(parsed, platform))]

@@ -18,7 +18,7 @@ objects (quant recipes, context managers) and private fields. A field present in
 A flag not given leaves the dataclass default. Megatron-LM spellings that differ from the field names
 (--norm-epsilon, --num-experts, --disable-bias-linear, ...) are added, and the GPTModel-level and
 LR-schedule settings that live in no core dataclass get flags of their own (MODEL_FLAGS, SCHEDULER_FLAGS).
-Megatron-LM flags relax does not carry out (REFUSED_FLAGS) are errors that say why.
+Megatron-LM flags relax does not carry out (relax.args.unsupported.REFUSED_FLAGS) are errors that say why.
 With an HF checkpoint the architecture comes from its config.json as relax.hf_checkpoint maps it (the one
 mapping the training actor builds its model with too): resolve_architecture merges it with the flags, and
 family_transformer_config applies it to the TransformerConfig as the actor does, so that --dry-run prints what
@@ -39,6 +39,7 @@ import typing
 import warnings
 
 from relax.args.strict import RefusedFlag
+from relax.args.unsupported import REFUSED_FLAGS
 from relax.hf_checkpoint import HFCheckpoint
 
 PREFIX = "megatron"
@@ -107,10 +108,7 @@ class MegatronConfig:
 # from the HF checkpoint's config.json, else as the help says.
 MODEL_FLAGS = {
     "vocab_size": dict(type=int, help="Vocabulary size (default: the HF config's vocab_size)."),
-    "max_position_embeddings": dict(type=int, help="Maximum positions (default: the HF config's, else --seq-length)."),
-    "seq_length": dict(
-        type=int, default=4096, help="Longest training sequence, prompt + response (default: %(default)s)."
-    ),
+    "max_position_embeddings": dict(type=int, help="Maximum positions (default: the HF config's)."),
     "position_embedding_type": dict(
         choices=["learned_absolute", "rope", "mrope", "none"], default="rope", help="(default: %(default)s)"
     ),
@@ -146,14 +144,6 @@ SCHEDULER_FLAGS = {
         type=float, help="Warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)."
     ),
     "lr_warmup_init": dict(type=float, default=0.0, help="LR at the start of warmup (default: %(default)s)."),
-}
-# Megatron-LM flags relax refuses, and why (the parser says so when one is given).
-REFUSED_FLAGS = {
-    "--make-vocab-size-divisible-by": (
-        "is not supported: relax trains the checkpoint's vocabulary unpadded, since SGLang engines receive "
-        "the weights in HF shapes and sample over the HF vocabulary, which the actor's logprobs must match; "
-        "remove it (the vocabulary size must then divide by --tensor-model-parallel-size)"
-    ),
 }
 # Megatron-LM spellings of dataclass fields that differ from the field name: (flag, field, const).
 # const None: another name for the field's own flag (takes the same value); otherwise the flag stores const.
@@ -268,10 +258,15 @@ def add_megatron_args(parser: argparse.ArgumentParser) -> None:
     for name, kwargs in {**MODEL_FLAGS, **SCHEDULER_FLAGS}.items():
         metavar = {} if "choices" in kwargs or "action" in kwargs else {"metavar": name.upper()}
         group.add_argument(_flag(name), dest=f"{PREFIX}_{name}", **metavar, **kwargs)
-    for flag, reason in REFUSED_FLAGS.items():
-        dest = f"{PREFIX}_{flag[2:].replace('-', '_')}"  # never set: giving the flag is an error
+    for entry in REFUSED_FLAGS:
+        dest = f"{PREFIX}_{entry.setting[2:].replace('-', '_')}"  # never set: giving the flag is an error
         group.add_argument(
-            flag, dest=dest, default=argparse.SUPPRESS, action=RefusedFlag, reason=reason, help=f"Refused: it {reason}."
+            entry.setting,
+            dest=dest,
+            default=argparse.SUPPRESS,
+            action=RefusedFlag,
+            reason=f"is not supported: {entry.reason}; {entry.instead}",
+            help=f"Refused: {entry.reason}; {entry.instead}.",
         )
 
 
@@ -372,8 +367,6 @@ def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
         model.rotary_base = 10000.0
     if model.rotary_percent is None:
         model.rotary_percent = 1.0
-    if model.max_position_embeddings is None:
-        model.max_position_embeddings = model.seq_length
     scheduler = argparse.Namespace(**{name: values.get(name) for name in SCHEDULER_FLAGS})
     if scheduler.lr_decay_iters is None:
         scheduler.lr_decay_iters = resolved.num_steps

@@ -15,24 +15,9 @@ import msgspec
 import yaml
 
 from relax.args.strict import RefusedFlag
+from relax.args.unsupported import MANAGED_BY_RELAX
 
 PREFIX = "sglang"
-
-# ServerArgs fields relax sets itself, and what the user sets instead.
-MANAGED_BY_RELAX = {
-    "model_path": "use --hf-checkpoint",
-    "tokenizer_path": "use --hf-checkpoint (the tokenizer is read from it)",
-    "tp_size": "use --rollout-num-devices-per-engine",
-    "port": "relax's placement picks a free port per engine; remove it",
-    "nccl_port": "relax's placement picks a free port per engine; remove it",
-    "dist_init_addr": "relax's placement sets it; remove it",
-    "base_gpu_id": "relax's placement assigns devices; remove it",
-    "enable_memory_saver": "use --colocate (on by default; the memory saver follows it where the platform has one)",
-    "device": "use --device",
-    "default_chat_template_kwargs": (
-        "use --apply-chat-template-kwargs (relax renders the prompts and sends the engine token ids)"
-    ),
-}
 
 
 def prepare_import(requested_device: str) -> None:

@@ -39,7 +39,7 @@ class PromptDataError(ValueError):
     """A data file or one of its rows cannot be used; the message names the file, the row and the fix."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PromptDataConfig:
     path: str
     prompt_key: str = "prompt"  # a string, or a list of {"role", "content"} messages

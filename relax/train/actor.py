@@ -16,7 +16,6 @@ torch.distributed must be initialised (platform backend) before the actor is bui
 megatron's model-parallel groups itself.
 """
 
-import dataclasses
 import datetime
 from functools import partial
 import torch
@@ -24,37 +23,12 @@ import torch
 from relax.hf_checkpoint import read_hf_checkpoint
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
 from relax.metrics import extreme
-from relax.train.losses import LossSettings, aggregation_denominator
+from relax.train.losses import aggregation_denominator
 from relax.train.model import build_gpt_model, load_hf_weights, transformer_config, unwrap
-from relax.train.off_policy import RolloutCorrection, corrected_policy_loss
+from relax.train.off_policy import corrected_policy_loss
 from relax.train.offload import training_memory
 from relax.train.process_groups import ReloadableGroups
-
-
-@dataclasses.dataclass
-class ActorSettings:
-    """What the actor needs beyond megatron-core's config objects."""
-
-    loss: LossSettings = dataclasses.field(default_factory=LossSettings)
-    # TIS / MIS / rollout logprobs as the old policy (relax.train.off_policy); needs the batch's rollout_logprobs
-    rollout_correction: RolloutCorrection = dataclasses.field(default_factory=RolloutCorrection)
-    micro_batch_size: int = 1  # samples per micro-batch without a token budget
-    max_tokens_per_micro_batch: int | None = None  # dynamic batch size: pack samples up to this many tokens
-    # The token budget of forward-only passes (old-policy and reference logprobs), which keep no activations for
-    # backward and so fit more tokens; None: the training budget.
-    max_tokens_per_forward: int | None = None
-    gdn_training_kernel: str = "reference"  # GDN layers' chunked rule (relax.kernels.gdn_training)
-    temperature: float = 1.0  # logits are divided by it, as the rollout engine sampled
-    seed: int = 1234
-    keep_reference: bool = True  # keep a host copy of the initial weights for reference logprobs
-    # Sleep through the platform's memory saver where it has one (relax.train.offload), else host copies.
-    # Off where the workers run without one (not colocated: e.g. expandable segments on an NPU).
-    memory_saver: bool = True
-    # OptimizerParamScheduler; lr, min_lr and weight decay come from the OptimizerConfig
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 1  # steps over which lr goes from lr to min_lr ("constant" ignores it)
-    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root | WSD
-    distributed_timeout_minutes: int = 30  # of the actor's process groups (megatron's default)
+from relax.train.settings import ActorSettings
 
 
 def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_group) -> dict[str, float]:
@@ -164,8 +138,6 @@ class MegatronActor:
             expert_tensor_parallel_size=transformer.expert_tensor_parallel_size,
             distributed_timeout_minutes=self.settings.distributed_timeout_minutes,
         )
-        if transformer.context_parallel_size != 1:
-            raise ValueError("context parallelism is not supported by the actor yet (context_parallel_size=1)")
         model_parallel_cuda_manual_seed(self.settings.seed)
         self.config = transformer_config(self.hf_checkpoint, transformer)
         # use_cpu_initialization builds on the host
@@ -186,7 +158,7 @@ class MegatronActor:
         self._adopt_parameters()
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
-            init_lr=0.0 if self.settings.lr_warmup_steps else optimizer.lr,
+            init_lr=self.settings.lr_warmup_init if self.settings.lr_warmup_steps else optimizer.lr,
             max_lr=optimizer.lr,
             min_lr=optimizer.min_lr or 0.0,
             lr_warmup_steps=self.settings.lr_warmup_steps,

@@ -18,7 +18,7 @@ class TrainWorker:
     def __init__(
         self, hf_dir: str, megatron_values, settings, device: str, bucket_bytes: int, megatron_features: dict
     ):
-        """megatron_values: relax.args.MegatronValues; settings: relax.train.actor.ActorSettings; megatron_features:
+        """megatron_values: relax.args.MegatronValues; settings: relax.train.settings.ActorSettings; megatron_features:
         switches of the platform's Megatron adaptation layer (MindSpeed's feature arguments on NPU)."""
         from relax.platform import get_platform
 

@@ -47,6 +47,7 @@ def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
     s = sections(result.stdout)
     assert set(s) == {
         "relax",
+        *(f"settings.{group}" for group in ("run", "rollout", "algorithm", "actor", "outputs")),
         "sglang",
         "megatron.transformer",
         "megatron.optimizer",
@@ -55,6 +56,7 @@ def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
         "megatron.scheduler",
     }
     assert s["relax"]["rollout_batch_size"] == "4" and s["relax"]["device"] == "'cpu'"
+    assert s["settings.rollout"]["batch_size"] == "4" and s["settings.algorithm"]["global_batch_size"] == "8"
     assert s["sglang"]["mem_fraction_static"] == "0.05" and s["sglang"]["attention_backend"] == "'torch_native'"
     assert s["sglang"]["enable_tf32_matmul"] == "False" and s["sglang"]["model_path"] == repr(str(checkpoint))
     assert s["megatron.transformer"]["tensor_model_parallel_size"] == "2"

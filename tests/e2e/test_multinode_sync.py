@@ -14,7 +14,7 @@ import ray
 
 from generations import assert_same_generations, largest_logprob_change
 from relax.args import parse_train_args
-from relax.loop import _actor_settings, hand_devices_to_actor, hand_devices_to_engines, train
+from relax.loop import hand_devices_to_actor, hand_devices_to_engines, train
 from relax.platform import get_platform
 from relax.ray.placement import create_engine_actors, create_node_placement, create_training_actors
 from relax.rollout.data import Prompt
@@ -53,22 +53,23 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
         "--micro-batch-size", "1", "--lr", "1e-2", "--weight-decay", "0.0",
         "--sglang-max-total-tokens", "2048",
     ])
-    r = config.relax
+    settings = config.run
     platform = get_platform("cpu")
-    placement = create_node_placement(platform, r.num_nodes, r.num_devices_per_node)
+    placement = create_node_placement(platform, settings.num_nodes, settings.num_devices_per_node)
     trainers = engines = None
     try:
         trainers = create_training_actors(
             TrainWorker, placement,
             args=(
-                r.hf_checkpoint, config.megatron.values, _actor_settings(config), platform.name,
-                r.update_weight_buffer_size, {},
+                settings.hf_checkpoint, config.megatron.values, config.actor, platform.name,
+                settings.update_weight_buffer_size, {},
             ),
         )
         ray.get(trainers.call("sleep"))
         data_parallel_ranks = ray.get(trainers.call("data_parallel_rank"))
         engines = create_engine_actors(
-            EngineWorker, placement, devices_per_engine=1, args=(config.sglang, r.hf_checkpoint, platform.name, 1, False),
+            EngineWorker, placement, devices_per_engine=1,
+            args=(config.sglang, settings.hf_checkpoint, platform.name, 1, False),
         )
         nodes = placement.node_ids()
         assert len(nodes) == 2 and set(nodes) == set(two_node_cluster.node_names)
@@ -81,8 +82,8 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
         for step in range(2):  # the second push reuses the groups made by the first
             samples = one_group(PROMPTS[step], [before[0][step][0][:4], before[0][step][0][4:]], rewards=[1.0, 0.0])
             hand_devices_to_actor(engines, trainers)
-            train(trainers, data_parallel_ranks, samples, r)
-            reports = hand_devices_to_engines(engines, trainers, r)
+            train(trainers, data_parallel_ranks, samples, config.algorithm)
+            reports = hand_devices_to_engines(engines, trainers, config.rollout.devices_per_engine)
             assert reports[0]["routes"] == [SAME_DEVICE, BROADCAST] and reports[0]["bytes"] > 0
             assert reports[1]["routes"] == [BROADCAST, SAME_DEVICE] and reports[1]["bytes"] > 0
 

@@ -258,7 +258,7 @@ def _packed_vs_one_sample_per_micro_batch(hf_dir: str) -> dict:
     actor = _actor(hf_dir, micro_batch_size=1)
     batch = _my_samples(actor)
     alone, alone_entropy = actor.compute_logprobs(batch, with_entropy=True)
-    actor.settings.max_tokens_per_micro_batch = sum(batch.token_counts())
+    actor.settings = dataclasses.replace(actor.settings, max_tokens_per_micro_batch=sum(batch.token_counts()))
     assert len(actor._micro_batches(batch, forward_only=True)) == 1
     packed, packed_entropy = actor.compute_logprobs(batch, with_entropy=True)
     return {

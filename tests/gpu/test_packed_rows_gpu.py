@@ -8,6 +8,7 @@ Run on the lent H200 (wheels under .whl):
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q tests/gpu/test_packed_rows_gpu.py
 """
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -80,7 +81,7 @@ def _packed_against_one_per_micro_batch(hf_dir, platform) -> float:
     lengths = [(n, max(1, n // 3)) for n in (200, 37, 130, 2, 96, 64)]
     batch = RolloutBatch([torch.randint(0, vocab, (n,), generator=generator) for n, _ in lengths], [r for _, r in lengths])
     alone = actor.compute_logprobs(batch)
-    actor.settings.max_tokens_per_micro_batch = sum(batch.token_counts())
+    actor.settings = dataclasses.replace(actor.settings, max_tokens_per_micro_batch=sum(batch.token_counts()))
     packed = actor.compute_logprobs(batch)
     return max((a - b).abs().max().item() for a, b in zip(alone, packed))
 

@@ -1,5 +1,5 @@
 """Every algorithm flag does something: given a value other than its default, each one either changes the loss
-the actor computes (through the loop's own settings and batch assembly, relax.loop) or is refused at parse time
+the actor computes (through the settings relax.args builds and the loop's batch assembly, relax.loop) or is refused at parse time
 with a message naming what to do. The flags come from the parser, so a new one without a case here fails."""
 
 import functools
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from relax.args import build_parser, parse_train_args
-from relax.loop import _actor_settings, rollout_batch
+from relax.loop import rollout_batch
 from relax.rollout.data import Prompt
 from relax.rollout.groups import Sample
 from relax.train.losses import aggregation_denominator
@@ -155,8 +155,8 @@ def _loss(argv: tuple[str, ...]) -> float:
     """The loss the actor computes for the whole batch as one micro-batch, with the settings and the batch the
     loop makes from these flags."""
     config = parse_train_args([*BASE, *argv])
-    settings = _actor_settings(config)
-    batch = rollout_batch(_samples(), config.relax)
+    settings = config.actor
+    batch = rollout_batch(_samples(), config.algorithm)
     mask = torch.zeros(len(LENGTHS), max(LENGTHS))
     for i, length in enumerate(LENGTHS):
         mask[i, :length] = 1

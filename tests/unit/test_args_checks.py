@@ -1,11 +1,12 @@
 """Cross-field rules: each one fires with a message naming the flags, and a consistent run passes them all."""
 
+import argparse
 from types import SimpleNamespace
 
 import pytest
 
 from relax.args import parse_train_args
-from relax.args.checks import colocation_releases_memory
+from relax.args.checks import Parsed, colocation_releases_memory
 from relax.platform import platform_facts
 
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -144,10 +145,6 @@ RULES = {
         [*RUN, "--overlong-buffer-len", "1024"],
         "--overlong-buffer-len 1024 must be below --rollout-max-response-len 1024",
     ),
-    "no context parallelism": (
-        [*RUN, "--context-parallel-size", "2"],
-        "--context-parallel-size 2 is not supported: the actor builds megatron-core's local layers",
-    ),
     "chat template options need the template": (
         [*RUN, "--system-prompt", "Be brief.", "--apply-chat-template-kwargs", '{"enable_thinking": false}'],
         "--apply-chat-template-kwargs and --system-prompt only apply with --apply-chat-template",
@@ -159,9 +156,9 @@ RULES = {
         "--save-hf and --save are both checkpoints: their step_N directories would collide",
     ),
     "grouped experts need experts": ([*RUN, "--moe-grouped-gemm"], "--moe-grouped-gemm applies to MoE models only"),
-    "grouped experts keep their activations": (
-        [*RUN, "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act"],
-        "--recompute-modules moe_act is not supported with --moe-grouped-gemm",
+    "reward function imports": (
+        [*RUN, "--reward-fn", "relax_no_such_module:score"],
+        "--reward-fn relax_no_such_module:score: cannot import module 'relax_no_such_module'",
     ),
     "MindSpeed switches off NPU": (
         [*RUN, "--use-fused-rmsnorm", "--use-fused-swiglu"],
@@ -188,7 +185,7 @@ def test_mindspeed_switch_rules_on_npu(rule, capsys):
     assert message in parse_error(argv, capsys)
     switches = ["--use-fused-swiglu", "--bias-activation-fusion", "--use-fused-rotary-pos-emb", "--use-fused-rmsnorm"]
     config = parse_train_args([*NPU_RUN, *switches])
-    assert config.relax.use_fused_swiglu and config.relax.use_fused_rmsnorm
+    assert set(config.run.megatron_features) == {"use_fused_swiglu", "use_fused_rotary_pos_emb", "use_fused_rmsnorm"}
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -202,7 +199,7 @@ def test_a_consistent_multi_device_run_passes():
     argv += ["--rollout-num-devices-per-engine", "4", "--rollout-batch-size", "16", "--n-samples-per-prompt", "4"]
     argv += ["--global-batch-size", "32", "--micro-batch-size", "2", "--eps-clip-high", "0.28"]
     config = parse_train_args(argv)
-    assert (config.relax.global_batch_size, config.relax.eps_clip_high) == (32, 0.28)
+    assert (config.algorithm.global_batch_size, config.actor.loss.clip_high) == (32, 0.28)
 
 
 def test_grouped_experts_pass_with_experts_and_expert_parallelism():
@@ -214,33 +211,35 @@ def test_grouped_experts_pass_with_experts_and_expert_parallelism():
 
 def test_resolved_defaults():
     config = parse_train_args(RUN)
-    assert config.relax.global_batch_size == 32 * 8  # one optimizer step per rollout
-    assert config.relax.eps_clip_high == config.relax.eps_clip
-    assert config.megatron.scheduler.lr_decay_iters == config.relax.num_steps
+    assert config.algorithm.global_batch_size == 32 * 8  # one optimizer step per rollout
+    assert config.actor.loss.clip_high == config.actor.loss.clip_low
+    assert config.actor.lr_decay_steps == config.megatron.scheduler.lr_decay_iters == config.run.num_steps
 
 
 def test_gspo_alone_is_gspo_as_published():
-    relax = parse_train_args([*RUN, "--advantage-estimator", "gspo"]).relax
-    assert (relax.eps_clip, relax.eps_clip_high, relax.loss_aggregation) == (3e-4, 4e-4, "seq-mean-token-mean")
+    loss = parse_train_args([*RUN, "--advantage-estimator", "gspo"]).actor.loss
+    assert (loss.clip_low, loss.clip_high, loss.aggregation) == (3e-4, 4e-4, "seq_mean_token_mean")
+    assert loss.ratio_level == "sequence"
     given = ["--eps-clip", "1e-3", "--loss-aggregation", "token-mean"]
-    relax = parse_train_args([*RUN, "--advantage-estimator", "gspo", *given]).relax
-    assert (relax.eps_clip, relax.eps_clip_high, relax.loss_aggregation) == (1e-3, 1e-3, "token-mean")
-    relax = parse_train_args([*RUN, "--eps-clip-high", "0.28"]).relax
-    assert (relax.eps_clip, relax.eps_clip_high, relax.loss_aggregation) == (0.2, 0.28, "token-mean")
-    assert (relax.eps_clip_c, relax.log_ratio_clamp, relax.k3_clamp) == (3.0, 20.0, None)
+    loss = parse_train_args([*RUN, "--advantage-estimator", "gspo", *given]).actor.loss
+    assert (loss.clip_low, loss.clip_high, loss.aggregation) == (1e-3, 1e-3, "token_mean")
+    config = parse_train_args([*RUN, "--eps-clip-high", "0.28"])
+    loss = config.actor.loss
+    assert (loss.clip_low, loss.clip_high, loss.aggregation, loss.ratio_level) == (0.2, 0.28, "token_mean", "token")
+    assert (loss.dual_clip, loss.log_ratio_clamp, config.flags.k3_clamp) == (3.0, 20.0, None)
 
 
 def test_overlong_penalty_factor_defaults_with_the_buffer():
     argv = [*RUN, "--rollout-max-response-len", "8", "--overlong-buffer-len", "4"]
-    assert parse_train_args(argv).relax.overlong_penalty_factor == 1.0
-    assert parse_train_args([*argv, "--overlong-penalty-factor", "0.5"]).relax.overlong_penalty_factor == 0.5
+    assert parse_train_args(argv).rollout.overlong_penalty_factor == 1.0
+    assert parse_train_args([*argv, "--overlong-penalty-factor", "0.5"]).rollout.overlong_penalty_factor == 0.5
 
 
 def test_gdn_training_kernel_defaults_to_the_devices_and_can_be_chosen():
-    assert parse_train_args(RUN).relax.gdn_training_kernel == platform_facts("cpu").gdn_training_kernel == "reference"
+    assert parse_train_args(RUN).actor.gdn_training_kernel == platform_facts("cpu").gdn_training_kernel == "reference"
     cuda = [arg if arg != "cpu" else "cuda" for arg in RUN]
-    assert parse_train_args(cuda).relax.gdn_training_kernel == "fla"
-    assert parse_train_args([*cuda, "--gdn-training-kernel", "reference"]).relax.gdn_training_kernel == "reference"
+    assert parse_train_args(cuda).actor.gdn_training_kernel == "fla"
+    assert parse_train_args([*cuda, "--gdn-training-kernel", "reference"]).actor.gdn_training_kernel == "reference"
 
 
 def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
@@ -253,8 +252,8 @@ def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
     )
     for name in ("cpu", "cuda", "npu"):  # the real records all allow colocation
         assert colocation_releases_memory(config, platform_facts(name)) is None
-    config.relax.colocate = False
-    assert colocation_releases_memory(config, without_saver) is None
+    not_colocated = Parsed(argparse.Namespace(**{**vars(config.flags), "colocate": False}), config.megatron)
+    assert colocation_releases_memory(not_colocated, without_saver) is None
 
 
 @pytest.mark.parametrize(
@@ -275,7 +274,7 @@ def test_bad_values_exit_2(bad, capsys):
 
 def test_rollout_rs_threshold_alone_is_symmetric_around_1():
     config = parse_train_args([*RUN, "--rollout-rs", "seq_mean_k1", "--rollout-rs-threshold", "2"])
-    assert config.relax.rollout_rs_threshold == (0.5, 2.0)
+    assert config.actor.rollout_correction.mis_bounds == (0.5, 2.0)
 
 
 @pytest.mark.parametrize(
@@ -286,7 +285,7 @@ def test_chat_template_kwargs_are_a_json_object_at_parse_time(value, message, ca
     argv = [*RUN, "--apply-chat-template", "--apply-chat-template-kwargs", value]
     assert f"argument --apply-chat-template-kwargs: {value!r} {message}" in parse_error(argv, capsys)
     config = parse_train_args([*argv[:-1], '{"enable_thinking": false}'])
-    assert config.relax.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert config.rollout.data.chat_template_kwargs == {"enable_thinking": False}
 
 
 def test_bad_relax_device_environment_exits_2(monkeypatch, capsys):

@@ -170,8 +170,7 @@ def test_relax_fills_the_fields_it_manages(checkpoint):
     assert config.sglang.enable_memory_saver is False  # the CPU has no memory saver
     gpu = ["--device", "cuda", "--dry-run", "--num-devices-per-node", "2", "--rollout-num-devices-per-engine", "2"]
     assert parse_train_args([*BASE, *gpu]).sglang.enable_memory_saver is True
-    assert parse_train_args([*BASE, *gpu, "--no-colocate"]).sglang.tp_size == 2
-    assert parse_train_args([*BASE, *gpu, "--no-colocate"]).sglang.enable_memory_saver is False
+    assert parse_train_args([*BASE, *gpu]).sglang.tp_size == 2
 
 
 def parse_error(argv, capsys) -> str:

@@ -1,5 +1,6 @@
 """Prompt data through `relax train`: the dry run reads every row the run would, and a data error ends a dry run
-or a run with one line naming the file and the row, exit status 2, no traceback."""
+or a run with one line naming the file and the row, exit status 2, no traceback. The dry run checks the checkpoint
+--load names likewise."""
 
 import json
 
@@ -46,4 +47,16 @@ def test_the_dry_run_says_when_it_could_not_check_the_data(tmp_path, checkpoint,
     assert main(train_argv(checkpoint, tmp_path / "absent.jsonl", "--dry-run")) == 0
     assert f"prompt data: not checked (--prompt-data {tmp_path / 'absent.jsonl'} does not exist)" in (
         capsys.readouterr().out
+    )
+
+
+def test_the_dry_run_checks_the_checkpoint_to_resume(tmp_path, checkpoint, capsys):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}])
+    assert main(train_argv(checkpoint, data, "--dry-run", "--load", str(tmp_path / "later"))) == 0
+    assert f"--load: not checked (--load {tmp_path / 'later'} does not exist)" in capsys.readouterr().out
+    (tmp_path / "saves").mkdir()
+    assert main(train_argv(checkpoint, data, "--dry-run", "--load", str(tmp_path / "saves"))) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        f"relax train: --load {tmp_path / 'saves'}: no checkpoint there"
     )

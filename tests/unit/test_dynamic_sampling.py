@@ -3,10 +3,9 @@ until --rollout-batch-size informative groups are kept, bounded by --dynamic-sam
 in the metrics) and the soft overlong penalty. The engines are replaced by a scripted `generate` (relax's own
 phase, not SGLang) whose responses are the rewards to give."""
 
-import argparse
-
 import pytest
 
+from relax.args import RolloutSettings
 from relax.loop import collect_rollout
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
@@ -16,13 +15,13 @@ from relax.rollout.rewards import RewardFn
 REWARD_AS_WRITTEN = RewardFn(lambda sample: float(sample.response), "reward as written", False, False)
 
 
-def _settings(**changes):
+def _settings(**changes) -> RolloutSettings:
     base = dict(
-        load_rollout_data=None, save_rollout_data=None, dynamic_sampling=True, rollout_batch_size=3,
-        n_samples_per_prompt=2, over_sampling_batch_size=3, dynamic_sampling_max_rounds=10,
-        overlong_buffer_len=None, overlong_penalty_factor=1.0, rollout_max_response_len=4,
+        data=None, shuffle=False, reward_fn=None, sampling=SamplingConfig(n=2, max_new_tokens=4), batch_size=3,
+        devices_per_engine=1, dynamic_sampling=True, over_sampling_batch_size=3, dynamic_sampling_max_rounds=10,
+        overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None,
     )
-    return argparse.Namespace(**{**base, **changes})
+    return RolloutSettings(**{**base, **changes})
 
 
 @pytest.fixture
@@ -41,8 +40,8 @@ def scripted_generation():
     return install
 
 
-def _collect(generate, loader, r):
-    return collect_rollout(0, generate, loader, sampling=SamplingConfig(n=2), reward_fn=REWARD_AS_WRITTEN, r=r)
+def _collect(generate, loader, rollout):
+    return collect_rollout(0, generate, loader, SamplingConfig(n=2), REWARD_AS_WRITTEN, rollout)
 
 
 def test_groups_with_equal_rewards_are_dropped_and_rounds_refill(scripted_generation):
@@ -89,10 +88,10 @@ def test_overlong_penalty_comes_after_the_reward_metrics():
         return [[Completion([7], [-1.0], "stop", "1"), Completion([7] * 4, [-1.0] * 4, "length", "1")] for _ in prompts]
 
     loader = PromptLoader([Prompt(0, [0], "p0")])
-    r = _settings(dynamic_sampling=False, rollout_batch_size=1, overlong_buffer_len=2)
+    r = _settings(dynamic_sampling=False, batch_size=1, overlong_buffer_len=2)
     samples, metrics = _collect(generate, loader, r)
     assert [s.reward for s in samples] == [1.0, 1.0 - 1.0]  # 4 tokens of at most 4, the last 2 a buffer: -1
     assert metrics["rollout/reward_mean"] == 1.0  # the reward function's own
-    r = _settings(dynamic_sampling=False, rollout_batch_size=1, overlong_buffer_len=2, overlong_penalty_factor=0.5)
+    r = _settings(dynamic_sampling=False, batch_size=1, overlong_buffer_len=2, overlong_penalty_factor=0.5)
     samples, _ = _collect(generate, PromptLoader([Prompt(0, [0], "p0")]), r)
     assert [s.reward for s in samples] == [1.0, 1.0 - 0.5]  # --overlong-penalty-factor 0.5: at most -0.5

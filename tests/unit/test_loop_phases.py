@@ -1,15 +1,21 @@
 """The colocated loop's pure pieces: batch assembly with advantages, phase timing, metrics files."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from relax.loop import PhaseTimer, _mean_over_steps, refuse_unbuilt_settings, rollout_batch
+from relax.args import AlgorithmSettings
+from relax.loop import PhaseTimer, _mean_over_steps, rollout_batch
 from relax.metrics import MetricsLog, read_metrics
 from relax.rollout.data import Prompt
 from relax.rollout.groups import Sample
+
+
+GRPO_IN_PAIRS = AlgorithmSettings(
+    advantage_estimator="grpo", normalize_advantages_by_std=True, group_size=2, global_batch_size=4,
+    uses_reference=False,
+)
 
 
 def _sample(prompt, response, reward):
@@ -19,8 +25,7 @@ def _sample(prompt, response, reward):
 def test_rollout_batch_concatenates_prompt_and_response_and_normalises_rewards_per_group():
     p1, p2 = Prompt(1, [1, 2], "ab"), Prompt(2, [3], "c")
     samples = [_sample(p1, [5], 1.0), _sample(p1, [6, 7], 0.0), _sample(p2, [8, 9, 4], 0.5), _sample(p2, [4], 0.5)]
-    r = argparse.Namespace(advantage_estimator="grpo", n_samples_per_prompt=2, normalize_advantages_by_std=True)
-    batch = rollout_batch(samples, r)
+    batch = rollout_batch(samples, GRPO_IN_PAIRS)
     assert [t.tolist() for t in batch.tokens] == [[1, 2, 5], [1, 2, 6, 7], [3, 8, 9, 4], [3, 4]]
     assert batch.response_lengths == [1, 2, 3, 1]
     # group 1: rewards 1 and 0 -> +-1/std (std of [1, 0] is 0.7071); group 2: equal rewards -> 0
@@ -55,8 +60,7 @@ def test_mismatch_metrics_keep_their_group_and_extremes_combine_by_extreme():
 def test_rollout_batch_carries_the_engine_logprobs():
     prompt = Prompt(1, [1, 2], "ab")
     samples = [Sample(prompt, [5, 6], [-0.5, -1.5], "stop", reward=1.0), Sample(prompt, [7], [-2.0], "stop")]
-    r = argparse.Namespace(advantage_estimator="grpo", n_samples_per_prompt=2, normalize_advantages_by_std=True)
-    assert [t.tolist() for t in rollout_batch(samples, r).rollout_logprobs] == [[-0.5, -1.5], [-2.0]]
+    assert [t.tolist() for t in rollout_batch(samples, GRPO_IN_PAIRS).rollout_logprobs] == [[-0.5, -1.5], [-2.0]]
 
 
 def test_metrics_log_writes_jsonl_tensorboard_and_reward_curve(tmp_path):
@@ -68,19 +72,3 @@ def test_metrics_log_writes_jsonl_tensorboard_and_reward_curve(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def _run_settings(**changes):
-    base = dict(
-        save=None, load=None, debug_rollout_only=False, debug_train_only=False, save_rollout_data=None,
-        load_rollout_data=None, dynamic_sampling=False, colocate=True, num_nodes=1, log_interval=1,
-    )
-    return argparse.Namespace(**{**base, **changes})
-
-
-def test_settings_the_loop_does_not_carry_out_are_refused_not_ignored():
-    refuse_unbuilt_settings(_run_settings())  # the defaults pass
-    refuse_unbuilt_settings(_run_settings(save="ckpt", load="ckpt"))  # the loop checkpoints and resumes
-    with pytest.raises(SystemExit, match=r"--save / --load with --debug-rollout-only \(drop them.*--log-interval > 1"):
-        refuse_unbuilt_settings(_run_settings(save="ckpt", debug_rollout_only=True, log_interval=2))
-    refuse_unbuilt_settings(_run_settings(num_nodes=2))  # engines on other nodes take weights by broadcast

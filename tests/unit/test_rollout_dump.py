@@ -3,13 +3,14 @@ errors that name the file and the step."""
 
 import argparse
 import json
-from types import SimpleNamespace
 
 import pytest
 
-from relax.args.checks import rollout_data_patterns_valid
+from relax.args import RolloutSettings
+from relax.args.checks import Parsed, rollout_data_patterns_valid
 from relax.loop import collect_rollout
 from relax.rollout.data import Prompt
+from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import (
     FORMAT,
     VERSION,
@@ -74,7 +75,7 @@ def test_path_patterns(tmp_path):
 
     def problem(**flags):
         r = argparse.Namespace(**{"save_rollout_data": None, "load_rollout_data": None, "num_steps": 5, **flags})
-        return rollout_data_patterns_valid(SimpleNamespace(relax=r), platform=None)
+        return rollout_data_patterns_valid(Parsed(flags=r, megatron=None), platform=None)
 
     assert problem() is None and problem(save_rollout_data="x_{step}") is None
     assert problem(save_rollout_data="x").startswith("--save-rollout-data 'x' has no {step}")
@@ -143,21 +144,22 @@ def test_labels_that_are_not_json_fail_and_leave_no_file(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def _loop_settings(**changes):
+def _loop_settings(**changes) -> RolloutSettings:
     base = dict(
-        load_rollout_data=None, save_rollout_data=None, dynamic_sampling=False, rollout_batch_size=2,
-        n_samples_per_prompt=2, overlong_buffer_len=None, overlong_penalty_factor=1.0, rollout_max_response_len=3,
+        data=None, shuffle=False, reward_fn=None, sampling=SamplingConfig(n=2, max_new_tokens=3), batch_size=2,
+        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, dynamic_sampling_max_rounds=None,
+        overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None,
     )
-    return argparse.Namespace(**{**base, **changes})
+    return RolloutSettings(**{**base, **changes})
 
 
 def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_loading(tmp_path):
     save_rollout_data(str(tmp_path / "in_{step}.jsonl"), 1, _samples(), samples_per_prompt=2)
-    r = _loop_settings(
-        load_rollout_data=str(tmp_path / "in_{step}.jsonl"), save_rollout_data=str(tmp_path / "out_{step}.jsonl"),
+    rollout = _loop_settings(
+        load_data=str(tmp_path / "in_{step}.jsonl"), save_data=str(tmp_path / "out_{step}.jsonl"),
         overlong_buffer_len=1,
     )
-    samples, metrics = collect_rollout(1, generate=None, loader=None, sampling=None, reward_fn=None, r=r)
+    samples, metrics = collect_rollout(1, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
     # Saved again unchanged: the file holds the reward function's scores, the penalty comes after.
     assert (tmp_path / "out_1.jsonl").read_text() == (tmp_path / "in_1.jsonl").read_text()
     assert metrics["rollout/reward_mean"] == pytest.approx((1 / 3 + 0.0 - 1.5 + 2.0) / 4)
@@ -165,4 +167,4 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
     # 3 tokens of at most 3 with a 1-token buffer: -1; shorter responses keep their reward
     assert [s.reward for s in samples] == [1 / 3, 0.0, -2.5, 2.0]
     with pytest.raises(RolloutDataError, match=r"step 2: .*in_2\.jsonl does not exist"):
-        collect_rollout(2, generate=None, loader=None, sampling=None, reward_fn=None, r=r)
+        collect_rollout(2, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)

@@ -7,11 +7,13 @@ import json
 import os
 import shutil
 import signal
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from relax.args import OutputSettings
 from relax.run_state import (
     LATEST,
     PARTIAL_SUFFIX,
@@ -30,10 +32,10 @@ from relax.tiny_model import build_tiny_model
 
 
 def test_saves_are_due_every_interval_and_at_the_last_step():
-    r = SimpleNamespace(save="ckpt", save_interval=3, num_steps=8)
-    assert [step for step in range(8) if save_due(r, step)] == [2, 5, 7]
-    assert [step for step in range(8) if save_due(SimpleNamespace(**{**vars(r), "save_interval": None}), step)] == [7]
-    assert not any(save_due(SimpleNamespace(**{**vars(r), "save": None}), step) for step in range(8))
+    outputs = OutputSettings(output_dir="out", wandb_project=None, save="ckpt", save_interval=3, save_hf=None)
+    assert [step for step in range(8) if save_due(outputs, 8, step)] == [2, 5, 7]
+    assert [step for step in range(8) if save_due(replace(outputs, save_interval=None), 8, step)] == [7]
+    assert not any(save_due(replace(outputs, save=None), 8, step) for step in range(8))
 
 
 def test_sampling_seeds_depend_on_seed_and_step_only():

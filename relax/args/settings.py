@@ -1,0 +1,212 @@
+"""relax's flags as typed, frozen settings, built once at parse time: what the loop and the run state read.
+
+    run        RunSettings: the model, the steps and seed, the devices, the debug mode, the checkpoint to resume
+    rollout    RolloutSettings: the prompts, the reward function, sampling, the engines, dynamic sampling, replay
+    algorithm  AlgorithmSettings: advantages and how a rollout splits into optimizer steps
+    actor      relax.train.settings.ActorSettings: loss, off-policy correction, micro-batches, LR schedule
+    outputs    OutputSettings: the run's record, checkpoints, HF directories
+
+Each builder maps flags (the parsed namespace, its defaults filled in and checked) to one group; this is the only
+place a flag's name meets the setting it becomes. A setting's own __post_init__ refusing a value (SamplingConfig's
+top_p outside (0, 1], ...) is reported by the parser, naming the value, before anything starts.
+"""
+
+import argparse
+import dataclasses
+
+from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
+from relax.rollout.data import PromptDataConfig
+from relax.rollout.engine import SamplingConfig
+from relax.train.losses import LossSettings
+from relax.train.off_policy import RolloutCorrection
+from relax.train.settings import ActorSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    hf_checkpoint: str | None  # the HF model directory: the engines' weights and the actor's architecture
+    device: str  # the platform's name (relax.platform)
+    num_steps: int
+    seed: int  # data order, sampling seeds, Megatron's init
+    num_nodes: int
+    num_devices_per_node: int
+    colocate: bool  # the actor and the engines time-share the devices
+    megatron_features: dict  # MindSpeed switches given (name -> True), for every training rank's repatch
+    update_weight_buffer_size: int  # bytes per weight-sync bucket
+    debug_rollout_only: bool  # no training actor
+    debug_train_only: bool  # no engines: rollouts replayed from RolloutSettings.load_data
+    load: str | None  # a --save directory (or one of its steps) to resume from
+    dry_run: bool  # validate and print; run nothing
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    data: PromptDataConfig | None  # None: no --prompt-data (only with --debug-train-only)
+    shuffle: bool  # the prompts, each epoch, seeded by RunSettings.seed
+    reward_fn: str | None  # a built-in name or module:function (relax.rollout.rewards)
+    sampling: SamplingConfig  # n responses per prompt; the loop sets each step's seed
+    batch_size: int  # prompts per step
+    devices_per_engine: int  # an SGLang engine's tensor-parallel size
+    dynamic_sampling: bool  # keep only groups with unequal rewards, refilling in rounds
+    over_sampling_batch_size: int | None  # prompts per round (dynamic sampling only)
+    dynamic_sampling_max_rounds: int | None  # rounds before the run stops (dynamic sampling only)
+    overlong_buffer_len: int | None  # DAPO's overlong shaping: the last this many tokens before the limit
+    overlong_penalty_factor: float | None  # the penalty at the limit
+    load_data: str | None  # replay the scored samples this pattern names instead of generating
+    save_data: str | None  # write each step's scored samples to this pattern
+
+    @property
+    def max_response_len(self) -> int:
+        return self.sampling.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSettings:
+    advantage_estimator: str  # relax.train.advantages.ESTIMATORS
+    normalize_advantages_by_std: bool
+    group_size: int  # responses per prompt: the group advantages are normalised over
+    global_batch_size: int  # samples per optimizer step
+    uses_reference: bool  # a KL-to-reference term is in the loss: reference logprobs are computed
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputSettings:
+    output_dir: str  # metrics.jsonl, TensorBoard events, the reward curve
+    wandb_project: str | None  # None: no Weights & Biases
+    save: str | None  # checkpoints (relax.run_state)
+    save_interval: int | None  # every this many steps (and after the last)
+    save_hf: str | None  # at every save, the actor's weights as an HF directory too
+
+
+def run_settings(flags: argparse.Namespace) -> RunSettings:
+    return RunSettings(
+        hf_checkpoint=flags.hf_checkpoint,
+        device=flags.device,
+        num_steps=flags.num_steps,
+        seed=flags.seed,
+        num_nodes=flags.num_nodes,
+        num_devices_per_node=flags.num_devices_per_node,
+        colocate=flags.colocate,
+        megatron_features={name: True for name in MEGATRON_FEATURE_FLAGS if getattr(flags, name)},
+        update_weight_buffer_size=flags.update_weight_buffer_size,
+        debug_rollout_only=flags.debug_rollout_only,
+        debug_train_only=flags.debug_train_only,
+        load=flags.load,
+        dry_run=flags.dry_run,
+    )
+
+
+def prompt_data_config(flags: argparse.Namespace) -> PromptDataConfig | None:
+    if flags.prompt_data is None:
+        return None
+    return PromptDataConfig(
+        path=flags.prompt_data,
+        prompt_key=flags.input_key,
+        label_key=flags.label_key,
+        metadata_key=flags.metadata_key,
+        apply_chat_template=flags.apply_chat_template,
+        chat_template_kwargs=flags.apply_chat_template_kwargs or {},
+        system_prompt=flags.system_prompt,
+        max_prompt_tokens=flags.max_prompt_length,
+        skip_bad_rows=flags.skip_bad_rows,
+    )
+
+
+def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
+    return RolloutSettings(
+        data=prompt_data_config(flags),
+        shuffle=flags.rollout_shuffle,
+        reward_fn=flags.reward_fn,
+        sampling=SamplingConfig(
+            n=flags.n_samples_per_prompt,
+            temperature=flags.rollout_temperature,
+            top_p=flags.rollout_top_p,
+            top_k=flags.rollout_top_k,
+            max_new_tokens=flags.rollout_max_response_len,
+            stop_token_ids=tuple(flags.rollout_stop_token_ids or ()),
+        ),
+        batch_size=flags.rollout_batch_size,
+        devices_per_engine=flags.rollout_num_devices_per_engine,
+        dynamic_sampling=flags.dynamic_sampling,
+        over_sampling_batch_size=flags.over_sampling_batch_size,
+        dynamic_sampling_max_rounds=flags.dynamic_sampling_max_rounds,
+        overlong_buffer_len=flags.overlong_buffer_len,
+        overlong_penalty_factor=flags.overlong_penalty_factor,
+        load_data=flags.load_rollout_data,
+        save_data=flags.save_rollout_data,
+    )
+
+
+def uses_reference(flags: argparse.Namespace) -> bool:
+    return flags.use_kl_loss and flags.kl_coef != 0.0
+
+
+def algorithm_settings(flags: argparse.Namespace) -> AlgorithmSettings:
+    return AlgorithmSettings(
+        advantage_estimator=flags.advantage_estimator,
+        normalize_advantages_by_std=flags.normalize_advantages_by_std,
+        group_size=flags.n_samples_per_prompt,
+        global_batch_size=flags.global_batch_size,
+        uses_reference=uses_reference(flags),
+    )
+
+
+def actor_settings(flags: argparse.Namespace, scheduler: argparse.Namespace) -> ActorSettings:
+    """`scheduler`: the LR schedule's flags (MegatronConfig.scheduler)."""
+    kl = (
+        dict(kl_coef=flags.kl_coef, kl_estimator=flags.kl_loss_type, k3_clamp=flags.k3_clamp)
+        if uses_reference(flags)
+        else {}
+    )
+    loss = LossSettings(
+        loss_mode="cispo" if flags.advantage_estimator == "cispo" else "ppo",
+        clip_low=flags.eps_clip,
+        clip_high=flags.eps_clip_high,
+        dual_clip=flags.eps_clip_c,
+        log_ratio_clamp=flags.log_ratio_clamp,
+        ratio_level="sequence" if flags.advantage_estimator == "gspo" else "token",
+        aggregation=flags.loss_aggregation.replace("-", "_"),
+        # Dr. GRPO's constant: the longest response the engine may give, the same on every rank and step
+        norm_length=flags.rollout_max_response_len,
+        entropy_coef=flags.entropy_coef,
+        **kl,
+    )
+    tis = dict(tis_clip=flags.tis_clip, tis_clip_low=flags.tis_clip_low) if flags.use_tis else {}
+    correction = RolloutCorrection(
+        mis_bounds=flags.rollout_rs_threshold if flags.rollout_rs == "seq_mean_k1" else None,
+        use_rollout_logprobs=flags.use_rollout_logprobs,
+        **tis,
+    )
+    decay_steps = scheduler.lr_decay_iters or flags.num_steps
+    # Megatron-LM's rule: a warmup fraction is of the decay steps, else --lr-warmup-iters (both: refused)
+    warmup_steps = (
+        scheduler.lr_warmup_iters
+        if scheduler.lr_warmup_fraction is None
+        else round(scheduler.lr_warmup_fraction * decay_steps)
+    )
+    return ActorSettings(
+        loss=loss,
+        rollout_correction=correction,
+        micro_batch_size=flags.micro_batch_size,
+        max_tokens_per_micro_batch=flags.max_tokens_per_device if flags.use_dynamic_batch_size else None,
+        max_tokens_per_forward=flags.log_probs_max_tokens_per_device,
+        gdn_training_kernel=flags.gdn_training_kernel,
+        temperature=flags.rollout_temperature or 1.0,
+        seed=flags.seed,
+        keep_reference=uses_reference(flags),
+        memory_saver=flags.colocate,  # the workers run beside a memory saver only when colocated
+        lr_warmup_steps=warmup_steps,
+        lr_warmup_init=scheduler.lr_warmup_init,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=scheduler.lr_decay_style,
+    )
+
+
+def output_settings(flags: argparse.Namespace) -> OutputSettings:
+    return OutputSettings(
+        output_dir=flags.output_dir,
+        wandb_project=flags.wandb_project if flags.use_wandb else None,
+        save=flags.save,
+        save_interval=flags.save_interval,
+        save_hf=flags.save_hf,
+    )

@@ -1,0 +1,140 @@
+"""What relax does not support: the one table, enforced when `relax train` parses its flags (so --dry-run accepts
+only what a run carries out).
+
+Three kinds of entry, each with its reason and what to use instead:
+- REFUSED_FLAGS: Megatron-LM flags relax knows and refuses (giving one is a parse error).
+- MANAGED_BY_RELAX: SGLang ServerArgs fields relax sets itself (--sglang-<field> and --sglang-config keys are
+  refused, naming the relax flag to use).
+- UNSUPPORTED_COMBINATIONS: values or combinations of accepted flags that no part of relax carries out.
+"""
+
+import typing
+
+
+class Unsupported(typing.NamedTuple):
+    setting: str  # the flag or combination, as a user writes it
+    reason: str
+    instead: str
+    # For a combination: what of it was given, in the user's words (e.g. "--context-parallel-size 2"), or None.
+    # Reads relax.args.checks.Parsed. None for a refused flag: the parser refuses the flag itself.
+    given: typing.Callable[[typing.Any], str | None] | None = None
+
+    def message(self, given: str | None = None) -> str:
+        return f"{given or self.setting} is not supported: {self.reason}; {self.instead}"
+
+
+REFUSED_FLAGS = [
+    Unsupported(
+        "--make-vocab-size-divisible-by",
+        "relax trains the checkpoint's vocabulary unpadded, since SGLang engines receive the weights in HF shapes and "
+        "sample over the HF vocabulary, which the actor's logprobs must match",
+        "remove it (the vocabulary size must then divide by --tensor-model-parallel-size)",
+    ),
+    Unsupported(
+        "--seq-length",
+        "nothing in relax reads a fixed sequence length: each sample is trained whole, packed with others up to a "
+        "token budget",
+        "remove it; --max-prompt-length and --rollout-max-response-len bound a sample's length, "
+        "--max-tokens-per-device a packed micro-batch's",
+    ),
+]
+
+# ServerArgs fields relax sets itself, and what the user sets instead.
+MANAGED_BY_RELAX = {
+    "model_path": "use --hf-checkpoint",
+    "tokenizer_path": "use --hf-checkpoint (the tokenizer is read from it)",
+    "tp_size": "use --rollout-num-devices-per-engine",
+    "port": "relax's placement picks a free port per engine; remove it",
+    "nccl_port": "relax's placement picks a free port per engine; remove it",
+    "dist_init_addr": "relax's placement sets it; remove it",
+    "base_gpu_id": "relax's placement assigns devices; remove it",
+    "enable_memory_saver": "use --colocate (on by default; the memory saver follows it where the platform has one)",
+    "device": "use --device",
+    "default_chat_template_kwargs": (
+        "use --apply-chat-template-kwargs (relax renders the prompts and sends the engine token ids)"
+    ),
+}
+
+
+def _context_parallel(parsed) -> str | None:
+    cp = parsed.megatron.transformer.context_parallel_size
+    return f"--context-parallel-size {cp}" if cp != 1 else None
+
+
+def _grouped_experts_recomputing_moe_act(parsed) -> str | None:
+    tc = parsed.megatron.transformer
+    recomputed = tc.recompute_granularity == "selective" and "moe_act" in (tc.recompute_modules or [])
+    return "--recompute-modules moe_act with --moe-grouped-gemm" if tc.moe_grouped_gemm and recomputed else None
+
+
+def _position_embedding(parsed) -> str | None:
+    kind = parsed.megatron.model.position_embedding_type
+    return f"--position-embedding-type {kind}" if kind != "rope" else None
+
+
+def _dapo_estimator(parsed) -> str | None:
+    return "--advantage-estimator dapo" if parsed.flags.advantage_estimator == "dapo" else None
+
+
+def _not_colocated(parsed) -> str | None:
+    return "--no-colocate" if not parsed.flags.colocate else None
+
+
+def _checkpoints_without_actor(parsed) -> str | None:
+    f = parsed.flags
+    given = [flag for flag, value in (("--save", f.save), ("--load", f.load)) if value is not None]
+    return f"{' and '.join(given)} with --debug-rollout-only" if f.debug_rollout_only and given else None
+
+
+def _log_interval(parsed) -> str | None:
+    interval = parsed.flags.log_interval
+    return f"--log-interval {interval}" if interval != 1 else None
+
+
+UNSUPPORTED_COMBINATIONS = [
+    Unsupported(
+        "--no-colocate",
+        "the loop runs the actor and the engines on the same devices only",
+        "drop it (and on a GPU or NPU, install SGLang's memory saver, torch_memory_saver, which colocation needs)",
+        _not_colocated,
+    ),
+    Unsupported(
+        "--save / --load with --debug-rollout-only",
+        "without a training actor there is nothing to checkpoint",
+        "drop them",
+        _checkpoints_without_actor,
+    ),
+    Unsupported("--log-interval other than 1", "every step is logged", "drop it", _log_interval),
+    Unsupported(
+        "--context-parallel-size other than 1",
+        "the actor builds megatron-core's local layers, whose attention has no context parallelism without "
+        "TransformerEngine",
+        "use 1",
+        _context_parallel,
+    ),
+    Unsupported(
+        "--recompute-modules moe_act with --moe-grouped-gemm",
+        "relax's grouped experts keep their activations",
+        "drop moe_act from --recompute-modules",
+        _grouped_experts_recomputing_moe_act,
+    ),
+    Unsupported(
+        "--position-embedding-type other than rope",
+        "the actor builds every model family with rotary position embeddings, as their HF checkpoints do",
+        "give rope or drop the flag",
+        _position_embedding,
+    ),
+    Unsupported(
+        "--advantage-estimator dapo",
+        "it would compute GRPO's advantages and change nothing else",
+        "DAPO is --advantage-estimator grpo with clip-higher (--eps-clip-high, e.g. 0.28), --dynamic-sampling and "
+        "--overlong-buffer-len, and the token-mean loss that is the default; give those instead",
+        _dapo_estimator,
+    ),
+]
+
+
+def unsupported_combinations(parsed, platform) -> str | None:
+    """A rule of relax.args.checks: every unsupported combination that was given, one per line."""
+    problems = [entry.message(given) for entry in UNSUPPORTED_COMBINATIONS if (given := entry.given(parsed))]
+    return "\n".join(problems) or None

@@ -1,0 +1,134 @@
+"""The table of unsupported settings is enforced at parse time (what --dry-run accepts, a run carries out), and
+every flag of the parser has a reader: a settings builder, a parse-time rule, a megatron-core config object, or
+the table's refusal."""
+
+import pytest
+
+from relax.args import build_parser, parse_train_args
+from relax.args.checks import RULES, check_config
+from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_architecture, field_flags
+from relax.args.settings import actor_settings, algorithm_settings, output_settings, rollout_settings, run_settings
+from relax.args.unsupported import REFUSED_FLAGS, UNSUPPORTED_COMBINATIONS, unsupported_combinations
+from relax.hf_checkpoint import read_hf_checkpoint
+from relax.metrics import METRICS_FILE
+from relax.platform import platform_facts
+from relax.tiny_model import build_tiny_model
+
+SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
+# Every switch that makes a builder read more flags, on at once (a consistent run).
+EVERY_FEATURE = [
+    "--use-wandb", "--use-kl-loss", "--kl-coef", "0.1", "--use-tis", "--rollout-rs", "seq_mean_k1",
+    "--rollout-rs-threshold", "2", "--use-dynamic-batch-size", "--max-tokens-per-device", "64", "--dynamic-sampling",
+    "--overlong-buffer-len", "8", "--apply-chat-template", "--system-prompt", "Be brief.",
+]
+# Flags whose only effect is at parse time, and why that is their whole job.
+READ_AT_PARSE_TIME_ONLY = {
+    "overwrite_output_dir": "permits a new run in a directory holding an earlier run's record",
+    "log_interval": "every step is logged: any other value is refused by the table",
+}
+# Model-level Megatron flags that config.json does not fix, and what reads them.
+OTHER_MODEL_FLAG_READERS = {
+    "swiglu": "sets TransformerConfig.gated_linear_unit and activation_func",
+    "position_embedding_type": "the table refuses anything but rope",
+}
+COMBINATIONS = {
+    "--no-colocate": ["--no-colocate"],
+    "--save / --load with --debug-rollout-only": ["--debug-rollout-only", "--save", "ckpt"],
+    "--log-interval other than 1": ["--log-interval", "2"],
+    "--context-parallel-size other than 1": ["--context-parallel-size", "2"],
+    "--recompute-modules moe_act with --moe-grouped-gemm": [
+        "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act",
+    ],
+    "--position-embedding-type other than rope": ["--position-embedding-type", "learned_absolute"],
+    "--advantage-estimator dapo": ["--advantage-estimator", "dapo"],
+}
+
+
+def parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_train_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", UNSUPPORTED_COMBINATIONS, ids=lambda entry: entry.setting)
+def test_each_unsupported_combination_is_refused_at_parse_time_with_what_to_do(entry, capsys):
+    error = parse_error([*RUN, *COMBINATIONS[entry.setting]], capsys)
+    assert "is not supported: " + entry.reason in error and entry.instead in error
+
+
+def test_every_unsupported_combination_found_is_named_at_once(capsys):
+    error = parse_error([*RUN, "--no-colocate", "--log-interval", "3", "--context-parallel-size", "2"], capsys)
+    assert "--no-colocate is not supported" in error and "--log-interval 3 is not supported" in error
+    assert "--context-parallel-size 2 is not supported" in error
+
+
+@pytest.mark.parametrize("entry", REFUSED_FLAGS, ids=lambda entry: entry.setting)
+def test_each_refused_flag_is_refused_with_what_to_do(entry, capsys):
+    error = parse_error([*RUN, entry.setting, "1"], capsys)
+    assert f"{entry.setting} is not supported: {entry.reason}" in error and entry.instead in error
+
+
+def test_the_table_is_one_of_the_parse_time_rules():
+    assert unsupported_combinations in RULES
+
+
+class ReadRecorder:
+    """A namespace's values, noting each name read."""
+
+    def __init__(self, namespace):
+        self._namespace, self.read = namespace, set()
+
+    def __getattr__(self, name):
+        self.read.add(name)
+        return getattr(self._namespace, name)
+
+
+def _reads(argv) -> tuple[set, set, set]:
+    """(relax flags the settings builders read, relax flags the parse-time rules read, LR-schedule flags read)."""
+    config = parse_train_args(argv)
+    built, checked, scheduler = (ReadRecorder(config.flags), ReadRecorder(config.flags),
+                                 ReadRecorder(config.megatron.scheduler))
+    for build in (run_settings, rollout_settings, algorithm_settings, output_settings):
+        build(built)
+    actor_settings(built, scheduler)
+    assert check_config(checked, config.megatron, platform_facts("cpu")) == []
+    return built.read, checked.read, scheduler.read
+
+
+def test_every_flag_has_a_reader(tmp_path):
+    record = tmp_path / "record"
+    record.mkdir()
+    (record / METRICS_FILE).write_text("")  # an earlier run's record, which --overwrite-output-dir replaces
+    parser = build_parser()
+    relax_dests = {a.dest for a in parser._actions if not a.dest.startswith(("sglang_", "megatron_", "help"))}
+    megatron_names = {a.dest.removeprefix("megatron_") for a in parser._actions if a.dest.startswith("megatron_")}
+    built, checked, scheduler = set(), set(), set()
+    for argv in (RUN, [*RUN, *EVERY_FEATURE, "--output-dir", str(record), "--overwrite-output-dir"]):
+        for into, reads in zip((built, checked, scheduler), _reads(argv)):
+            into |= reads
+
+    assert relax_dests - built - checked == set()  # a relax flag nothing reads
+    assert relax_dests - built == set(READ_AT_PARSE_TIME_ONLY)  # read only by a rule: its job must be that
+
+    forms, _, _ = field_flags()  # megatron-core's dataclass fields: the config objects the actor builds
+    # A model flag config.json fixes must agree with it (relax.args.megatron.resolve_architecture).
+    fixed = set(checkpoint_architecture(read_hf_checkpoint(build_tiny_model(tmp_path / "model", "qwen3"))))
+    assert set(MODEL_FLAGS) - fixed - set(OTHER_MODEL_FLAG_READERS) == set()
+    assert set(SCHEDULER_FLAGS) - scheduler == set()  # an LR-schedule flag the actor's settings do not take
+    refused = {entry.setting.removeprefix("--").replace("-", "_") for entry in REFUSED_FLAGS}
+    assert megatron_names - set(forms) - set(MODEL_FLAGS) - set(SCHEDULER_FLAGS) - refused == set()
+
+
+def test_lr_warmup_fraction_and_init_reach_the_actor(capsys):
+    actor = parse_train_args([*RUN, "--num-steps", "40", "--lr-warmup-fraction", "0.25", "--lr-warmup-init", "1e-8"]).actor
+    assert (actor.lr_warmup_steps, actor.lr_warmup_init, actor.lr_decay_steps) == (10, 1e-8, 40)
+    actor = parse_train_args([*RUN, "--lr-warmup-iters", "3", "--lr-decay-iters", "20"]).actor
+    assert (actor.lr_warmup_steps, actor.lr_warmup_init, actor.lr_decay_steps) == (3, 0.0, 20)
+    error = parse_error([*RUN, "--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "3"], capsys)
+    assert "both set the warmup's length: give one" in error
+
+
+def test_a_setting_that_refuses_its_value_is_a_parse_error(capsys):
+    assert "top_p=2.0 (must be in (0, 1])" in parse_error([*RUN, "--rollout-top-p", "2"], capsys)
