@@ -358,6 +358,16 @@ def gdn_training_kernel_imports(config, platform):
         )
 
 
+def wandb_imports(config, platform):
+    """wandb is the one output package the stacks do not install (relax/pins.py OUTPUT_PACKAGES): the run's driver,
+    which parses these flags, logs to it."""
+    if config.relax.use_wandb and importlib.util.find_spec("wandb") is None:
+        return (
+            "--use-wandb logs through wandb, which is not installed: install it (pip install wandb) or leave out "
+            "--use-wandb"
+        )
+
+
 def megatron_features_fit_the_platform(config, platform):
     r = config.relax
     asked = [name for name in MEGATRON_FEATURE_FLAGS if getattr(r, name)]
@@ -415,6 +425,7 @@ RULES = [
     no_context_parallelism,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
+    wandb_imports,
 ]
 
 
