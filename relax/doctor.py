@@ -40,7 +40,7 @@ EXPECTED_VERSIONS = {
         "torch": PINS["TORCH_NPU_TORCH"],
         "torch-npu": PINS["TORCH_NPU"],
         "triton-ascend": PINS["TRITON_ASCEND"],
-        "mindspeed": "0.16.0",  # MindSpeed's own version on branch core_r0.16.0 (pins.MINDSPEED)
+        "mindspeed": PINS["MINDSPEED_VERSION"],
     },
 }
 COMMON_VERSIONS = {

