@@ -106,7 +106,7 @@ def test_an_optional_package_that_is_missing_is_refused_at_parse_time(monkeypatc
     assert "--use-wandb logs through wandb, which is not installed: install it (pip install wandb)" in (
         capsys.readouterr().err
     )
-    assert not parse_train_args(RUN).relax.use_wandb  # without the flag nothing needs it
+    assert not parse_train_args(RUN).outputs.wandb_project  # without the flag nothing needs it
 
     _wandb_installed(monkeypatch, installed=True)
-    assert parse_train_args([*RUN, OPTIONAL["wandb"]]).relax.use_wandb
+    assert parse_train_args([*RUN, OPTIONAL["wandb"]]).outputs.wandb_project
