@@ -94,6 +94,8 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                     config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on
                 ),
             )
+            # Started (weights loaded, graphs captured) before the first step, which would otherwise time it as rollout.
+            wait_for(engines.call("watched_child_pids"), placement)
         if checkpoint is not None:
             resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine)
 

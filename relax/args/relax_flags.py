@@ -357,6 +357,15 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="Training and rollout share the same devices, releasing memory in turn.",
     )
     g.add_argument(
+        "--actor-sleep-route",
+        choices=("memory-saver", "host-copies"),
+        default="memory-saver",
+        help="How the sleeping actor hands its device memory to the engines: memory-saver (the platform's "
+        "torch_memory_saver pauses the training state's region, keeping a host backup; host copies where the "
+        "platform has none) or host-copies (relax copies every storage of the state to pinned host memory and frees "
+        "it; docs/benchmarks.md compares the two on an H200). Default: %(default)s.",
+    )
+    g.add_argument(
         "--update-weight-buffer-size",
         type=_positive_int,
         default=512 * 1024**2,

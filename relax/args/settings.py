@@ -194,7 +194,8 @@ def actor_settings(flags: argparse.Namespace, scheduler: argparse.Namespace) -> 
         temperature=flags.rollout_temperature or 1.0,
         seed=flags.seed,
         keep_reference=uses_reference(flags),
-        memory_saver=flags.colocate,  # the workers run beside a memory saver only when colocated
+        # the workers run beside a memory saver only when colocated
+        memory_saver=flags.colocate and flags.actor_sleep_route == "memory-saver",
         lr_warmup_steps=warmup_steps,
         lr_warmup_init=scheduler.lr_warmup_init,
         lr_decay_steps=decay_steps,

@@ -10,8 +10,8 @@ each step's saved weights: the engine's logprobs equal HF's within bf16 noise, i
 wherever HF's top two are apart by more than that noise, and they are closer to the weights just pushed than to
 the previous step's (so the push took effect, not only returned).
 
-Measured in the same run (written to $RELAX_GPU_REPORT, default colocated_step.json, as JSON; docs/benchmarks.md
-holds the figures): device memory in use (NVML, the whole device) at each point of the switch, each phase's
+Run once per --actor-sleep-route. Measured in the same run (written to
+$RELAX_GPU_REPORT_DIR/colocated_step_<route>.json; docs/benchmarks.md holds the figures): device memory in use (NVML, the whole device) at each point of the switch, each phase's
 seconds, the push's GB/s against a device-to-device copy of the same bytes, and sleep / wake through
 torch_memory_saver against relax's host-copy route (relax.train.offload.HostCopies) on the same training state.
 
@@ -196,7 +196,8 @@ def gaps_to(scored, outputs) -> list[float]:
     return [abs(hf - engine) for (hf_lp, _, _), (_, engine_lp) in zip(scored, outputs) for hf, engine in zip(hf_lp, engine_lp)]
 
 
-def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(tmp_path, monkeypatch):
+@pytest.mark.parametrize("sleep_route", ["memory-saver", "host-copies"])
+def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_route, tmp_path, monkeypatch):
     import ray
 
     import relax.loop
@@ -221,7 +222,7 @@ def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(tmp_pa
         "--num-nodes", "1", "--num-devices-per-node", "1", "--rollout-num-devices-per-engine", "1",
         "--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",
         "--sglang-mem-fraction-static", "0.6", "--sglang-disable-prefill-cuda-graph",
-        "--output-dir", str(tmp_path / "output"),
+        "--actor-sleep-route", sleep_route, "--output-dir", str(tmp_path / "output"),
     ])
     engine_class, trainer_class = _measured_workers()
     monkeypatch.setenv(RECORDS_ENV, str(records))
@@ -268,5 +269,6 @@ def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(tmp_pa
         "engine_events": [{k: v for k, v in e.items() if k != "outputs"} for e in engine],
         "actor_events": actor,
     }
-    Path(os.environ.get("RELAX_GPU_REPORT", "colocated_step.json")).write_text(json.dumps(report, indent=1))
+    report_dir = Path(os.environ.get("RELAX_GPU_REPORT_DIR", "."))
+    (report_dir / f"colocated_step_{sleep_route}.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({"checks": checks, "run_seconds": run_seconds}))

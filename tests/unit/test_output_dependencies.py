@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import pretend_wandb_installed
 
 from relax.args import parse_train_args
 
@@ -87,19 +88,8 @@ def test_optional_packages_are_imported_only_where_used(module):
     assert not at_import, f"{module} imports {sorted(at_import)} when it is imported; import it where it is used"
 
 
-def _wandb_installed(monkeypatch, installed: bool):
-    real_find_spec = importlib.util.find_spec
-
-    def find_spec(name, *args):
-        if name == "wandb":
-            return importlib.util.spec_from_loader("wandb", loader=None) if installed else None
-        return real_find_spec(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-
-
 def test_an_optional_package_that_is_missing_is_refused_at_parse_time(monkeypatch, capsys):
-    _wandb_installed(monkeypatch, installed=False)
+    pretend_wandb_installed(monkeypatch, installed=False)
     with pytest.raises(SystemExit) as exit_info:
         parse_train_args([*RUN, OPTIONAL["wandb"]])
     assert exit_info.value.code == 2
@@ -108,5 +98,5 @@ def test_an_optional_package_that_is_missing_is_refused_at_parse_time(monkeypatc
     )
     assert not parse_train_args(RUN).outputs.wandb_project  # without the flag nothing needs it
 
-    _wandb_installed(monkeypatch, installed=True)
+    pretend_wandb_installed(monkeypatch, installed=True)
     assert parse_train_args([*RUN, OPTIONAL["wandb"]]).outputs.wandb_project
