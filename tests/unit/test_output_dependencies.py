@@ -7,7 +7,6 @@ pinned (relax/pins.py OUTPUT_PACKAGES) or made optional.
 """
 
 import ast
-import importlib.util
 import re
 import runpy
 import sys

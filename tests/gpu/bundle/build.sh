@@ -45,7 +45,7 @@ for package in "${PACKAGES[@]}"; do
   name=$(echo "${package%%==*}" | tr - _); version=${package#*==}
   wheel=$(find "$WHEELS" -maxdepth 1 -iname "${name}-${version}-*.whl" | head -1)
   [ -n "$wheel" ] || { echo "no wheel for $package in $WHEELS" >&2; exit 1; }
-  python3 -m zipfile -e "$wheel" "$STAGE"
+  unzip -q -o "$wheel" -d "$STAGE"  # keeps the executable bits (Ray's raylet and gcs_server)
 done
 
 # Not loaded on the verified path (see the header); each is a large compiled or data-heavy part.
