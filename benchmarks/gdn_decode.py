@@ -17,7 +17,7 @@ kernel is also timed alone, and the outputs of both sides are compared from iden
     python benchmarks/gdn_decode.py --policy
     python benchmarks/gdn_decode.py --batch-sizes 64 --flush clean   # under ncu: DRAM bytes of each flush
 
---policy times what SGLang's glue runs (relax.kernels.sglang_gdn_decode: the platform's launch record through
+--policy times what SGLang's glue runs (relax.rollout.sglang_gdn_decode: the device's launch record through
 gdn_triton.decode_tiling) against the fla chain at batch 1 to 256, beside every other tiling the policy could
 have picked (unsplit, and each value head split 1, 2, 4, ... ways), so one run shows where splitting stops
 paying and whether the glue beats the fla chain at every batch size.
@@ -30,7 +30,8 @@ import torch
 import triton
 
 from relax.kernels import gdn_reference as ref
-from relax.kernels.gdn_triton import DecodeTiling, TritonLaunch, decode_tiling, gdn_decode, split_tiling, unsplit_tiling
+from relax.kernels.gdn_triton import DecodeTiling, decode_tiling, gdn_decode, split_tiling, unsplit_tiling
+from relax.kernels.launch import TritonLaunch
 
 HK, HV, K, V, WIDTH = 16, 32, 128, 128, 4
 CONV_DIM = 2 * HK * K + HV * V
@@ -183,7 +184,7 @@ class Settings(NamedTuple):
                 + (f" maxnreg={self.maxnreg}" if self.maxnreg else ""))
 
 
-DEFAULT_SETTINGS = Settings(32, 1, 4, 16, 2)  # relax.platform.cuda's unsplit launch: its grid, options and tile
+DEFAULT_SETTINGS = Settings(32, 1, 4, 16, 2)  # relax.kernels.launch's NVIDIA unsplit launch: its grid, options and tile
 SWEEP = [
     # one program per key-head group (batch >= 16); num_stages=2: each state tile loaded one step ahead
     Settings(64, 1, 4, 16, 1), Settings(64, 1, 4, 16, 2), Settings(64, 1, 4, 16, 2, maxnreg=168),
@@ -211,7 +212,7 @@ def policy_candidates(launch: TritonLaunch) -> dict[str, DecodeTiling]:
 
 def run_policy(batch_sizes):
     """The glue's tiling per batch size against the fla chain, beside the policy's other candidates."""
-    from relax.kernels.sglang_gdn_decode import launch_for_device
+    from relax.rollout.sglang_gdn_decode import launch_for_device
 
     launch = launch_for_device(torch.device("cuda", torch.cuda.current_device()))
     candidates = policy_candidates(launch)

@@ -1,6 +1,6 @@
 """Qwen3.5 inside SGLang's engine on one CUDA GPU, in one run: the GDN layers' decode through SGLang's own kernels
 against relax's fused decode kernel (patches/sglang 0004, SGLANG_RELAX_FUSED_GDN_DECODE=1;
-relax.kernels.sglang_gdn_decode), each in its own engine through relax.rollout.engine.RolloutEngine.
+relax.rollout.sglang_gdn_decode), each in its own engine through relax.rollout.engine.RolloutEngine.
 
 The model: relax.tiny_model's qwen3_5 family with Qwen3.5-9B's layer shapes (hidden 4096; GDN layers of 16 key
 and 32 value heads of 128, conv width 4; full-attention layers of 16 query / 4 KV heads of 256; FFN 12288), 8

@@ -16,14 +16,13 @@ import importlib.metadata
 import os
 import re
 import runpy
-import shutil
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
 from relax import patches
+from relax.platform import DEVICE_CHOICES, PLATFORMS, Platform, platform_facts, resolve_platform_name
 
 PINS = runpy.run_path(str(Path(__file__).resolve().parent / "pins.py"))
 
@@ -32,17 +31,7 @@ OK, INFO, WARN, BLOCKER = "ok", "info", "warn", "BLOCKER"
 # A colocated run puts two processes on every device: the training actor and the SGLang engine.
 PROCESSES_PER_DEVICE = 2
 
-# What each platform runs on. Keyed by platform name so that no check branches on the device.
-EXPECTED_VERSIONS = {
-    "cpu": {"torch": PINS["TORCH_CPU"]},
-    "cuda": {"torch": PINS["TORCH_CUDA"], "torch-memory-saver": PINS["TORCH_MEMORY_SAVER"]},
-    "npu": {
-        "torch": PINS["TORCH_NPU_TORCH"],
-        "torch-npu": PINS["TORCH_NPU"],
-        "triton-ascend": PINS["TRITON_ASCEND"],
-        "mindspeed": PINS["MINDSPEED_VERSION"],
-    },
-}
+# What every platform runs on; each platform adds its own (Platform.pinned_versions).
 COMMON_VERSIONS = {
     "sglang": PINS["SGLANG"],
     "megatron-core": PINS["MEGATRON_CORE"],
@@ -56,16 +45,7 @@ INSTALL_HINTS = {
 }
 # A different version of these is a blocker: relax's flags, model mappings and patches are made for the pin.
 EXACT = {"sglang", "megatron-core"}
-# Where relax's patch sets must be in place. On the CPU relax.platform redirects megatron-core's CUDA calls
-# itself and SGLang's patched paths (NPU backend, memory release on a device) are not reached.
-PATCHES_REQUIRED = {"cpu": False, "cuda": True, "npu": True}
-# The toolkit each platform needs, and the version expected of it.
-TOOLKIT = {
-    "cpu": None,
-    "cuda": ("NVIDIA driver", None),
-    "npu": ("CANN", PINS["CANN_NPU_IMAGE"].split(":")[1].split("-")[0]),
-}
-VISIBLE_DEVICE_VARIABLES = ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")
+VISIBLE_DEVICE_VARIABLES = tuple(p.visible_devices_env for p in PLATFORMS.values() if p.visible_devices_env)
 HCCL_PORT_RANGE_VARIABLES = ("HCCL_HOST_SOCKET_PORT_RANGE", "HCCL_NPU_SOCKET_PORT_RANGE")
 
 
@@ -82,15 +62,9 @@ class Row:
 class Facts:
     """Everything the checks judge, gathered once (or written by hand in tests)."""
 
-    platform: str  # cpu | cuda | npu; "" when the asked-for name is not a platform
+    platform: Optional[Platform]  # the asked-for platform's record; None when the name is not a platform
     platform_error: str = ""  # why this machine cannot compute on the platform ("" when it can)
     device_count: int = 0
-    dist_backend: str = ""
-    visible_devices_env: Optional[str] = None
-    ray_resource: Optional[str] = None
-    memory_saver: bool = False
-    attention_kernel: str = ""  # the training actor's kernels on this platform (relax.platform)
-    gdn_training_kernel: str = ""
     gdn_kernel_error: str = ""  # why the GDN training kernel does not import here ("" when it does)
     versions: dict = field(default_factory=dict)  # distribution -> version, None when not installed
     toolkit_version: Optional[str] = None
@@ -107,14 +81,14 @@ class Facts:
 
 
 def check_platform(facts: Facts) -> list[Row]:
-    if not facts.platform:
-        return [
-            Row("platform", BLOCKER, facts.platform_error, "cpu, cuda or npu", "pass --device auto, cpu, cuda or npu")
-        ]
+    platform = facts.platform
+    if platform is None:
+        names = ", ".join(PLATFORMS)
+        return [Row("platform", BLOCKER, facts.platform_error, names, f"pass --device {', '.join(DEVICE_CHOICES)}")]
     if facts.platform_error:
-        return [Row("platform", BLOCKER, f"{facts.platform}: unusable here", ">= 1 device", facts.platform_error)]
+        return [Row("platform", BLOCKER, f"{platform.name}: unusable here", ">= 1 device", facts.platform_error)]
     status = OK if facts.device_count > 0 else BLOCKER
-    found = f"{facts.platform}, {facts.device_count} device(s), {facts.dist_backend}"
+    found = f"{platform.name}, {facts.device_count} device(s), {platform.dist_backend}"
     return [
         Row(
             "platform",
@@ -123,8 +97,8 @@ def check_platform(facts: Facts) -> list[Row]:
             ">= 1 device",
             ""
             if status == OK
-            else f"no {facts.platform} device is visible: check the driver and "
-            f"{facts.visible_devices_env or 'the visible-device variable'}",
+            else f"no {platform.name} device is visible: check the driver and "
+            f"{platform.visible_devices_env or 'the visible-device variable'}",
         )
     ]
 
@@ -149,8 +123,8 @@ def _public(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def check_versions(platform: str, versions: Mapping[str, Optional[str]]) -> list[Row]:
-    expected = {**EXPECTED_VERSIONS.get(platform, {}), **COMMON_VERSIONS}
+def check_versions(platform: Platform, versions: Mapping[str, Optional[str]]) -> list[Row]:
+    expected = {**platform.pinned_versions, **COMMON_VERSIONS}
     rows = []
     for name, want in expected.items():
         have = versions.get(name)
@@ -166,11 +140,10 @@ def check_versions(platform: str, versions: Mapping[str, Optional[str]]) -> list
     return rows
 
 
-def check_toolkit(platform: str, version: Optional[str]) -> list[Row]:
-    toolkit = TOOLKIT.get(platform)
-    if toolkit is None:
-        return [Row("device toolkit", INFO, "none needed on the CPU")]
-    name, want = toolkit
+def check_toolkit(platform: Platform, version: Optional[str]) -> list[Row]:
+    name, want = platform.toolkit, platform.toolkit_pin
+    if name is None:
+        return [Row("device toolkit", INFO, f"none needed on {platform.name}")]
     if version is None:
         return [
             Row(
@@ -186,8 +159,8 @@ def check_toolkit(platform: str, version: Optional[str]) -> list[Row]:
     return [Row(name, OK, version, want or "")]
 
 
-def check_patches(platform: str, states: Mapping[str, object]) -> list[Row]:
-    required = PATCHES_REQUIRED.get(platform, True)
+def check_patches(platform: Platform, states: Mapping[str, object]) -> list[Row]:
+    required = platform.patches_required
     rows = []
     for upstream, per_patch in states.items():
         if isinstance(per_patch, str):  # could not be judged (not installed, no git)
@@ -219,7 +192,7 @@ def check_patches(platform: str, states: Mapping[str, object]) -> list[Row]:
                     "all applied",
                     f"relax patches apply {upstream}"
                     if required
-                    else "not needed on the CPU (relax.platform redirects what they fix)",
+                    else f"not needed on {platform.name} (relax.platform redirects what they fix)",
                 )
             )
     return rows
@@ -363,24 +336,25 @@ def check_ray(resources: Optional[dict], note: str, ray_resource: Optional[str],
 
 def run_checks(facts: Facts) -> list[Row]:
     rows = check_platform(facts)
-    if not facts.platform:
+    platform = facts.platform
+    if platform is None:
         return rows
     # The other checks still run on a platform this machine lacks: they say what else is missing.
-    rows += check_toolkit(facts.platform, facts.toolkit_version)
-    rows += check_training_kernels(facts.attention_kernel, facts.gdn_training_kernel, facts.gdn_kernel_error)
-    rows += check_versions(facts.platform, facts.versions)
-    rows += check_patches(facts.platform, facts.patch_states)
-    rows += check_worker_env(facts.worker_env_problem, facts.memory_saver)
-    rows += check_hccl_ports(facts.environ, facts.dist_backend)
-    rows += check_visible_devices(facts.environ, facts.visible_devices_env, facts.platform)
-    rows += check_ray(facts.ray_resources, facts.ray_note, facts.ray_resource, facts.device_count)
+    rows += check_toolkit(platform, facts.toolkit_version)
+    rows += check_training_kernels(platform.attention_kernel, platform.gdn_training_kernel, facts.gdn_kernel_error)
+    rows += check_versions(platform, facts.versions)
+    rows += check_patches(platform, facts.patch_states)
+    rows += check_worker_env(facts.worker_env_problem, platform.has_memory_saver)
+    rows += check_hccl_ports(facts.environ, platform.dist_backend)
+    rows += check_visible_devices(facts.environ, platform.visible_devices_env, platform.name)
+    rows += check_ray(facts.ray_resources, facts.ray_note, platform.ray_resource, facts.device_count)
     return rows
 
 
 # --------------------------------------------------------------------------------------------------
 # Gathering facts from this machine.
 
-DISTRIBUTIONS = sorted({name for table in EXPECTED_VERSIONS.values() for name in table} | set(COMMON_VERSIONS))
+DISTRIBUTIONS = sorted({name for p in PLATFORMS.values() for name in p.pinned_versions} | set(COMMON_VERSIONS))
 
 
 def installed_versions(names=DISTRIBUTIONS) -> dict:
@@ -393,11 +367,6 @@ def installed_versions(names=DISTRIBUTIONS) -> dict:
     return versions
 
 
-# Where a CANN toolkit records its version ("version=9.0.0" / "Version=9.0.0"), in the order tried. The
-# names are those seen in CANN installs and Ascend build scripts; not checked on a CANN 9.0.0 install.
-CANN_VERSION_FILES = ("*/ascend_toolkit_install.info", "runtime/version.info", "compiler/version.info")
-
-
 def gdn_kernel_import_error(name: str) -> str:
     from relax.kernels.gdn_training import gdn_training_kernel
 
@@ -406,37 +375,6 @@ def gdn_kernel_import_error(name: str) -> str:
     except ImportError as error:
         return str(error)
     return ""
-
-
-def cann_version(environ: Mapping[str, str]) -> Optional[str]:
-    """The CANN toolkit version from its install records, if any."""
-    home = Path(
-        environ.get("ASCEND_TOOLKIT_HOME")
-        or environ.get("ASCEND_HOME_PATH")
-        or "/usr/local/Ascend/ascend-toolkit/latest"
-    )
-    for pattern in CANN_VERSION_FILES:
-        for info in sorted(home.glob(pattern)) if home.is_dir() else []:
-            match = re.search(r"^version=(\S+)", info.read_text(errors="replace"), re.M | re.I)
-            if match:
-                return match.group(1)
-    return None
-
-
-def nvidia_driver_version() -> Optional[str]:
-    if not shutil.which("nvidia-smi"):
-        return None
-    done = subprocess.run(
-        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    lines = done.stdout.split()
-    return lines[0] if done.returncode == 0 and lines else None
-
-
-TOOLKIT_PROBES = {"cpu": lambda environ: None, "cuda": lambda environ: nvidia_driver_version(), "npu": cann_version}
 
 
 def installed_patch_states() -> dict:
@@ -472,12 +410,10 @@ def ray_cluster_resources(environ: Mapping[str, str]) -> tuple[Optional[dict], s
 
 def gather_facts(device: str = "auto", look_at_ray: bool = True, environ: Optional[Mapping[str, str]] = None) -> Facts:
     environ = dict(os.environ if environ is None else environ)
-    from relax.platform import platform_facts, resolve_platform_name
-
     try:
         record = platform_facts(resolve_platform_name(device, environ))
     except ValueError as error:
-        return Facts(platform="", platform_error=str(error), environ=environ)
+        return Facts(platform=None, platform_error=str(error), environ=environ)
     reason = record.unavailable_reason()
     try:
         record.check_worker_env(environ, memory_saver_on=record.has_memory_saver)
@@ -485,18 +421,12 @@ def gather_facts(device: str = "auto", look_at_ray: bool = True, environ: Option
     except ValueError as error:
         worker_env_problem = str(error)
     facts = Facts(
-        platform=record.name,
+        platform=record,
         platform_error=reason or "",
         device_count=0 if reason else record.device_count(),
-        dist_backend=record.dist_backend,
-        visible_devices_env=record.visible_devices_env,
-        ray_resource=record.ray_resource,
-        memory_saver=record.has_memory_saver,
-        attention_kernel=record.attention_kernel,
-        gdn_training_kernel=record.gdn_training_kernel,
         gdn_kernel_error=gdn_kernel_import_error(record.gdn_training_kernel),
         versions=installed_versions(),
-        toolkit_version=TOOLKIT_PROBES[record.name](environ),
+        toolkit_version=record.toolkit_version(environ),
         patch_states=installed_patch_states(),
         environ=environ,
         worker_env_problem=worker_env_problem,
@@ -534,7 +464,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument(
         "--device",
         default="auto",
-        choices=["auto", "cpu", "cuda", "npu"],
+        choices=DEVICE_CHOICES,
         help="platform to check (auto: RELAX_DEVICE, else what this machine has)",
     )
     parser.add_argument("--no-ray", action="store_true", help="do not connect to a running Ray cluster")

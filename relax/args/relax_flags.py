@@ -8,6 +8,7 @@ import argparse
 import json
 
 from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
+from relax.platform import DEVICE_CHOICES
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
 from relax.train.advantages import ESTIMATORS
 from relax.train.losses import AGGREGATIONS, DUAL_CLIP, K3_CLAMP, LOG_RATIO_CLAMP
@@ -32,7 +33,6 @@ MEGATRON_FEATURE_FLAGS = {
     "alltoall).",
 }
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
-DEVICE_CHOICES = ["auto", "cpu", "cuda", "npu"]
 
 
 def _positive_int(text: str) -> int:

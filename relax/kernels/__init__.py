@@ -6,9 +6,11 @@ Modules
 - gdn_triton: the fused decode kernel (split + conv update + l2norm + gating + delta rule + gated norm, one
   launch over the slot-indexed pools) and Triton versions of the conv update, gating and gated norm, written to
   triton-ascend's porting rules. Launch settings come from a TritonLaunch record.
+- launch: the TritonLaunch record and each Triton target's launch tuning (NVIDIA as measured on an H200, Ascend,
+  the interpreter), scaled to a device's compute units.
 - sglang_cpu_ops: functions with the semantics of the sgl_kernel CPU ops SGLang 0.5.23 calls for GDN models.
-- sglang_gdn_decode: what patches/sglang/0004 calls when SGLANG_RELAX_FUSED_GDN_DECODE=1: Qwen3.5 GDN decode
-  in SGLang through gdn_triton.gdn_decode on the engine's own pools (layout glue, launch record, fallbacks).
+
+SGLang's Qwen3.5 decode reaches gdn_triton.gdn_decode through relax.rollout.sglang_gdn_decode (patches/sglang/0004).
 
 Pools (decode): recurrent state [num_slots, Hv, V, K] (SGLang's layout; HF / fla hand states around as
 [.., Hv, K, V]: gdn_reference.state_to_pool_layout / state_from_pool_layout), conv state [num_slots, conv_dim,

@@ -9,9 +9,8 @@ Written to triton-ascend's porting rules so one source runs on NVIDIA GPUs and A
 - on-chip buffers are bounded: the recurrent state is streamed in [block_v, K] tiles, never a whole [V, K] head;
 - the only cross-program hand-off (gdn_decode with programs_per_group > 1) is an int32 atomic_add with
   sem="acq_rel" after a debug_barrier, both in triton-ascend's supported set.
-The per-device values belong in relax.platform's TritonLaunch record (the H200's are in relax.platform.cuda);
-`decode_tiling` turns a record and a batch into one gdn_decode call's block_v / programs_per_group / launch.
-Tests and benchmarks may build a TritonLaunch themselves.
+The per-device values are relax.kernels.launch's (each Triton target's tuning, the H200's measured);
+`decode_tiling` turns a launch record and a batch into one gdn_decode call's block_v / programs_per_group / launch.
 """
 
 import dataclasses
@@ -21,7 +20,7 @@ import triton
 import triton.language as tl
 
 from relax.kernels.gdn_reference import QKVZ_LAYOUTS
-from relax.platform import TritonLaunch  # re-exported: tests and benchmarks build their own
+from relax.kernels.launch import TritonLaunch
 
 
 @triton.jit

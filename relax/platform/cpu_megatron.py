@@ -37,7 +37,7 @@ import types
 
 import torch
 
-from relax.platform.cpu import CpuDeviceModule
+from relax.platform.cpu_device import CpuDeviceModule
 from relax.platform.post_import import PostImportHook
 
 _MEGATRON_PACKAGE = "megatron.core"

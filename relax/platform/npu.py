@@ -16,12 +16,14 @@ Before SGLang: torch_npu must be imported so that `torch.npu` exists when SGLang
 Memory saver: torch_memory_saver as built by sgl-kernel-npu for Ascend (hook mode "torch" by default).
 """
 
+import re
 import sys
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from relax.platform import Platform, TritonLaunch, alloc_conf_has_expandable_segments, frozen, grouped_linear
+from relax import pins
+from relax.platform.base import Platform, frozen
 
-ALLOC_CONF_ENV = "PYTORCH_NPU_ALLOC_CONF"
 MINDSPEED_ADAPTOR = "mindspeed.megatron_adaptor"
 
 # Defaults for every worker, each with why. Sources: Ascend's CANN environment-variable reference and
@@ -54,37 +56,24 @@ WORKER_ENV = {
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
-def _unavailable_reason() -> Optional[str]:
-    try:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-    except ImportError as error:
-        return f"torch_npu does not import ({error}); install the Ascend stack (docker/Dockerfile.npu)"
-    import torch
+# Where a CANN toolkit records its version ("version=9.0.0" / "Version=9.0.0"), in the order tried. The
+# names are those seen in CANN installs and Ascend build scripts; not checked on a CANN 9.0.0 install.
+CANN_VERSION_FILES = ("*/ascend_toolkit_install.info", "runtime/version.info", "compiler/version.info")
 
-    if not torch.npu.is_available() or torch.npu.device_count() == 0:
-        return "torch_npu sees no NPU (check the driver, the CANN environment and ASCEND_RT_VISIBLE_DEVICES)"
+
+def cann_version(environ: Mapping[str, str]) -> Optional[str]:
+    """The CANN toolkit version from its install records, if any."""
+    home = Path(
+        environ.get("ASCEND_TOOLKIT_HOME")
+        or environ.get("ASCEND_HOME_PATH")
+        or "/usr/local/Ascend/ascend-toolkit/latest"
+    )
+    for pattern in CANN_VERSION_FILES:
+        for info in sorted(home.glob(pattern)) if home.is_dir() else []:
+            match = re.search(r"^version=(\S+)", info.read_text(errors="replace"), re.M | re.I)
+            if match:
+                return match.group(1)
     return None
-
-
-def _worker_env(memory_saver_on: bool) -> dict:
-    env = dict(WORKER_ENV)
-    if not memory_saver_on:
-        env[ALLOC_CONF_ENV] = EXPANDABLE_SEGMENTS
-    return env
-
-
-def _check_worker_env(env: Mapping[str, str], memory_saver_on: bool) -> None:
-    if memory_saver_on and alloc_conf_has_expandable_segments(env.get(ALLOC_CONF_ENV, "")):
-        raise ValueError(
-            f"{ALLOC_CONF_ENV}={env[ALLOC_CONF_ENV]!r} turns on expandable segments, which the memory saver "
-            "cannot work with: drop expandable_segments from it, or turn the memory saver off"
-        )
-
-
-def _load_memory_saver():
-    import torch_memory_saver  # sgl-kernel-npu's Ascend build; its default hook mode is "torch"
-
-    return torch_memory_saver.torch_memory_saver
 
 
 # MindSpeed's switches for its fused NPU kernels in megatron-core's own modules (its feature arguments, by dest):
@@ -102,7 +91,9 @@ MINDSPEED_FEATURES = (
 _applied_feature_args: Optional[dict] = None
 
 
-def _prepare_megatron(feature_args: Mapping[str, Any]) -> None:
+def prepare_mindspeed(feature_args: Mapping[str, Any]) -> None:
+    """torch_npu, then MindSpeed's adaptor (which patches megatron-core at import), then its feature arguments;
+    again only when the feature arguments change."""
     global _applied_feature_args
     feature_args = dict(feature_args)
     if _applied_feature_args == feature_args:
@@ -124,50 +115,79 @@ def _prepare_megatron(feature_args: Mapping[str, Any]) -> None:
     _applied_feature_args = feature_args
 
 
-def _prepare_sglang() -> None:
-    import torch_npu  # noqa: F401
-
-
-def _device_module():
-    import torch
-    import torch_npu  # noqa: F401
-
-    return torch.npu
-
-
-def _triton_launch(device_index: int) -> TritonLaunch:
-    """One program per vector core (relax's kernels have no matrix-unit work) and no num_warps/num_stages,
-    as triton-ascend's porting rules ask. gdn_decode keeps TritonLaunch's defaults (64-row tiles, never split
-    a key head's group): no other tiling was measured on an NPU. Unverified: no NPU was available."""
-    import triton
-
-    properties = triton.runtime.driver.active.utils.get_device_properties(device_index)
-    return TritonLaunch(num_programs=int(properties["num_vectorcore"]))
-
-
-PLATFORM = Platform(
-    name="npu",
-    dist_backend="hccl",
-    visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
-    ray_resource="NPU",
-    memory_saver="torch_memory_saver",
-    colocation_needs_release=True,
-    same_node_transport="ipc",
+class NpuPlatform(Platform):
+    name = "npu"
+    dist_backend = "hccl"
+    visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
+    ray_resource = "NPU"
+    memory_saver = "torch_memory_saver"
+    alloc_conf_env = "PYTORCH_NPU_ALLOC_CONF"
+    colocation_needs_release = True
+    same_node_transport = "ipc"
     # SGLang's Ascend path rebuilds a handle on the receiving process's own device (an Ascend handle carries no
     # device uuid): a handle from another NPU would be read as the receiver's own memory.
-    handles_cross_devices=False,
-    sglang_server_defaults=frozen({"device": "npu", "attention_backend": "ascend"}),
-    attention_kernel="npu_fusion",
+    handles_cross_devices = False
+    sglang_server_defaults = frozen({"device": "npu", "attention_backend": "ascend"})
+    attention_kernel = "npu_fusion"
     # flash-linear-attention's Triton kernels are not built for triton-ascend; the torch reference always runs
-    gdn_training_kernel="reference",
-    megatron_features=MINDSPEED_FEATURES,
-    _load_device_module=_device_module,
-    _unavailable_reason=_unavailable_reason,
-    _worker_env=_worker_env,
-    _check_worker_env=_check_worker_env,
-    _load_memory_saver=_load_memory_saver,
-    _prepare_megatron=_prepare_megatron,
-    _prepare_sglang=_prepare_sglang,
-    _triton_launch=_triton_launch,
-    _grouped_linear=grouped_linear.npu_grouped_linear,
-)
+    gdn_training_kernel = "reference"
+    megatron_features = MINDSPEED_FEATURES
+    pinned_versions = frozen({
+        "torch": pins.TORCH_NPU_TORCH,
+        "torch-npu": pins.TORCH_NPU,
+        "triton-ascend": pins.TRITON_ASCEND,
+        "mindspeed": pins.MINDSPEED_VERSION,
+    })
+    patches_required = True
+    toolkit = "CANN"
+    toolkit_pin = pins.CANN_NPU_IMAGE.split(":")[1].split("-")[0]  # the CANN release of the image's tag
+    triton_target = "ascend"
+
+    @property
+    def device_module(self):
+        import torch
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        return torch.npu
+
+    def unavailable_reason(self) -> Optional[str]:
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError as error:
+            return f"torch_npu does not import ({error}); install the Ascend stack (docker/Dockerfile.npu)"
+        import torch
+
+        if not torch.npu.is_available() or torch.npu.device_count() == 0:
+            return "torch_npu sees no NPU (check the driver, the CANN environment and ASCEND_RT_VISIBLE_DEVICES)"
+        return None
+
+    def load_memory_saver(self):
+        import torch_memory_saver  # sgl-kernel-npu's Ascend build; its default hook mode is "torch"
+
+        return torch_memory_saver.torch_memory_saver
+
+    def worker_env(self, memory_saver_on: bool = False) -> dict:
+        env = dict(WORKER_ENV)
+        if not memory_saver_on:
+            env[self.alloc_conf_env] = EXPANDABLE_SEGMENTS
+        return env
+
+    def prepare_megatron(self, feature_args=None) -> None:
+        prepare_mindspeed(dict(feature_args or {}))
+
+    def prepare_sglang(self) -> None:
+        import torch_npu  # noqa: F401
+
+    def grouped_linear(self, inputs, weights, tokens_per_group):
+        from relax.platform.grouped_linear import npu_grouped_linear
+
+        return npu_grouped_linear(inputs, weights, tokens_per_group)
+
+    def toolkit_version(self, environ) -> Optional[str]:
+        return cann_version(environ)
+
+    def triton_compute_units(self, device_index: int) -> int:
+        """Vector cores: relax's kernels have no matrix-unit work. Unverified: no NPU was available."""
+        import triton
+
+        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["num_vectorcore"])

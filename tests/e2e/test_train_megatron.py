@@ -182,7 +182,6 @@ def _actor(
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from relax.platform import get_platform
-    from relax.platform.cpu import NoMemorySaver
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.losses import LossSettings
     from relax.train.model import transformer_config
@@ -205,7 +204,10 @@ def _actor(
     settings = ActorSettings(**{"loss": loss, "lr_decay_style": "linear", "lr_decay_steps": 4, **settings})
     platform = get_platform()
     if memory_saver_stand_in:
-        platform = dataclasses.replace(platform, memory_saver="stand-in", _load_memory_saver=lambda: NoMemorySaver)
+        class WithSaverRoute(type(platform)):  # load_memory_saver stays the CPU's do-nothing saver
+            memory_saver = "stand-in"
+
+        platform = WithSaverRoute()
     return MegatronActor(hf_dir, transformer, optimizer, ddp, settings, platform=platform)
 
 

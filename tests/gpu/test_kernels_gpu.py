@@ -12,7 +12,7 @@ HK, HV, K, V, WIDTH = 16, 32, 128, 128, 4  # Qwen3.5-9B's linear-attention layer
 
 
 def cuda_launch(num_stages=2, num_warps=4):
-    from relax.kernels.gdn_triton import TritonLaunch
+    from relax.kernels.launch import TritonLaunch
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     return TritonLaunch(num_programs=sms * 16, options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -98,7 +98,7 @@ def test_glue_decode_with_the_platform_tiling_matches_reference(rows):
     split 16, 8, 4, 2 ways at 1, 2, 4, 8 rows, unsplit from 16 up) with the device's persistent tickets, two
     steps in a row."""
     from relax.kernels.gdn_triton import decode_tiling
-    from relax.kernels.sglang_gdn_decode import fused_decode, launch_for_device, tickets_for_device
+    from relax.rollout.sglang_gdn_decode import fused_decode, launch_for_device, tickets_for_device
 
     device = torch.device("cuda", torch.cuda.current_device())
     case = decode_case("contiguous", torch.float32, rows=rows, slots=rows + 3)

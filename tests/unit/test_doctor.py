@@ -9,24 +9,24 @@ import pytest
 
 from relax import doctor
 from relax.doctor import BLOCKER, INFO, OK, WARN, Facts
+from relax.platform import platform_facts
 
 REPO = Path(__file__).resolve().parents[2]
 PINS = doctor.PINS
 
 
-def _versions(platform: str) -> dict:
-    return {**doctor.EXPECTED_VERSIONS[platform], **doctor.COMMON_VERSIONS}
+CPU, CUDA, NPU = platform_facts("cpu"), platform_facts("cuda"), platform_facts("npu")
+
+
+def _versions(platform) -> dict:
+    return {**platform.pinned_versions, **doctor.COMMON_VERSIONS}
 
 
 def _npu_facts(**changes) -> Facts:
     facts = Facts(
-        platform="npu",
+        platform=NPU,
         device_count=16,
-        dist_backend="hccl",
-        visible_devices_env="ASCEND_RT_VISIBLE_DEVICES",
-        ray_resource="NPU",
-        memory_saver=True,
-        versions=_versions("npu"),
+        versions=_versions(NPU),
         toolkit_version="9.0.0",
         patch_states={"sglang": {"0001-a.patch": "applied"}, "megatron-core": {"0001-b.patch": "applied"}},
         environ={},
@@ -112,40 +112,40 @@ def test_visible_device_variables():
 
 
 def test_versions_against_the_pins():
-    versions = _versions("npu") | {
+    versions = _versions(NPU) | {
         "sglang": None,
         "megatron-core": "0.15.0",
         "transformers": "5.1.0",
         "torch": PINS["TORCH_NPU_TORCH"] + "+cpu",
     }
-    rows = _by_check(doctor.check_versions("npu", versions))
+    rows = _by_check(doctor.check_versions(NPU, versions))
     assert rows["sglang"].status == BLOCKER and rows["sglang"].found == "not installed"
     assert rows["megatron-core"].status == BLOCKER  # exact: flags, mappings and patches are made for the pin
     assert rows["transformers"].status == WARN
     assert rows["torch"].status == OK  # the local build tag does not matter
-    assert "torch-npu" not in _by_check(doctor.check_versions("cpu", _versions("cpu")))
+    assert "torch-npu" not in _by_check(doctor.check_versions(CPU, _versions(CPU)))
 
 
 def test_patches_are_required_on_devices_and_optional_on_cpu():
     missing = {"sglang": {"0001-a.patch": "not applied", "0002-b.patch": "applied"}}
-    row = doctor.check_patches("npu", missing)[0]
+    row = doctor.check_patches(NPU, missing)[0]
     assert row.status == BLOCKER and row.fix == "relax patches apply sglang"
-    assert doctor.check_patches("cpu", missing)[0].status == INFO
+    assert doctor.check_patches(CPU, missing)[0].status == INFO
     conflict = {"megatron-core": {"0001-a.patch": "conflicts"}}
-    assert doctor.check_patches("cuda", conflict)[0].status == BLOCKER
-    assert doctor.check_patches("npu", {"sglang": "sglang is not installed"})[0].status == BLOCKER
+    assert doctor.check_patches(CUDA, conflict)[0].status == BLOCKER
+    assert doctor.check_patches(NPU, {"sglang": "sglang is not installed"})[0].status == BLOCKER
 
 
 def test_toolkit_and_ray_and_platform():
     cann = PINS["CANN_NPU_IMAGE"].split(":")[1].split("-")[0]
-    assert doctor.check_toolkit("npu", None)[0].status == BLOCKER
-    assert doctor.check_toolkit("npu", "8.5.0")[0].status == WARN
-    assert doctor.check_toolkit("npu", cann)[0].status == OK
+    assert doctor.check_toolkit(NPU, None)[0].status == BLOCKER
+    assert doctor.check_toolkit(NPU, "8.5.0")[0].status == WARN
+    assert doctor.check_toolkit(NPU, cann)[0].status == OK
     assert doctor.check_ray({"CPU": 64.0}, "", "NPU", 8)[0].status == BLOCKER
     healthy = doctor.check_ray({"CPU": 192.0, "NPU": 16.0, "memory": 2.0**40, "node:10.0.0.1": 1.0}, "", "NPU", 16)[0]
     assert (healthy.status, healthy.found) == (OK, "CPU=192, NPU=16, memory=1024 GiB")
     assert doctor.check_ray(None, "no cluster running", "NPU", 8)[0].status == INFO
-    assert doctor.check_platform(Facts(platform="", platform_error="unknown device 'tpu'"))[0].status == BLOCKER
+    assert doctor.check_platform(Facts(platform=None, platform_error="unknown device 'tpu'"))[0].status == BLOCKER
     assert doctor.check_platform(_npu_facts(platform_error="no torch_npu"))[0].status == BLOCKER
     assert doctor.check_platform(_npu_facts(device_count=0))[0].status == BLOCKER
 
@@ -161,7 +161,7 @@ def test_training_kernels_row_names_a_gdn_kernel_that_does_not_import():
 
 def test_table_lists_each_fix_and_counts_blockers():
     rows = doctor.run_checks(
-        _npu_facts(environ={"ASCEND_RT_VISIBLE_DEVICES": ""}, versions=_versions("npu") | {"transformers": "5.0.0"})
+        _npu_facts(environ={"ASCEND_RT_VISIBLE_DEVICES": ""}, versions=_versions(NPU) | {"transformers": "5.0.0"})
     )
     table = doctor.format_table(rows)
     assert "BLOCKER ASCEND_RT_VISIBLE_DEVICES: an empty ASCEND_RT_VISIBLE_DEVICES hides every device: unset it" in table
@@ -200,15 +200,3 @@ def test_no_ray_cluster_is_reported_without_starting_one(tmp_path):
     resources, note = doctor.ray_cluster_resources({"RAY_TMPDIR": str(tmp_path)})
     assert resources is None and note.startswith("no cluster running")
     assert doctor.check_ray(resources, note, "NPU", 16)[0].status == INFO
-
-
-def test_cann_version_is_read_from_the_toolkit_records(tmp_path):
-    assert doctor.cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) is None
-    (tmp_path / "runtime").mkdir()
-    (tmp_path / "runtime" / "version.info").write_text("Version=9.0.0\nversion_dir=9.0.0\n")
-    assert doctor.cann_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) == "9.0.0"
-    (tmp_path / "aarch64-linux").mkdir()
-    (tmp_path / "aarch64-linux" / "ascend_toolkit_install.info").write_text(
-        "package_name=Ascend-cann-toolkit\nversion=9.0.0.alpha1\n"
-    )
-    assert doctor.cann_version({"ASCEND_HOME_PATH": str(tmp_path)}) == "9.0.0.alpha1"

@@ -32,7 +32,8 @@ def decode_case(layout, num_rows=3, hk=2, hv=4, dk=16, dv=12, width=4, bias=True
 
 
 def check_fused_decode(layout, bias, block_v, hv):
-    from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
+    from relax.kernels.gdn_triton import gdn_decode
+    from relax.kernels.launch import TritonLaunch
 
     # 3 rows x 2 key heads on 4 programs, so programs loop over items; a key-head group in one program, and
     # spread over programs (one value head and every other value tile each).
@@ -51,7 +52,7 @@ def check_fused_decode(layout, bias, block_v, hv):
 
 def check_simple_ops():
     from relax.kernels import gdn_triton
-    from relax.kernels.gdn_triton import TritonLaunch
+    from relax.kernels.launch import TritonLaunch
 
     launch = TritonLaunch(num_programs=3)
     gen = torch.Generator().manual_seed(1)
@@ -96,7 +97,8 @@ def test_conv_update_gating_and_gated_norm_match_references_interpreted():
 
 
 def test_fused_decode_rejects_a_pool_in_hf_layout():
-    from relax.kernels.gdn_triton import TritonLaunch, gdn_decode
+    from relax.kernels.gdn_triton import gdn_decode
+    from relax.kernels.launch import TritonLaunch
 
     case = decode_case("contiguous")
     case["state_pool"] = ref.state_from_pool_layout(case["state_pool"])  # [slots, Hv, K, V]
@@ -114,9 +116,9 @@ H200_TILINGS = {1: (16, 16, 2), 2: (32, 8, 2), 4: (32, 4, 2), 8: (32, 2, 2), 16:
 @pytest.mark.parametrize("rows", sorted(H200_TILINGS))
 def test_decode_tiling_on_an_h200_splits_small_batches_only(rows):
     from relax.kernels.gdn_triton import decode_tiling
-    from relax.platform.cuda import launch_for_sms
+    from relax.kernels.launch import triton_launch
 
-    launch = launch_for_sms(132)
+    launch = triton_launch("nvidia", 132)
     tiling = decode_tiling(rows, 16, 32, 128, launch)
     assert (tiling.block_v, tiling.programs_per_group, tiling.launch.options["num_stages"]) == H200_TILINGS[rows]
     assert tiling.launch.num_programs == launch.num_programs and tiling.launch.options["num_warps"] == 4
@@ -125,12 +127,10 @@ def test_decode_tiling_on_an_h200_splits_small_batches_only(rows):
 @pytest.mark.parametrize("hk,hv,dv", [(16, 32, 128), (2, 4, 12), (4, 4, 64), (8, 24, 256), (1, 1, 8)])
 def test_decode_tiling_choices_are_valid_kernel_arguments(hk, hv, dv):
     from relax.kernels.gdn_triton import decode_tiling
-    from relax.platform import TritonLaunch
-    from relax.platform.cuda import launch_for_sms
+    from relax.kernels.launch import TritonLaunch, triton_launch
 
-    for launch in (launch_for_sms(132), launch_for_sms(8), TritonLaunch(num_programs=4, decode_block_v=8,
-                                                                          decode_split_items=8,
-                                                                          decode_split_min_block_v=4)):
+    small = TritonLaunch(num_programs=4, decode_block_v=8, decode_split_items=8, decode_split_min_block_v=4)
+    for launch in (triton_launch("nvidia", 132), triton_launch("nvidia", 8), small):
         previous_parts = None
         for rows in range(1, 300):
             tiling = decode_tiling(rows, hk, hv, dv, launch)
@@ -149,11 +149,12 @@ def test_decode_tiling_choices_are_valid_kernel_arguments(hk, hv, dv):
 
 
 def test_decode_tiling_never_splits_with_the_default_record():
-    """The NPU's record keeps TritonLaunch's defaults: 64-row tiles, one program per key head's group."""
+    """The Ascend tuning keeps TritonLaunch's defaults: 64-row tiles, one program per key head's group."""
     from relax.kernels.gdn_triton import decode_tiling
-    from relax.platform import TritonLaunch
+    from relax.kernels.launch import TritonLaunch, triton_launch
 
-    launch = TritonLaunch(num_programs=48)
+    launch = triton_launch("ascend", 48)
+    assert launch == TritonLaunch(num_programs=48)
     for rows in (1, 2, 64):
         tiling = decode_tiling(rows, 16, 32, 128, launch)
         assert (tiling.block_v, tiling.programs_per_group, tiling.launch) == (64, 1, launch)
@@ -161,7 +162,7 @@ def test_decode_tiling_never_splits_with_the_default_record():
 
 def test_split_tiling_rejects_a_split_that_is_not_a_power_of_two():
     from relax.kernels.gdn_triton import split_tiling
-    from relax.platform.cuda import launch_for_sms
+    from relax.kernels.launch import triton_launch
 
     with pytest.raises(ValueError, match="power of two"):
-        split_tiling(3, 16, 32, 128, launch_for_sms(132))
+        split_tiling(3, 16, 32, 128, triton_launch("nvidia", 132))

@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from relax.platform import DEVICE_ENV, get_platform, platform_facts, resolve_platform_name
-from relax.platform.cpu import CpuDeviceModule
+from relax.platform import DEVICE_ENV, PLATFORMS, Platform, get_platform, platform_facts, resolve_platform_name
+from relax.platform.cpu_device import CpuDeviceModule
 
 
 def _probes(npu: bool, cuda: bool) -> dict:
@@ -67,6 +67,26 @@ def test_facts_are_readable_without_the_device(name, backend, visible, resource,
     assert platform.sglang_server_defaults["device"] == name
     with pytest.raises(ValueError, match="unknown device 'gpu'"):
         platform_facts("gpu")
+
+
+def test_a_platform_states_every_fact():
+    with pytest.raises(TypeError, match="platform Half does not state dist_backend, visible_devices_env"):
+        class Half(Platform):
+            name = "half"
+
+
+def test_every_platform_triton_target_has_launch_tuning():
+    from relax.kernels.launch import TUNINGS
+
+    assert {platform.triton_target for platform in PLATFORMS.values()} <= set(TUNINGS)
+
+
+def test_cpu_runs_triton_only_interpreted():
+    script = "from relax.platform import platform_facts; print(platform_facts('cpu').triton_compute_units(0))"
+    for interpret, expected in (("1", "1"), ("0", "TRITON_INTERPRET=1")):
+        env = {**os.environ, "TRITON_INTERPRET": interpret}
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+        assert expected in result.stdout + result.stderr
 
 
 def test_npu_worker_env_keeps_expandable_segments_away_from_the_memory_saver():
@@ -230,3 +250,16 @@ def test_npu_preparation_order_with_stand_in_torch_npu_and_mindspeed(tmp_path):
     late = "import megatron\nfrom relax.platform import platform_facts\nplatform_facts('npu').prepare_megatron()\n"
     result = subprocess.run([sys.executable, "-c", late], capture_output=True, text=True, timeout=60, env=env)
     assert "megatron was imported before MindSpeed patched it" in result.stderr
+
+
+def test_npu_toolkit_version_is_read_from_the_cann_records(tmp_path):
+    npu = platform_facts("npu")
+    assert npu.toolkit_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) is None
+    (tmp_path / "runtime").mkdir()
+    (tmp_path / "runtime" / "version.info").write_text("Version=9.0.0\nversion_dir=9.0.0\n")
+    assert npu.toolkit_version({"ASCEND_TOOLKIT_HOME": str(tmp_path)}) == "9.0.0"
+    (tmp_path / "aarch64-linux").mkdir()
+    (tmp_path / "aarch64-linux" / "ascend_toolkit_install.info").write_text(
+        "package_name=Ascend-cann-toolkit\nversion=9.0.0.alpha1\n"
+    )
+    assert npu.toolkit_version({"ASCEND_HOME_PATH": str(tmp_path)}) == "9.0.0.alpha1"

@@ -158,9 +158,9 @@ def test_the_cuda_saver_is_set_up_once_per_process(monkeypatch):
 
     module = types.SimpleNamespace(torch_memory_saver=Singleton())
     monkeypatch.setitem(sys.modules, "torch_memory_saver", module)
-    cuda._load_memory_saver.cache_clear()
+    cuda.load_torch_memory_saver.cache_clear()
     try:
-        first, second = (cuda.PLATFORM.load_memory_saver() for _ in range(2))
+        first, second = (cuda.CudaPlatform().load_memory_saver() for _ in range(2))
     finally:
-        cuda._load_memory_saver.cache_clear()
+        cuda.load_torch_memory_saver.cache_clear()
     assert first is second is module.torch_memory_saver and first.hook_modes == ["torch"]

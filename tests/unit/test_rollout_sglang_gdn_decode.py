@@ -1,4 +1,4 @@
-"""relax.kernels.sglang_gdn_decode's layout glue and launch choice (the engine-level check of the switch is
+"""relax.rollout.sglang_gdn_decode's layout glue and launch choice (the engine-level check of the switch is
 tests/e2e/test_patches_sglang.py): SGLang's conv state pools in both layouts it allocates, CUDA/CPU
 [slots, conv_dim, W-1] and Ascend's window-major [slots, W-1, conv_dim], reach the fused kernel as views and give
 the reference's result, pools updated in place, with the tiling gdn_triton.decode_tiling picks (split at small
@@ -22,7 +22,7 @@ def check_glue_decode_matches_reference():
     from test_kernels_triton import decode_case
 
     from relax.kernels.gdn_triton import decode_tiling
-    from relax.kernels.sglang_gdn_decode import (conv_pool_as_channels_by_taps, fused_decode, launch_for_device,
+    from relax.rollout.sglang_gdn_decode import (conv_pool_as_channels_by_taps, fused_decode, launch_for_device,
                                                  tickets_for_device)
 
     cpu = torch.device("cpu")
@@ -50,14 +50,14 @@ def check_glue_decode_matches_reference():
 def test_glue_decode_split_and_unsplit_match_reference_interpreted():
     unit_dir = os.path.dirname(__file__)
     code = (f"import sys; sys.path.insert(0, {unit_dir!r}); "
-            "import test_kernels_sglang_gdn_decode as t; t.check_glue_decode_matches_reference()")
+            "import test_rollout_sglang_gdn_decode as t; t.check_glue_decode_matches_reference()")
     result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"),
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
 def test_conv_pool_layouts_recognised_and_others_refused():
-    from relax.kernels.sglang_gdn_decode import conv_pool_as_channels_by_taps
+    from relax.rollout.sglang_gdn_decode import conv_pool_as_channels_by_taps
 
     pool = torch.zeros(5, 24, 3)
     assert conv_pool_as_channels_by_taps(pool, 24, 4) is pool
@@ -69,7 +69,7 @@ def test_conv_pool_layouts_recognised_and_others_refused():
 def test_cpu_without_the_interpreter_is_a_clear_error():
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("this process runs Triton interpreted")
-    from relax.kernels.sglang_gdn_decode import launch_for_device
+    from relax.rollout.sglang_gdn_decode import launch_for_device
 
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         launch_for_device(torch.device("cpu"))

@@ -14,9 +14,9 @@ patch stays a switch and one call:
 - conv state pool: [num_slots, conv_dim, W-1] on CUDA and CPU, [num_slots, W-1, conv_dim] on Ascend (the NPU
   pool is window-major); both are handed to the kernel as a [num_slots, conv_dim, W-1] view with its strides;
 - recurrent state pool: [num_slots, Hv, V, K], the kernel's own layout; padding rows carry slot -1;
-- launch: the platform's record (relax.platform), turned per batch by gdn_triton.decode_tiling into block_v and
-  programs_per_group (small batches split each key head's group over programs), with one persistent tickets
-  buffer per device for the split launches.
+- launch: relax.kernels.launch's record for the device's Triton target and compute units (facts of its platform),
+  turned per batch by gdn_triton.decode_tiling into block_v and programs_per_group (small batches split each key
+  head's group over programs), with one persistent tickets buffer per device for the split launches.
 """
 
 import functools
@@ -24,20 +24,21 @@ import logging
 
 import torch
 
-from relax.kernels.gdn_triton import TritonLaunch, decode_tiling, gdn_decode
+from relax.kernels.gdn_triton import decode_tiling, gdn_decode
+from relax.kernels.launch import TritonLaunch, triton_launch
+from relax.platform import platform_facts
 
 logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=None)
 def launch_for_device(device: torch.device) -> TritonLaunch:
-    """The launch record for `device` from its platform (relax.platform: SMs x 16 programs with 4 warps and the
-    H200's decode tiling on NVIDIA, one program per vector core on Ascend, a few programs under TRITON_INTERPRET
-    on the CPU)."""
-    from relax.platform import platform_facts
-
+    """The launch record for `device`: its platform's Triton target and compute units, through the target's tuning
+    (relax.kernels.launch: SMs x 16 programs with 4 warps and the H200's decode tiling on NVIDIA, one program per
+    vector core on Ascend, a few programs under TRITON_INTERPRET on the CPU)."""
+    platform = platform_facts(device.type)
     try:
-        return platform_facts(device.type).triton_launch(device.index or 0)
+        return triton_launch(platform.triton_target, platform.triton_compute_units(device.index or 0))
     except RuntimeError as error:
         raise RuntimeError(f"SGLANG_RELAX_FUSED_GDN_DECODE=1 on {device}: {error}; or unset the variable") from error
 
