@@ -214,7 +214,7 @@ IMPORT_WITH_SWITCH = textwrap.dedent(
 
     get_platform("cpu").prepare_sglang()
     if sys.argv[2] == "blocked":
-        sys.modules["relax.kernels.sglang_gdn_decode"] = None  # import raises ImportError: relax is not there
+        sys.modules["relax.rollout.sglang_gdn_decode"] = None  # import raises ImportError: relax is not there
     logging.basicConfig(level=logging.WARNING)
     from sglang.srt.models import qwen3_5
 
@@ -228,7 +228,7 @@ IMPORT_WITH_SWITCH = textwrap.dedent(
 @pytest.mark.parametrize("switch,relax_glue,expected", [
     (None, "importable", "HOOK None"),  # unset: off
     ("0", "importable", "HOOK None"),
-    ("1", "importable", "HOOK relax.kernels.sglang_gdn_decode.qwen3_5_decode"),
+    ("1", "importable", "HOOK relax.rollout.sglang_gdn_decode.qwen3_5_decode"),
     ("1", "blocked", "HOOK None"),
 ])
 def test_fused_gdn_decode_switch_is_off_by_default_and_falls_back_without_relax(patched_root, tmp_path, switch,
