@@ -7,8 +7,9 @@ colocated run (the platform's own rule from relax.platform, e.g. expandable segm
 HCCL port settings shared by the several processes on one device; visible-device variables); and the
 resources of a running Ray cluster.
 
-Gathering facts (gather_facts) is separate from judging them: every check is a plain function of plain
-values, tested with a fake environment. The exit status is 1 when any row is a blocker.
+What each platform needs (its pinned versions, toolkit, whether the patch sets are required) is its record's
+(relax.platform). Gathering facts (gather_facts) is separate from judging them: every check is a plain function of
+the record and plain values, tested with a fake environment. The exit status is 1 when any row is a blocker.
 """
 
 import argparse
