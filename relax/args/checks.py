@@ -370,6 +370,14 @@ def gdn_training_kernel_imports(config, platform):
         )
 
 
+def sleep_route_exists(config, platform):
+    if config.flags.actor_sleep_route == "memory-saver" and not platform.has_memory_saver:
+        return (
+            f"--actor-sleep-route memory-saver: the {platform.name} platform has no memory saver; use host-copies "
+            "(or auto)"
+        )
+
+
 def wandb_imports(config, platform):
     """wandb is the one output package the stacks do not install (relax/pins.py OUTPUT_PACKAGES): the run's driver,
     which parses these flags, logs to it."""
@@ -439,6 +447,7 @@ RULES = [
     gdn_training_kernel_imports,
     reward_function_loads,
     wandb_imports,
+    sleep_route_exists,
 ]
 
 

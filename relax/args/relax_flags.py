@@ -358,12 +358,12 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--actor-sleep-route",
-        choices=("memory-saver", "host-copies"),
-        default="memory-saver",
+        choices=("auto", "memory-saver", "host-copies"),
+        default="auto",
         help="How the sleeping actor hands its device memory to the engines: memory-saver (the platform's "
-        "torch_memory_saver pauses the training state's region, keeping a host backup; host copies where the "
-        "platform has none) or host-copies (relax copies every storage of the state to pinned host memory and frees "
-        "it; docs/benchmarks.md compares the two on an H200). Default: %(default)s.",
+        "torch_memory_saver pauses the training state's region, keeping a host backup), host-copies (relax copies every "
+        "storage of the state to pinned host memory and frees it), or auto (default): the platform's choice, "
+        "host-copies on CUDA (measured faster on an H200, docs/benchmarks.md) and the CPU, memory-saver on NPU.",
     )
     g.add_argument(
         "--update-weight-buffer-size",

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
+from relax.platform import platform_facts
 from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import SamplingConfig
 from relax.train.losses import LossSettings
@@ -194,8 +195,7 @@ def actor_settings(flags: argparse.Namespace, scheduler: argparse.Namespace) -> 
         temperature=flags.rollout_temperature or 1.0,
         seed=flags.seed,
         keep_reference=uses_reference(flags),
-        # the workers run beside a memory saver only when colocated
-        memory_saver=flags.colocate and flags.actor_sleep_route == "memory-saver",
+        memory_saver=flags.colocate and actor_sleep_route(flags) == "memory-saver",
         lr_warmup_steps=warmup_steps,
         lr_warmup_init=scheduler.lr_warmup_init,
         lr_decay_steps=decay_steps,
@@ -211,3 +211,10 @@ def output_settings(flags: argparse.Namespace) -> OutputSettings:
         save_interval=flags.save_interval,
         save_hf=flags.save_hf,
     )
+
+
+def actor_sleep_route(flags) -> str:
+    """--actor-sleep-route, with auto resolved to the platform's route."""
+    if flags.actor_sleep_route == "auto":
+        return platform_facts(flags.device).actor_sleep_route
+    return flags.actor_sleep_route

@@ -17,6 +17,9 @@ class Platform(ABC):
     # Module that pauses and resumes tagged device memory (SGLang's enable_memory_saver, the actor's
     # sleep/wake). None: memory is never handed back (on CPU, release/resume are no-ops).
     memory_saver: Optional[str]
+    # How the sleeping actor hands its device memory back by default (--actor-sleep-route auto): "memory-saver"
+    # (the memory saver pauses the training state's region) or "host-copies" (relax.train.offload.HostCopies).
+    actor_sleep_route: str
     # The allocator setting (PYTORCH_{CUDA,NPU}_ALLOC_CONF) whose expandable segments a memory saver cannot work
     # with; None where there is no device allocator.
     alloc_conf_env: Optional[str]

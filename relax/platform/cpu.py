@@ -63,6 +63,8 @@ class CpuPlatform(Platform):
     visible_devices_env = None
     ray_resource = None
     memory_saver = None
+    # the only route: the CPU has no memory saver
+    actor_sleep_route = "host-copies"
     alloc_conf_env = None
     colocation_needs_release = False  # the engine and the trainer share host memory
     # torch's shared-memory handles both fail between Ray actors: file_descriptor on multiprocessing's

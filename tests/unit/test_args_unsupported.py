@@ -134,3 +134,17 @@ def test_lr_warmup_fraction_and_init_reach_the_actor(capsys):
 
 def test_a_setting_that_refuses_its_value_is_a_parse_error(capsys):
     assert "top_p=2.0 (must be in (0, 1])" in parse_error([*RUN, "--rollout-top-p", "2"], capsys)
+
+
+def test_the_actor_sleeps_through_the_platforms_route_unless_told(capsys, monkeypatch):
+    from relax.args.settings import actor_sleep_route
+
+    assert not parse_train_args(RUN).actor.memory_saver  # the CPU's route: host copies
+    flags = parse_train_args(RUN).flags
+    for device, route in (("cuda", "host-copies"), ("npu", "memory-saver")):
+        monkeypatch.setattr(flags, "device", device)
+        assert actor_sleep_route(flags) == route
+    monkeypatch.setattr(flags, "actor_sleep_route", "memory-saver")
+    assert actor_sleep_route(flags) == "memory-saver"
+    error = parse_error([*RUN, "--actor-sleep-route", "memory-saver"], capsys)
+    assert "--actor-sleep-route memory-saver: the cpu platform has no memory saver; use host-copies" in error
