@@ -58,7 +58,7 @@ class RecordingEngineWorker(EngineWorker):
             self._probe()
 
     def _probe(self):
-        outputs = [(c.token_ids, c.logprobs) for (c,) in self.engine.generate(PROBE_PROMPTS, GREEDY)]
+        outputs = [(c.token_ids, c.logprobs) for (c,) in EngineWorker.generate(self, PROBE_PROMPTS, GREEDY)]
         self._write({"event": "probe", "outputs": outputs})
 
     def _write(self, record):

@@ -100,7 +100,7 @@ def _measured_workers():
                 self._probe()
 
         def _probe(self):
-            outputs = [(c.token_ids, c.logprobs) for (c,) in self.engine.generate(PROBE_PROMPTS, greedy)]
+            outputs = [(c.token_ids, c.logprobs) for (c,) in EngineWorker.generate(self, PROBE_PROMPTS, greedy)]
             write_event("engine", "probe", outputs=outputs)
 
     class MeasuredTrainWorker(TrainWorker):
