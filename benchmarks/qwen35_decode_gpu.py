@@ -2,9 +2,10 @@
 against relax's fused decode kernel (patches/sglang 0004, SGLANG_RELAX_FUSED_GDN_DECODE=1;
 relax.rollout.sglang_gdn_decode), each in its own engine through relax.rollout.engine.RolloutEngine.
 
-The model: relax.tiny_model's qwen3_5 family with Qwen3.5-9B's layer shapes (hidden 4096; GDN layers of 16 key
-and 32 value heads of 128, conv width 4; full-attention layers of 16 query / 4 KV heads of 256; FFN 12288), 8
-layers (3 GDN, 1 full attention, twice), random bf16 weights built on the device, relax's tiny tokenizer.
+The model: relax.tiny_model's qwen3_5 family with Qwen3.5-9B's layer shapes (relax.tiny_model.qwen3_5_9b_layers:
+hidden 4096; GDN layers of 16 key and 32 value heads of 128, conv width 4; full-attention layers of 16 query / 4 KV
+heads of 256; FFN 12288), 8 layers (3 GDN, 1 full attention, twice), random bf16 weights built on the device,
+relax's tiny tokenizer.
 
 Prints, per side: the greedy tokens of 8 probe prompts (the two sides must agree: the run fails otherwise) and the
 decode step time at each batch size, from (time to generate 1 + --steps tokens - time to generate 1) / --steps
@@ -21,13 +22,6 @@ import time
 
 import torch
 
-QWEN3_5_9B_LAYERS = dict(
-    hidden_size=4096, intermediate_size=12288, num_hidden_layers=8,
-    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, full_attention_interval=4,
-    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-    linear_conv_kernel_dim=4, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
-    max_position_embeddings=4096,
-)
 SWITCH = "SGLANG_RELAX_FUSED_GDN_DECODE"
 SERVER_FIELDS = dict(
     attention_backend="triton", sampling_backend="pytorch", disable_prefill_cuda_graph=True,
@@ -69,10 +63,10 @@ def main():
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed per batch")
     args = parser.parse_args()
 
-    from relax.tiny_model import build_tiny_model
+    from relax.tiny_model import build_tiny_model, qwen3_5_9b_layers
 
     with tempfile.TemporaryDirectory() as directory:
-        model_dir = str(build_tiny_model(directory, "qwen3_5", device="cuda", dtype=torch.bfloat16, **QWEN3_5_9B_LAYERS))
+        model_dir = str(build_tiny_model(directory, "qwen3_5", device="cuda", dtype=torch.bfloat16, **qwen3_5_9b_layers(8)))
         torch.cuda.empty_cache()
         sides = [measure(model_dir, fused, args) for fused in (False, True)]
     for side in sides:

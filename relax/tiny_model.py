@@ -50,6 +50,18 @@ QWEN3_1_7B_BODY = dict(
     hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
     head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=40960,
 )
+# Qwen3.5-9B's layer shapes (config.json of the released model) for the tiny tokenizer, GDN layers three in four
+# (full_attention_interval 4): `qwen3_5_9b_layers(8)` has 6 GDN and 2 full-attention layers.
+def qwen3_5_9b_layers(num_layers: int) -> dict:
+    return dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=num_layers,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (num_layers // 4), full_attention_interval=4,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+        max_position_embeddings=4096,
+    )
+
+
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
