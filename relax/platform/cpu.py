@@ -1,7 +1,7 @@
 """CPU: debugging and CI. Real SGLang and real megatron-core run here, on gloo, with no device memory.
 
 Verified on this CPU stack (torch 2.13.0+cpu, megatron-core 0.16.1, sglang 0.5.23) by
-tests/e2e/test_platform_megatron.py and tests/e2e/test_platform_sglang.py.
+tests/e2e/test_platform_megatron.py, tests/e2e/test_engine.py and tests/e2e/test_qwen35_sglang.py.
 """
 
 from contextlib import contextmanager

@@ -2,7 +2,8 @@
 SGLang fixes its device at its first import, so test module order must not matter. (tests/gpu has no
 such conftest: its tests pick the GPU platform themselves.)
 
-Shared fixture: two_node_cluster, a real two-node Ray cluster on this machine, one per test module."""
+Shared fixtures: two_node_cluster, a real two-node Ray cluster on this machine, one per test module;
+saved_tiny_run, one run of the tiny job that saves checkpoints, for the whole session."""
 
 import os
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ os.environ.setdefault("RELAX_DEVICE", "cpu")  # workers the tests start inherit 
 
 from relax.platform import get_platform  # noqa: E402
 from relax.ray.local_cluster import CLUSTER_ENV, LocalCluster  # noqa: E402
+from tiny_runs import SavedTinyRun, run_saving_tiny_job  # noqa: E402
 
 get_platform("cpu").prepare_sglang()
 get_platform("cpu").prepare_megatron()
@@ -54,3 +56,10 @@ def two_node_cluster():
             else:
                 os.environ[name] = value
     assert local.processes() == [], "Ray processes of the test cluster were left running"
+
+
+@pytest.fixture(scope="session")
+def saved_tiny_run(tmp_path_factory) -> SavedTinyRun:
+    """The tiny job's run that saves checkpoints (tiny_runs.run_saving_tiny_job), shared by test_loop (what a run
+    logs and leaves behind) and test_loop_resume (resuming it): one start of the whole stack for both."""
+    return run_saving_tiny_job(tmp_path_factory.mktemp("saved_tiny_run"))

@@ -3,7 +3,8 @@
 1. a normal run with --dynamic-sampling saves each step's rollout (--save-rollout-data);
 2. --debug-train-only replays those files with no engine and trains to the very same losses (the actor
    starts from the same checkpoint and sees the same samples, the engine's logprobs included);
-3. --debug-rollout-only generates, scores and saves with no training actor.
+3. --debug-rollout-only generates, scores and saves with no training actor, into the normal run's output
+   directory: a new run's record replaces the previous one's (as a user reruns the job) rather than continuing it.
 
 Which Ray actors each run created is read from its process tree while it runs."""
 
@@ -22,12 +23,13 @@ ACTORS = ("TrainWorker", "EngineWorker")
 RUN_TIMEOUT_S = 600
 
 
-def _run_tiny_job(exp_dir: Path, name: str, *flags: str) -> tuple[list[dict], set[str]]:
-    """Run the tiny job with extra flags; returns its metrics records and the Ray actor classes seen among
-    the run's processes."""
+def _run_tiny_job(exp_dir: Path, name: str, *flags: str,
+                  output_name: str | None = None) -> tuple[list[dict], set[str]]:
+    """Run the tiny job with extra flags, its output in exp_dir / (output_name or name); returns its metrics
+    records and the Ray actor classes seen among the run's processes."""
     env = {**os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
     log_path = exp_dir / f"{name}.log"
-    output = exp_dir / name
+    output = exp_dir / (output_name or name)
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--output-dir", str(output), *flags],
@@ -94,10 +96,15 @@ def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_on
             assert again[key] == before[key], f"step {before['step']} {key}: replayed {again[key]}, ran {before[key]}"
 
     rollout_dumps = str(tmp_path / "rollout_only" / "step_{step}.jsonl")
+    original_events = set((tmp_path / "original" / "tensorboard").iterdir())
     generated, generator_actors = _run_tiny_job(
         tmp_path, "rollout_only", "--num-steps", "1", "--debug-rollout-only", "--save-rollout-data", rollout_dumps,
+        output_name="original",
     )
     assert generator_actors == {"EngineWorker"}
-    assert len(generated) == 1 and "rollout/reward_mean" in generated[0]
+    # A new run (the script passes --overwrite-output-dir): its record and events replace the original run's.
+    assert [r["step"] for r in generated] == [0] and "rollout/reward_mean" in generated[0]
+    events = set((tmp_path / "original" / "tensorboard").iterdir())
+    assert len(events) == 1 and not events & original_events, (original_events, events)
     assert not [key for key in generated[0] if key.startswith("train/") or key == "perf/train_time"]
     assert len(load_rollout_data(rollout_dumps, 0, num_groups=8, samples_per_prompt=8)) == 64

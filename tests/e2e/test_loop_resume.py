@@ -1,11 +1,12 @@
 """Checkpoint and resume through the real loop (scripts/run-tiny-cpu.sh: local Ray, SGLang engine, Megatron
 actor): 4 steps in one run equal 2 steps, a resume from the checkpoint after step 1, and 2 more steps.
 
-Two runs, not three: the 4-step run saves after steps 1 and 3 (--save-interval 2), so its first half is the
-"2 steps" run; the resumed run loads the step-1 checkpoint and runs steps 2 and 3. A save that disturbed the
-run would show as a difference too, since the resumed run is compared with the run that saved. The resumed
-run writes into the first run's experiment directory: one run, one record, continued from the checkpoint. The
-first run also writes HF directories (--save-hf), which must hold its checkpoints' weights.
+Two runs, not three: the 4-step run (the session's saved_tiny_run, tests/e2e/conftest.py) saves after steps 1 and
+3 (--save-interval 2), so its first half is the "2 steps" run; the resumed run loads the step-1 checkpoint and
+runs steps 2 and 3. A save that disturbed the run would show as a difference too, since the resumed run is
+compared with the run that saved. The resumed run writes into the first run's experiment directory: one run, one
+record, continued from the checkpoint. The first run also writes HF directories (--save-hf), which must hold its
+checkpoints' weights.
 
 Rollouts repeat exactly only because each request samples with a seed derived from (--seed, step), which
 SGLang honours under --sglang-enable-deterministic-inference. Same tokens, same rewards: those are compared
@@ -13,37 +14,21 @@ exactly. Training on the CPU is deterministic as well (same weights, optimizer s
 the losses get a 1e-6 tolerance only for the floating-point sums, which are not guaranteed bit for bit.
 """
 
-import os
 import subprocess
-from pathlib import Path
 
 import torch
 import transformers
 from safetensors.torch import load_file
 
-from relax.metrics import read_metrics
 from relax.run_state import LATEST, read_checkpoint
+from tiny_runs import ROOT, SAVING_RUN_STEPS as STEPS, run_tiny_job
 
-ROOT = Path(__file__).resolve().parents[2]
-STEPS = 4
 EXACT_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean", "rollout/truncated_fraction")
 CLOSE_KEYS = ("train/loss", "train/pg_loss", "train/clip_fraction", "train/ppo_kl", "train/grad_norm", "train/lr")
 
 
-def tiny_run(exp_dir: Path, *args: str) -> list[dict]:
-    env = {**os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", str(STEPS),
-         "--sglang-enable-deterministic-inference", *args],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return read_metrics(exp_dir / "output" / "metrics.jsonl")
-
-
-def test_four_steps_equal_two_steps_then_resume_and_two_more(tmp_path):
-    saves, hf_saves = tmp_path / "whole" / "checkpoints", tmp_path / "whole" / "hf"
-    whole = tiny_run(tmp_path / "whole", "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves))
+def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp_path):
+    whole, saves, hf_saves = saved_tiny_run.records, saved_tiny_run.saves, saved_tiny_run.hf_saves
     assert [r["step"] for r in whole] == [0, 1, 2, 3]
     assert (saves / LATEST).read_text().strip() == "step_000003"
     # --save-hf wrote an HF directory at each save, holding the weights of that step's checkpoint exactly
@@ -58,11 +43,14 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(tmp_path):
     assert trained.state_dict().keys() == checkpointed.keys()
     assert all(torch.equal(trained.state_dict()[k], v.float()) for k, v in checkpointed.items())
     after_step_1 = saves / "step_000001"
-    assert read_checkpoint(after_step_1, tmp_path / "whole" / "model", seed=1234, num_steps=STEPS).next_step == 2
+    assert read_checkpoint(after_step_1, saved_tiny_run.exp_dir / "model", seed=1234, num_steps=STEPS).next_step == 2
 
     # Resumed into the same experiment directory (the script passes --overwrite-output-dir, which a resumed run
     # does not act on): the run's record continues from the checkpoint, the first run's steps 2 and 3 replaced.
-    record = tiny_run(tmp_path / "whole", "--load", str(after_step_1))
+    record = run_tiny_job(
+        saved_tiny_run.exp_dir, "--num-steps", str(STEPS), "--sglang-enable-deterministic-inference",
+        "--load", str(after_step_1),
+    )
     assert [r["step"] for r in record] == [0, 1, 2, 3]
     assert record[:2] == whole[:2]
     resumed = record[2:]

@@ -28,7 +28,7 @@ from relax.rollout.engine import SamplingConfig
 from relax.rollout.synthetic import write_task
 from relax.rollout.worker import EngineWorker
 from relax.tiny_model import build_tiny_model
-from test_loop import PERF_KEYS
+from tiny_runs import PERF_KEYS
 
 RECORDS_ENV = "RELAX_TEST_ENGINE_RECORDS"  # the directory the engines write their records to
 PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]

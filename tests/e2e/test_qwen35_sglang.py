@@ -6,8 +6,10 @@ prefill over several 64-token chunks).
 After the first generation the engine receives, by update_weights_from_tensor, every weight of a second random
 checkpoint of the same shapes, and must then generate exactly what HF generates with that checkpoint: weights
 SGLang keeps in a second form (the GDN conv weight is also cached as a [conv_dim, W] view) would show up here.
+SGLang's own shutdown then leaves none of the engine's processes running.
 
-One engine start per model, in a fresh interpreter: SGLang fixes its device at first import.
+One engine start per model, in a fresh interpreter: the CPU platform must be prepared before sglang is first
+imported (SGLang fixes its device at import), and other tests of the session have imported it already.
 """
 
 import json
@@ -28,6 +30,7 @@ LOGPROB_TOLERANCE = 1e-4
 ENGINE_SCRIPT = textwrap.dedent(
     """
     import json, sys
+    import psutil
     from relax.platform import get_platform
 
     model_dir, updated_dir, prompts, new_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
@@ -46,7 +49,11 @@ ENGINE_SCRIPT = textwrap.dedent(
             for r in results
         ]
 
+    def alive_children():
+        return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
     engine = sglang.Engine(model_path=model_dir, log_level="error", **platform.sglang_server_defaults)
+    started = alive_children()
     try:
         before = generate(engine)
         new_weights = sorted(load_file(f"{updated_dir}/model.safetensors").items())
@@ -59,7 +66,8 @@ ENGINE_SCRIPT = textwrap.dedent(
         after = generate(engine)
     finally:
         engine.shutdown()
-    print(json.dumps({"before": before, "after": after}))
+    print(json.dumps({"before": before, "after": after, "started": sorted(started),
+                      "alive_after_shutdown": sorted(alive_children() & started)}))
     """
 )
 
@@ -77,7 +85,7 @@ def _assert_same_generation(engine_out, hf_out, what):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_engine_generates_like_hf_before_and_after_a_full_weight_update(tmp_path, family):
+def test_engine_generates_like_hf_before_and_after_a_full_weight_update_and_stops_cleanly(tmp_path, family):
     # SGLang 0.5.23 reads the layer kinds from full_attention_interval (configs/qwen3_next.py
     # layers_block_type), HF from layer_types: the tiny models' layer_types are every 4th layer full attention.
     model_dir = build_tiny_model(tmp_path / "first", family=family, seed=0, full_attention_interval=4)
@@ -91,3 +99,5 @@ def test_engine_generates_like_hf_before_and_after_a_full_weight_update(tmp_path
     result = json.loads(run.stdout.strip().splitlines()[-1])
     _assert_same_generation(result["before"], _hf_greedy(model_dir), f"{family} as loaded")
     _assert_same_generation(result["after"], _hf_greedy(updated_dir), f"{family} after update_weights_from_tensor")
+    assert result["started"], "the engine should run its scheduler in child processes"
+    assert result["alive_after_shutdown"] == [], "SGLang processes left running after shutdown"

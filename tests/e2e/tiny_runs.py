@@ -1,0 +1,63 @@
+"""scripts/run-tiny-cpu.sh, the README's tiny colocated job (local Ray, SGLang engine actor, Megatron actor), run
+by the e2e tests. Each run starts the whole stack, which costs far more than its few steps: tests share a run
+where they can (tests/e2e/conftest.py, saved_tiny_run)."""
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from processes import describe, leftover_processes, run_marker
+from relax.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[2]
+# The time of each phase, logged at every step of a run that trains.
+PERF_KEYS = ("perf/step_time", "perf/rollout_time", "perf/train_wait_time", "perf/train_time", "perf/weight_sync_time")
+
+
+def run_tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> list[dict]:
+    """Run the tiny job with EXP_DIR=exp_dir, `args` passed on to `relax train` and `env` added to this
+    process's environment; its metrics records. The test fails with the run's output when the run fails."""
+    run_env = {**os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python"),
+               **(env or {})}
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), *args],
+        env=run_env, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return read_metrics(exp_dir / "output" / "metrics.jsonl")
+
+
+@dataclass
+class SavedTinyRun:
+    exp_dir: Path  # EXP_DIR: the model, the data, output/ (the run's record)
+    saves: Path  # --save: step_000001, step_000003
+    hf_saves: Path  # --save-hf: the same steps as HF directories
+    records: list[dict]  # output/metrics.jsonl
+    tensorboard_events: set[str]  # the file names in output/tensorboard
+    reward_curve_head: bytes  # the first bytes of output/reward_curve.png
+    leftover: str  # the run's processes still alive once it ended, described; empty when none
+
+
+SAVING_RUN_STEPS = 4
+
+
+def run_saving_tiny_job(exp_dir: Path) -> SavedTinyRun:
+    """The tiny job for 4 steps, saving after steps 1 and 3 (--save-interval 2) with an HF directory at each save
+    (--save-hf), each request sampling with a seed from (--seed, step) that SGLang honours under deterministic
+    inference, so that a run resumed from a checkpoint repeats its rollouts. What the run left is read at once:
+    a test may then resume the run into the same directory."""
+    saves, hf_saves = exp_dir / "checkpoints", exp_dir / "hf"
+    marker = run_marker()
+    records = run_tiny_job(
+        exp_dir, "--num-steps", str(SAVING_RUN_STEPS), "--sglang-enable-deterministic-inference",
+        "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves), env=marker,
+    )
+    leftover = leftover_processes(marker)
+    output = exp_dir / "output"
+    return SavedTinyRun(
+        exp_dir, saves, hf_saves, records,
+        tensorboard_events={path.name for path in (output / "tensorboard").iterdir()},
+        reward_curve_head=(output / "reward_curve.png").read_bytes()[:4],
+        leftover=describe(leftover) if leftover else "",
+    )
