@@ -35,6 +35,7 @@ from relax.args.relax_flags import (
     DEVICE_CHOICES,
     OVERLONG_PENALTY_FACTOR_DEFAULT,
     TIS_CLIP_DEFAULTS,
+    SLIME_SPELLINGS,
     add_relax_args,
 )
 from relax.args.settings import (
@@ -50,6 +51,7 @@ from relax.args.settings import (
 )
 from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
 from relax.args.strict import StrictArgumentParser
+from relax.args.unsupported import SLIME_FLAGS
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 from relax.platform import platform_facts, resolve_platform_name
 from relax.rollout.engine import server_defaults
@@ -95,8 +97,10 @@ def build_parser() -> StrictArgumentParser:
 def _parser() -> StrictArgumentParser:
     parser = StrictArgumentParser(
         prog="relax train",
-        description="Colocated RL post-training. relax's flags, then SGLang's (--sglang-*), then Megatron's.",
-        redirects=redirects(),
+        description="Colocated RL post-training. relax's flags, then SGLang's (--sglang-*), then Megatron's. "
+        "A relax flag's second spelling is slime's name for the same setting (give one of the two).",
+        redirects={**redirects(), **SLIME_FLAGS},
+        aliases=SLIME_SPELLINGS,
     )
     add_relax_args(parser)
     add_sglang_args(parser)

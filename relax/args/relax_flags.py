@@ -33,6 +33,25 @@ MEGATRON_FEATURE_FLAGS = {
     "alltoall).",
 }
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
+# slime's spellings of relax flags, for users coming from slime: each names the same setting in the same unit and
+# value format, and is a second option string of the relax flag (so --help lists it). Giving both spellings is an
+# error (StrictArgumentParser's aliases), not argparse's silent last-wins. Flags slime spells as relax does need no
+# entry; slime flags without a relax flag of the same meaning are answered by relax.args.unsupported.SLIME_FLAGS.
+SLIME_SPELLINGS = {
+    "--num-steps": "--num-rollout",
+    "--rollout-num-devices-per-engine": "--rollout-num-gpus-per-engine",
+    "--max-tokens-per-device": "--max-tokens-per-gpu",  # both per data-parallel rank's micro-batch
+    "--log-probs-max-tokens-per-device": "--log-probs-max-tokens-per-gpu",
+    "--num-nodes": "--actor-num-nodes",  # colocated: the actor's nodes are the engines' too
+    "--num-devices-per-node": "--actor-num-gpus-per-node",
+    "--max-prompt-length": "--rollout-max-prompt-len",
+    "--kl-coef": "--kl-loss-coef",  # slime's own --kl-coef is a penalty on the reward, which relax does not have
+}
+
+
+def _spellings(flag: str) -> tuple[str, ...]:
+    """The option strings of a relax flag: its own, then slime's where slime spells it differently."""
+    return (flag, SLIME_SPELLINGS[flag]) if flag in SLIME_SPELLINGS else (flag,)
 
 
 def _positive_int(text: str) -> int:
@@ -125,7 +144,10 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--rollout-shuffle", action="store_true", help="Shuffle prompts each epoch (seeded by --seed).")
     g.add_argument(
-        "--max-prompt-length", type=_positive_int, help="Drop prompts longer than this many tokens (default: no limit)."
+        *_spellings("--max-prompt-length"),
+        metavar="TOKENS",
+        type=_positive_int,
+        help="Drop prompts longer than this many tokens (default: no limit).",
     )
     g.add_argument(
         "--skip-bad-rows",
@@ -158,7 +180,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-stop-token-ids", type=int, nargs="+", metavar="ID", help="Extra token ids that end a response."
     )
     g.add_argument(
-        "--rollout-num-devices-per-engine",
+        *_spellings("--rollout-num-devices-per-engine"),
+        metavar="N",
         type=_positive_int,
         default=1,
         help="Devices per SGLang engine, i.e. its tensor-parallel size (default: %(default)s).",
@@ -229,7 +252,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "token far off the old policy gives a large finite ratio, not inf (default: %(default)s).",
     )
     g.add_argument(
-        "--kl-coef",
+        *_spellings("--kl-coef"),
+        metavar="C",
         type=float,
         default=0.0,
         help="Weight of the KL-to-reference term in the loss; needs --use-kl-loss (default: %(default)s: no "
@@ -303,7 +327,11 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("relax: training")
     g.add_argument(
-        "--num-steps", type=_positive_int, default=100, help="RL steps (rollout + train) to run (default: %(default)s)."
+        *_spellings("--num-steps"),
+        metavar="N",
+        type=_positive_int,
+        default=100,
+        help="RL steps (rollout + train) to run (default: %(default)s).",
     )
     g.add_argument(
         "--global-batch-size",
@@ -317,7 +345,12 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--use-dynamic-batch-size", action="store_true", help="Pack micro-batches up to --max-tokens-per-device tokens."
     )
-    g.add_argument("--max-tokens-per-device", type=_positive_int, help="Token budget of a packed micro-batch.")
+    g.add_argument(
+        *_spellings("--max-tokens-per-device"),
+        metavar="TOKENS",
+        type=_positive_int,
+        help="Token budget of a packed micro-batch.",
+    )
     g.add_argument(
         "--gdn-training-kernel",
         choices=["auto", *GDN_TRAINING_KERNELS],
@@ -327,7 +360,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "%(default)s).",
     )
     g.add_argument(
-        "--log-probs-max-tokens-per-device",
+        *_spellings("--log-probs-max-tokens-per-device"),
+        metavar="TOKENS",
         type=_positive_int,
         help="Token budget of a packed micro-batch in the forward-only passes (old-policy and reference logprobs), "
         "which keep no activations for backward (default: --max-tokens-per-device).",
@@ -343,9 +377,12 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         g.add_argument("--" + dest.replace("_", "-"), action="store_true", help=text)
 
     g = parser.add_argument_group("relax: resources and colocation")
-    g.add_argument("--num-nodes", type=_positive_int, default=1, help="Nodes (default: %(default)s).")
     g.add_argument(
-        "--num-devices-per-node",
+        *_spellings("--num-nodes"), metavar="N", type=_positive_int, default=1, help="Nodes (default: %(default)s)."
+    )
+    g.add_argument(
+        *_spellings("--num-devices-per-node"),
+        metavar="N",
         type=_positive_int,
         default=1,
         help="Accelerators (or CPU workers) per node (default: %(default)s).",

@@ -3,24 +3,32 @@
 No abbreviations (`--lr-decay` never means `--lr-decay-style`), and an unknown flag is an error that
 names the closest known flags. Flags that belong to SGLang but were given without the `--sglang-`
 prefix are pointed at their prefixed spelling; flags relax sets itself are pointed at the relax flag.
+A flag with a second spelling (an alias) takes one of them: given both, argparse would keep the last silently.
 """
 
 import argparse
 import difflib
+import sys
 
 
 class StrictArgumentParser(argparse.ArgumentParser):
-    def __init__(self, *args, redirects: dict[str, str] | None = None, **kwargs):
-        """redirects: unknown flag -> the sentence to say instead of a guess (e.g. flags relax manages)."""
+    def __init__(self, *args, redirects: dict[str, str] | None = None, aliases: dict[str, str] | None = None, **kwargs):
+        """redirects: unknown flag -> the sentence to say instead of a guess (e.g. flags relax manages).
+        aliases: flag -> its second spelling (an option string of the same argument), refused together."""
         # The full usage line would list every flag (about a thousand); help and errors show a short one.
         kwargs.setdefault("usage", "%(prog)s [flag ...]   (see `%(prog)s --help`)")
         super().__init__(*args, allow_abbrev=False, **kwargs)
         self.redirects = dict(redirects or {})
+        self.aliases = dict(aliases or {})
 
     def parse_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             self.error(self.unknown_message(extras))
+        both = [(flag, alias) for flag, alias in self.aliases.items() if _given(flag, args) and _given(alias, args)]
+        if both:
+            self.error("\n".join(f"{alias} is another spelling of {flag}: give one of them" for flag, alias in both))
         return namespace
 
     def known_flags(self) -> list[str]:
@@ -49,6 +57,10 @@ class StrictArgumentParser(argparse.ArgumentParser):
         if not guesses:
             return f"unknown flag {flag} (`relax train --help` lists every flag)"
         return f"unknown flag {flag}: did you mean {' or '.join(guesses)}?"
+
+
+def _given(option: str, args: list[str]) -> bool:
+    return any(token == option or token.startswith(option + "=") for token in args)
 
 
 def _without_namespace(option: str) -> str:

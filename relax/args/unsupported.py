@@ -6,6 +6,8 @@ Three kinds of entry, each with its reason and what to use instead:
 - MANAGED_BY_RELAX: SGLang ServerArgs fields relax sets itself (--sglang-<field> and --sglang-config keys are
   refused, naming the relax flag to use).
 - UNSUPPORTED_COMBINATIONS: values or combinations of accepted flags that no part of relax carries out.
+And SLIME_FLAGS: slime flags that are not aliases of relax flags (relax.args.relax_flags.SLIME_SPELLINGS lists
+those), because relax has no such setting or takes it in another form; giving one is an error that says what to do.
 """
 
 import typing
@@ -53,6 +55,18 @@ MANAGED_BY_RELAX = {
     "default_chat_template_kwargs": (
         "use --apply-chat-template-kwargs (relax renders the prompts and sends the engine token ids)"
     ),
+}
+
+
+# slime flag -> what to do in relax (answered for the unknown flag instead of the closest spelling, which misleads).
+SLIME_FLAGS = {
+    "--custom-rm-path": (
+        "slime's reward function (module.function, called as f(args, sample) on slime's Sample) does not fit relax's: "
+        "use --reward-fn module:function, a function whose first parameter is `sample` (relax.rollout.rewards."
+        "RewardInput: prompt, response, label, metadata) or `samples` (a list of them)"
+    ),
+    "--disable-grpo-std-normalization": "relax spells it --no-normalize-advantages-by-std",
+    "--eval-prompt-data": "relax does not evaluate during training; remove it",
 }
 
 
