@@ -24,7 +24,10 @@ SWITCH = "SGLANG_RELAX_FUSED_GDN_DECODE"
 SERVER_FIELDS = dict(attention_backend="triton", sampling_backend="pytorch", disable_prefill_cuda_graph=True,
                      mem_fraction_static=0.5, cuda_graph_max_bs_decode=16, log_level="warning")
 NEW_TOKENS = 32
-LOGPROB_TOLERANCE = 0.05
+# Both from the H200 run of 2026-12-02 (docs/benchmarks.md): the random model's logprobs sit near -4, where a bf16
+# step is 1/32, and the two paths' chosen-token logprobs differed by up to 0.075 (under 3 steps) before any parting;
+# every parting came where a path's top two were within 0.047 (3 steps of 1/64 at that magnitude).
+LOGPROB_TOLERANCE = 0.1
 TIE_MARGIN = 0.05
 
 
