@@ -3,6 +3,7 @@ few steps, through the real stack (local Ray, SGLang engine actor, Megatron trai
 the same experiment directory, as a user reruns it, the second run's record replaces the first's."""
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -33,11 +34,14 @@ def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(tmp_path):
     output = tmp_path / "output"
     records = read_records(output)
     assert [r["step"] for r in records] == [0, 1, 2]
+    vocab_size = json.loads((tmp_path / "model" / "config.json").read_text())["vocab_size"]
     for record in records:
         for key in (*PERF_KEYS, "rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm"):
             assert key in record, f"step {record['step']} lacks {key}"
         assert record["perf/step_time"] >= record["perf/rollout_time"] + record["perf/train_time"]
         assert 0.0 <= record["rollout/reward_mean"] <= 1.0
+        # The policy's entropy every step, although the recipe has no entropy term in its loss.
+        assert 0.0 < record["train/entropy"] <= math.log(vocab_size), record
         # The engine's logprob of each response token against the actor's for the same token: both compute in
         # float32 on the same weights, so they agree to rounding (a token off by one position would not).
         assert record["mismatch/logprob_abs_diff_max"] < 1e-4, record
