@@ -30,6 +30,10 @@ from relax.train.offload import training_memory
 from relax.train.process_groups import ReloadableGroups
 from relax.train.settings import ActorSettings
 
+# Positions per piece when the entropy is computed for the metrics only (vocab_parallel_logprobs): at a
+# vocabulary of 151936 one piece's float32 [positions, vocab] temporary is 0.6 GB.
+ENTROPY_CHUNK = 1024
+
 
 def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_group) -> dict[str, float]:
     """The micro-batches' metrics of every data-parallel rank combined: shares summed, extremes (*_max, *_min)
@@ -48,30 +52,46 @@ def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_g
     return dict(zip(shares + extremes, torch.cat(values).tolist()))
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool):
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool = False
+):
     """log p(label) and (optionally) the entropy per position, from logits [..., vocab / TP] whose vocab is
-    split across the tensor-parallel ranks. Differentiable; sums over the vocab all-reduce across TP."""
+    split across the tensor-parallel ranks. The logprobs are differentiable, the entropy only with entropy_grad
+    (an entropy term in the loss; without it the entropy is a detached value for the metrics). Sums over the
+    vocab all-reduce across TP."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
-    if not with_entropy:
-        # Megatron's cross entropy (one autograd function, in place) keeps a single float32 softmax for backward;
-        # the steps below keep several [tokens, vocab] float32 tensors. On an H200 (1.7B Qwen3, vocabulary 151936,
-        # 4 x 2048 tokens a micro-batch) that was 139 GB of peak memory against 93 GB (docs/benchmarks.md).
-        return -vocab_parallel_cross_entropy(logits, labels), None
     group = parallel_state.get_tensor_model_parallel_group()
 
     def max_over_shards(values):
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
         return values
 
-    return sharded_logprobs_and_entropy(
-        logits,
-        labels,
-        vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
-        sum_over_shards=reduce_from_tensor_model_parallel_region,
-        max_over_shards=max_over_shards,
-    )
+    def sharded(logits, labels):
+        return sharded_logprobs_and_entropy(
+            logits,
+            labels,
+            vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
+            sum_over_shards=reduce_from_tensor_model_parallel_region,
+            max_over_shards=max_over_shards,
+        )
+
+    if with_entropy and entropy_grad:
+        return sharded(logits, labels)
+    entropy = None
+    if with_entropy:
+        # A metric only: under no_grad, ENTROPY_CHUNK positions at a time, so the [positions, vocab] float32
+        # temporaries stay small and none is kept for backward. Before the cross entropy, which overwrites the
+        # logits in place.
+        with torch.no_grad():
+            chunks = zip(logits.split(ENTROPY_CHUNK, dim=-2), labels.split(ENTROPY_CHUNK, dim=-1))
+            entropy = torch.cat([sharded(chunk, chunk_labels)[1] for chunk, chunk_labels in chunks], dim=-1)
+    # Megatron's cross entropy (one autograd function, in place) keeps a single float32 softmax for backward;
+    # sharded_logprobs_and_entropy keeps several [tokens, vocab] float32 tensors. On an H200 (1.7B Qwen3,
+    # vocabulary 151936, 4 x 2048 tokens a micro-batch) that was 139 GB of peak memory against 93 GB
+    # (docs/benchmarks.md).
+    return -vocab_parallel_cross_entropy(logits, labels), entropy
 
 
 def sharded_logprobs_and_entropy(logits, labels, vocab_start: int, sum_over_shards, max_over_shards):
@@ -289,13 +309,16 @@ class MegatronActor:
             uniform_shape=uniform_shape,
         )
 
-    def _token_logprobs(self, output: torch.Tensor, micro_batch: MicroBatch, with_entropy: bool):
-        """Per sample: response-token logprobs (and entropies) from the model output [1, t, vocab/TP]."""
+    def _token_logprobs(
+        self, output: torch.Tensor, micro_batch: MicroBatch, with_entropy: bool, entropy_grad: bool = False
+    ):
+        """Per sample: response-token logprobs (and entropies, differentiable with entropy_grad) from the model
+        output [1, t, vocab/TP]."""
         labels = torch.roll(micro_batch.tokens, shifts=-1, dims=1)  # the last position's label is never read
         temperature = self.settings.temperature
         # At temperature 1 the output itself goes in (read by nothing else): no [t, vocab] fp32 copy.
         logits = output if temperature == 1.0 else output / temperature
-        logprobs, entropy = vocab_parallel_logprobs(logits, labels, with_entropy)
+        logprobs, entropy = vocab_parallel_logprobs(logits, labels, with_entropy, entropy_grad)
         return (
             micro_batch.response_values(logprobs),
             micro_batch.response_values(entropy) if with_entropy else None,
@@ -402,7 +425,7 @@ class MegatronActor:
         if batch.advantages is None:
             raise ValueError("train_step needs advantages for every sample (relax.train.advantages)")
         loss_settings = self.settings.loss
-        with_entropy = loss_settings.entropy_coef != 0.0
+        entropy_in_loss = loss_settings.entropy_coef != 0.0  # otherwise the entropy is only reported
         denominator, num_tokens = self._batch_denominators(batch)
         micro_batches = self._micro_batches(batch, forward_only=False)
         # The schedule divides each micro-batch loss by their number and DDP averages gradients over DP;
@@ -415,7 +438,7 @@ class MegatronActor:
         def loss_func(micro_batch, output):
             if not micro_batch.sample_indices:  # all padding (expert parallelism): runs for its collectives
                 return output.sum() * 0.0, {}
-            logprobs, entropy = self._token_logprobs(output, micro_batch, with_entropy)
+            logprobs, entropy = self._token_logprobs(output, micro_batch, True, entropy_grad=entropy_in_loss)
             pick = micro_batch.sample_indices
             logprobs = padded(logprobs)
             mask = padded([torch.ones(batch.response_lengths[i]) for i in pick])
@@ -432,7 +455,7 @@ class MegatronActor:
                 old_logprobs=given(batch.old_logprobs),  # None: the current logprobs, detached
                 rollout_logprobs=given(batch.rollout_logprobs),
                 ref_logprobs=given(batch.ref_logprobs),
-                entropy=padded(entropy) if with_entropy else None,
+                entropy=padded(entropy),
                 denominator=denominator,
                 num_tokens=num_tokens,
             )

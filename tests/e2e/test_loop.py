@@ -3,17 +3,23 @@ steps, through the real stack (local Ray, SGLang engine actor, Megatron training
 saved_tiny_run (tests/e2e/conftest.py), which test_loop_resume resumes. A second run into the same experiment
 directory replaces the first one's record: tests/e2e/test_loop_debug.py checks that on its rollout-only run."""
 
+import json
+import math
+
 from tiny_runs import PERF_KEYS
 
 
 def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(saved_tiny_run):
     records = saved_tiny_run.records
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    vocab_size = json.loads((saved_tiny_run.exp_dir / "model" / "config.json").read_text())["vocab_size"]
     for record in records:
         for key in (*PERF_KEYS, "rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm"):
             assert key in record, f"step {record['step']} lacks {key}"
         assert record["perf/step_time"] >= record["perf/rollout_time"] + record["perf/train_time"]
         assert 0.0 <= record["rollout/reward_mean"] <= 1.0
+        # The policy's entropy every step, although the recipe has no entropy term in its loss.
+        assert 0.0 < record["train/entropy"] <= math.log(vocab_size), record
         # The engine's logprob of each response token against the actor's for the same token: both compute in
         # float32 on the same weights, so they agree to rounding (a token off by one position would not).
         assert record["mismatch/logprob_abs_diff_max"] < 1e-4, record

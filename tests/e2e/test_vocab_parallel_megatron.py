@@ -1,6 +1,7 @@
 """The actor's logprobs and entropy at tensor parallel size 2 through megatron-core's own all-reduces (two gloo
 ranks on the CPU): the gradient each rank gets for its vocabulary shard is the hand-derived one, and on random
-logits that of the whole vocabulary on one rank."""
+logits that of the whole vocabulary on one rank; the entropy reported without a gradient (computed a few positions
+at a time, before megatron's cross entropy overwrites the logits) equals the differentiable one."""
 
 import math
 
@@ -23,13 +24,19 @@ def _shard_gradient(logits: torch.Tensor, labels: torch.Tensor, logprob_weights,
     """On each rank: (logprobs, entropy, d objective / d this rank's logits) for its half of the vocabulary."""
     from megatron.core import parallel_state
 
-    from relax.train.actor import vocab_parallel_logprobs
+    from relax.train import actor
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
     rank = parallel_state.get_tensor_model_parallel_rank()
     shard = logits.chunk(TP, dim=-1)[rank].clone().requires_grad_()
-    logprobs, entropy = vocab_parallel_logprobs(shard, labels, with_entropy=True)
+    logprobs, entropy = actor.vocab_parallel_logprobs(shard, labels, with_entropy=True, entropy_grad=True)
     ((logprob_weights * logprobs).sum() + (entropy_weights * entropy).sum()).backward()
+
+    actor.ENTROPY_CHUNK = 4  # several pieces on these few positions
+    reported_logprobs, reported_entropy = actor.vocab_parallel_logprobs(shard.detach().clone(), labels, True)
+    assert not reported_entropy.requires_grad
+    torch.testing.assert_close(reported_entropy, entropy.detach())
+    torch.testing.assert_close(reported_logprobs, logprobs.detach())
     return logprobs.detach(), entropy.detach(), shard.grad
 
 
