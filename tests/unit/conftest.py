@@ -4,6 +4,8 @@ such conftest: its tests pick the GPU platform themselves.)"""
 
 import os
 
+import pytest
+
 os.environ.setdefault("RELAX_DEVICE", "cpu")  # workers the tests start inherit it
 
 from relax.platform import get_platform  # noqa: E402
@@ -12,16 +14,20 @@ get_platform("cpu").prepare_sglang()
 get_platform("cpu").prepare_megatron()
 
 
-def pretend_wandb_installed(monkeypatch, installed: bool) -> None:
-    """importlib finds wandb (a spec with no loader) or not, whatever is installed: the parse-time rule that
-    refuses --use-wandb without it asks importlib.util.find_spec."""
+@pytest.fixture
+def pretend_wandb_installed(monkeypatch):
+    """pretend_wandb_installed(installed): importlib finds wandb (a spec with no loader) or not, whatever is
+    installed; the parse-time rule that refuses --use-wandb without it asks importlib.util.find_spec."""
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
 
-    def find_spec(name, *args):
-        if name == "wandb":
-            return importlib.util.spec_from_loader("wandb", loader=None) if installed else None
-        return real_find_spec(name, *args)
+    def pretend(installed: bool) -> None:
+        def find_spec(name, *args):
+            if name == "wandb":
+                return importlib.util.spec_from_loader("wandb", loader=None) if installed else None
+            return real_find_spec(name, *args)
 
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+
+    return pretend

@@ -3,7 +3,6 @@ every flag of the parser has a reader: a settings builder, a parse-time rule, a 
 the table's refusal."""
 
 import pytest
-from conftest import pretend_wandb_installed
 
 from relax.args import build_parser, parse_train_args
 from relax.args.checks import RULES, check_config
@@ -98,8 +97,8 @@ def _reads(argv) -> tuple[set, set, set]:
     return built.read, checked.read, scheduler.read
 
 
-def test_every_flag_has_a_reader(tmp_path, monkeypatch):
-    pretend_wandb_installed(monkeypatch, installed=True)  # --use-wandb is among the features read
+def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed):
+    pretend_wandb_installed(installed=True)  # --use-wandb is among the features read
     record = tmp_path / "record"
     record.mkdir()
     (record / METRICS_FILE).write_text("")  # an earlier run's record, which --overwrite-output-dir replaces

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import pretend_wandb_installed
 
 from relax.args import parse_train_args
 
@@ -87,8 +86,8 @@ def test_optional_packages_are_imported_only_where_used(module):
     assert not at_import, f"{module} imports {sorted(at_import)} when it is imported; import it where it is used"
 
 
-def test_an_optional_package_that_is_missing_is_refused_at_parse_time(monkeypatch, capsys):
-    pretend_wandb_installed(monkeypatch, installed=False)
+def test_an_optional_package_that_is_missing_is_refused_at_parse_time(pretend_wandb_installed, capsys):
+    pretend_wandb_installed(installed=False)
     with pytest.raises(SystemExit) as exit_info:
         parse_train_args([*RUN, OPTIONAL["wandb"]])
     assert exit_info.value.code == 2
@@ -97,5 +96,5 @@ def test_an_optional_package_that_is_missing_is_refused_at_parse_time(monkeypatc
     )
     assert not parse_train_args(RUN).outputs.wandb_project  # without the flag nothing needs it
 
-    pretend_wandb_installed(monkeypatch, installed=True)
+    pretend_wandb_installed(installed=True)
     assert parse_train_args([*RUN, OPTIONAL["wandb"]]).outputs.wandb_project
