@@ -12,7 +12,7 @@ the first few errors are kept for the report. Training goes on.
 With a timeout (--reward-timeout), each call of the function (one sample's, or the batch's) that does not
 return in time fails the same way, and is counted as a timeout too. A sync function then runs in
 RewardWorkers, processes of its own: a call that never returns is ended by killing its process, which a new
-one replaces. An async function runs in the driver's event loop, each call under asyncio.wait_for, so its
+one replaces. An async function runs in the driver's event loop, each call cancelled at the timeout, so its
 calls stay concurrent; what it awaits is bounded, a blocking call inside it is not.
 
 Built-ins (pass the short name): `math` (DAPO-Math style boxed answers, math-verify equivalence),
