@@ -128,6 +128,8 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
         raise worker_failure(error, [trainers, engines]) from error
     finally:
         log.close()
+        if reward_fn is not None:  # its worker processes, if it has any
+            reward_fn.close()
         for group in (engines, trainers):
             if group is not None:
                 group.kill()
@@ -289,7 +291,7 @@ def _prompt_loader_and_reward(settings: RunSettings, rollout: RolloutSettings, c
         loader = checkpoint.loader(prompts)
     else:
         loader = PromptLoader(prompts, seed=settings.seed, shuffle=rollout.shuffle)
-    return loader, load_reward_fn(rollout.reward_fn)
+    return loader, load_reward_fn(rollout.reward_fn, rollout.reward_timeout)
 
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:

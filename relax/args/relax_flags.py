@@ -33,6 +33,8 @@ MEGATRON_FEATURE_FLAGS = {
     "alltoall).",
 }
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
+REWARD_TIMEOUT_DEFAULT = 60.0  # seconds per call: far above a rule-based score, short of a silent hang
+
 # slime's spellings of relax flags, for users coming from slime: each names the same setting in the same unit and
 # value format, and is a second option string of the relax flag (so --help lists it). Giving both spellings is an
 # error (StrictArgumentParser's aliases), not argparse's silent last-wins. Flags slime spells as relax does need no
@@ -86,6 +88,10 @@ def _ratio_bounds(text: str) -> tuple[float, float]:
     if not 0 < low <= 1 <= high or low == high:
         raise argparse.ArgumentTypeError(f"{text!r}: the bounds must satisfy 0 < LOW <= 1 <= HIGH and LOW < HIGH")
     return low, high
+
+
+def _reward_timeout(text: str) -> float | None:
+    return None if text == "none" else _positive_float(text)
 
 
 def _reward_fn(text: str) -> str:
@@ -218,6 +224,16 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("relax: reward")
     g.add_argument("--reward-fn", type=_reward_fn, help=f"Reward function: {BUILTIN_REWARD_HINT}. Required for a run.")
+    g.add_argument(
+        "--reward-timeout",
+        type=_reward_timeout,
+        default=REWARD_TIMEOUT_DEFAULT,
+        metavar="SECONDS",
+        help="Each call of the reward function (a sample's, or a per-batch function's batch) that does not return "
+        "within this many seconds scores 0.0 and is counted in rollout/reward_timeouts; the step goes on. A sync "
+        "function then runs in worker processes of its own, a stuck one killed and replaced; `none`: no bound, "
+        "sync functions run in the driver (default: %(default)s).",
+    )
 
     g = parser.add_argument_group("relax: algorithm")
     g.add_argument(

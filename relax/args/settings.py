@@ -45,6 +45,7 @@ class RolloutSettings:
     data: PromptDataConfig | None  # None: no --prompt-data (only with --debug-train-only)
     shuffle: bool  # the prompts, each epoch, seeded by RunSettings.seed
     reward_fn: str | None  # a built-in name or module:function (relax.rollout.rewards)
+    reward_timeout: float | None  # seconds per reward function call; None: unbounded
     sampling: SamplingConfig  # n responses per prompt; the loop sets each step's seed
     batch_size: int  # prompts per step
     devices_per_engine: int  # an SGLang engine's tensor-parallel size
@@ -118,6 +119,7 @@ def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
         data=prompt_data_config(flags),
         shuffle=flags.rollout_shuffle,
         reward_fn=flags.reward_fn,
+        reward_timeout=flags.reward_timeout,
         sampling=SamplingConfig(
             n=flags.n_samples_per_prompt,
             temperature=flags.rollout_temperature,

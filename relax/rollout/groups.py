@@ -19,7 +19,8 @@ class Sample:
     finish_reason: str  # "stop" (EOS or a stop token), "length" (max new tokens) or "abort"
     response_text: str = ""
     reward: float = 0.0
-    reward_failed: bool = False  # the reward function raised for this sample; reward is the failure score
+    reward_failed: bool = False  # the reward function raised or timed out for this sample; reward is the failure score
+    reward_timed_out: bool = False  # its reward call ran past --reward-timeout (reward_failed too)
 
 
 @dataclass

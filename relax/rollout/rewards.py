@@ -9,6 +9,12 @@ Either may be `async def`; per-sample async functions run concurrently. An excep
 is not a finite number) fails only the samples it concerns: they score `failure_score`, are counted and
 the first few errors are kept for the report. Training goes on.
 
+With a timeout (--reward-timeout), each call of the function (one sample's, or the batch's) that does not
+return in time fails the same way, and is counted as a timeout too. A sync function then runs in
+RewardWorkers, processes of its own: a call that never returns is ended by killing its process, which a new
+one replaces. An async function runs in the driver's event loop, each call cancelled at the timeout, so its
+calls stay concurrent; what it awaits is bounded, a blocking call inside it is not.
+
 Built-ins (pass the short name): `math` (DAPO-Math style boxed answers, math-verify equivalence),
 `exact_match`, and the synthetic tasks of relax.rollout.synthetic (`copy_digit`, `reverse3`).
 """
@@ -17,11 +23,18 @@ import asyncio
 import importlib
 import inspect
 import math
+import multiprocessing
+import os
 import re
+import signal
+import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_connections
 from typing import Any, Callable
 
 MAX_REPORTED_FAILURES = 10
+MAX_REWARD_WORKERS = 8  # processes calling a sync function under a timeout (fewer where fewer cores are ours)
+WORKER_START_TIMEOUT_S = 300  # a worker imports the reward function's module (and what it imports) first
 
 
 @dataclass
@@ -36,13 +49,22 @@ class RewardInput:
 @dataclass
 class RewardReport:
     samples: int = 0
-    failures: int = 0
+    failures: int = 0  # timeouts included
     errors: list[str] = field(default_factory=list)  # the first MAX_REPORTED_FAILURES
+    timed_out: list[int] = field(default_factory=list)  # the samples whose call did not return in time
 
     def add_failure(self, what: str):
         self.failures += 1
         if len(self.errors) < MAX_REPORTED_FAILURES:
             self.errors.append(what)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a call of the reward function gave no score."""
+
+    reason: str
+    timed_out: bool = False
 
 
 # --- built-ins ---------------------------------------------------------------------------------------
@@ -111,12 +133,20 @@ def _builtins() -> dict[str, Callable]:
 @dataclass
 class RewardFn:
     fn: Callable
-    name: str
+    name: str  # the --reward-fn spec: what a worker process loads
     per_batch: bool
     is_async: bool
+    timeout: float | None = None  # seconds per call; None: unbounded, sync calls in the driver's thread
+    workers: "RewardWorkers | None" = None  # for a sync function under a timeout: started at its first call
+
+    def close(self):
+        """End the worker processes, if any were started."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
 
 
-def load_reward_fn(spec: str) -> RewardFn:
+def load_reward_fn(spec: str, timeout: float | None = None) -> RewardFn:
     """A built-in name (`math`) or `module:function`, checked for the per-sample / per-batch signature."""
     builtins = _builtins()
     if spec in builtins:
@@ -141,7 +171,7 @@ def load_reward_fn(spec: str) -> RewardFn:
             f"or `samples` (per-batch function, returns a list of floats); got {params}"
         )
     return RewardFn(
-        fn=fn, name=spec, per_batch=params[0] == "samples", is_async=inspect.iscoroutinefunction(fn)
+        fn=fn, name=spec, per_batch=params[0] == "samples", is_async=inspect.iscoroutinefunction(fn), timeout=timeout
     )
 
 
@@ -151,42 +181,65 @@ def _checked_score(value, what: str) -> float:
     return float(value)
 
 
-async def _score_one(reward_fn: RewardFn, sample: RewardInput):
-    """A score, or the exception that replaced it."""
-    try:
-        value = await reward_fn.fn(sample) if reward_fn.is_async else reward_fn.fn(sample)
+def _checked(reward_fn: RewardFn, value, payload):
+    """A per-sample call's score, or a per-batch call's scores (one per sample of the payload)."""
+    if not reward_fn.per_batch:
         return _checked_score(value, reward_fn.name)
-    except Exception as e:  # a reward function's bug must fail its sample, not the run
-        return e
+    if len(value) != len(payload):
+        raise ValueError(f"{reward_fn.name} returned {len(value)} scores for {len(payload)} samples")
+    return [_checked_score(v, reward_fn.name) for v in value]
 
 
-async def _score_batch(reward_fn: RewardFn, samples: list[RewardInput]):
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _call_sync(reward_fn: RewardFn, payload):
+    """One call of a sync function (a sample, or the batch's samples): its checked result, or the Failure."""
     try:
-        values = await reward_fn.fn(samples) if reward_fn.is_async else reward_fn.fn(samples)
-        if len(values) != len(samples):
-            raise ValueError(f"{reward_fn.name} returned {len(values)} scores for {len(samples)} samples")
-        return [_checked_score(value, reward_fn.name) for value in values]
-    except Exception as e:  # the whole batch fails together: there is no per-sample result to keep
-        return [e] * len(samples)
+        return _checked(reward_fn, reward_fn.fn(payload), payload)
+    except Exception as e:  # a reward function's bug must fail its samples, not the run
+        return Failure(_describe(e))
+
+
+async def _call_async(reward_fn: RewardFn, payload):
+    """One call of an async function, bounded by the timeout: its checked result, or the Failure."""
+    task = asyncio.ensure_future(reward_fn.fn(payload))
+    try:
+        # asyncio.wait, not wait_for: a TimeoutError the function raises itself is a failure, not a timeout
+        done, _ = await asyncio.wait([task], timeout=reward_fn.timeout)
+        if not done:
+            task.cancel()
+            return Failure(f"timed out: no score within {reward_fn.timeout:g} s", timed_out=True)
+        return _checked(reward_fn, task.result(), payload)
+    except Exception as e:
+        return Failure(_describe(e))
 
 
 async def async_score(
     reward_fn: RewardFn, samples: list[RewardInput], failure_score: float = 0.0
 ) -> tuple[list[float], list[bool], RewardReport]:
     """Scores for samples, which of them failed, and the report of failures."""
-    if reward_fn.per_batch:
-        results = await _score_batch(reward_fn, samples)
-    elif reward_fn.is_async:
-        results = await asyncio.gather(*(_score_one(reward_fn, sample) for sample in samples))
+    payloads = [samples] if reward_fn.per_batch else samples  # what each call of the function takes
+    if reward_fn.is_async:
+        results = await asyncio.gather(*(_call_async(reward_fn, payload) for payload in payloads))
+    elif reward_fn.timeout is not None:
+        if reward_fn.workers is None:
+            reward_fn.workers = RewardWorkers(reward_fn.name, reward_fn.timeout)
+        results = reward_fn.workers.call_each(payloads)
     else:
         # Sync functions run one after another in this thread: math-verify's timeouts use signal.alarm,
         # which only works in the main thread.
-        results = [await _score_one(reward_fn, sample) for sample in samples]
+        results = [_call_sync(reward_fn, payload) for payload in payloads]
+    if reward_fn.per_batch:  # the whole batch fails together: there is no per-sample result to keep
+        results = results[0] if isinstance(results[0], list) else results * len(samples)
     report = RewardReport(samples=len(samples))
     scores, failed = [], []
     for i, result in enumerate(results):
-        if isinstance(result, Exception):
-            report.add_failure(f"sample {i}: {type(result).__name__}: {result}")
+        if isinstance(result, Failure):
+            report.add_failure(f"sample {i}: {result.reason}")
+            if result.timed_out:
+                report.timed_out.append(i)
             scores.append(failure_score)
             failed.append(True)
         else:
@@ -203,3 +256,118 @@ def score(reward_fn: RewardFn, samples: list[RewardInput], failure_score: float 
         return loop.run_until_complete(async_score(reward_fn, samples, failure_score))
     finally:
         loop.close()
+
+
+# --- worker processes (sync functions under a timeout) -------------------------------------------------
+
+def _worker_main(spec: str, connection):
+    """A reward worker process: load the function, say so, then answer each payload received with
+    _call_sync's result, until the driver closes the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; the driver decides the end
+    try:
+        reward_fn = load_reward_fn(spec)
+    except Exception as e:
+        connection.send(Failure(_describe(e)))
+        return
+    connection.send("ready")
+    while True:
+        try:
+            payload = connection.recv()
+        except EOFError:  # the driver closed the pipe, or died: nothing more to score
+            return
+        connection.send(_call_sync(reward_fn, payload))
+
+
+@dataclass
+class _Worker:
+    process: multiprocessing.process.BaseProcess
+    connection: Any  # multiprocessing.connection.Connection, the driver's end of the pipe
+
+    def wait_until_loaded(self, spec: str):
+        problem = None
+        if not self.connection.poll(WORKER_START_TIMEOUT_S):
+            problem = f"did not load it within {WORKER_START_TIMEOUT_S} s"
+        else:
+            try:
+                message = self.connection.recv()
+                if isinstance(message, Failure):
+                    problem = f"could not load it: {message.reason}"
+            except EOFError:
+                problem = f"died while loading it (exit code {self.stop()})"
+        if problem:
+            raise RuntimeError(f"--reward-fn {spec}: a reward worker process {problem}")
+
+    def stop(self) -> int | None:
+        """Kill the process (idle, stuck or already gone: there is nothing of it to keep) and return its exit code."""
+        self.process.kill()
+        self.process.join()
+        self.connection.close()
+        return self.process.exitcode
+
+
+class RewardWorkers:
+    """Processes that call one sync reward function (loaded by its spec), each call bounded by `timeout` seconds:
+    a process whose call runs past it is killed, its payload fails as timed out, and a new process takes its place.
+    Processes start when calls need them, up to MAX_REWARD_WORKERS (or as many cores as this process may use),
+    and live until close()."""
+
+    def __init__(self, spec: str, timeout: float):
+        self.spec, self.timeout = spec, timeout
+        self.max_workers = min(MAX_REWARD_WORKERS, len(os.sched_getaffinity(0)))
+        self.idle: list[_Worker] = []
+
+    def call_each(self, payloads: list) -> list:
+        """One call per payload, spread over the processes: each one's result, or its Failure, in payload order."""
+        results = [None] * len(payloads)
+        waiting = list(enumerate(payloads))[::-1]  # pop() takes the next
+        busy = {}  # the driver's end of a busy worker's pipe -> (worker, payload index, deadline)
+        try:
+            while waiting or busy:
+                missing = min(len(waiting), self.max_workers - len(busy)) - len(self.idle)
+                if missing > 0:
+                    self.idle += self._start(missing)
+                while waiting and self.idle:
+                    worker, (index, payload) = self.idle.pop(), waiting.pop()
+                    worker.connection.send(payload)
+                    busy[worker.connection] = (worker, index, time.monotonic() + self.timeout)
+                next_deadline = min(deadline for _, _, deadline in busy.values())
+                for connection in wait_for_connections(list(busy), max(0.0, next_deadline - time.monotonic())):
+                    worker, index, _ = busy.pop(connection)
+                    try:
+                        results[index] = connection.recv()
+                        self.idle.append(worker)
+                    except EOFError:  # the function ended its process (os._exit, a crash, the OOM killer)
+                        results[index] = Failure(f"the reward worker process died (exit code {worker.stop()})")
+                now = time.monotonic()
+                for connection, (worker, index, deadline) in list(busy.items()):
+                    if deadline <= now:
+                        del busy[connection]
+                        worker.stop()
+                        results[index] = Failure(f"timed out: no score within {self.timeout:g} s", timed_out=True)
+        finally:  # interrupted mid-call: a late answer must not pass for the next call's
+            for worker, _, _ in busy.values():
+                worker.stop()
+        return results
+
+    def _start(self, count: int) -> list[_Worker]:
+        context = multiprocessing.get_context("spawn")  # fork is unsafe in a driver with threads (Ray's, ...)
+        started = []
+        try:
+            for _ in range(count):
+                ours, theirs = context.Pipe()
+                process = context.Process(target=_worker_main, args=(self.spec, theirs), name="relax-reward-worker")
+                process.start()
+                started.append(_Worker(process, ours))
+                theirs.close()  # the worker's end lives in the worker only: its death reads as EOF here
+            for worker in started:  # loading in parallel; a call's time counts from here on
+                worker.wait_until_loaded(self.spec)
+        except BaseException:
+            for worker in started:
+                worker.stop()
+            raise
+        return started
+
+    def close(self):
+        for worker in self.idle:
+            worker.stop()
+        self.idle = []

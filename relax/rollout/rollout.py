@@ -45,10 +45,12 @@ def generate_and_score(
     )
     for sample, value, was_failure in zip(samples, scores, failed):
         sample.reward, sample.reward_failed = value, was_failure
+    for index in report.timed_out:
+        samples[index].reward_timed_out = True
     if report.failures:  # scored 0 and counted in the metrics; the reasons must reach the user too
         print(
-            f"relax: reward function {reward_fn.name!r} raised on {report.failures} of {len(samples)} samples "
-            f"(each scored 0.0); first: {'; '.join(report.errors[:3])}",
+            f"relax: reward function {reward_fn.name!r} failed on {report.failures} of {len(samples)} samples "
+            f"({len(report.timed_out)} by timing out; each scored 0.0); first: {'; '.join(report.errors[:3])}",
             file=sys.stderr, flush=True,
         )
     return samples
@@ -159,6 +161,7 @@ def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/reward_mean": rewards.mean().item(),
         "rollout/reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
         "rollout/reward_failures": float(sum(s.reward_failed for s in samples)),
+        "rollout/reward_timeouts": float(sum(s.reward_timed_out for s in samples)),
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/response_tokens": lengths.sum().item(),

@@ -5,6 +5,7 @@
    starts from the same checkpoint and sees the same samples, the engine's logprobs included);
 3. --debug-rollout-only generates, scores and saves with no training actor, into the normal run's output
    directory: a new run's record replaces the previous one's (as a user reruns the job) rather than continuing it.
+   One call of its reward function never returns, and is timed out, counted and killed while the step goes on.
 
 Which Ray actors each run created is read from its process tree while it runs."""
 
@@ -26,8 +27,13 @@ RUN_TIMEOUT_S = 600
 def _run_tiny_job(exp_dir: Path, name: str, *flags: str,
                   output_name: str | None = None) -> tuple[list[dict], set[str]]:
     """Run the tiny job with extra flags, its output in exp_dir / (output_name or name); returns its metrics
-    records and the Ray actor classes seen among the run's processes."""
-    env = {**os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    records and the Ray actor classes seen among the run's processes. Python modules in exp_dir can be imported
+    by the run."""
+    python_path = os.pathsep.join(filter(None, [str(exp_dir), os.environ.get("PYTHONPATH")]))
+    env = {
+        **os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python"),
+        "PYTHONPATH": python_path,
+    }
     log_path = exp_dir / f"{name}.log"
     output = exp_dir / (output_name or name)
     with open(log_path, "w") as log:
@@ -63,6 +69,21 @@ def _actors_under(pid: int) -> set[str]:
     return found
 
 
+# copy_digit, except that the first call of the run never returns; it leaves its process id in the marker file.
+HANGING_ONCE_REWARD = """
+import os, time
+from relax.rollout.synthetic import TASKS
+
+def reward(sample):
+    try:
+        marker = os.open(os.path.join(os.path.dirname(__file__), "hung_pid"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return TASKS["copy_digit"].reward(sample)
+    os.write(marker, str(os.getpid()).encode())
+    os.close(marker)
+    time.sleep(3600)
+"""
+
 # Importance-sampling corrections tight enough to act on float32 rounding-sized gaps between the engine's
 # logprobs and the actor's: TIS caps every ratio above 1, MIS drops sequences whose mean gap exceeds 1e-7.
 CORRECTIONS = ("--use-tis", "--tis-clip", "1.0", "--rollout-rs", "seq_mean_k1", "--rollout-rs-threshold", "1.0000001")
@@ -97,14 +118,19 @@ def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_on
 
     rollout_dumps = str(tmp_path / "rollout_only" / "step_{step}.jsonl")
     original_events = set((tmp_path / "original" / "tensorboard").iterdir())
+    (tmp_path / "hanging_once.py").write_text(HANGING_ONCE_REWARD)
     generated, generator_actors = _run_tiny_job(
         tmp_path, "rollout_only", "--num-steps", "1", "--debug-rollout-only", "--save-rollout-data", rollout_dumps,
-        output_name="original",
+        "--reward-fn", "hanging_once:reward", "--reward-timeout", "2", output_name="original",
     )
     assert generator_actors == {"EngineWorker"}
     # A new run (the script passes --overwrite-output-dir): its record and events replace the original run's.
     assert [r["step"] for r in generated] == [0] and "rollout/reward_mean" in generated[0]
     events = set((tmp_path / "original" / "tensorboard").iterdir())
     assert len(events) == 1 and not events & original_events, (original_events, events)
+    assert generated[0]["rollout/reward_timeouts"] == generated[0]["rollout/reward_failures"] == 1
+    log = (tmp_path / "rollout_only.log").read_text()
+    assert "(1 by timing out; each scored 0.0)" in log and "timed out: no score within 2 s" in log
+    assert not psutil.pid_exists(int((tmp_path / "hung_pid").read_text()))  # the stuck worker was killed
     assert not [key for key in generated[0] if key.startswith("train/") or key == "perf/train_time"]
     assert len(load_rollout_data(rollout_dumps, 0, num_groups=8, samples_per_prompt=8)) == 64

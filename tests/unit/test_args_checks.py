@@ -235,6 +235,13 @@ def test_overlong_penalty_factor_defaults_with_the_buffer():
     assert parse_train_args([*argv, "--overlong-penalty-factor", "0.5"]).rollout.overlong_penalty_factor == 0.5
 
 
+def test_reward_timeout_is_bounded_by_default_and_none_lifts_it(capsys):
+    assert parse_train_args(RUN).rollout.reward_timeout == 60.0
+    assert parse_train_args([*RUN, "--reward-timeout", "2.5"]).rollout.reward_timeout == 2.5
+    assert parse_train_args([*RUN, "--reward-timeout", "none"]).rollout.reward_timeout is None
+    assert "--reward-timeout: must be > 0, got 0" in parse_error([*RUN, "--reward-timeout", "0"], capsys)
+
+
 def test_gdn_training_kernel_defaults_to_the_devices_and_can_be_chosen():
     assert parse_train_args(RUN).actor.gdn_training_kernel == platform_facts("cpu").gdn_training_kernel == "reference"
     cuda = [arg if arg != "cpu" else "cuda" for arg in RUN]

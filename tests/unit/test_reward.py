@@ -1,7 +1,9 @@
 import json
 import math
 import sys
+import time
 
+import psutil
 import pytest
 
 from relax.rollout import rewards
@@ -111,3 +113,77 @@ def test_failures_are_counted_not_fatal():
     scores, failed, report = score(fn, inputs(("a", 1), ("b", 1)))
     assert scores == [0.0, 0.0] and failed == [True, True] and report.failures == 2
     assert "returned 1 scores for 2 samples" in report.errors[0]
+
+
+HANGING_REWARDS = """
+import asyncio, os, time
+
+def per_sample(sample):
+    if sample.response == "hang":
+        time.sleep(3600)  # a call that never returns
+    if sample.response == "exit":
+        os._exit(3)  # a call that takes its process with it
+    return float(len(sample.response))
+
+def per_batch(samples):
+    if any(s.response == "hang" for s in samples):
+        time.sleep(3600)
+    return [1.0] * len(samples)
+
+async def per_sample_async(sample):
+    if sample.response == "hang":
+        await asyncio.sleep(3600)
+    if sample.response == "late":
+        raise TimeoutError("the judge's own timeout")  # the function's failure, not relax's timeout
+    return 2.0
+"""
+
+
+def spawned_processes() -> set[int]:
+    """This process's multiprocessing-spawned children (not the resource tracker, which ends with this process)."""
+    return {child.pid for child in psutil.Process().children() if "spawn_main" in " ".join(child.cmdline())}
+
+
+def test_a_call_past_the_timeout_fails_alone_and_leaves_no_process(tmp_path, monkeypatch):
+    (tmp_path / "hanging_rewards.py").write_text(HANGING_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))  # worker processes are spawned with this sys.path
+    assert not spawned_processes()
+
+    fn = load_reward_fn("hanging_rewards:per_sample", timeout=1.0)
+    start = time.monotonic()
+    scores, failed, report = score(fn, inputs(("a", None), ("hang", None), ("abc", None), ("exit", None), ("ab", None)))
+    assert time.monotonic() - start < 10  # bounded: the stuck call is killed after 1 s, not waited for
+    assert scores == [1.0, 0.0, 3.0, 0.0, 2.0] and failed == [False, True, False, True, False]
+    assert report.timed_out == [1] and report.failures == 2
+    assert "sample 1: timed out: no score within 1 s" in report.errors
+    assert any(error.startswith("sample 3: the reward worker process died (exit code 3)") for error in report.errors)
+    assert score(fn, inputs(("abcd", None), ("abcde", None)))[0] == [4.0, 5.0]  # the replacements score
+    assert spawned_processes() == {worker.process.pid for worker in fn.workers.idle}  # the killed ones are gone
+    fn.close()
+    assert not spawned_processes()
+
+    # a per-batch function: the batch is one call, and its samples fail together
+    fn = load_reward_fn("hanging_rewards:per_batch", timeout=1.0)
+    scores, failed, report = score(fn, inputs(("a", None), ("hang", None)))
+    assert scores == [0.0, 0.0] and failed == [True, True] and report.timed_out == [0, 1]
+    assert score(fn, inputs(("a", None), ("b", None)))[0] == [1.0, 1.0]
+    fn.close()
+    assert not spawned_processes()
+
+    # an async function stays in this process, each call under the timeout
+    fn = load_reward_fn("hanging_rewards:per_sample_async", timeout=1.0)
+    scores, failed, report = score(fn, inputs(("a", None), ("hang", None), ("late", None)))
+    assert scores == [2.0, 0.0, 0.0] and report.timed_out == [1] and fn.workers is None
+    assert "sample 2: TimeoutError: the judge's own timeout" in report.errors
+    sys.modules.pop("hanging_rewards", None)
+
+
+def test_a_reward_worker_that_cannot_load_the_function_fails_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "loads_here_only.py").write_text("def reward(sample):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = load_reward_fn("loads_here_only:reward", timeout=1.0)
+    (tmp_path / "loads_here_only.py").write_text("raise ImportError('gone')\n")  # the workers import it afresh
+    with pytest.raises(RuntimeError, match="--reward-fn loads_here_only:reward: a reward worker process could not"):
+        score(fn, inputs(("a", None)))
+    assert not spawned_processes()
+    sys.modules.pop("loads_here_only", None)

@@ -1,6 +1,8 @@
 """relax.rollout.rollout with a scripted `generate` in place of the engines (the real engine:
 tests/e2e/test_engine.py; the loop's collect_rollout around it: tests/unit/test_dynamic_sampling.py)."""
 
+import asyncio
+
 import pytest
 
 from relax.rollout.data import Prompt, PromptLoader
@@ -88,7 +90,25 @@ def test_reward_failures_are_counted_and_their_reasons_printed(capsys):
     assert [s.reward_failed for s in samples] == [True, False]
     assert reward_and_length_metrics(samples)["rollout/reward_failures"] == 1
     printed = capsys.readouterr().err
-    assert "reward function 'r' raised on 1 of 2 samples" in printed and "ValueError: bad" in printed
+    assert "reward function 'r' failed on 1 of 2 samples (0 by timing out; each scored 0.0)" in printed
+    assert "sample 0: ValueError: bad" in printed
+
+
+def test_reward_timeouts_are_failures_counted_on_their_own(capsys):
+    async def reward(sample):
+        if sample.response == "hang":
+            await asyncio.sleep(3600)
+        return 1.0
+
+    samples = generate_and_score(ScriptedGenerate({0: ["ok", "hang"], 1: ["hang", "ok"]}), prompts(2),
+                                 SamplingConfig(n=2), RewardFn(reward, "r", False, True, timeout=0.2))
+    assert [s.reward for s in samples] == [1.0, 0.0, 0.0, 1.0]
+    assert [s.reward_timed_out for s in samples] == [s.reward_failed for s in samples] == [False, True, True, False]
+    metrics = reward_and_length_metrics(samples)
+    assert metrics["rollout/reward_timeouts"] == metrics["rollout/reward_failures"] == 2
+    printed = capsys.readouterr().err
+    assert "failed on 2 of 4 samples (2 by timing out; each scored 0.0)" in printed
+    assert "sample 1: timed out: no score within 0.2 s; sample 2: timed out" in printed
 
 
 def test_a_loader_that_runs_out_is_an_error_not_a_short_batch():

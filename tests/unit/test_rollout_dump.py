@@ -146,7 +146,8 @@ def test_labels_that_are_not_json_fail_and_leave_no_file(tmp_path):
 
 def _loop_settings(**changes) -> RolloutSettings:
     base = dict(
-        data=None, shuffle=False, reward_fn=None, sampling=SamplingConfig(n=2, max_new_tokens=3), batch_size=2,
+        data=None, shuffle=False, reward_fn=None, reward_timeout=None,
+        sampling=SamplingConfig(n=2, max_new_tokens=3), batch_size=2,
         devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, dynamic_sampling_max_rounds=None,
         overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None,
     )
