@@ -6,7 +6,7 @@ Two runs, not three: the 4-step run (the session's saved_tiny_run, tests/e2e/con
 runs steps 2 and 3. A save that disturbed the run would show as a difference too, since the resumed run is
 compared with the run that saved. The resumed run writes into the first run's experiment directory: one run, one
 record, continued from the checkpoint. The first run also writes HF directories (--save-hf), which must hold its
-checkpoints' weights.
+checkpoints' weights, and from which SGLang's engine starts and greedy-decodes as HF transformers does.
 
 Rollouts repeat exactly only because each request samples with a seed derived from (--seed, step), which
 SGLang honours under --sglang-enable-deterministic-inference. Same tokens, same rewards: those are compared
@@ -20,8 +20,14 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from generations import assert_same_generations
+from hf_reference import hf_greedy
+from relax.platform import get_platform
+from relax.rollout.engine import RolloutEngine, SamplingConfig
 from relax.run_state import LATEST, read_checkpoint
 from tiny_runs import ROOT, SAVING_RUN_STEPS as STEPS, run_tiny_job
+
+PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
 
 EXACT_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean", "rollout/truncated_fraction")
 CLOSE_KEYS = ("train/loss", "train/pg_loss", "train/clip_fraction", "train/ppo_kl", "train/grad_norm", "train/lr")
@@ -42,6 +48,12 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     checkpointed = load_file(converted / "model.safetensors")
     assert trained.state_dict().keys() == checkpointed.keys()
     assert all(torch.equal(trained.state_dict()[k], v.float()) for k, v in checkpointed.items())
+    # SGLang's engine loads the HF directory and greedy-decodes what HF transformers decodes from it.
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    with RolloutEngine({"max_total_tokens": 4096}, model_path=str(hf_saves / "step_000003"),
+                       platform=get_platform("cpu")) as engine:
+        engine_outputs = [(c.token_ids, c.logprobs) for (c,) in engine.generate(PROBE_PROMPTS, greedy)]
+    assert_same_generations(engine_outputs, hf_greedy(hf_saves / "step_000003", PROBE_PROMPTS, 6))
     after_step_1 = saves / "step_000001"
     assert read_checkpoint(after_step_1, saved_tiny_run.exp_dir / "model", seed=1234, num_steps=STEPS).next_step == 2
 
