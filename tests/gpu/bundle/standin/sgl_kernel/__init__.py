@@ -28,25 +28,25 @@ def _rms_normalized(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: f
     return (x32 * scale * (weight.float() + offset)).to(x.dtype)
 
 
-def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
-    result = _rms_normalized(input, weight, eps, offset=0.0)
-    return result if out is None else out.copy_(result)
+def _rmsnorm(offset: float):
+    def op(input, weight, eps=1e-6, out=None, enable_pdl=None):
+        result = _rms_normalized(input, weight, eps, offset)
+        return result if out is None else out.copy_(result)
+
+    return op
 
 
-def fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
-    """In place, like the kernel: residual += input, then input = rmsnorm(residual)."""
-    residual.copy_((residual.float() + input.float()).to(residual.dtype))
-    input.copy_(_rms_normalized(residual, weight, eps, offset=0.0))
+def _fused_add_rmsnorm(offset: float):
+    def op(input, residual, weight, eps=1e-6, enable_pdl=None):
+        """In place, like the kernel: residual += input, then input = rmsnorm(residual)."""
+        residual.copy_((residual.float() + input.float()).to(residual.dtype))
+        input.copy_(_rms_normalized(residual, weight, eps, offset))
+
+    return op
 
 
-def gemma_rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
-    result = _rms_normalized(input, weight, eps, offset=1.0)
-    return result if out is None else out.copy_(result)
-
-
-def gemma_fused_add_rmsnorm(input, residual, weight, eps=1e-6, enable_pdl=None):
-    residual.copy_((residual.float() + input.float()).to(residual.dtype))
-    input.copy_(_rms_normalized(residual, weight, eps, offset=1.0))
+rmsnorm, fused_add_rmsnorm = _rmsnorm(0.0), _fused_add_rmsnorm(0.0)
+gemma_rmsnorm, gemma_fused_add_rmsnorm = _rmsnorm(1.0), _fused_add_rmsnorm(1.0)  # Gemma scales by 1 + weight
 
 
 def _act_and_mul(activation):
