@@ -2,7 +2,7 @@
 against relax's fused decode kernel (patches/sglang 0004, SGLANG_RELAX_FUSED_GDN_DECODE=1;
 relax.rollout.sglang_gdn_decode), each in its own engine through relax.rollout.engine.RolloutEngine.
 
-The model: relax.tiny_model's qwen3_5 family with Qwen3.5-9B's layer shapes (relax.tiny_model.qwen3_5_9b_layers:
+The model: relax.tools.tiny_model's qwen3_5 family with Qwen3.5-9B's layer shapes (relax.tools.tiny_model.qwen3_5_9b_layers:
 hidden 4096; GDN layers of 16 key and 32 value heads of 128, conv width 4; full-attention layers of 16 query / 4 KV
 heads of 256; FFN 12288), 8 layers (3 GDN, 1 full attention, twice), random bf16 weights built on the device,
 relax's tiny tokenizer.
@@ -63,7 +63,7 @@ def main():
     parser.add_argument("--steps", type=int, default=128, help="decode steps timed per batch")
     args = parser.parse_args()
 
-    from relax.tiny_model import build_tiny_model, qwen3_5_9b_layers
+    from relax.tools.tiny_model import build_tiny_model, qwen3_5_9b_layers
 
     with tempfile.TemporaryDirectory() as directory:
         model_dir = str(build_tiny_model(directory, "qwen3_5", device="cuda", dtype=torch.bfloat16, **qwen3_5_9b_layers(8)))

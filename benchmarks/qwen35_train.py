@@ -3,7 +3,7 @@ flash-linear-attention's Triton kernels inside megatron-core's GatedDeltaNet.
 
     python benchmarks/qwen35_train.py --size 300m --steps 20
 
-1. Parity (fla's kernel on the GPU): a small random Qwen3.5 in float32 (relax.tiny_model, head dims 64): the actor's
+1. Parity (fla's kernel on the GPU): a small random Qwen3.5 in float32 (relax.tools.tiny_model, head dims 64): the actor's
    response-token logprobs (MegatronActor.compute_logprobs) against HF transformers' Qwen3_5ForCausalLM on the same
    GPU; max abs diff.
 2. Packed rows: the actor's response-token logprobs with every sample of a mixed-length batch packed into one
@@ -48,7 +48,7 @@ SIZES = {
 
 
 def write_checkpoint(work_dir: Path, size: str) -> str:
-    from relax.tiny_model import build_tiny_model
+    from relax.tools.tiny_model import build_tiny_model
 
     out_dir = work_dir / f"qwen3_5_{size}"
     if (out_dir / "config.json").is_file():

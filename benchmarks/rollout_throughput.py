@@ -66,7 +66,7 @@ def main():
 
     from relax.rollout.data import PromptDataConfig, load_prompts
     from relax.rollout.synthetic import write_task
-    from relax.tiny_model import build_tiny_model
+    from relax.tools.tiny_model import build_tiny_model
 
     work = tempfile.mkdtemp(prefix="rollout_throughput_")
     model_dir = str(build_tiny_model(os.path.join(work, "model"), args.family))

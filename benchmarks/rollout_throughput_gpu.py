@@ -1,6 +1,6 @@
 """Rollout throughput on one CUDA GPU, in one run (benchmarks/rollout_throughput.py is the CPU one): relax's
 engine (relax.rollout.engine.RolloutEngine, what the loop's engine workers call) against bare SGLang (sglang.Engine with the same server arguments and the same
-requests) and HF transformers' generate, on a Qwen3-1.7B-shaped model (relax.tiny_model.QWEN3_1_7B_BODY; random
+requests) and HF transformers' generate, on a Qwen3-1.7B-shaped model (relax.tools.tiny_model.QWEN3_1_7B_BODY; random
 bf16 weights, relax's 64-token tokenizer) built on the device.
 
 The batch is an RL rollout's: --prompts prompts of --prompt-len random tokens, --samples completions each at
@@ -93,7 +93,7 @@ def main():
     parser.add_argument("--hf-prompts", type=int, default=16)
     args = parser.parse_args()
 
-    from relax.tiny_model import QWEN3_1_7B_BODY, build_tiny_model
+    from relax.tools.tiny_model import QWEN3_1_7B_BODY, build_tiny_model
 
     with tempfile.TemporaryDirectory() as directory:
         model_dir = str(build_tiny_model(directory, "qwen3", device="cuda", dtype=torch.bfloat16, **QWEN3_1_7B_BODY))

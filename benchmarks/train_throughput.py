@@ -54,7 +54,7 @@ KEPT_ROWS = 60  # kernels and ops kept per side, so the comparison finds one sid
 def write_checkpoint(out_dir: Path, shape: dict, device: torch.device, max_position_embeddings: int = 4096) -> Path:
     import transformers
 
-    from relax.tiny_model import build_tokenizer
+    from relax.tools.tiny_model import build_tokenizer
 
     if (out_dir / "config.json").is_file():
         return out_dir

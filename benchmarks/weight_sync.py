@@ -10,7 +10,7 @@ machine and cannot be carried there, so the receiver is not SGLang: it takes wha
 update_weights_from_tensor(load_format="flattened_bucket") takes, and does what SGLang does with it (unpickle the
 handles, rebuild the tensors with sglang's FlattenedTensorBucket, copy them into the parameters of the same name).
 
-Every step is the colocated loop's (relax/loop.py), one phase at a time, each timed after a device sync and a
+Every step is the colocated loop's (relax/run/loop.py), one phase at a time, each timed after a device sync and a
 barrier:
     engine_release  the receivers' weights leave the device (relax.train.offload.HostCopies over their parameters)
     wake            MegatronActor.wake(): process groups rebuilt, training state back on the device
@@ -59,7 +59,7 @@ from multiprocessing.reduction import ForkingPickler
 WORLD_SIZE = 2
 GiB = 1 << 30
 
-# Qwen3 shapes with the real vocabulary; "tiny" is relax.tiny_model's (its character tokenizer's vocabulary).
+# Qwen3 shapes with the real vocabulary; "tiny" is relax.tools.tiny_model's (its character tokenizer's vocabulary).
 QWEN3_SHAPES = {
     "0.1b": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=64, vocab_size=151936, tie_word_embeddings=True),
@@ -75,7 +75,7 @@ def write_random_qwen3(out_dir, size: str, dtype: torch.dtype, device: str = "cp
     """A random Qwen3 HF directory (config.json, safetensors in `dtype`, relax's tiny tokenizer)."""
     import transformers
 
-    from relax.tiny_model import build_tiny_model, build_tokenizer
+    from relax.tools.tiny_model import build_tiny_model, build_tokenizer
 
     if size == "tiny":
         return build_tiny_model(out_dir, "qwen3")

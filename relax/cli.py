@@ -25,19 +25,19 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         return _train(rest)
     if command == "convert":
-        from relax.convert import main as convert_main
+        from relax.tools.convert import main as convert_main
 
         return convert_main(rest)
     if command == "patches":
-        from relax.patches import main as patches_main
+        from relax.tools.patches import main as patches_main
 
         return patches_main(rest)
     if command == "doctor":
-        from relax.doctor import main as doctor_main
+        from relax.tools.doctor import main as doctor_main
 
         return doctor_main(rest)
     if command == "submit":
-        from relax.submit import main as submit_main
+        from relax.tools.submit import main as submit_main
 
         return submit_main(rest)
     print(f"relax: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
@@ -49,7 +49,7 @@ def _train(argv: list[str]) -> int:
     from relax.rollout.data import PromptDataError
     from relax.rollout.dump import RolloutDataError
 
-    from relax.run_state import CheckpointError
+    from relax.run.state import CheckpointError
 
     config = parse_train_args(argv)
     if config.run.dry_run:
@@ -62,9 +62,9 @@ def _train(argv: list[str]) -> int:
             print(f"relax train: {error}", file=sys.stderr)
             return 2
         return 0
-    from relax.loop import run
+    from relax.run.loop import run
     from relax.ray.placement import WorkerFailed
-    from relax.run_state import RunStopped, StopOnSignal
+    from relax.run.state import RunStopped, StopOnSignal
 
     # SIGINT / SIGTERM: the current step finishes, then a save (with --save) and the loop's cleanup (engines,
     # actors, the local Ray it started); a second signal abandons the step. Exit 128 + signal (130, 143).
@@ -122,7 +122,7 @@ def _dry_run_checkpoint(run) -> str:
     ]
     if absent:
         return f"--load: not checked ({'; '.join(absent)})"
-    from relax.run_state import read_checkpoint
+    from relax.run.state import read_checkpoint
 
     checkpoint = read_checkpoint(run.load, run.hf_checkpoint, run.seed, run.num_steps)
     return f"--load: {checkpoint.directory}, the run resumes at step {checkpoint.next_step}"

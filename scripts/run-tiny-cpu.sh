@@ -3,7 +3,7 @@
 # learns a synthetic task with a verifiable reward through the real loop (SGLang engine, Megatron
 # actor, local Ray) on 2 CPU cores.
 #   EXP_DIR         where the model, data and run outputs go (default: runs/tiny-cpu in the repository)
-#   --tiny-model F  (or TINY_MODEL=F) the tiny model's family from relax.tiny_model (default qwen3; qwen3_5
+#   --tiny-model F  (or TINY_MODEL=F) the tiny model's family from relax.tools.tiny_model (default qwen3; qwen3_5
 #                   is the hybrid Gated DeltaNet Qwen3.5, qwen3_5_moe its MoE variant)
 #   RELAX_DRY_RUN=1 stop after `relax train --dry-run` (CI checks every run-*.sh this way)
 # Extra arguments are passed to `relax train` and override the flags below.
@@ -30,7 +30,7 @@ done
 model_dir="$EXP_DIR/model"
 data="$EXP_DIR/data/copy_digit.jsonl"
 # Both are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files.
-"$python" -m relax.tiny_model --family "$family" --out "$model_dir" >/dev/null
+"$python" -m relax.tools.tiny_model --family "$family" --out "$model_dir" >/dev/null
 "$python" -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out "$data" >/dev/null
 
 args=(

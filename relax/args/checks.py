@@ -11,11 +11,11 @@ from pathlib import Path
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.args.unsupported import unsupported_combinations
-from relax.metrics import earlier_record
+from relax.run.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
-from relax.run_state import LATEST
+from relax.run.state import LATEST
 from relax.train.advantages import STD_NORMALISED
 
 
@@ -316,7 +316,7 @@ def checkpoint_flags_consistent(config, platform):
 
 def new_run_starts_its_own_record(config, platform):
     """A new run (no --load) never mixes its steps with an earlier run's metrics or checkpoints; a resumed run
-    continues its own record (relax.metrics)."""
+    continues its own record (relax.run.metrics)."""
     r = config.flags
     if r.load is not None:
         return None
@@ -379,7 +379,7 @@ def sleep_route_exists(config, platform):
 
 
 def wandb_imports(config, platform):
-    """wandb is the one output package the stacks do not install (relax/pins.py OUTPUT_PACKAGES): the run's driver,
+    """wandb is the one output package the stacks do not install (relax/tools/pins.py OUTPUT_PACKAGES): the run's driver,
     which parses these flags, logs to it."""
     if config.flags.use_wandb and importlib.util.find_spec("wandb") is None:
         return (

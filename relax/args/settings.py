@@ -75,7 +75,7 @@ class AlgorithmSettings:
 class OutputSettings:
     output_dir: str  # metrics.jsonl, TensorBoard events, the reward curve
     wandb_project: str | None  # None: no Weights & Biases
-    save: str | None  # checkpoints (relax.run_state)
+    save: str | None  # checkpoints (relax.run.state)
     save_interval: int | None  # every this many steps (and after the last)
     save_hf: str | None  # at every save, the actor's weights as an HF directory too
 

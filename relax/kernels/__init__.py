@@ -8,7 +8,7 @@ Modules
   triton-ascend's porting rules. Launch settings come from a TritonLaunch record.
 - launch: the TritonLaunch record and each Triton target's launch tuning (NVIDIA as measured on an H200, Ascend,
   the interpreter), scaled to a device's compute units.
-- sglang_cpu_ops: functions with the semantics of the sgl_kernel CPU ops SGLang 0.5.23 calls for GDN models.
+- gdn_sglang_ops: functions with the semantics of the sgl_kernel CPU ops SGLang 0.5.23 calls for GDN models.
 
 SGLang's Qwen3.5 decode reaches gdn_triton.gdn_decode through relax.rollout.sglang_gdn_decode (patches/sglang/0004).
 
@@ -23,7 +23,7 @@ Stand-ins for the libraries Megatron-core 0.16.1's GatedDeltaNet imports (megatr
     causal_conv1d.causal_conv1d_fn                   -> gdn_reference.causal_conv1d
     fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule -> gdn_reference.recurrent_gated_delta_rule
 
-sgl_kernel CPU op (torch.ops.sgl_kernel.*)          relax function (sglang_cpu_ops.*, same argument order)
+sgl_kernel CPU op (torch.ops.sgl_kernel.*)          relax function (gdn_sglang_ops.*, same argument order)
     fused_sigmoid_mul_cpu                             fused_sigmoid_mul                  (in place on x)
     fused_qk_gemma_rmsnorm_cpu                        fused_qk_gemma_rmsnorm
     fused_qk_gemma_rmsnorm_with_gate_cpu              fused_qk_gemma_rmsnorm_with_gate

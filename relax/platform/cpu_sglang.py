@@ -13,7 +13,7 @@ spawns (they inherit the environment, so everything here goes through os.environ
      allocation path), copy_all_layer_kv_cache_cpu and six speculative-decoding ops
      (assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu, build_tree_kernel_efficient_cpu,
      fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu, verify_tree_greedy_cpu), and calls none of them.
-     relax/platform/sgl_kernel_cpu_ops.py implements ops in torch; any other op raises when called.
+     relax/platform/cpu_sgl_kernel_registry.py implements ops in torch; any other op raises when called.
    - `torchvision`: a placeholder, because PyPI's torchvision does not import beside the CPU torch and
      SGLang's engine import reaches it through its multimodal configs.
 
@@ -127,7 +127,7 @@ def _skip_batch_invariant_mode(module) -> None:
 
 def _uncompiled_seeded_multinomial(module) -> None:
     # torch.compile'd upstream; on the CPU that means a C++ build at the first seeded request, and a graph break
-    # at the hash op anyway (relax's murmur_hash32_cpu, a torch function in relax.platform.sgl_kernel_cpu_ops).
+    # at the hash op anyway (relax's murmur_hash32_cpu, a torch function in relax.platform.cpu_sgl_kernel_registry).
     module.multinomial_with_seed = module.multinomial_with_seed._torchdynamo_orig_callable
 
 

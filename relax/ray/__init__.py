@@ -10,6 +10,6 @@
     envcheck.py       `python -m relax.ray.envcheck NAME...`: which of them reach a run's processes
     local_cluster.py  a Ray cluster of one or more nodes on this machine, for tests and the CPU demo
 
-`relax submit` (relax/submit.py) wraps Ray's Jobs API with runtime_env.job_env_vars.
+`relax submit` (relax/tools/submit.py) wraps Ray's Jobs API with runtime_env.job_env_vars.
 This package's modules import ray; relax.ray itself imports nothing, so `relax submit --help` stays fast.
 """

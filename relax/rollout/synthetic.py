@@ -1,11 +1,11 @@
 """Synthetic tasks for the tiny CPU demo, with a verifiable reward in [0, 1].
 
-Both use only characters of relax.tiny_model's alphabet (one token per character):
+Both use only characters of relax.tools.tiny_model's alphabet (one token per character):
 
 - copy_digit: "copy 1:" -> "1"        (attend to one prompt position; digits from COPY_DIGITS)
 - reverse3:   "reverse abc:" -> "cba" (three positional copies in reverse order; the harder one)
 
-What a tiny random Qwen3 (relax.tiny_model, ~80k parameters) learned in a probe with plain GRPO (HF
+What a tiny random Qwen3 (relax.tools.tiny_model, ~80k parameters) learned in a probe with plain GRPO (HF
 generate + a torch policy-gradient step, 8 prompts x 8 samples per step, AdamW lr 1e-2, up to 4 new
 tokens, temperature 1): copy_digit over the digits 0-1 went from a mean reward of 0.03 to 0.67 in 60
 steps (the first character right in most samples); over 0-3 it stayed between 0.2 and 0.5, and over 0-9

@@ -1,6 +1,6 @@
 """One training rank as a Ray actor: torch.distributed from the placement's variables, then a MegatronActor.
 
-The driver (relax.loop) sends each rank its data-parallel share of a rollout (the ranks of one data-parallel
+The driver (relax.run.loop) sends each rank its data-parallel share of a rollout (the ranks of one data-parallel
 replica get the same share) and calls every rank otherwise with the same arguments.
 
 Nothing a rank receives holds a megatron object: Ray unpickles an actor's arguments before its __init__

@@ -4,7 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 RELAX = Path(sys.executable).parent / "relax"  # the console script of this virtualenv
 

@@ -21,7 +21,7 @@ from relax.rollout.rewards import RewardInput, load_reward_fn
 from relax.rollout.rollout import generate_and_score, reward_and_length_metrics, take_prompts
 from relax.rollout.synthetic import copy_digit_reward, write_task
 from relax.sync.bucket import bucket_specs, serialize_bucket, split_into_buckets
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 # A small KV pool: the platform's memory fraction would reserve ~1 GB for a model of 80k parameters.
 SERVER_ARGS = {"max_total_tokens": 4096}

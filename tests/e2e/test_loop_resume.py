@@ -24,7 +24,7 @@ from generations import assert_same_generations
 from hf_reference import hf_greedy
 from relax.platform import get_platform
 from relax.rollout.engine import RolloutEngine, SamplingConfig
-from relax.run_state import LATEST, read_checkpoint
+from relax.run.state import LATEST, read_checkpoint
 from tiny_runs import ROOT, SAVING_RUN_STEPS as STEPS, run_tiny_job
 
 PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from relax.run_state import read_checkpoint
+from relax.run.state import read_checkpoint
 from processes import describe, kill_marked, leftover_processes, run_marker
 
 ROOT = Path(__file__).resolve().parents[2]

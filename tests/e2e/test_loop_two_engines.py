@@ -1,4 +1,4 @@
-"""The colocated loop with two SGLang engines and two training ranks (DP=2, gloo) on CPU: relax.loop.run, whole,
+"""The colocated loop with two SGLang engines and two training ranks (DP=2, gloo) on CPU: relax.run.loop.run, whole,
 on its own local Ray cluster, the tiny run's model and task (scripts/run-tiny-cpu.sh) with
 --num-devices-per-node 2 --rollout-num-devices-per-engine 1.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import ray
 
-import relax.loop
+import relax.run.loop
 from generations import assert_same_generations, largest_logprob_change
 from processes import MARKER_VAR, describe, leftover_processes, run_marker
 from relax.args import parse_train_args
@@ -27,7 +27,7 @@ from relax.rollout.dump import rollout_data_path
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.synthetic import write_task
 from relax.rollout.worker import EngineWorker
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 from tiny_runs import PERF_KEYS
 
 RECORDS_ENV = "RELAX_TEST_ENGINE_RECORDS"  # the directory the engines write their records to
@@ -39,7 +39,7 @@ NUM_STEPS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 2, 3, 4
 class RecordingEngineWorker(EngineWorker):
     """EngineWorker writing to $RELAX_TEST_ENGINE_RECORDS/engine-<rank>.jsonl: each generate call (prompts,
     first seed, response tokens), and a probe (greedy tokens and logprobs of PROBE_PROMPTS) once started and
-    whenever its KV cache is resumed, which ends each weight push (relax.loop.hand_devices_to_engines)."""
+    whenever its KV cache is resumed, which ends each weight push (relax.run.loop.hand_devices_to_engines)."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -103,10 +103,10 @@ def test_two_engines_and_two_training_ranks_share_every_step_and_take_every_push
     for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_AUTH_MODE", "disabled")):
         monkeypatch.setenv(name, value)  # what run() sets for its local cluster, taken back after the test
     monkeypatch.delenv("RAY_ADDRESS", raising=False)  # else run() would join that cluster
-    monkeypatch.setattr(relax.loop, "EngineWorker", RecordingEngineWorker)
+    monkeypatch.setattr(relax.run.loop, "EngineWorker", RecordingEngineWorker)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
     try:
-        relax.loop.run(config)
+        relax.run.loop.run(config)
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 

@@ -14,7 +14,7 @@ import ray
 
 from generations import assert_same_generations, largest_logprob_change
 from relax.args import parse_train_args
-from relax.loop import hand_devices_to_actor, hand_devices_to_engines, train
+from relax.run.loop import hand_devices_to_actor, hand_devices_to_engines, train
 from relax.platform import get_platform
 from relax.ray.placement import create_engine_actors, create_node_placement, create_training_actors
 from relax.rollout.data import Prompt
@@ -23,7 +23,7 @@ from relax.rollout.groups import Sample
 from relax.rollout.synthetic import write_task
 from relax.rollout.worker import EngineWorker
 from relax.sync.broadcast import BROADCAST, SAME_DEVICE
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 from relax.train.worker import TrainWorker
 
 PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]

@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from relax import patches
+from relax.tools import patches
 
 REPO = Path(__file__).resolve().parents[2]
 

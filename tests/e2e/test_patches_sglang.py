@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from relax import patches
+from relax.tools import patches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,7 +179,7 @@ GENERATE_WITH_SWITCH = textwrap.dedent(
 def test_fused_gdn_decode_switch_generates_like_the_default_path_and_hf(patched_root, tmp_path):
     from test_qwen35_sglang import NEW_TOKENS, PROMPTS, _assert_same_generation, _hf_greedy
 
-    from relax.tiny_model import build_tiny_model
+    from relax.tools.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "qwen3_5", family="qwen3_5", seed=0)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "RELAX_DEVICE"}

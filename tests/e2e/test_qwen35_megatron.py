@@ -16,7 +16,7 @@ Two spawned ranks share one gloo group, started once for this module: TP=1 runs 
 import pytest
 import torch
 
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 from relax.hf_checkpoint import TensorReader, read_hf_checkpoint, trained_names
 
 from spawned_ranks import SpawnedRanks

@@ -1,5 +1,5 @@
 """Tiny Qwen3.5 (dense, MoE) and Qwen3-Next generate through SGLang 0.5.23's own CPU engine with relax's torch
-operators serving the sgl_kernel CPU ops (relax/platform/sgl_kernel_cpu_ops.py): greedy tokens equal HF
+operators serving the sgl_kernel CPU ops (relax/platform/cpu_sgl_kernel_registry.py): greedy tokens equal HF
 transformers', logprobs agree within 1e-4 (float32), prompts of 2, 9 and 131 tokens (the last runs the chunked
 prefill over several 64-token chunks).
 
@@ -19,7 +19,7 @@ import textwrap
 
 import pytest
 
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 from hf_reference import hf_greedy
 

@@ -1,4 +1,4 @@
-"""Tiny Qwen3.5 vision-language checkpoints, dense and MoE (laid out as the released ones: relax.tiny_model
+"""Tiny Qwen3.5 vision-language checkpoints, dense and MoE (laid out as the released ones: relax.tools.tiny_model
 qwen3_5_vl, qwen3_5_moe_vl with fused experts) in SGLang 0.5.23's own CPU engine, driven by relax's RolloutEngine:
 it generates what HF's Qwen3_5(Moe)ForConditionalGeneration generates on text-only prompts; an update exported by
 relax's Megatron mapping (model.language_model.* and lm_head, experts per expert, no vision tower or MTP tensors)
@@ -21,7 +21,7 @@ import transformers
 from relax.platform import get_platform
 from relax.rollout.engine import RolloutEngine, SamplingConfig, WeightUpdateError
 from relax.hf_checkpoint import read_hf_checkpoint, trained_names
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 from hf_reference import hf_greedy
 from spawned_ranks import SpawnedRanks

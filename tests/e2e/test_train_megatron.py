@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from relax.hf_checkpoint import read_hf_checkpoint
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 from spawned_ranks import SpawnedRanks
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from processes import describe, leftover_processes, run_marker
-from relax.metrics import read_metrics
+from relax.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 # The time of each phase, logged at every step of a run that trains.

@@ -1,4 +1,4 @@
-"""The colocated step on one CUDA GPU: relax.loop.run, whole, on its own local Ray cluster, with SGLang's real
+"""The colocated step on one CUDA GPU: relax.run.loop.run, whole, on its own local Ray cluster, with SGLang's real
 engine and the Megatron actor sharing the device, on a Qwen3-1.7B-shaped model (28 layers, hidden 2048, FFN 6144,
 16 query / 8 KV heads of 128: 1.4B parameters; random bf16 weights and relax's tiny tokenizer, so the vocabulary
 is 64 tokens) built on the device. Every step: generate -> release -> wake -> train -> push over CUDA IPC ->
@@ -96,7 +96,7 @@ def _measured_workers():
 
         def resume_memory_occupation(self, tags):
             timed("engine", "resume", lambda: super(MeasuredEngineWorker, self).resume_memory_occupation(tags), tags=list(tags))
-            if "kv_cache" in tags:  # the end of a weight push (relax.loop.hand_devices_to_engines)
+            if "kv_cache" in tags:  # the end of a weight push (relax.run.loop.hand_devices_to_engines)
                 self._probe()
 
         def _probe(self):
@@ -200,10 +200,10 @@ def gaps_to(scored, outputs) -> list[float]:
 def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_route, tmp_path, monkeypatch):
     import ray
 
-    import relax.loop
+    import relax.run.loop
     from relax.args import parse_train_args
     from relax.rollout.synthetic import write_task
-    from relax.tiny_model import QWEN3_1_7B_BODY, build_tiny_model
+    from relax.tools.tiny_model import QWEN3_1_7B_BODY, build_tiny_model
 
     records = tmp_path / "records"
     records.mkdir()
@@ -227,12 +227,12 @@ def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_
     engine_class, trainer_class = _measured_workers()
     monkeypatch.setenv(RECORDS_ENV, str(records))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(relax.loop, "EngineWorker", engine_class)
-    monkeypatch.setattr(relax.loop, "TrainWorker", trainer_class)
+    monkeypatch.setattr(relax.run.loop, "EngineWorker", engine_class)
+    monkeypatch.setattr(relax.run.loop, "TrainWorker", trainer_class)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
     start = time.perf_counter()
     try:
-        relax.loop.run(config)
+        relax.run.loop.run(config)
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     run_seconds = time.perf_counter() - start

@@ -88,7 +88,7 @@ def _packed_against_one_per_micro_batch(hf_dir, platform) -> float:
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 def test_packed_logprobs_equal_one_sample_per_micro_batch(platform, family, tmp_path):
-    from relax.tiny_model import build_tiny_model
+    from relax.tools.tiny_model import build_tiny_model
 
     if family == "qwen3_5":
         if importlib.util.find_spec("fla") is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax import patches
+from relax.tools import patches
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

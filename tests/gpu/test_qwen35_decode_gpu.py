@@ -4,7 +4,7 @@ chosen tokens' logprobs agree within LOGPROB_TOLERANCE until the paths part, and
 two candidates there are closer than TIE_MARGIN (SGLang's top logprobs of each decode step), so either choice is
 the argmax within bf16 noise. Decode CUDA graphs on.
 
-The model: relax.tiny_model.qwen3_5_9b_layers(4) (3 GDN layers at Qwen3.5-9B's shapes, 1 full attention), random
+The model: relax.tools.tiny_model.qwen3_5_9b_layers(4) (3 GDN layers at Qwen3.5-9B's shapes, 1 full attention), random
 bf16 weights built on the device. Needs the GPU verification bundle (docs/gpu-verification.md):
     source tests/gpu/bundle/enter.sh && python3 -m pytest -q -s tests/gpu/test_qwen35_decode_gpu.py
 """
@@ -51,7 +51,7 @@ def greedy_steps(model_dir: str, prompts, fused: bool) -> list[list[tuple[int, f
 
 
 def test_fused_gdn_decode_generates_sglangs_greedy_tokens_up_to_bf16_ties(tmp_path):
-    from relax.tiny_model import build_tiny_model, qwen3_5_9b_layers
+    from relax.tools.tiny_model import build_tiny_model, qwen3_5_9b_layers
 
     model_dir = str(build_tiny_model(tmp_path, "qwen3_5", device="cuda", dtype=torch.bfloat16, **qwen3_5_9b_layers(4)))
     torch.cuda.empty_cache()

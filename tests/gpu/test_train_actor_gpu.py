@@ -29,7 +29,7 @@ SHAPES = [(5, 3), (7, 4), (3, 1), (9, 5), (4, 6), (6, 2)]
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     from relax.platform import get_platform
-    from relax.tiny_model import build_tiny_model
+    from relax.tools.tiny_model import build_tiny_model
 
     platform = get_platform("cuda")
     platform.prepare_megatron()
@@ -47,7 +47,7 @@ def hf_dir(tmp_path_factory):
 def wide_hf_dir(hf_dir, tmp_path_factory):
     """The tiny model widened to about 27M parameters (a training state of some 430 MB in fp32), so that the
     memory a sleep frees is measured well above what destroying the process groups frees."""
-    from relax.tiny_model import build_tiny_model
+    from relax.tools.tiny_model import build_tiny_model
 
     directory = tmp_path_factory.mktemp("qwen3_wide")
     return str(build_tiny_model(directory, "qwen3", hidden_size=1024, intermediate_size=4096))

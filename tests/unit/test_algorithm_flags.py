@@ -1,5 +1,5 @@
 """Every algorithm flag does something: given a value other than its default, each one either changes the loss
-the actor computes (through the settings relax.args builds and the loop's batch assembly, relax.loop) or is refused at parse time
+the actor computes (through the settings relax.args builds and the loop's batch assembly, relax.run.loop) or is refused at parse time
 with a message naming what to do. The flags come from the parser, so a new one without a case here fails."""
 
 import functools
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from relax.args import build_parser, parse_train_args
-from relax.loop import rollout_batch
+from relax.run.loop import rollout_batch
 from relax.rollout.data import Prompt
 from relax.rollout.groups import Sample
 from relax.train.losses import aggregation_denominator

@@ -302,7 +302,7 @@ def test_bad_relax_device_environment_exits_2(monkeypatch, capsys):
 
 
 def test_fused_rmsnorm_is_refused_where_it_cannot_reach_the_norms(tmp_path, capsys):
-    from relax.tiny_model import build_tiny_model
+    from relax.tools.tiny_model import build_tiny_model
 
     hf_dir = build_tiny_model(tmp_path / "qwen3_5", "qwen3_5")
     argv = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "npu", "--dry-run",
@@ -311,7 +311,7 @@ def test_fused_rmsnorm_is_refused_where_it_cannot_reach_the_norms(tmp_path, caps
 
 
 def test_a_gdn_training_kernel_that_does_not_import_here_is_refused(tmp_path, capsys):
-    from relax.tiny_model import build_tiny_model
+    from relax.tools.tiny_model import build_tiny_model
 
     hf_dir = build_tiny_model(tmp_path / "qwen3_5", "qwen3_5")
     argv = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run",

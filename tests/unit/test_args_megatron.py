@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from relax.args import build_parser, parse_train_args
 from relax.args.megatron import MegatronValues, field_flags
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]

@@ -10,7 +10,7 @@ from relax.args import build_parser, parse_train_args
 from relax.args.sglang import MANAGED_BY_RELAX, prepare_import, sglang_actions
 from relax.platform import get_platform
 from relax.rollout.engine import server_defaults
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--lr", "1e-6"]

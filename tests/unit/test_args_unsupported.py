@@ -10,9 +10,9 @@ from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_archite
 from relax.args.settings import actor_settings, algorithm_settings, output_settings, rollout_settings, run_settings
 from relax.args.unsupported import REFUSED_FLAGS, UNSUPPORTED_COMBINATIONS, unsupported_combinations
 from relax.hf_checkpoint import read_hf_checkpoint
-from relax.metrics import METRICS_FILE
+from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]

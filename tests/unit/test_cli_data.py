@@ -7,7 +7,7 @@ import json
 import pytest
 
 from relax.cli import main
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 import transformers
 
 from relax.rollout.data import LoaderPosition, PromptDataConfig, PromptDataError, PromptLoader, load_prompts
-from relax.tiny_model import CHAT_TEMPLATE, build_tokenizer
+from relax.tools.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 ROWS = [{"prompt": "copy 1:", "label": "1"}, {"prompt": "copy 2:", "label": "2"}]
 # The tiny tokenizer's template with Qwen3's switch: an empty thought block when thinking is turned off.

@@ -1,4 +1,4 @@
-"""relax/doctor.py: each check on fake facts, and the real command on this CPU machine."""
+"""relax/tools/doctor.py: each check on fake facts, and the real command on this CPU machine."""
 
 import subprocess
 import sys
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from relax import doctor
-from relax.doctor import BLOCKER, INFO, OK, WARN, Facts
+from relax.tools import doctor
+from relax.tools.doctor import BLOCKER, INFO, OK, WARN, Facts
 from relax.platform import platform_facts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -151,7 +151,7 @@ def test_toolkit_and_ray_and_platform():
 
 
 def test_training_kernels_row_names_a_gdn_kernel_that_does_not_import():
-    from relax.doctor import check_training_kernels
+    from relax.tools.doctor import check_training_kernels
 
     (row,) = check_training_kernels("flash_varlen", "fla", "No module named 'fla'")
     assert row.status == WARN and "attention flash_varlen, GDN fla" in row.found

@@ -6,7 +6,7 @@ phase, not SGLang) whose responses are the rewards to give."""
 import pytest
 
 from relax.args import RolloutSettings
-from relax.loop import collect_rollout
+from relax.run.loop import collect_rollout
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import DynamicSamplingError

@@ -19,7 +19,7 @@ from relax.hf_checkpoint import (
 )
 from relax.hf_checkpoint.architecture import FAMILY_FIELDS
 from relax.hf_checkpoint.layout import language_model
-from relax.tiny_model import build_tiny_model
+from relax.tools.tiny_model import build_tiny_model
 
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from relax.args import AlgorithmSettings
-from relax.loop import PhaseTimer, _mean_over_steps, rollout_batch
-from relax.metrics import MetricsLog, read_metrics
+from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch
+from relax.run.metrics import MetricsLog, read_metrics
 from relax.rollout.data import Prompt
 from relax.rollout.groups import Sample
 

@@ -7,7 +7,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from relax.args import parse_train_args
-from relax.metrics import MetricsLog, read_metrics
+from relax.run.metrics import MetricsLog, read_metrics
 
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 RUN = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]

@@ -1,4 +1,4 @@
-"""relax/patches.py and patches/: the manifest, the series' form, and in-place apply on copies.
+"""relax/tools/patches.py and patches/: the manifest, the series' form, and in-place apply on copies.
 
 Applying each series to its pinned upstream (which downloads from PyPI) is tests/e2e/test_patches_check.py.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from relax import patches
+from relax.tools import patches
 
 REPO = Path(__file__).resolve().parents[2]
-PINS = runpy.run_path(str(REPO / "relax" / "pins.py"))
+PINS = runpy.run_path(str(REPO / "relax" / "tools" / "pins.py"))
 
 
 def _site_packages() -> Path:
@@ -44,7 +44,7 @@ def test_manifest_versions_and_refs_agree_with_pins(upstreams):
     # setup.py's extras come from the same pins
     assert f"sglang=={PINS['SGLANG']}" in PINS["CUDA_STACK"]
     assert f"megatron-core=={PINS['MEGATRON_CORE']}" in PINS["CPU_STACK"] + PINS["CUDA_STACK"]
-    assert 'relax" / "pins.py"' in (REPO / "setup.py").read_text()
+    assert '"tools" / "pins.py"' in (REPO / "setup.py").read_text()
 
 
 def test_first_real_sets_exist(upstreams):

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from relax.platform.sgl_kernel_cpu_ops import assign_req_to_token_pool_cpu, murmur_hash32_cpu
+from relax.platform.cpu_sgl_kernel_registry import assign_req_to_token_pool_cpu, murmur_hash32_cpu
 
 
 def test_assign_req_to_token_pool_writes_each_requests_slots_into_its_row():
@@ -68,7 +68,7 @@ def test_stand_ins_serve_registered_ops_and_name_the_missing_ones():
         import os, subprocess, sys
         import torch
         from relax.platform import get_platform
-        from relax.platform.sgl_kernel_cpu_ops import register_cpu_op
+        from relax.platform.cpu_sgl_kernel_registry import register_cpu_op
 
         register_cpu_op("relax_test_double_cpu", lambda x: x * 2, schema="(Tensor x) -> Tensor")
         register_cpu_op("relax_test_conv_cpu", lambda x: x, submodule="mamba")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from relax.platform.cpu_sglang import shared_expert_gate_sigmoid_mul_add
-from relax.platform.sgl_kernel_cpu_ops import CPU_OPS
+from relax.platform.cpu_sgl_kernel_registry import CPU_OPS
 
 SGLANG = Path(importlib.util.find_spec("sglang").origin).parent
 GDN_SOURCES = [

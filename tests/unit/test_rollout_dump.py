@@ -8,7 +8,7 @@ import pytest
 
 from relax.args import RolloutSettings
 from relax.args.checks import Parsed, rollout_data_patterns_valid
-from relax.loop import collect_rollout
+from relax.run.loop import collect_rollout
 from relax.rollout.data import Prompt
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import (

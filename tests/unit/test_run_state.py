@@ -1,4 +1,4 @@
-"""relax.run_state without the stack: when saves are due, the sampling seeds, how --load finds (and refuses)
+"""relax.run.state without the stack: when saves are due, the sampling seeds, how --load finds (and refuses)
 checkpoints, what `relax convert` refuses before reading tensors, and the driver's signal handling. The
 checkpoints here are directories with the files a save writes, not real actor checkpoints
 (tests/e2e/test_loop_resume.py saves and loads real ones; tests/e2e/test_train_megatron.py converts one)."""
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from relax.args import OutputSettings
-from relax.run_state import (
+from relax.run.state import (
     LATEST,
     PARTIAL_SUFFIX,
     CheckpointError,
@@ -26,9 +26,9 @@ from relax.run_state import (
     save_due,
     step_dir_name,
 )
-from relax.convert import checked_input
-from relax.convert import main as convert_main
-from relax.tiny_model import build_tiny_model
+from relax.tools.convert import checked_input
+from relax.tools.convert import main as convert_main
+from relax.tools.tiny_model import build_tiny_model
 
 
 def test_saves_are_due_every_interval_and_at_the_last_step():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from relax.cli import main as cli_main
-from relax.submit import exit_code_for, job_runtime_env, main, split_entrypoint
+from relax.tools.submit import exit_code_for, job_runtime_env, main, split_entrypoint
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from relax.tiny_model import FAMILIES, build_tiny_model
+from relax.tools.tiny_model import FAMILIES, build_tiny_model
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

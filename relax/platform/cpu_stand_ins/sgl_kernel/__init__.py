@@ -1,4 +1,4 @@
-"""relax's stand-in for sgl_kernel on the CPU platform (see relax/platform/sgl_kernel_cpu_ops.py).
+"""relax's stand-in for sgl_kernel on the CPU platform (see relax/platform/cpu_sgl_kernel_registry.py).
 
 Only relax's CPU platform puts this directory on the path (prepare_sglang); it shadows any sgl_kernel.
 """
@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from relax.platform.sgl_kernel_cpu_ops import CPU_OPS, missing_op
+from relax.platform.cpu_sgl_kernel_registry import CPU_OPS, missing_op
 
 __version__ = "0.0.0+relax.cpu.stand.in"
 __path__ = []  # a package whose only submodules are the stand-ins made below

@@ -1,7 +1,7 @@
 """`relax doctor`: a preflight table for this machine, and the fix for each thing that would stop a run.
 
 It reports the platform and its device count; the versions of the device toolkit (CANN, or the NVIDIA
-driver), torch / torch_npu, sglang, megatron-core and MindSpeed against relax/pins.py; whether the installed
+driver), torch / torch_npu, sglang, megatron-core and MindSpeed against relax/tools/pins.py; whether the installed
 sglang and megatron-core carry relax's patch sets (patches/); environment settings that conflict with a
 colocated run (the platform's own rule from relax.platform, e.g. expandable segments beside a memory saver;
 HCCL port settings shared by the several processes on one device; visible-device variables); and the
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
-from relax import patches
+from relax.tools import patches
 from relax.platform import DEVICE_CHOICES, PLATFORMS, Platform, platform_facts, resolve_platform_name
 
 PINS = runpy.run_path(str(Path(__file__).resolve().parent / "pins.py"))
@@ -137,7 +137,7 @@ def check_versions(platform: Platform, versions: Mapping[str, Optional[str]]) ->
             rows.append(Row(name, OK, have, want))
         else:
             status = BLOCKER if name in EXACT else WARN
-            rows.append(Row(name, status, have, want, f"pip install {name}=={want} (relax/pins.py)"))
+            rows.append(Row(name, status, have, want, f"pip install {name}=={want} (relax/tools/pins.py)"))
     return rows
 
 

@@ -26,7 +26,7 @@ import ray
 import torch
 
 from relax.args.settings import AlgorithmSettings, OutputSettings, RolloutSettings, RunSettings
-from relax.metrics import MetricsLog, extreme
+from relax.run.metrics import MetricsLog, extreme
 from relax.ray.placement import (
     create_engine_actors, create_node_placement, create_training_actors, wait_for, worker_failure,
 )
@@ -40,7 +40,7 @@ from relax.rollout.rollout import (
     split_over_engines, take_prompts,
 )
 from relax.rollout.worker import EngineWorker
-from relax.run_state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
+from relax.run.state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.advantages import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.worker import TrainWorker
@@ -296,7 +296,7 @@ def _prompt_loader_and_reward(settings: RunSettings, rollout: RolloutSettings, c
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:
     """One value per metric for the rollout: the mean over its optimizer steps (the max or min for an extreme,
-    relax.metrics.extreme), under train/ unless the actor named its group (mismatch/)."""
+    relax.run.metrics.extreme), under train/ unless the actor named its group (mismatch/)."""
     combined = {}
     for key in step_metrics[0]:
         values = [float(m[key]) for m in step_metrics]

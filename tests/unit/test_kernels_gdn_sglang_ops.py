@@ -1,11 +1,11 @@
-"""relax.kernels.sglang_cpu_ops: the sgl_kernel CPU op semantics, checked against HF modules and the references."""
+"""relax.kernels.gdn_sglang_ops: the sgl_kernel CPU op semantics, checked against HF modules and the references."""
 
 import pytest
 import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 
 from relax.kernels import gdn_reference as ref
-from relax.kernels import sglang_cpu_ops as ops
+from relax.kernels import gdn_sglang_ops as ops
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 

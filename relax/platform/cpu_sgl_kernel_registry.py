@@ -46,7 +46,7 @@ def missing_op(qualified_name: str) -> Callable:
         raise NotImplementedError(
             f"{qualified_name} is not available on relax's CPU platform: PyPI's sgl-kernel has no CPU ops "
             "and relax implements only the ones SGLang's CPU engine calls for the supported models. "
-            "Implement it in torch and register it with relax.platform.sgl_kernel_cpu_ops.register_cpu_op."
+            "Implement it in torch and register it with relax.platform.cpu_sgl_kernel_registry.register_cpu_op."
         )
 
     not_implemented.__name__ = qualified_name.rpartition(".")[2]
@@ -117,14 +117,14 @@ register_cpu_op(
 
 # ----------------------------------------------------------------------------------------------------------
 # Gated DeltaNet (Qwen3.5 / Qwen3-Next): the ops SGLang 0.5.23 calls on the CPU engine, served by
-# relax.kernels.sglang_cpu_ops (torch references; argument order as SGLang passes them). Those read as
+# relax.kernels.gdn_sglang_ops (torch references; argument order as SGLang passes them). Those read as
 # torch.ops.sgl_kernel.<name> get a schema (SGLang's models and GDN backend bind them at import); `(a!)` marks
 # the pools they update in place. The three `sgl_kernel.mamba` functions are Python-level wrappers in
 # sgl-kernel, called with keywords by sglang/srt/layers/attention/linear/gdn_backend.py and
 # kernels/gdn_triton.py; they call relax's conv / chunk functions directly (SGLang never reads
 # causal_conv1d_fwd_cpu / causal_conv1d_update_cpu / chunk_gated_delta_rule_cpu from torch.ops).
 # ----------------------------------------------------------------------------------------------------------
-from relax.kernels import sglang_cpu_ops as _gdn  # noqa: E402  (this section only)
+from relax.kernels import gdn_sglang_ops as _gdn  # noqa: E402  (this section only)
 
 # SGLang's PAD_SLOT_ID (sglang/srt/layers/attention/mamba/mamba_utils): a batch row that owns no state slot.
 PAD_SLOT_ID = -1

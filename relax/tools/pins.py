@@ -2,7 +2,7 @@
 
 setup.py reads this file (without importing relax), scripts/setup.sh installs from it, the
 Dockerfiles are checked against it by tests, and `relax doctor` compares the installed stack to it.
-Keep it free of imports so it can be executed on its own: `python relax/pins.py sglang` prints a pin.
+Keep it free of imports so it can be executed on its own: `python relax/tools/pins.py sglang` prints a pin.
 """
 
 import sys
@@ -63,7 +63,7 @@ SGLANG_CPU_DEPS = [
 ]
 
 # What the run's outputs need besides the training stack: TensorBoard events, the progress bar and the curves
-# PNG (relax/metrics.py), safetensors shards (relax/train/checkpoint.py). Every stack below names them, so a run
+# PNG (relax/run/metrics.py), safetensors shards (relax/train/checkpoint.py). Every stack below names them, so a run
 # cannot end on an ImportError while it writes its record (tests/unit/test_output_dependencies.py). wandb is
 # optional: `relax train` refuses --use-wandb where it is not installed.
 OUTPUT_PACKAGES = ["tensorboard", "matplotlib", "tqdm", "safetensors"]
@@ -128,7 +128,7 @@ def _lookup(name: str) -> str:
         return value
     if isinstance(value, list):
         return "\n".join(value)
-    raise SystemExit(f"relax/pins.py: no pin or stack named {name!r}")
+    raise SystemExit(f"relax/tools/pins.py: no pin or stack named {name!r}")
 
 
 if __name__ == "__main__":

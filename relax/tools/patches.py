@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PATCHES_DIR = REPO_ROOT / "patches"
 MANIFEST = PATCHES_DIR / "manifest.toml"
 CACHE_ENV = "RELAX_CACHE_DIR"
