@@ -26,6 +26,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -309,6 +310,21 @@ class RolloutEngine:
         result = self._run(self._live().tokenizer_manager.flush_cache())
         if not result.success:
             raise RuntimeError(f"SGLang flush_cache failed: {result.message}")
+
+    @contextmanager
+    def profiled(self, output_dir: str):
+        """SGLang's torch profiler (GPU kernels through CUPTI) around the block. The scheduler writes one Chrome trace
+        into output_dir after the block ends, not before this returns."""
+        from sglang.srt.managers.io_struct import ProfileReq
+
+        engine = self._live()
+        self._run(engine.tokenizer_manager.start_profile(
+            ProfileReq(output_dir=output_dir, activities=["GPU"], with_stack=False, record_shapes=False)
+        ))
+        try:
+            yield
+        finally:
+            self._run(engine.tokenizer_manager.stop_profile())
 
     # --- weight updates ------------------------------------------------------------------------------
 
