@@ -263,6 +263,12 @@ class MegatronActor:
         self.process_groups.rebuild()
         self.memory.restore()
 
+    def free_cached_blocks(self) -> None:
+        """Hand the caching allocator's free blocks (the last step's activations) back to the device. Before the
+        weight push, which runs while the engines' weights are back on the device, so that the push peaks at the
+        training state plus the engines' weights and a bucket, not also at the step's activations."""
+        self.platform.device_module.empty_cache()
+
     def _check_awake(self) -> None:
         if self.asleep:
             raise RuntimeError("the actor is asleep: call wake() first")

@@ -107,6 +107,7 @@ class TrainWorker:
         elif not self.weight_routes.serves(engines):
             raise ValueError("push_weights: the engines differ from the first push's; call close_weight_sync() first")
         routes = self.weight_routes
+        self.actor.free_cached_blocks()
         if self.rank == 0:
             ray.get([engine.begin_weight_update.remote() for engine in engines])
         torch.distributed.barrier()
