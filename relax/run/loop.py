@@ -202,17 +202,20 @@ def hand_devices_to_engines(engines, trainers, devices_per_engine: int, timeout:
     resume the engines' KV cache. Each sending rank reaches the engines on its node by handle and the others
     by broadcast: it is told every engine's node. Returns each rank's push report (TrainWorker.push_weights).
     Under --debug-train-only there are no engines: the actor only sleeps."""
-    sleep = partial(wait_for, trainers.call("sleep"), trainers.placement, timeout, group_callees(trainers))
+    def on_trainers(method: str, *args) -> list:
+        return wait_for(trainers.call(method, *args), trainers.placement, timeout, group_callees(trainers))
+
     if engines is None:
-        sleep()
+        on_trainers("sleep")
         return None
-    engine_calls = partial(wait_for, placement=engines.placement, timeout=timeout, callees=group_callees(engines))
-    engine_calls(engines.call("resume_memory_occupation", ["weights"]))
+    wait_for(engines.call("resume_memory_occupation", ["weights"]), engines.placement, timeout, group_callees(engines))
     engine_nodes = [bundle.node_id for bundle in engines.bundles]
-    push = trainers.call("push_weights", engines.actors, devices_per_engine, engine_nodes)
-    reports = wait_for(push, trainers.placement, timeout, group_callees(trainers))
-    sleep()
-    engine_calls(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]))
+    reports = on_trainers("push_weights", engines.actors, devices_per_engine, engine_nodes)
+    on_trainers("sleep")
+    wait_for(
+        engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]), engines.placement, timeout,
+        group_callees(engines),
+    )
     return reports
 
 
