@@ -71,7 +71,9 @@ class EngineRestarts:
             k = next(iter(calls))
             engine = shares[k].engine
             try:
-                (answers[k],) = wait_for([calls[k]], self.engines.placement, self.rollout_timeout, [(self.engines, engine)])
+                (answers[k],) = wait_for(
+                    [calls[k]], self.engines.placement, self.rollout_timeout, [(self.engines, engine)]
+                )
                 del calls[k]
             except (ray.exceptions.RayError, WorkerFailed) as error:  # this engine's or another one's
                 failed = self._restart(error)

@@ -98,7 +98,8 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                 ),
             )
             # Started (weights loaded, graphs captured) before the first step, which would otherwise time it as rollout.
-            wait_for(engines.call("watched_child_pids"), placement, settings.engine_start_timeout, group_callees(engines))
+            started = engines.call("watched_child_pids")
+            wait_for(started, placement, settings.engine_start_timeout, group_callees(engines))
             generate = _generate_restarting_engines(engines, trainers, settings, rollout.devices_per_engine)
         if checkpoint is not None:
             resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine, hand_over_timeout)
@@ -177,7 +178,8 @@ def collect_rollout(
 def hand_devices_to_actor(engines, trainers, timeout: Timeout) -> None:
     """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
     if engines is not None:
-        wait_for(engines.call("release_memory_occupation", ENGINE_MEMORY), engines.placement, timeout, group_callees(engines))
+        released = engines.call("release_memory_occupation", ENGINE_MEMORY)
+        wait_for(released, engines.placement, timeout, group_callees(engines))
     wait_for(trainers.call("wake"), trainers.placement, timeout, group_callees(trainers))
 
 

@@ -63,7 +63,8 @@ class SlowEngine(ChildKeeper):
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         time.sleep(3)
         seeds = iter(range(sampling.seed, sampling.seed + len(prompts) * sampling.n))
-        return [[Completion([next(seeds)], [0.0], "stop", str(os.getpid())) for _ in range(sampling.n)] for _ in prompts]
+        pid = str(os.getpid())
+        return [[Completion([next(seeds)], [0.0], "stop", pid) for _ in range(sampling.n)] for _ in prompts]
 
 
 class DiesInInit:
@@ -180,7 +181,8 @@ def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_s
     sampling = SamplingConfig(n=2, seed=100)
     completions = generate([[1], [2], [3], [4]], sampling)
     # Every request answered once, with its own seed, in prompt order: engine 1's share by the new actor.
-    assert [[c.token_ids[0] for c in group] for group in completions] == [[100, 101], [102, 103], [104, 105], [106, 107]]
+    seeds = [[c.token_ids[0] for c in group] for group in completions]
+    assert seeds == [[100, 101], [102, 103], [104, 105], [106, 107]]
     answered_by = [int(group[0].text) for group in completions]
     new_pid = ray.get(engines.actors[1].pid.remote())
     assert answered_by == [old_pids[0], old_pids[0], new_pid, new_pid] and new_pid != old_pids[1]
@@ -190,5 +192,6 @@ def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_s
     # The run's one restart is used: the next death fails as before, naming the engine.
     (child_pid,) = ray.get(engines.actors[1].watched_child_pids.remote())
     _kill_soon(child_pid, delay_s=1.0)
-    with pytest.raises(WorkerFailed, match=r"^engine 1 \(SlowEngine, pid .*no engine restart left: --max-engine-restarts 1\)$"):
+    used_up = r"^engine 1 \(SlowEngine, pid .*no engine restart left: --max-engine-restarts 1\)$"
+    with pytest.raises(WorkerFailed, match=used_up):
         generate([[1], [2]], sampling)
