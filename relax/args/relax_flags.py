@@ -34,6 +34,11 @@ MEGATRON_FEATURE_FLAGS = {
 }
 BUILTIN_REWARD_HINT = "a built-in reward name (e.g. math) or module:function"
 REWARD_TIMEOUT_DEFAULT = 60.0  # seconds per call: far above a rule-based score, short of a silent hang
+# Bounds on the driver's waits for calls that can hang while every process runs: far above what a large model
+# takes (loading hundreds of GB from a shared filesystem, an hour of long-response sampling), short of days.
+ENGINE_START_TIMEOUT_DEFAULT = 3600.0
+ROLLOUT_TIMEOUT_DEFAULT = 4 * 3600.0
+WEIGHT_SYNC_TIMEOUT_DEFAULT = 3600.0
 
 # slime's spellings of relax flags, for users coming from slime: each names the same setting in the same unit and
 # value format, and is a second option string of the relax flag (so --help lists it). Giving both spellings is an
@@ -90,7 +95,14 @@ def _ratio_bounds(text: str) -> tuple[float, float]:
     return low, high
 
 
-def _reward_timeout(text: str) -> float | None:
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _timeout(text: str) -> float | None:
     return None if text == "none" else _positive_float(text)
 
 
@@ -226,7 +238,7 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reward-fn", type=_reward_fn, help=f"Reward function: {BUILTIN_REWARD_HINT}. Required for a run.")
     g.add_argument(
         "--reward-timeout",
-        type=_reward_timeout,
+        type=_timeout,
         default=REWARD_TIMEOUT_DEFAULT,
         metavar="SECONDS",
         help="Each call of the reward function (a sample's, or a per-batch function's batch) that does not return "
@@ -423,6 +435,44 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         type=_positive_int,
         default=512 * 1024**2,
         help="Bytes per weight-sync bucket (default: %(default)s = 512 MiB).",
+    )
+
+    g = parser.add_argument_group("relax: faults")
+    g.add_argument(
+        "--max-engine-restarts",
+        type=_non_negative_int,
+        default=3,
+        metavar="N",
+        help="An engine (or its SGLang scheduler or detokenizer) that dies or stops answering during a rollout is "
+        "started again on its devices, given the actor's current weights, and its requests are sent again with "
+        "their seeds; the step goes on. At most this many restarts per run, then the run fails naming the "
+        "engine; 0: fail at the first (default: %(default)s). Counted in faults/engine_restarts.",
+    )
+    g.add_argument(
+        "--engine-start-timeout",
+        type=_timeout,
+        default=ENGINE_START_TIMEOUT_DEFAULT,
+        metavar="SECONDS",
+        help="How long an engine may take to start (weights loaded) at the run's start or after a restart; "
+        "`none`: no bound (default: %(default)s, for a large checkpoint on a slow filesystem).",
+    )
+    g.add_argument(
+        "--rollout-timeout",
+        type=_timeout,
+        default=ROLLOUT_TIMEOUT_DEFAULT,
+        metavar="SECONDS",
+        help="How long an engine may take to answer its share of one generate call; an engine that does not is "
+        "restarted as a dead one is (--max-engine-restarts); `none`: no bound (default: %(default)s, hours of "
+        "long-response sampling).",
+    )
+    g.add_argument(
+        "--weight-sync-timeout",
+        type=_timeout,
+        default=WEIGHT_SYNC_TIMEOUT_DEFAULT,
+        metavar="SECONDS",
+        help="How long each part of handing the devices over may take: the engines' memory release and resume, "
+        "the actor's wake and sleep, and the weight push (with the process groups it builds); past it the run "
+        "fails naming the worker that did not answer; `none`: no bound (default: %(default)s).",
     )
 
     g = parser.add_argument_group("relax: checkpoints")

@@ -16,6 +16,7 @@ import dataclasses
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.platform import platform_facts
+from relax.ray.watch import Timeout
 from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import SamplingConfig
 from relax.train.losses import LossSettings
@@ -38,6 +39,10 @@ class RunSettings:
     debug_train_only: bool  # no engines: rollouts replayed from RolloutSettings.load_data
     load: str | None  # a --save directory (or one of its steps) to resume from
     dry_run: bool  # validate and print; run nothing
+    max_engine_restarts: int  # engines started again in place over the run before a dead engine fails it
+    engine_start_timeout: Timeout  # an engine's start, at the run's start or after a restart
+    rollout_timeout: Timeout  # one engine's share of one generate call
+    weight_sync_timeout: Timeout  # each call of the device hand-over: memory release/resume, wake/sleep, push
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +100,10 @@ def run_settings(flags: argparse.Namespace) -> RunSettings:
         debug_train_only=flags.debug_train_only,
         load=flags.load,
         dry_run=flags.dry_run,
+        max_engine_restarts=flags.max_engine_restarts,
+        engine_start_timeout=Timeout(flags.engine_start_timeout, "--engine-start-timeout"),
+        rollout_timeout=Timeout(flags.rollout_timeout, "--rollout-timeout"),
+        weight_sync_timeout=Timeout(flags.weight_sync_timeout, "--weight-sync-timeout"),
     )
 
 

@@ -4,8 +4,10 @@
                       create_training_actors (one rank per bundle), create_engine_actors (one per
                       tensor-parallel group of bundles), the variables each placed actor gets;
                       worker_failure: which placed actor an error came from, its pid, node and log file;
-                      wait_for: ray.get that fails as soon as an actor of the run is gone
-    watch.py          the liveness watch wait_for uses: a process watcher per node and actor group
+                      wait_for: ray.get that fails as soon as an actor of the run is gone (or a call
+                      runs past its Timeout); ActorGroup.restart: an actor started again in place
+    watch.py          the liveness watch wait_for uses: a process watcher per node and actor group;
+                      Timeout, the bound on a call that may hang while its processes run
     runtime_env.py    the one rule for which variables reach workers (used by `relax submit` and placement)
     envcheck.py       `python -m relax.ray.envcheck NAME...`: which of them reach a run's processes
     local_cluster.py  a Ray cluster of one or more nodes on this machine, for tests and the CPU demo

@@ -21,6 +21,7 @@ get the logical index of their first device (SGLang's base_gpu_id) and of all of
 
 import ipaddress
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from relax.platform import Platform
 from relax.ports import free_port
 from relax.ray.runtime_env import worker_env_vars
-from relax.ray.watch import ProcessWatcher, process_records
+from relax.ray.watch import ProcessWatcher, Timeout, process_records
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -252,7 +253,12 @@ def _resource_options(resources: dict[str, float]) -> dict:
 
 
 class WorkerFailed(RuntimeError):
-    """A placed actor died or raised; the message names it, where it ran and where its log is."""
+    """A placed actor died, raised or did not answer in time; the message names it, where it ran and where its
+    log is. `group` and `index` say which actor it is (None when the failure names no single actor)."""
+
+    def __init__(self, message: str, group: "ActorGroup | None" = None, index: int | None = None):
+        super().__init__(message)
+        self.group, self.index = group, index
 
 
 class ActorGroup:
@@ -272,25 +278,29 @@ class ActorGroup:
         self.envs = envs
         self.role = role
         self.bundles = [placement.bundles[position] for position in positions]
-        remote_class = actor_class if isinstance(actor_class, ray.actor.ActorClass) else ray.remote(actor_class)
-        self.class_name = remote_class.__ray_metadata__.class_name
-        options = _resource_options({name: amount * share for name, amount in placement.bundle_resources.items()})
-        self.actors = [
-            remote_class.options(
-                **options,
-                **(ray_options or {}),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=placement.group, placement_group_bundle_index=bundle.index
-                ),
-                runtime_env={"env_vars": env},
-            ).remote(*args, **(kwargs or {}))
-            for bundle, env in zip(self.bundles, envs)
-        ]
+        self._remote_class = actor_class if isinstance(actor_class, ray.actor.ActorClass) else ray.remote(actor_class)
+        self.class_name = self._remote_class.__ray_metadata__.class_name
+        self._options = {
+            **_resource_options({name: amount * share for name, amount in placement.bundle_resources.items()}),
+            **(ray_options or {}),
+        }
+        self._args, self._kwargs = args, kwargs or {}
+        self.actors = [self._start_actor(index) for index in range(len(self.bundles))]
         # Asked now, answered once each actor is up (after its __init__): to name a failed actor, and the
         # processes the liveness watch polls.
         self._whereabouts = [actor.__ray_call__.remote(_whereabouts) for actor in self.actors]
         self._watches: dict = {}  # watch ref -> its ProcessWatcher, one per node (started by watch())
         placement.groups.append(self)
+
+    def _start_actor(self, index: int):
+        """A new actor `index` of the group, on its bundle with its environment and the group's init args."""
+        return self._remote_class.options(
+            **self._options,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.placement.group, placement_group_bundle_index=self.bundles[index].index
+            ),
+            runtime_env={"env_vars": self.envs[index]},
+        ).remote(*self._args, **self._kwargs)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -300,12 +310,24 @@ class ActorGroup:
         return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
 
     def kill(self) -> None:
-        for watcher in self._watches.values():  # first: they would report the actors' deaths
-            ray.kill(watcher)
+        self._end_watches()  # first: they would report the actors' deaths
         for actor in self.actors:
             ray.kill(actor)
         if self in self.placement.groups:
             self.placement.groups.remove(self)
+
+    def restart(self, index: int) -> None:
+        """Kill actor `index` (whatever state it is in) and start a new one in its place: the same bundle,
+        environment and init args. Returns at once; the new actor is up once a call on it answers."""
+        self._end_watches()  # they watch the old actor's processes; the next watch() watches the new one's
+        ray.kill(self.actors[index])
+        self.actors[index] = self._start_actor(index)
+        self._whereabouts[index] = self.actors[index].__ray_call__.remote(_whereabouts)
+
+    def _end_watches(self) -> None:
+        for watcher in self._watches.values():
+            ray.kill(watcher)
+        self._watches = {}
 
     def watch(self) -> list:
         """Refs that stay pending while every actor of the group runs, with the processes it cannot work
@@ -331,7 +353,8 @@ class ActorGroup:
                 return failure
             return WorkerFailed(f"the liveness watch of the {self.role}s on one node ended (the node lost?): {error}")
         what = "its process" if gone["own"] else f"its process {gone['title']!r}"
-        return WorkerFailed(f"{self.describe(gone['index'])} failed: {what} (pid {gone['pid']}) {gone['state']}")
+        index = gone["index"]
+        return WorkerFailed(f"{self.describe(index)} failed: {what} (pid {gone['pid']}) {gone['state']}", self, index)
 
     def describe(self, index: int) -> str:
         """`engine 0 (EngineWorker, pid 123 on 10.0.0.1; log: .../worker-...-123.err, .out beside it)`, as far
@@ -370,14 +393,21 @@ def _whereabouts(actor) -> dict:
     }
 
 
-def wait_for(refs: list, placement: Placement) -> list:
+def wait_for(refs: list, placement: Placement, timeout: Timeout | None = None,
+             callees: list[tuple["ActorGroup", int]] | None = None) -> list:
     """ray.get(refs), while watching the actors of every group on `placement` (ActorGroup.watch): raises
     WorkerFailed as soon as one of them is gone, instead of waiting on refs that may never complete, or
     complete only for the driver to meet the dead worker at its next call, a phase later. A ref that
-    fails raises as ray.get raises it, at once."""
+    fails raises as ray.get raises it, at once.
+
+    With a `timeout`, a ref still pending after timeout.seconds raises WorkerFailed naming the actor it
+    was called on (`callees`: (group, index) per ref; group_callees(group) for refs from group.call)."""
     watches = {ref: group for group in placement.groups for ref in group.watch()}
     pending = list(refs)
+    deadline = None if timeout is None or timeout.seconds is None else time.monotonic() + timeout.seconds
     while pending:
+        if deadline is not None and time.monotonic() > deadline:
+            raise _timed_out(refs.index(pending[0]), timeout, callees)
         # With a timeout, the driver's Python signal handlers run between the waits.
         ready, _ = ray.wait(pending + list(watches), num_returns=1, timeout=_WAIT_POLL_S)
         for ref in ready:
@@ -386,6 +416,18 @@ def wait_for(refs: list, placement: Placement) -> list:
             ray.get(ref)
             pending.remove(ref)
     return ray.get(refs)
+
+
+def group_callees(group: "ActorGroup") -> list[tuple["ActorGroup", int]]:
+    """wait_for's callees for the refs of group.call(...): actor i for ref i."""
+    return [(group, index) for index in range(len(group))]
+
+
+def _timed_out(position: int, timeout: Timeout, callees) -> WorkerFailed:
+    if callees is None:
+        return WorkerFailed(f"a call did not answer within {timeout.describe()}")
+    group, index = callees[position]
+    return WorkerFailed(f"{group.describe(index)} did not answer within {timeout.describe()}", group, index)
 
 
 def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:
@@ -413,7 +455,7 @@ def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:
     if not named:
         return error
     group, index = named[0]
-    return WorkerFailed(f"{group.describe(index)} failed: {reason}")
+    return WorkerFailed(f"{group.describe(index)} failed: {reason}", group, index)
 
 
 def _base_env(placement: Placement, env: dict | None, memory_saver_on: bool) -> dict[str, str]:

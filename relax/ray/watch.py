@@ -16,10 +16,28 @@ ends without the engine actor noticing until its next call).
 """
 
 import time
+from dataclasses import dataclass
 
 import psutil
 
 POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """How long the driver waits on a call that may hang although every process still runs (a deadlocked
+    rank, an engine whose detokenizer stopped answering, a process group whose rendezvous never completes);
+    relax.ray.placement.wait_for fails naming the actor that did not answer."""
+
+    seconds: float | None  # None: no bound
+    setting: str  # what sets it, named in the failure: the flag to raise
+
+    def __post_init__(self):
+        if self.seconds is not None and self.seconds <= 0:
+            raise ValueError(f"{self.setting}: must be > 0, got {self.seconds:g}")
+
+    def describe(self) -> str:
+        return f"{self.seconds:g} s ({self.setting}; raise it if this call needs longer)"
 
 
 def process_records(pids: list[int]) -> list[dict]:

@@ -9,7 +9,9 @@ score, save); --debug-train-only creates no engines and trains on rollouts repla
 
 The driver waits on every phase through relax.ray.placement.wait_for, which also watches every actor of the
 run (and an engine's SGLang processes): a worker that dies fails the run within seconds, whichever phase
-the driver is waiting on.
+the driver is waiting on, and a call that may hang is bounded (--engine-start-timeout, --rollout-timeout,
+--weight-sync-timeout). The exception: an engine that fails during a rollout is started again in place, given
+the actor's weights, and its requests are sent again (relax.rollout.engine_restarts; --max-engine-restarts).
 
 Weight push order: the actor pushes while awake (engines' weights resumed, their KV cache still
 released), then sleeps. Exporting from a sleeping actor's host copy, which would lower the peak by the
@@ -28,16 +30,16 @@ import torch
 from relax.args.settings import AlgorithmSettings, OutputSettings, RolloutSettings, RunSettings
 from relax.run.metrics import MetricsLog, extreme
 from relax.ray.placement import (
-    create_engine_actors, create_node_placement, create_training_actors, wait_for, worker_failure,
+    create_engine_actors, create_node_placement, create_training_actors, group_callees, wait_for, worker_failure,
 )
+from relax.ray.watch import Timeout
 from relax.rollout.data import PromptLoader, load_prompts
-from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import load_rollout_data, save_rollout_data
 from relax.rollout.groups import Sample, apply_overlong_penalty
+from relax.rollout.engine_restarts import EngineRestarts
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import (
-    Generate, completions_in_prompt_order, generate_and_score, generate_informative_groups, reward_and_length_metrics,
-    split_over_engines, take_prompts,
+    Generate, generate_and_score, generate_informative_groups, reward_and_length_metrics, take_prompts,
 )
 from relax.rollout.worker import EngineWorker
 from relax.run.state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
@@ -66,7 +68,8 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
     started_ray = _init_ray()
     stop.take_back()  # ray.init set its own SIGTERM handler
     placement = create_node_placement(platform, settings.num_nodes, settings.num_devices_per_node)
-    trainers = engines = None
+    trainers = engines = generate = None  # generate: EngineRestarts over the engines, when there are engines
+    hand_over_timeout = settings.weight_sync_timeout
     start_step, saved = checkpoint.next_step if checkpoint else 0, None
     log = MetricsLog(
         Path(outputs.output_dir), settings.num_steps, first_step=start_step, wandb_project=outputs.wandb_project,
@@ -84,7 +87,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                     settings.update_weight_buffer_size, settings.megatron_features,
                 ),
             )
-            wait_for(trainers.call("sleep"), placement)
+            wait_for(trainers.call("sleep"), placement, hand_over_timeout, group_callees(trainers))
             data_parallel_ranks = wait_for(trainers.call("data_parallel_rank"), placement)
         if not settings.debug_train_only:
             engines = create_engine_actors(
@@ -95,15 +98,18 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                 ),
             )
             # Started (weights loaded, graphs captured) before the first step, which would otherwise time it as rollout.
-            wait_for(engines.call("watched_child_pids"), placement)
+            started = engines.call("watched_child_pids")
+            wait_for(started, placement, settings.engine_start_timeout, group_callees(engines))
+            generate = _generate_restarting_engines(engines, trainers, settings, rollout.devices_per_engine)
         if checkpoint is not None:
-            resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine)
+            resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine, hand_over_timeout)
 
-        generate = partial(generate_on_engines, engines)
         for step in range(start_step, settings.num_steps):
             if stop.requested:  # a signal came during the previous step (or the setup), which has ended
                 last_step = step - 1 if step > start_step else None
-                raise stop_run(stop.signum, last_step, saved, engines, trainers, loader, settings.seed, outputs)
+                raise stop_run(
+                    stop.signum, last_step, saved, engines, trainers, loader, settings.seed, outputs, hand_over_timeout
+                )
             timer, train_metrics, saved = PhaseTimer(), {}, None
             step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
             with timer("perf/step_time"):
@@ -113,15 +119,16 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                     )
                 if trainers is not None:  # None under --debug-rollout-only
                     with timer("perf/train_wait_time"):
-                        hand_devices_to_actor(engines, trainers)
+                        hand_devices_to_actor(engines, trainers, hand_over_timeout)
                     with timer("perf/train_time"):
                         train_metrics = train(trainers, data_parallel_ranks, samples, config.algorithm)
                     if save_due(outputs, settings.num_steps, step):  # while the actor is awake
                         with timer("perf/save_time"):
                             saved = save(outputs.save, step, trainers, loader, settings.seed, outputs.save_hf)
                     with timer("perf/weight_sync_time"):
-                        hand_devices_to_engines(engines, trainers, rollout.devices_per_engine)
-            log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds})
+                        hand_devices_to_engines(engines, trainers, rollout.devices_per_engine, hand_over_timeout)
+            faults = {"faults/engine_restarts": generate.take_count()} if generate is not None else {}
+            log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds, **faults})
         if trainers is not None and engines is not None:
             wait_for(trainers.call("close_weight_sync"), placement)  # the broadcast groups to engines on other nodes
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
@@ -168,23 +175,12 @@ def collect_rollout(
     return samples, metrics
 
 
-def generate_on_engines(engines, prompts: list[list[int]], sampling: SamplingConfig) -> list[list]:
-    """A `generate` (relax.rollout.rollout) over the engine actors: consecutive shares of the prompts, one per
-    engine that gets any, each request seeded as one engine would seed it (split_over_engines). Completions
-    come back in prompt order."""
-    shares = split_over_engines(prompts, sampling, len(engines))
-    answers = wait_for(
-        [engines.actors[share.engine].generate.remote(share.prompts, share.sampling) for share in shares],
-        engines.placement,
-    )
-    return completions_in_prompt_order(shares, answers)
-
-
-def hand_devices_to_actor(engines, trainers) -> None:
+def hand_devices_to_actor(engines, trainers, timeout: Timeout) -> None:
     """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
     if engines is not None:
-        wait_for(engines.call("release_memory_occupation", ENGINE_MEMORY), engines.placement)
-    wait_for(trainers.call("wake"), trainers.placement)
+        released = engines.call("release_memory_occupation", ENGINE_MEMORY)
+        wait_for(released, engines.placement, timeout, group_callees(engines))
+    wait_for(trainers.call("wake"), trainers.placement, timeout, group_callees(trainers))
 
 
 def train(trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings) -> dict:
@@ -203,38 +199,51 @@ def train(trainers, data_parallel_ranks: list[int], samples: list[Sample], algor
     return {**_mean_over_steps(metrics[0]), "perf/data_parallel_token_imbalance": imbalance}
 
 
-def hand_devices_to_engines(engines, trainers, devices_per_engine: int) -> list[dict] | None:
+def hand_devices_to_engines(engines, trainers, devices_per_engine: int, timeout: Timeout) -> list[dict] | None:
     """Push the new weights (the engines' weights resumed, their KV cache not yet), put the actor to sleep,
     resume the engines' KV cache. Each sending rank reaches the engines on its node by handle and the others
     by broadcast: it is told every engine's node. Returns each rank's push report (TrainWorker.push_weights).
     Under --debug-train-only there are no engines: the actor only sleeps."""
+    def on_trainers(method: str, *args) -> list:
+        return wait_for(trainers.call(method, *args), trainers.placement, timeout, group_callees(trainers))
+
     if engines is None:
-        wait_for(trainers.call("sleep"), trainers.placement)
+        on_trainers("sleep")
         return None
-    wait_for(engines.call("resume_memory_occupation", ["weights"]), engines.placement)
+    wait_for(engines.call("resume_memory_occupation", ["weights"]), engines.placement, timeout, group_callees(engines))
     engine_nodes = [bundle.node_id for bundle in engines.bundles]
-    push = trainers.call("push_weights", engines.actors, devices_per_engine, engine_nodes)
-    reports = wait_for(push, trainers.placement)
-    wait_for(trainers.call("sleep"), trainers.placement)
-    wait_for(engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]), engines.placement)
+    reports = on_trainers("push_weights", engines.actors, devices_per_engine, engine_nodes)
+    on_trainers("sleep")
+    wait_for(
+        engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]), engines.placement, timeout,
+        group_callees(engines),
+    )
     return reports
 
 
-def resume_actor(checkpoint, engines, trainers, devices_per_engine: int) -> None:
+def resume_actor(checkpoint, engines, trainers, devices_per_engine: int, timeout: Timeout) -> None:
     """Load the actor's checkpoint (awake, the engines' memory released) and push its weights to the engines,
     which started from --hf-checkpoint."""
-    hand_devices_to_actor(engines, trainers)
+    hand_devices_to_actor(engines, trainers, timeout)
     wait_for(trainers.call("load_checkpoint", str(checkpoint.actor_dir)), trainers.placement)
-    hand_devices_to_engines(engines, trainers, devices_per_engine)
+    hand_devices_to_engines(engines, trainers, devices_per_engine, timeout)
+
+
+def refresh_engine_weights(engines, trainers, devices_per_engine: int, timeout: Timeout) -> None:
+    """Give every engine the actor's current weights through the step's own hand-over and push (after an
+    engine was restarted in place mid-rollout, relax.rollout.engine_restarts); the actor sleeps again after."""
+    hand_devices_to_actor(engines, trainers, timeout)
+    hand_devices_to_engines(engines, trainers, devices_per_engine, timeout)
 
 
 def stop_run(
-    signum: int, last_step: int | None, saved, engines, trainers, loader, seed: int, outputs: OutputSettings
+    signum: int, last_step: int | None, saved, engines, trainers, loader, seed: int, outputs: OutputSettings,
+    timeout: Timeout,
 ) -> RunStopped:
     """The run ends after `last_step` (None: before its first step) on a signal. With --save, that step's state
     is saved unless it just was (the actor woken for it: the engines are not needed any more)."""
     if outputs.save and last_step is not None and saved is None:
-        hand_devices_to_actor(engines, trainers)
+        hand_devices_to_actor(engines, trainers, timeout)
         saved = save(outputs.save, last_step, trainers, loader, seed, outputs.save_hf)
     return RunStopped(signum, last_step, saved)
 
@@ -292,6 +301,17 @@ def _prompt_loader_and_reward(settings: RunSettings, rollout: RolloutSettings, c
     else:
         loader = PromptLoader(prompts, seed=settings.seed, shuffle=rollout.shuffle)
     return loader, load_reward_fn(rollout.reward_fn, rollout.reward_timeout)
+
+
+def _generate_restarting_engines(engines, trainers, settings: RunSettings, devices_per_engine: int) -> EngineRestarts:
+    """The rollout's `generate` over the engine actors: an engine that fails mid-rollout is started again in
+    place and given the actor's weights (none under --debug-rollout-only: it keeps --hf-checkpoint's)."""
+    refresh_weights = None if trainers is None else partial(
+        refresh_engine_weights, engines, trainers, devices_per_engine, settings.weight_sync_timeout
+    )
+    return EngineRestarts(
+        engines, settings.max_engine_restarts, settings.engine_start_timeout, settings.rollout_timeout, refresh_weights
+    )
 
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -155,7 +155,8 @@ def step_rates(row: dict) -> dict[str, float]:
 
 
 def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object]) -> str:
-    """A short table of the run's record: steps, reward, time, time share per phase, tokens/s, outputs."""
+    """A short table of the run's record: steps, reward, time, time share per phase, tokens/s, engines restarted
+    in place (faults/engine_restarts), outputs."""
     lines = ["relax run summary"]
     if rows:
         lines.append(f"  steps         {len(rows)} (steps {rows[0]['step']}-{rows[-1]['step']})")
@@ -178,6 +179,10 @@ def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object
     if rates:
         parts = [f"{TOKENS_PER_SECOND[key][2]} {rate:,.0f}" for key, rate in rates.items()]
         lines.append(f"  tokens/s      {', '.join(parts)}")
+    restarts = {r["step"]: int(r["faults/engine_restarts"]) for r in rows if r.get("faults/engine_restarts")}
+    if restarts:
+        steps = ", ".join(map(str, restarts))
+        lines.append(f"  faults        {sum(restarts.values())} engine restart(s), in step(s) {steps}")
     lines += [f"  {name:<13} {where}" for name, where in outputs.items()]
     return "\n".join(lines)
 

@@ -167,10 +167,18 @@ class BroadcastGroup:
 
     def close(self) -> None:
         """Destroy the group on every engine and here. Idempotent."""
+        self.rebuild(self.engines)
+
+    def rebuild(self, engines: list) -> None:
+        """Broadcast to `engines` from now on: where an engine was restarted in place, the group is
+        destroyed on the engines that were in it and still run, and here; the next open() builds it anew."""
+        old_engines, self.engines = self.engines, list(engines)
         if self._group is None:
             return
         group, self._group = self._group, None
-        ray.get([engine.destroy_weights_update_group.remote(self.name) for engine in self.engines])
+        ray.get([
+            engine.destroy_weights_update_group.remote(self.name) for engine in old_engines if engine in self.engines
+        ])
         torch.distributed.destroy_process_group(group)
 
 
@@ -191,7 +199,7 @@ class WeightRoutes:
         self.routes = [None] * len(engines)  # per engine, the route this rank sends it on
         for push in mine:
             self.routes[push.engine] = push.route
-        self.same_node = [engines[push.engine] for push in mine if push.route == SAME_NODE]
+        self._same_node = [push.engine for push in mine if push.route == SAME_NODE]
         remote = [engines[push.engine] for push in mine if push.route == BROADCAST]
         self.broadcast = BroadcastGroup(remote, engine_tp_size, platform, group_name) if remote else None
         # At most one: the rank's device holds one engine rank, and the rank one stage.
@@ -203,8 +211,16 @@ class WeightRoutes:
     def sends(self) -> bool:
         return any(route is not None for route in self.routes)
 
-    def serves(self, engines: list) -> bool:
-        return list(engines) == self.engines
+    def follow(self, engines: list) -> None:
+        """Send to `engines` from now on: the same engines as planned, but where one was restarted in place
+        (relax.rollout.engine_restarts) the new actor on its devices. A broadcast group that held a replaced
+        engine is destroyed (on its surviving engines and here) and built again at the next send."""
+        if len(engines) != len(self.engines):
+            raise ValueError(f"{len(engines)} engines, but the weight routes were planned for {len(self.engines)}")
+        replaced = [old for old, new in zip(self.engines, engines) if old != new]
+        if self.broadcast is not None and any(engine in self.broadcast.engines for engine in replaced):
+            self.broadcast.rebuild([engines[self.engines.index(engine)] for engine in self.broadcast.engines])
+        self.engines = list(engines)
 
     def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Push one bucket of (HF name, tensor) on this rank's routes; returns once every engine it serves has
@@ -213,9 +229,12 @@ class WeightRoutes:
             self.broadcast.open()
         bucket = flatten_bucket(named_tensors)
         pending, work = [], None
-        if self.same_node:
+        if self._same_node:
             specs, payloads = bucket_specs(bucket), serialize_flattened(bucket, self.platform, self.engine_tp_size)
-            pending += [engine.update_weights_from_serialized_bucket.remote(specs, payloads) for engine in self.same_node]
+            pending += [
+                self.engines[engine].update_weights_from_serialized_bucket.remote(specs, payloads)
+                for engine in self._same_node
+            ]
         if self.broadcast is not None:
             receives, work = self.broadcast.start_send(bucket)
             pending += receives

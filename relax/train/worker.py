@@ -104,8 +104,8 @@ class TrainWorker:
 
         if self.weight_routes is None:
             self.weight_routes = self._plan_weight_routes(engines, engine_tp_size, engine_nodes)
-        elif not self.weight_routes.serves(engines):
-            raise ValueError("push_weights: the engines differ from the first push's; call close_weight_sync() first")
+        else:  # the first push's engines, or an engine restarted in place of one of them
+            self.weight_routes.follow(engines)
         routes = self.weight_routes
         self.actor.free_cached_blocks()
         if self.rank == 0:

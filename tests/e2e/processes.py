@@ -74,6 +74,16 @@ def wait_for_process(marker: dict[str, str], name: str, timeout_s: float = 120.0
     raise AssertionError(f"no process titled {name!r} of run {marker} appeared")
 
 
+def wait_for_title(process: psutil.Process, text: str, timeout_s: float = 120.0, still_running=lambda: True) -> None:
+    """Return once `process`'s title contains `text` (Ray titles an actor's process by the call it runs, e.g.
+    ray::EngineWorker.generate, while it runs it). Polls every few milliseconds: a call may be short."""
+    deadline = time.monotonic() + timeout_s
+    while text not in title(process):
+        if time.monotonic() > deadline or not still_running() or not process.is_running():
+            raise AssertionError(f"process {process.pid} ({title(process)[:80]}) was never titled {text!r}")
+        time.sleep(0.005)
+
+
 def leftover_processes(marker: dict[str, str], wait_s: float = 10.0) -> list[psutil.Process]:
     """The marked processes still alive after up to `wait_s` seconds (Ray's workers exit a moment after the
     raylet that started them)."""

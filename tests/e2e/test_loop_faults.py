@@ -1,5 +1,10 @@
-"""A worker of the tiny colocated run (scripts/run-tiny-cpu.sh) killed with SIGKILL mid-run: the driver fails
-soon, with a message naming the worker that died and where its log is, and no process of the run is left.
+"""Workers of the tiny colocated run (scripts/run-tiny-cpu.sh) killed with SIGKILL mid-run.
+
+A training rank: the driver fails soon, with a message naming the worker that died and where its log is, and no
+process of the run is left. An engine's SGLang scheduler, mid-rollout: the engine is started again in place, given
+the actor's weights, and its requests sent again with their seeds (relax.rollout.engine_restarts); the step
+completes with the rewards of a run without the fault (saved_tiny_run: the same flags, deterministic inference);
+once --max-engine-restarts are used up, the next kill fails the run as a training rank's does.
 
 The bound on the driver's exit is a hang guard (a dead worker must not leave the driver waiting forever),
 not a timing test."""
@@ -12,32 +17,43 @@ from pathlib import Path
 
 import pytest
 
-from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process
+from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process, wait_for_title
+from relax.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120
 
 
-def _wait_for_first_step(metrics: Path, run: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
+def _wait_for_steps(count: int, metrics: Path, run: subprocess.Popen, log: Path, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
-    while not (metrics.exists() and metrics.read_text().strip()):
-        assert run.poll() is None, f"the run ended before its first step:\n{log.read_text()[-6000:]}"
-        assert time.monotonic() < deadline, f"no step within {timeout_s} s"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= count):
+        assert run.poll() is None, f"the run ended before its step {count - 1}:\n{log.read_text()[-6000:]}"
+        assert time.monotonic() < deadline, f"no step {count - 1} within {timeout_s} s"
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize(
-    "victim, named",
-    [
-        # Either the driver's liveness watch (relax.ray.watch) reports the death, within about a second, or the
-        # call the driver waits on fails first (the engine actor checks its scheduler; Ray reports a dead
-        # actor to calls on it): the tiny run's phases are too short to tell which. tests/e2e/test_worker_watch.py
-        # shows the watch alone, while the driver waits on another group's slow call.
-        ("sglang::scheduler", "engine 0"),
-        ("ray::TrainWorker", "training rank 0"),
-    ],
-)
-def test_worker_killed_mid_run_fails_the_run_naming_it_and_leaves_no_process(tmp_path, victim, named):
+def _wait_for_exit(run: subprocess.Popen, victim: str, log: Path) -> float:
+    """Seconds from now until the driver exits (a test failure past HANG_GUARD_S)."""
+    killed_at = time.monotonic()
+    try:
+        run.wait(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the driver was still running {HANG_GUARD_S} s after {victim} was killed:\n"
+                    f"{log.read_text()[-6000:]}")
+    return time.monotonic() - killed_at
+
+
+def _failure_line(output: str, named: str, pid: int) -> str:
+    """The driver's one-line message: which worker, its process, its log, and why."""
+    failure = [line for line in output.splitlines() if line.startswith("relax train: ")]
+    assert failure, output[-6000:]
+    assert f"{named} (" in failure[-1] and str(pid) in failure[-1], failure[-1]
+    log_file = re.search(r"log: (\S+\.err)", failure[-1])
+    assert log_file and Path(log_file.group(1)).is_file(), failure[-1]
+    return failure[-1]
+
+
+def test_a_training_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_process(tmp_path):
     marker = run_marker()
     env = {**os.environ, **marker, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
     log_path = tmp_path / "run.log"
@@ -46,16 +62,10 @@ def test_worker_killed_mid_run_fails_the_run_naming_it_and_leaves_no_process(tmp
         run = subprocess.Popen(["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", "1000"],
                                env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_for_first_step(tmp_path / "output" / "metrics.jsonl", run, log_path)
-        target = wait_for_process(marker, victim, still_running=lambda: run.poll() is None)
+        _wait_for_steps(1, tmp_path / "output" / "metrics.jsonl", run, log_path)
+        target = wait_for_process(marker, "ray::TrainWorker", still_running=lambda: run.poll() is None)
         target.kill()
-        killed_at = time.monotonic()
-        try:
-            run.wait(timeout=HANG_GUARD_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the driver was still running {HANG_GUARD_S} s after {victim} (pid {target.pid}) was "
-                        f"killed:\n{log_path.read_text()[-6000:]}")
-        waited = time.monotonic() - killed_at
+        waited = _wait_for_exit(run, f"training rank 0 (pid {target.pid})", log_path)
     finally:
         if run.poll() is None:  # the test failed: end the whole run, not only its driver
             kill_marked(marker)
@@ -63,12 +73,53 @@ def test_worker_killed_mid_run_fails_the_run_naming_it_and_leaves_no_process(tmp
     output = log_path.read_text()
     assert run.returncode == 1, output[-6000:]
     steps = len((tmp_path / "output" / "metrics.jsonl").read_text().splitlines())
-    print(f"{victim} killed after {steps} step(s); the driver exited {run.returncode} {waited:.1f} s later")
-    # The driver's one-line message: which worker, its process, its log, and why.
-    failure = [line for line in output.splitlines() if line.startswith("relax train: ")]
-    assert failure, output[-6000:]
-    assert f"{named} (" in failure[-1] and str(target.pid) in failure[-1], failure[-1]
-    log_file = re.search(r"log: (\S+\.err)", failure[-1])
-    assert log_file and Path(log_file.group(1)).is_file(), failure[-1]
+    print(f"training rank 0 killed after {steps} step(s); the driver exited {run.returncode} {waited:.1f} s later")
+    # Either the driver's liveness watch (relax.ray.watch) reports the death, within about a second, or the call
+    # the driver waits on fails first (Ray reports a dead actor to calls on it): the tiny run's phases are too
+    # short to tell which. tests/e2e/test_worker_watch.py shows the watch alone.
+    _failure_line(output, "training rank 0", target.pid)
+    leftover = leftover_processes(marker)
+    assert not leftover, f"processes of the run left behind: {describe(leftover)}"
+
+
+def _kill_scheduler_mid_generate(marker: dict, run: subprocess.Popen):
+    """SIGKILL the engine's SGLang scheduler while its engine actor runs a generate call; the scheduler."""
+    scheduler = wait_for_process(marker, "sglang::scheduler", still_running=lambda: run.poll() is None)
+    wait_for_title(scheduler.parent(), "EngineWorker.generate", still_running=lambda: run.poll() is None)
+    scheduler.kill()
+    return scheduler
+
+
+def test_an_engine_killed_mid_rollout_restarts_in_place_until_its_restarts_are_used_up(tmp_path, saved_tiny_run):
+    marker = run_marker()
+    env = {**os.environ, **marker, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    log_path, metrics = tmp_path / "run.log", tmp_path / "output" / "metrics.jsonl"
+    with open(log_path, "w") as log:
+        run = subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", str(len(saved_tiny_run.records)),
+             "--sglang-enable-deterministic-inference", "--max-engine-restarts", "1"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        _wait_for_steps(1, metrics, run, log_path)
+        _kill_scheduler_mid_generate(marker, run)  # step 1's rollout: the engine restarts, the step completes
+        _wait_for_steps(2, metrics, run, log_path)
+        second = _kill_scheduler_mid_generate(marker, run)  # step 2's: no restart left
+        _wait_for_exit(run, f"the second scheduler (pid {second.pid})", log_path)
+    finally:
+        if run.poll() is None:
+            kill_marked(marker)
+            run.wait()
+    output = log_path.read_text()
+    assert run.returncode == 1, output[-6000:]
+    rows = read_metrics(metrics)
+    assert [row["faults/engine_restarts"] for row in rows] == [0, 1], output[-6000:]
+    assert "relax: engine 0 (EngineWorker, " in output, output[-6000:]
+    assert "starting it again on its devices (engine restart 1 of at most 1" in output, output[-6000:]
+    # The restarted engine had the actor's weights after step 0 and sampled step 1's requests with their seeds.
+    for key in ("rollout/reward_mean", "rollout/response_tokens"):
+        assert [row[key] for row in rows] == [row[key] for row in saved_tiny_run.records[:2]], key
+    line = _failure_line(output, "engine 0", second.pid)
+    assert "no engine restart left: --max-engine-restarts 1" in line, line
     leftover = leftover_processes(marker)
     assert not leftover, f"processes of the run left behind: {describe(leftover)}"

@@ -1,7 +1,9 @@
 """The liveness watch (relax.ray.watch, wait_for in relax.ray.placement) on a real two-node Ray cluster on this
 machine (two_node_cluster, tests/e2e/conftest.py): while the driver waits on one group's slow calls, an actor
 of another group (one with no call pending, so only the watch can notice) or a child process an actor
-depends on is killed, and the wait fails at once, naming the actor, its pid, node and log.
+depends on is killed, and the wait fails at once, naming the actor, its pid, node and log. A call that does not
+answer within its Timeout fails naming the actor it was called on. Engines restarted in place
+(relax.rollout.engine_restarts) on these actors: a share whose engine's child dies is answered by the new actor.
 
 The bound on each wait is a hang guard (the slow calls take 60 s; a wait that ends well before them ended
 because of the death), not a timing test."""
@@ -18,7 +20,12 @@ import pytest
 import ray
 
 from relax.platform import platform_facts
-from relax.ray.placement import WorkerFailed, create_engine_actors, create_placement, create_training_actors, wait_for
+from relax.ray.placement import (
+    WorkerFailed, create_engine_actors, create_placement, create_training_actors, group_callees, wait_for,
+)
+from relax.ray.watch import Timeout
+from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.engine_restarts import EngineRestarts
 
 SLOW_CALL_S = 60
 HANG_GUARD_S = 30
@@ -47,6 +54,17 @@ class ChildKeeper(Sleeper):
 
     def watched_child_pids(self) -> list[int]:
         return [self.child.pid]
+
+
+class SlowEngine(ChildKeeper):
+    """Answers a generate call as an engine does (n completions per prompt, the request's seed as its one token),
+    slowly enough to be killed mid-call; which process answered is in the text."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        time.sleep(3)
+        seeds = iter(range(sampling.seed, sampling.seed + len(prompts) * sampling.n))
+        pid = str(os.getpid())
+        return [[Completion([next(seeds)], [0.0], "stop", pid) for _ in range(sampling.n)] for _ in prompts]
 
 
 class DiesInInit:
@@ -133,3 +151,47 @@ def test_kill_ends_the_watchers_too(placement):
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(watch)
     assert placement.groups == []
+
+
+def test_a_call_that_does_not_answer_in_time_fails_naming_the_actor_and_the_setting(placement):
+    ranks = create_training_actors(Sleeper, placement)
+    pids = wait_for(ranks.call("pid"), placement)
+    start = time.monotonic()
+    with pytest.raises(WorkerFailed) as failure:
+        wait_for(ranks.call("sleep", SLOW_CALL_S), placement, Timeout(2, "--some-timeout"), group_callees(ranks))
+    assert time.monotonic() - start < HANG_GUARD_S
+    message = str(failure.value)
+    assert message.startswith(f"training rank 0 (Sleeper, pid {pids[0]} on "), message
+    assert "did not answer within 2 s (--some-timeout; raise it" in message, message
+    assert (failure.value.group, failure.value.index) == (ranks, 0)
+
+
+def _restarting(engines, max_restarts: int, refreshed: list) -> EngineRestarts:
+    return EngineRestarts(engines, max_restarts, Timeout(HANG_GUARD_S, "--engine-start-timeout"),
+                          Timeout(HANG_GUARD_S, "--rollout-timeout"), refresh_weights=lambda: refreshed.append(1))
+
+
+def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_share_sent_again(placement):
+    engines = create_engine_actors(SlowEngine, placement, devices_per_engine=1)
+    old_pids = wait_for(engines.call("pid"), placement)
+    (child_pid,) = ray.get(engines.actors[1].watched_child_pids.remote())
+    refreshed = []
+    generate = _restarting(engines, max_restarts=1, refreshed=refreshed)
+    _kill_soon(child_pid, delay_s=1.0)  # engine 1's, while both engines generate
+    sampling = SamplingConfig(n=2, seed=100)
+    completions = generate([[1], [2], [3], [4]], sampling)
+    # Every request answered once, with its own seed, in prompt order: engine 1's share by the new actor.
+    seeds = [[c.token_ids[0] for c in group] for group in completions]
+    assert seeds == [[100, 101], [102, 103], [104, 105], [106, 107]]
+    answered_by = [int(group[0].text) for group in completions]
+    new_pid = ray.get(engines.actors[1].pid.remote())
+    assert answered_by == [old_pids[0], old_pids[0], new_pid, new_pid] and new_pid != old_pids[1]
+    assert engines.bundles[1].node_id == placement.bundles[1].node_id  # the same bundle
+    assert (generate.take_count(), generate.take_count(), refreshed) == (1, 0, [1])
+
+    # The run's one restart is used: the next death fails as before, naming the engine.
+    (child_pid,) = ray.get(engines.actors[1].watched_child_pids.remote())
+    _kill_soon(child_pid, delay_s=1.0)
+    used_up = r"^engine 1 \(SlowEngine, pid .*no engine restart left: --max-engine-restarts 1\)$"
+    with pytest.raises(WorkerFailed, match=used_up):
+        generate([[1], [2]], sampling)

@@ -8,6 +8,7 @@ import pytest
 from relax.args import parse_train_args
 from relax.args.checks import Parsed, colocation_releases_memory
 from relax.platform import platform_facts
+from relax.ray.watch import Timeout
 
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
@@ -240,6 +241,18 @@ def test_reward_timeout_is_bounded_by_default_and_none_lifts_it(capsys):
     assert parse_train_args([*RUN, "--reward-timeout", "2.5"]).rollout.reward_timeout == 2.5
     assert parse_train_args([*RUN, "--reward-timeout", "none"]).rollout.reward_timeout is None
     assert "--reward-timeout: must be > 0, got 0" in parse_error([*RUN, "--reward-timeout", "0"], capsys)
+
+
+def test_engine_restarts_and_the_driver_waits_are_bounded_by_default(capsys):
+    run = parse_train_args(RUN).run
+    assert run.max_engine_restarts == 3
+    assert run.engine_start_timeout == Timeout(3600.0, "--engine-start-timeout")
+    assert run.rollout_timeout == Timeout(4 * 3600.0, "--rollout-timeout")
+    assert run.weight_sync_timeout == Timeout(3600.0, "--weight-sync-timeout")
+    run = parse_train_args([*RUN, "--max-engine-restarts", "0", "--rollout-timeout", "none"]).run
+    assert run.max_engine_restarts == 0 and run.rollout_timeout.seconds is None
+    assert "--max-engine-restarts: must be >= 0, got -1" in parse_error([*RUN, "--max-engine-restarts", "-1"], capsys)
+    assert "--weight-sync-timeout: must be > 0, got 0" in parse_error([*RUN, "--weight-sync-timeout", "0"], capsys)
 
 
 def test_gdn_training_kernel_defaults_to_the_devices_and_can_be_chosen():

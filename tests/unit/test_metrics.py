@@ -123,6 +123,15 @@ def test_the_run_ends_with_a_summary_of_its_record(tmp_path, capsys):
     assert f"  metrics       {tmp_path / 'metrics.jsonl'}\n" in summary
     assert f"  reward curve  {tmp_path / 'reward_curve.png'}\n" in summary
     assert "  checkpoints   /ckpt" in summary and "rollout data" not in summary
+    assert "faults" not in summary  # no engine was restarted
+
+
+def test_the_summary_counts_engine_restarts_and_their_steps(tmp_path, capsys):
+    log = MetricsLog(tmp_path, num_steps=4)
+    for step, restarts in enumerate([0, 2, 0, 1]):
+        log.log(step, {**STEP, "rollout/reward_mean": 0.5, "faults/engine_restarts": restarts})
+    log.close()
+    assert "  faults        3 engine restart(s), in step(s) 1, 3\n" in capsys.readouterr().out
 
 
 def test_a_run_stopped_before_its_first_step_still_says_where_its_outputs_are(tmp_path, capsys):

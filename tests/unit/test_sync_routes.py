@@ -73,7 +73,13 @@ def test_a_rank_sends_on_the_routes_of_its_pushes():
     assert (sender.same_device, sender.device_group) == (Push(1, 2, SAME_DEVICE, (4, 5)), "group2")
     member = WeightRoutes(engines, pushes, rank=7, engine_tp_size=2, platform=cpu, group_name="g7", groups=groups)
     assert member.routes == [None, None, None, SAME_DEVICE] and member.broadcast is None and member.sends
-    assert member.serves(engines) and not member.serves(engines[:2])
+    # An engine restarted in place: the routes send to the new actor; a broadcast group that held it is rebuilt.
+    member.follow(["engine0", "engine1", "engine2", "new3"])
+    assert member.engines == ["engine0", "engine1", "engine2", "new3"]
+    sender.follow(["engine0", "new1", "engine2", "engine3"])
+    assert sender.broadcast.engines == ["engine0", "new1"] and sender.engines[1] == "new1"
+    with pytest.raises(ValueError, match="2 engines, but the weight routes were planned for 4"):
+        member.follow(engines[:2])
 
 
 def test_bad_routing_input_is_refused():
