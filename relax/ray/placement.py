@@ -43,6 +43,8 @@ NUM_ENGINES_ENV = "RELAX_NUM_ENGINES"
 ENGINE_DEVICES_ENV = "RELAX_ENGINE_DEVICES"  # logical indices of all of an engine's devices, comma-separated
 _PER_ACTOR_ENV = (LOCAL_DEVICE_ENV, ENGINE_RANK_ENV, NUM_ENGINES_ENV, ENGINE_DEVICES_ENV)
 
+TRAINING_RANK = "training rank"  # the role of create_training_actors' actors, in messages and WorkerFailed
+
 _WAIT_POLL_S = 1.0
 
 # What a probe takes of its bundle: enough to be given the bundle's device, little enough to fit beside
@@ -252,7 +254,12 @@ def _resource_options(resources: dict[str, float]) -> dict:
 
 
 class WorkerFailed(RuntimeError):
-    """A placed actor died or raised; the message names it, where it ran and where its log is."""
+    """A placed actor died or raised; the message names it, where it ran and where its log is. `role`: its
+    group's role ("training rank", "engine"); None when the failure is not one actor's."""
+
+    def __init__(self, message: str, role: str | None = None):
+        super().__init__(message)
+        self.role = role
 
 
 class ActorGroup:
@@ -331,7 +338,9 @@ class ActorGroup:
                 return failure
             return WorkerFailed(f"the liveness watch of the {self.role}s on one node ended (the node lost?): {error}")
         what = "its process" if gone["own"] else f"its process {gone['title']!r}"
-        return WorkerFailed(f"{self.describe(gone['index'])} failed: {what} (pid {gone['pid']}) {gone['state']}")
+        return WorkerFailed(
+            f"{self.describe(gone['index'])} failed: {what} (pid {gone['pid']}) {gone['state']}", role=self.role
+        )
 
     def describe(self, index: int) -> str:
         """`engine 0 (EngineWorker, pid 123 on 10.0.0.1; log: .../worker-...-123.err, .out beside it)`, as far
@@ -413,7 +422,7 @@ def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:
     if not named:
         return error
     group, index = named[0]
-    return WorkerFailed(f"{group.describe(index)} failed: {reason}")
+    return WorkerFailed(f"{group.describe(index)} failed: {reason}", role=group.role)
 
 
 def _base_env(placement: Placement, env: dict | None, memory_saver_on: bool) -> dict[str, str]:
@@ -490,7 +499,7 @@ def create_training_actors(actor_class, placement: Placement, share: float = 0.4
     """One actor per bundle: rank i on bundle i, with torch.distributed's variables."""
     envs = training_envs(placement, _base_env(placement, env, memory_saver_on))
     positions = list(range(placement.num_devices))
-    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role="training rank")
+    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role=TRAINING_RANK)
 
 
 def create_engine_actors(actor_class, placement: Placement, devices_per_engine: int, share: float = 0.2,
