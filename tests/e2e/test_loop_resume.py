@@ -23,6 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -42,6 +43,7 @@ EXACT_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len
 CLOSE_KEYS = ("train/loss", "train/pg_loss", "train/clip_fraction", "train/ppo_kl", "train/grad_norm", "train/lr")
 
 
+@pytest.mark.timeout(900)  # the saved run (its fixture), then the resumed run's two starts of the whole stack
 def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp_path):
     whole, saves, hf_saves = saved_tiny_run.records, saved_tiny_run.saves, saved_tiny_run.hf_saves
     assert [r["step"] for r in whole] == [0, 1, 2, 3]
@@ -81,7 +83,7 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
         "--load", str(resumed_saves), "--save", str(resumed_saves), "--save-interval", "1",
         "--save-hf", str(resumed_hf_saves), "--max-restarts", "1", env=marker,
     )
-    output = _run_killing_the_training_rank_after_step_2(command, env, marker, tmp_path / "resumed.log")
+    output = _run_killing_the_training_rank_after_step_2(command, env, marker, resumed_saves, tmp_path / "resumed.log")
     assert (f"relax: warning: checkpoint {resumed_saves / 'step_000003'} is incomplete ({damaged} has "
             f"{damaged.stat().st_size} bytes") in output, output[-6000:]
     assert f"resuming from {resumed_saves / 'step_000001'} instead" in output
@@ -113,15 +115,16 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     assert len({r["rollout/reward_mean"] for r in whole}) > 1 or len({r["train/loss"] for r in whole}) > 1
 
 
-def _run_killing_the_training_rank_after_step_2(command, env, marker, log_path: Path) -> str:
-    """Run `command` (a tiny job marked with `marker`) to its end, SIGKILLing its training rank once step 2 is in
-    its metrics; its output. Fails when the run fails, or when it ends before step 2."""
-    metrics = Path(env["EXP_DIR"]) / "output" / "metrics.jsonl"
+def _run_killing_the_training_rank_after_step_2(command, env, marker, saves: Path, log_path: Path) -> str:
+    """Run `command` (a tiny job marked with `marker`, saving into `saves` after every step) to its end, SIGKILLing
+    its training rank once it has saved step 2 and logged it; its output. Fails when the run fails, or ends before.
+    (The metrics file holds the earlier run's step 2 until this run's record replaces it, before its first save.)"""
+    metrics, latest = Path(env["EXP_DIR"]) / "output" / "metrics.jsonl", saves / LATEST
     with open(log_path, "w") as log:
         run = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 600
-        while not (metrics.exists() and '{"step": 2,' in metrics.read_text()):
+        while not (latest.read_text().strip() == "step_000002" and '{"step": 2,' in metrics.read_text()):
             assert run.poll() is None, f"the run ended before step 2:\n{log_path.read_text()[-6000:]}"
             assert time.monotonic() < deadline, "no step 2 within 600 s"
             time.sleep(0.2)
