@@ -73,7 +73,8 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     # step 2 is logged, so the run restarts from step 2's checkpoint and does step 3 on new workers.
     resumed_saves, resumed_hf_saves = tmp_path / "checkpoints", tmp_path / "hf"
     shutil.copytree(saves, resumed_saves)
-    damaged = max((p for p in (resumed_saves / "step_000003").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    step_3_files = [path for path in (resumed_saves / "step_000003").rglob("*") if path.is_file()]
+    damaged = max(step_3_files, key=lambda path: path.stat().st_size)
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     # Into the same experiment directory (the script passes --overwrite-output-dir, which a resumed run does not act
     # on): the run's record continues from the checkpoint, the first run's steps 2 and 3 replaced.
