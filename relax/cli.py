@@ -62,7 +62,7 @@ def _train(argv: list[str]) -> int:
             print(f"relax train: {error}", file=sys.stderr)
             return 2
         return 0
-    from relax.run.loop import run
+    from relax.run.loop import run_with_restarts
     from relax.ray.placement import WorkerFailed
     from relax.run.state import RunStopped, StopOnSignal
 
@@ -71,7 +71,7 @@ def _train(argv: list[str]) -> int:
     stop = StopOnSignal()
     try:
         with stop:
-            output_dir = run(config, stop)
+            output_dir = run_with_restarts(config, stop)
     except (CheckpointError, PromptDataError, RolloutDataError) as error:  # bad input: the message names it
         print(f"relax train: {error}", file=sys.stderr)
         return 2

@@ -314,6 +314,19 @@ def checkpoint_flags_consistent(config, platform):
         return f"--save-hf and --save are both {r.save}: their step_N directories would collide; give --save-hf its own"
 
 
+def restarts_resume_from_checkpoints(config, platform):
+    r = config.flags
+    if r.max_restarts is None:
+        return None
+    if r.debug_rollout_only:
+        return "--max-restarts restarts the run after a training rank fails; --debug-rollout-only has none: drop one"
+    if not r.save:
+        return (
+            "--max-restarts needs --save: a restarted run resumes from the newest checkpoint there; add --save DIR "
+            "(and --save-interval N, which bounds the steps a restart redoes)"
+        )
+
+
 def new_run_starts_its_own_record(config, platform):
     """A new run (no --load) never mixes its steps with an earlier run's metrics or checkpoints; a resumed run
     continues its own record (relax.run.metrics)."""
@@ -441,6 +454,7 @@ RULES = [
     sampling_flags_consistent,
     chat_template_options_need_the_template,
     checkpoint_flags_consistent,
+    restarts_resume_from_checkpoints,
     new_run_starts_its_own_record,
     grouped_experts_apply,
     megatron_features_fit_the_platform,

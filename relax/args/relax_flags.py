@@ -487,6 +487,14 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save", metavar="DIR", help="Where to write Megatron checkpoints (default: no checkpoints).")
     g.add_argument("--save-interval", type=_positive_int, help="Save every N steps (needs --save).")
     g.add_argument(
+        "--max-restarts",
+        type=_positive_int,
+        metavar="N",
+        help="When a training rank fails (its process dies, or a call on it raises), end the run's workers and resume "
+        "from the newest complete checkpoint in --save (from the start when none is saved yet), at most N times in "
+        "all; then the run fails. Needs --save; counted in faults/run_restarts and the summary (default: no restart).",
+    )
+    g.add_argument(
         "--save-hf",
         metavar="DIR",
         help="At every save (needs --save: every --save-interval steps, at the end, on a stop signal) also write the "

@@ -38,6 +38,7 @@ class RunSettings:
     debug_rollout_only: bool  # no training actor
     debug_train_only: bool  # no engines: rollouts replayed from RolloutSettings.load_data
     load: str | None  # a --save directory (or one of its steps) to resume from
+    max_restarts: int  # times the run resumes from its newest checkpoint after a training rank fails
     dry_run: bool  # validate and print; run nothing
     max_engine_restarts: int  # engines started again in place over the run before a dead engine fails it
     engine_start_timeout: Timeout  # an engine's start, at the run's start or after a restart
@@ -99,6 +100,7 @@ def run_settings(flags: argparse.Namespace) -> RunSettings:
         debug_rollout_only=flags.debug_rollout_only,
         debug_train_only=flags.debug_train_only,
         load=flags.load,
+        max_restarts=flags.max_restarts or 0,
         dry_run=flags.dry_run,
         max_engine_restarts=flags.max_engine_restarts,
         engine_start_timeout=Timeout(flags.engine_start_timeout, "--engine-start-timeout"),

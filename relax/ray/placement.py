@@ -44,6 +44,8 @@ NUM_ENGINES_ENV = "RELAX_NUM_ENGINES"
 ENGINE_DEVICES_ENV = "RELAX_ENGINE_DEVICES"  # logical indices of all of an engine's devices, comma-separated
 _PER_ACTOR_ENV = (LOCAL_DEVICE_ENV, ENGINE_RANK_ENV, NUM_ENGINES_ENV, ENGINE_DEVICES_ENV)
 
+TRAINING_RANK = "training rank"  # the role of create_training_actors' actors, in messages and WorkerFailed
+
 _WAIT_POLL_S = 1.0
 
 # What a probe takes of its bundle: enough to be given the bundle's device, little enough to fit beside
@@ -254,11 +256,15 @@ def _resource_options(resources: dict[str, float]) -> dict:
 
 class WorkerFailed(RuntimeError):
     """A placed actor died, raised or did not answer in time; the message names it, where it ran and where its
-    log is. `group` and `index` say which actor it is (None when the failure names no single actor)."""
+    log is. `group` and `index` say which actor it is and `role` its group's role ("training rank", "engine"); all
+    None when the failure names no single actor. `role` alone serves a failure reported without its group."""
 
-    def __init__(self, message: str, group: "ActorGroup | None" = None, index: int | None = None):
+    def __init__(
+        self, message: str, group: "ActorGroup | None" = None, index: int | None = None, role: str | None = None
+    ):
         super().__init__(message)
         self.group, self.index = group, index
+        self.role = group.role if group is not None else role
 
 
 class ActorGroup:
@@ -532,7 +538,7 @@ def create_training_actors(actor_class, placement: Placement, share: float = 0.4
     """One actor per bundle: rank i on bundle i, with torch.distributed's variables."""
     envs = training_envs(placement, _base_env(placement, env, memory_saver_on))
     positions = list(range(placement.num_devices))
-    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role="training rank")
+    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role=TRAINING_RANK)
 
 
 def create_engine_actors(actor_class, placement: Placement, devices_per_engine: int, share: float = 0.2,

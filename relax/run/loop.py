@@ -12,12 +12,15 @@ run (and an engine's SGLang processes): a worker that dies fails the run within 
 the driver is waiting on, and a call that may hang is bounded (--engine-start-timeout, --rollout-timeout,
 --weight-sync-timeout). The exception: an engine that fails during a rollout is started again in place, given
 the actor's weights, and its requests are sent again (relax.rollout.engine_restarts; --max-engine-restarts).
+With --max-restarts, run_with_restarts resumes a run whose training rank failed from its newest checkpoint, on
+workers started anew.
 
 Weight push order: the actor pushes while awake (engines' weights resumed, their KV cache still
 released), then sleeps. Exporting from a sleeping actor's host copy, which would lower the peak by the
 actor's weights, is not built yet.
 """
 
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -28,9 +31,10 @@ import ray
 import torch
 
 from relax.args.settings import AlgorithmSettings, OutputSettings, RolloutSettings, RunSettings
-from relax.run.metrics import MetricsLog, extreme
+from relax.run.metrics import RUN_RESTARTS, MetricsLog, extreme
 from relax.ray.placement import (
-    create_engine_actors, create_node_placement, create_training_actors, group_callees, wait_for, worker_failure,
+    TRAINING_RANK, WorkerFailed, create_engine_actors, create_node_placement, create_training_actors, group_callees,
+    wait_for, worker_failure,
 )
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptLoader, load_prompts
@@ -42,7 +46,7 @@ from relax.rollout.rollout import (
     Generate, generate_and_score, generate_informative_groups, reward_and_length_metrics, take_prompts,
 )
 from relax.rollout.worker import EngineWorker
-from relax.run.state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
+from relax.run.state import LATEST, RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.advantages import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.worker import TrainWorker
@@ -50,10 +54,11 @@ from relax.train.worker import TrainWorker
 ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
 
 
-def run(config, stop: StopOnSignal | None = None) -> Path:
+def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     """Train as `config` (relax.args.TrainConfig: settings built and checked at parse time) says; returns the output
     directory. With `stop` (entered by the `relax train` driver), a signal ends the run after its current step
-    with RunStopped."""
+    with RunStopped. `restarts`: how often the run restarted before this attempt (run_with_restarts), logged as
+    faults/run_restarts at every step."""
     settings, rollout, outputs = config.run, config.rollout, config.outputs
     stop = stop or StopOnSignal()  # not entered: never signalled
     checkpoint = None
@@ -128,7 +133,7 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
                     with timer("perf/weight_sync_time"):
                         hand_devices_to_engines(engines, trainers, rollout.devices_per_engine, hand_over_timeout)
             faults = {"faults/engine_restarts": generate.take_count()} if generate is not None else {}
-            log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds, **faults})
+            log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds, **faults, RUN_RESTARTS: restarts})
         if trainers is not None and engines is not None:
             wait_for(trainers.call("close_weight_sync"), placement)  # the broadcast groups to engines on other nodes
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
@@ -144,6 +149,30 @@ def run(config, stop: StopOnSignal | None = None) -> Path:
         if started_ray:  # the run's own local cluster: its processes end here, not at interpreter exit
             ray.shutdown()
     return Path(outputs.output_dir)
+
+
+def run_with_restarts(config, stop: StopOnSignal | None = None) -> Path:
+    """run(config); after a training rank fails, again from the newest complete checkpoint in --save (from where
+    the run started while none is saved), at most --max-restarts times, then the failure is raised. run's cleanup
+    has ended the failed attempt's workers (and the local Ray it started) before the next one starts them anew.
+    A failure of anything else (an engine: its SGLang processes; the driver's own errors) is raised at once, as
+    is one after a stop signal."""
+    restarts = 0
+    while True:
+        try:
+            return run(config, stop, restarts)
+        except WorkerFailed as failure:
+            if failure.role != TRAINING_RANK or restarts == config.run.max_restarts or (stop and stop.requested):
+                raise
+            restarts += 1
+            saves = config.outputs.save
+            load = saves if (Path(saves) / LATEST).is_file() else config.run.load
+            print(
+                f"relax train: {failure}\nrelax train: restart {restarts} of at most {config.run.max_restarts}: "
+                f"resuming from {load or 'the start (nothing saved yet)'}",
+                file=sys.stderr, flush=True,
+            )
+            config = replace(config, run=replace(config.run, load=load))
 
 
 # --- phases ----------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from pathlib import Path
 from relax.files import write_text_atomically
 
 REWARD_KEY = "rollout/reward_mean"
+RUN_RESTARTS = "faults/run_restarts"  # times the run resumed from a checkpoint after a failure (--max-restarts)
 PLOTTED = {REWARD_KEY: "mean reward", "rollout/response_length_mean": "mean response length (tokens)"}
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -183,6 +184,9 @@ def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object
     if restarts:
         steps = ", ".join(map(str, restarts))
         lines.append(f"  faults        {sum(restarts.values())} engine restart(s), in step(s) {steps}")
+    restarts = max((r.get(RUN_RESTARTS, 0) for r in rows), default=0)
+    if restarts:
+        lines.append(f"  restarts      {restarts:.0f}: resumed from a checkpoint after a training rank failed")
     lines += [f"  {name:<13} {where}" for name, where in outputs.items()]
     return "\n".join(lines)
 

@@ -5,7 +5,8 @@ Layout of a --save directory:
 
     SAVE/step_000003/actor/     the actor's sharded Megatron checkpoint: model, optimizer, LR scheduler,
                                 each rank's RNG states (relax.train.checkpoint)
-    SAVE/step_000003/run.json   the loop's own state: the next step, the prompt loader's state, the seed
+    SAVE/step_000003/run.json   the loop's own state: the next step, the prompt loader's state, the seed,
+                                and the size of every file of actor/ as saved
     SAVE/latest                 the name of the newest complete step directory
 
 With --save-hf HF, each save also writes the actor's weights as an HF directory HF/step_000003 (safetensors
@@ -15,7 +16,10 @@ train), which transformers and SGLang load; `relax convert` makes the same direc
 step_N holds the state after step N (the `step` of metrics.jsonl). A save writes step_N.partial, renames it
 to step_N when everything is in, then replaces `latest` (both renames are atomic): a save that crashes halfway
 leaves only a .partial directory, which --load never takes and the next save of that step replaces.
---load takes a --save directory (its `latest`) or one step directory. On several nodes, --save and --save-hf
+--load takes a --save directory (its `latest`) or one step directory. A step directory damaged after its save
+(a file deleted or truncated: its size differs from run.json's) is incomplete: --load of the --save directory
+then takes the newest complete step before `latest`'s, with a warning naming the damaged one; --load of the
+damaged step directory itself is refused. On several nodes, --save and --save-hf
 must be directories every training rank and the driver see (a shared filesystem): the ranks write the actor's
 shards, and the first rank of each pipeline stage its stage's HF safetensors file.
 
@@ -77,7 +81,10 @@ def save(save_dir: str | Path, step: int, trainers, loader, seed: int, save_hf: 
 
     directory = _fresh_partial(Path(save_dir), step)
     wait_for(trainers.call("save_checkpoint", str(directory / ACTOR_DIR), step), trainers.placement)
-    state = {"next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None}
+    state = {
+        "next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None,
+        "files": saved_files(directory),
+    }
     write_text_atomically(directory / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
     directory = _complete(directory)
     write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
@@ -86,6 +93,32 @@ def save(save_dir: str | Path, step: int, trainers, loader, seed: int, save_hf: 
         wait_for(trainers.call("save_hf", str(hf_directory)), trainers.placement)
         _complete(hf_directory)
     return directory
+
+
+def saved_files(directory: Path) -> dict[str, int]:
+    """The size of every file under directory/actor, by its path relative to directory."""
+    files = sorted(path for path in (directory / ACTOR_DIR).rglob("*") if path.is_file())
+    return {str(path.relative_to(directory)): path.stat().st_size for path in files}
+
+
+def checkpoint_problem(directory: Path) -> str | None:
+    """What makes a step directory unfit to resume from (a save that never finished, or files deleted or truncated
+    since), or None when it holds everything its save wrote, at the sizes written."""
+    try:
+        state = json.loads((directory / RUN_STATE_FILE).read_text())
+    except FileNotFoundError:
+        return f"missing {directory / RUN_STATE_FILE}"
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"{directory / RUN_STATE_FILE} is not the JSON a save writes (truncated?)"
+    if "files" not in state:
+        return f"{directory / RUN_STATE_FILE} lists no saved files (a save of an earlier relax version)"
+    for name, size in state["files"].items():
+        path = directory / name
+        if not path.is_file():
+            return f"missing {path}"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} when saved (truncated?)"
+    return None
 
 
 def _fresh_partial(parent: Path, step: int) -> Path:
@@ -133,14 +166,14 @@ def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_
     """The checkpoint --load names, checked against this run before anything starts: it is complete, made with
     the same --seed, from a model of the same architecture as --hf-checkpoint, and has steps left to run."""
     directory = step_directory(Path(load))
-    state_file, actor_dir = directory / RUN_STATE_FILE, directory / ACTOR_DIR
-    missing = [str(p) for p in (state_file, actor_dir / "metadata.json") if not p.is_file()]
-    if missing:
+    problem = checkpoint_problem(directory)
+    if problem is not None:
         raise CheckpointError(
-            f"--load {load}: checkpoint {directory} is incomplete (missing {', '.join(missing)}); "
+            f"--load {load}: checkpoint {directory} is incomplete ({problem}); "
             f"load an earlier step directory of {directory.parent}, or drop --load to start from --hf-checkpoint"
         )
-    state = json.loads(state_file.read_text())
+    state = json.loads((directory / RUN_STATE_FILE).read_text())
+    actor_dir = directory / ACTOR_DIR
     if state["seed"] != seed:
         raise CheckpointError(
             f"--load {load}: the checkpoint was made with --seed {state['seed']}, this run has --seed {seed}; "
@@ -156,7 +189,8 @@ def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_
 
 
 def step_directory(load: Path, step: int | None = None) -> Path:
-    """The step directory --load names: `load` itself, its step `step`, or its newest (`latest`)."""
+    """The step directory --load names: `load` itself, its step `step`, or its newest complete one
+    (newest_complete_step)."""
     if not load.is_dir():
         raise CheckpointError(f"--load {load}: no such directory; pass a directory written by --save")
     if step is not None:
@@ -170,13 +204,44 @@ def step_directory(load: Path, step: int | None = None) -> Path:
         return directory
     if (load / RUN_STATE_FILE).is_file() or (load / ACTOR_DIR).is_dir():
         return load
-    latest = load / LATEST
-    if latest.is_file():
-        return load / latest.read_text().strip()
+    if (load / LATEST).is_file():
+        return newest_complete_step(load)
     raise CheckpointError(
         f"--load {load}: no checkpoint there (neither {LATEST} nor {RUN_STATE_FILE}; a save that did not finish "
         f"writes no {LATEST}); pass the --save directory of a run or one of its step_* directories"
     )
+
+
+def newest_complete_step(save_dir: Path) -> Path:
+    """The step directory `latest` names when it is complete (checkpoint_problem), else the newest complete one
+    before it, with a warning on stderr naming each one passed over and why. Never a step after `latest`'s: such
+    a directory is left from a run that went further before this one resumed from an earlier step."""
+    named = save_dir / (save_dir / LATEST).read_text().strip()
+    named_step = _step_number(named)
+    earlier = sorted(
+        (path for path in save_dir.glob("step_*") if path.is_dir() and _step_number(path) is not None
+         and (named_step is None or _step_number(path) < named_step)),
+        key=_step_number, reverse=True,
+    )
+    passed_over = []
+    for directory in [named, *earlier]:
+        problem = checkpoint_problem(directory)
+        if problem is None:
+            for bad, why in passed_over:
+                print(f"relax: warning: checkpoint {bad} is incomplete ({why}); resuming from {directory} instead",
+                      file=sys.stderr, flush=True)
+            return directory
+        passed_over.append((directory, problem))
+    raise CheckpointError(
+        f"--load {save_dir}: no complete checkpoint there ({'; '.join(why for _, why in passed_over)}); "
+        "drop --load to start from --hf-checkpoint"
+    )
+
+
+def _step_number(directory: Path) -> int | None:
+    """N of a step_N directory's name; None for anything else (a .partial directory among them)."""
+    digits = directory.name.removeprefix("step_")
+    return int(digits) if directory.name.startswith("step_") and digits.isdigit() else None
 
 
 def check_same_architecture(actor_dir: Path, hf_checkpoint: Path, load) -> None:

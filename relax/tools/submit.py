@@ -1,6 +1,7 @@
 """`relax submit`: run an entrypoint as a Ray job, with the workers' environment taken from this shell.
 
-    relax submit [--address URL] [--env NAME | --env NAME=VALUE ...] [--working-dir DIR] -- <entrypoint ...>
+    relax submit [--address URL] [--env NAME | --env NAME=VALUE ...] [--working-dir DIR] [--max-restarts N]
+                 -- <entrypoint ...>
 
 The job's runtime_env carries the variables relax.ray.runtime_env takes from this shell (every variable
 with a prefix workers read, and the --env ones), so a variable exported here reaches the job's driver and
@@ -8,6 +9,12 @@ every actor it creates, even on a cluster started long before; the driver adds i
 defaults to the actors it places (relax.ray.placement). The
 command waits for the job, streams its logs, and exits 0 when the job succeeded, the driver's exit code
 (or 1) when it failed, 1 when it was stopped, 130 when interrupted here (the job is stopped too).
+
+--max-restarts N hands `--max-restarts N` to the job's `relax train` (the entrypoint's last words, as
+`relax train ...` or a scripts/run-*.sh preset passes them on): the job's driver itself restarts the run from its
+newest checkpoint after a training rank fails (relax.run.loop.run_with_restarts). Ray resubmitting a failed job
+instead would also survive the driver's death, but needs this command to outlive the job and a new job to find
+the old one's checkpoints; restarting inside the job needs neither.
 """
 
 import argparse
@@ -16,6 +23,7 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from relax.ray.runtime_env import WORKER_ENV_NAMES, WORKER_ENV_PREFIXES, job_env_vars, parse_env_specs
 
@@ -48,7 +56,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--working-dir", help="directory uploaded to the cluster and used as the driver's cwd")
     parser.add_argument("--submission-id", help="the job's id (default: chosen by Ray)")
     parser.add_argument("--no-wait", action="store_true", help="return once the job is submitted")
+    parser.add_argument(
+        "--max-restarts", type=int, metavar="N",
+        help="append `--max-restarts N` to the entrypoint, a `relax train` run (or a scripts/run-*.sh preset): the "
+        "job resumes from its newest checkpoint in --save after a training rank fails, at most N times",
+    )
     return parser
+
+
+def with_max_restarts(entrypoint: list[str], max_restarts: int) -> list[str]:
+    """The entrypoint with `--max-restarts N` appended for its `relax train`; ValueError naming the fix when it
+    is not recognisably one, or already has the flag."""
+    if max_restarts < 1:
+        raise ValueError(f"--max-restarts must be a positive integer, got {max_restarts}")
+    runs_train = any(
+        (Path(word).name in ("relax", "relax.cli") and following == "train")
+        or (Path(word).name.startswith("run-") and word.endswith(".sh"))
+        for word, following in zip(entrypoint, [*entrypoint[1:], ""])
+    )
+    if not runs_train:
+        raise ValueError(
+            f"--max-restarts: the entrypoint ({shlex.join(entrypoint)}) is neither `relax train ...` nor a "
+            "scripts/run-*.sh preset; put --max-restarts N on its own relax train command instead"
+        )
+    if any(word == "--max-restarts" or word.startswith("--max-restarts=") for word in entrypoint):
+        raise ValueError("--max-restarts is given both here and in the entrypoint; give it once")
+    return [*entrypoint, "--max-restarts", str(max_restarts)]
 
 
 def split_entrypoint(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -106,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no entrypoint: put the command to run after `--`, e.g. relax submit -- python train.py")
     try:
         runtime_env = job_runtime_env(args.env, args.working_dir)
+        if args.max_restarts is not None:
+            entrypoint = with_max_restarts(entrypoint, args.max_restarts)
     except ValueError as error:
         parser.error(str(error))
 

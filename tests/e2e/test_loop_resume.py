@@ -1,12 +1,16 @@
 """Checkpoint and resume through the real loop (scripts/run-tiny-cpu.sh: local Ray, SGLang engine, Megatron
-actor): 4 steps in one run equal 2 steps, a resume from the checkpoint after step 1, and 2 more steps.
+actor): 4 steps in one run equal 2 steps, a resume from the checkpoint after step 1, and 2 more steps, even when
+the newest checkpoint is damaged and a training rank is SIGKILLed on the way (--max-restarts).
 
 Two runs, not three: the 4-step run (the session's saved_tiny_run, tests/e2e/conftest.py) saves after steps 1 and
 3 (--save-interval 2), so its first half is the "2 steps" run; the resumed run loads the step-1 checkpoint and
 runs steps 2 and 3. A save that disturbed the run would show as a difference too, since the resumed run is
 compared with the run that saved. The resumed run writes into the first run's experiment directory: one run, one
-record, continued from the checkpoint. The first run also writes HF directories (--save-hf), which must hold its
-checkpoints' weights, and from which SGLang's engine starts and greedy-decodes as HF transformers does.
+record, continued from the checkpoint. The same resumed run also shows the two faults a run survives on its own:
+it is given the checkpoints with step 3's damaged, and passes over it to step 1's; its training rank is killed
+after step 2, and the run restarts from its own step-2 checkpoint, ending on the uninterrupted run's weights. The
+first run also writes HF directories (--save-hf), which must hold its checkpoints' weights, and from which SGLang's
+engine starts and greedy-decodes as HF transformers does.
 
 Rollouts repeat exactly only because each request samples with a seed derived from (--seed, step), which
 SGLang honours under --sglang-enable-deterministic-inference. Same tokens, same rewards: those are compared
@@ -14,8 +18,12 @@ exactly. Training on the CPU is deterministic as well (same weights, optimizer s
 the losses get a 1e-6 tolerance only for the floating-point sums, which are not guaranteed bit for bit.
 """
 
+import shutil
 import subprocess
+import time
+from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -24,8 +32,10 @@ from generations import assert_same_generations
 from hf_reference import hf_greedy
 from relax.platform import get_platform
 from relax.rollout.engine import RolloutEngine, SamplingConfig
+from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process
+from relax.run.metrics import read_metrics
 from relax.run.state import LATEST, read_checkpoint
-from tiny_runs import ROOT, SAVING_RUN_STEPS as STEPS, run_tiny_job
+from tiny_runs import ROOT, SAVING_RUN_STEPS as STEPS, tiny_job
 
 PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
 
@@ -33,6 +43,7 @@ EXACT_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len
 CLOSE_KEYS = ("train/loss", "train/pg_loss", "train/clip_fraction", "train/ppo_kl", "train/grad_norm", "train/lr")
 
 
+@pytest.mark.timeout(900)  # the saved run (its fixture), then the resumed run's two starts of the whole stack
 def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp_path):
     whole, saves, hf_saves = saved_tiny_run.records, saved_tiny_run.saves, saved_tiny_run.hf_saves
     assert [r["step"] for r in whole] == [0, 1, 2, 3]
@@ -57,15 +68,42 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     after_step_1 = saves / "step_000001"
     assert read_checkpoint(after_step_1, saved_tiny_run.exp_dir / "model", seed=1234, num_steps=STEPS).next_step == 2
 
-    # Resumed into the same experiment directory (the script passes --overwrite-output-dir, which a resumed run
-    # does not act on): the run's record continues from the checkpoint, the first run's steps 2 and 3 replaced.
-    record = run_tiny_job(
+    # Resumed from a copy of the checkpoints whose newest (step 3) lost half a file since: the run warns, naming it,
+    # and resumes from step 1. It saves after every step and may restart once; its training rank is SIGKILLed once
+    # step 2 is logged, so the run restarts from step 2's checkpoint and does step 3 on new workers.
+    resumed_saves, resumed_hf_saves = tmp_path / "checkpoints", tmp_path / "hf"
+    shutil.copytree(saves, resumed_saves)
+    step_3_files = [path for path in (resumed_saves / "step_000003").rglob("*") if path.is_file()]
+    damaged = max(step_3_files, key=lambda path: path.stat().st_size)
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    # Into the same experiment directory (the script passes --overwrite-output-dir, which a resumed run does not act
+    # on): the run's record continues from the checkpoint, the first run's steps 2 and 3 replaced.
+    marker = run_marker()
+    command, env = tiny_job(
         saved_tiny_run.exp_dir, "--num-steps", str(STEPS), "--sglang-enable-deterministic-inference",
-        "--load", str(after_step_1),
+        "--load", str(resumed_saves), "--save", str(resumed_saves), "--save-interval", "1",
+        "--save-hf", str(resumed_hf_saves), "--max-restarts", "1", env=marker,
     )
+    output = _run_killing_the_training_rank_after_step_2(command, env, marker, resumed_saves, tmp_path / "resumed.log")
+    assert (f"relax: warning: checkpoint {resumed_saves / 'step_000003'} is incomplete ({damaged} has "
+            f"{damaged.stat().st_size} bytes") in output, output[-6000:]
+    assert f"resuming from {resumed_saves / 'step_000001'} instead" in output
+    assert "training rank 0 (TrainWorker, pid" in output
+    assert f"relax train: restart 1 of at most 1: resuming from {resumed_saves}\n" in output
+    assert "  restarts      1: resumed from a checkpoint after a training rank failed" in output
+    leftover = leftover_processes(marker)
+    assert not leftover, f"processes of the run left behind: {describe(leftover)}"
+
+    record = read_metrics(saved_tiny_run.exp_dir / "output" / "metrics.jsonl")
     assert [r["step"] for r in record] == [0, 1, 2, 3]
     assert record[:2] == whole[:2]
     resumed = record[2:]
+    assert [r["faults/run_restarts"] for r in resumed] == [0, 1]
+    # The final weights equal the uninterrupted run's.
+    for name in sorted(p.name for p in (hf_saves / "step_000003").glob("*.safetensors")):
+        final, uninterrupted = (load_file(d / "step_000003" / name) for d in (resumed_hf_saves, hf_saves))
+        assert final.keys() == uninterrupted.keys()
+        assert all(torch.equal(final[k], uninterrupted[k]) for k in final), name
     # Step 2 checks the loaded weights, data position and sampling seeds; step 3 also the optimizer, scheduler and
     # RNG states: its weights come out of step 2's Adam update.
     for original, again in zip(whole[2:], resumed):
@@ -76,3 +114,27 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
                 assert abs(again[key] - original[key]) <= 1e-6, f"step {original['step']} {key}"
     # The run learns in these steps (else equal losses would prove little): the weights moved the rewards.
     assert len({r["rollout/reward_mean"] for r in whole}) > 1 or len({r["train/loss"] for r in whole}) > 1
+
+
+def _run_killing_the_training_rank_after_step_2(command, env, marker, saves: Path, log_path: Path) -> str:
+    """Run `command` (a tiny job marked with `marker`, saving into `saves` after every step) to its end, SIGKILLing
+    its training rank once it has saved step 2 and logged it; its output. Fails when the run fails, or ends before.
+    (The metrics file holds the earlier run's step 2 until this run's record replaces it, before its first save.)"""
+    metrics, latest = Path(env["EXP_DIR"]) / "output" / "metrics.jsonl", saves / LATEST
+    with open(log_path, "w") as log:
+        run = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        while not (latest.read_text().strip() == "step_000002" and '{"step": 2,' in metrics.read_text()):
+            assert run.poll() is None, f"the run ended before step 2:\n{log_path.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, "no step 2 within 600 s"
+            time.sleep(0.2)
+        wait_for_process(marker, "ray::TrainWorker", still_running=lambda: run.poll() is None).kill()
+        run.wait(timeout=600)
+    finally:
+        if run.poll() is None:  # the test failed: end the whole run, not only its driver
+            kill_marked(marker)
+            run.wait()
+    output = log_path.read_text()
+    assert run.returncode == 0, output[-6000:]
+    return output

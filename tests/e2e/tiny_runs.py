@@ -15,15 +15,18 @@ ROOT = Path(__file__).resolve().parents[2]
 PERF_KEYS = ("perf/step_time", "perf/rollout_time", "perf/train_wait_time", "perf/train_time", "perf/weight_sync_time")
 
 
-def run_tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> list[dict]:
-    """Run the tiny job with EXP_DIR=exp_dir, `args` passed on to `relax train` and `env` added to this
-    process's environment; its metrics records. The test fails with the run's output when the run fails."""
+def tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of the tiny job with EXP_DIR=exp_dir, `args` passed on to `relax train` and
+    `env` added to this process's environment."""
     run_env = {**os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python"),
                **(env or {})}
-    result = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), *args],
-        env=run_env, capture_output=True, text=True, timeout=900,
-    )
+    return ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), *args], run_env
+
+
+def run_tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> list[dict]:
+    """Run the tiny job (tiny_job); its metrics records. The test fails with the run's output when the run fails."""
+    command, run_env = tiny_job(exp_dir, *args, env=env)
+    result = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     return read_metrics(exp_dir / "output" / "metrics.jsonl")
 

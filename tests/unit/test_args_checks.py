@@ -152,6 +152,11 @@ RULES = {
     ),
     "save interval needs save": ([*RUN, "--save-interval", "10"], "--save-interval needs --save"),
     "HF directories need save": ([*RUN, "--save-hf", "hf"], "--save-hf needs --save"),
+    "restarts need save": ([*RUN, "--max-restarts", "2"], "--max-restarts needs --save: a restarted run resumes"),
+    "restarts need training ranks": (
+        [*RUN, "--max-restarts", "2", "--save", "checkpoints", "--debug-rollout-only"],
+        "--max-restarts restarts the run after a training rank fails; --debug-rollout-only has none",
+    ),
     "HF directories beside the checkpoints": (
         [*RUN, "--save", "checkpoints", "--save-hf", "checkpoints/"],
         "--save-hf and --save are both checkpoints: their step_N directories would collide",
@@ -253,6 +258,14 @@ def test_engine_restarts_and_the_driver_waits_are_bounded_by_default(capsys):
     assert run.max_engine_restarts == 0 and run.rollout_timeout.seconds is None
     assert "--max-engine-restarts: must be >= 0, got -1" in parse_error([*RUN, "--max-engine-restarts", "-1"], capsys)
     assert "--weight-sync-timeout: must be > 0, got 0" in parse_error([*RUN, "--weight-sync-timeout", "0"], capsys)
+
+
+def test_max_restarts_defaults_to_none_and_is_positive(capsys):
+    assert parse_train_args(RUN).run.max_restarts == 0
+    assert parse_train_args([*RUN, "--save", "checkpoints", "--max-restarts", "3"]).run.max_restarts == 3
+    assert "--max-restarts: must be a positive integer, got 0" in parse_error(
+        [*RUN, "--save", "checkpoints", "--max-restarts", "0"], capsys
+    )
 
 
 def test_gdn_training_kernel_defaults_to_the_devices_and_can_be_chosen():

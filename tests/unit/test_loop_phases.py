@@ -1,13 +1,17 @@
 """The colocated loop's pure pieces: batch assembly with advantages, phase timing, metrics files."""
 
 import json
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+import relax.run.loop
 from relax.args import AlgorithmSettings
-from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch
+from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch, run_with_restarts
 from relax.run.metrics import MetricsLog, read_metrics
+from relax.ray.placement import TRAINING_RANK, WorkerFailed
+from relax.run.state import LATEST
 from relax.rollout.data import Prompt
 from relax.rollout.groups import Sample
 
@@ -72,3 +76,61 @@ def test_metrics_log_writes_jsonl_tensorboard_and_reward_curve(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class _Run:  # the RunSettings fields run_with_restarts reads
+    load: str | None
+    max_restarts: int
+
+
+@dataclass(frozen=True)
+class _Outputs:
+    save: str
+
+
+@dataclass(frozen=True)
+class _Config:
+    run: _Run
+    outputs: _Outputs
+
+
+def test_a_run_restarts_after_training_rank_failures_from_its_newest_save_at_most_max_restarts_times(
+    tmp_path, monkeypatch, capsys
+):
+    attempts = []  # (load, restarts) of each run() call
+
+    def run(config, stop, restarts):  # fails twice: before its first save, then after one
+        attempts.append((config.run.load, restarts))
+        if len(attempts) == 2:
+            (tmp_path / LATEST).write_text("step_000001\n")
+        if len(attempts) <= 2:
+            raise WorkerFailed(f"training rank 0 (TrainWorker, pid {len(attempts)}) failed: died", role=TRAINING_RANK)
+        return tmp_path / "out"
+
+    monkeypatch.setattr(relax.run.loop, "run", run)
+    config = _Config(_Run(load=None, max_restarts=2), _Outputs(save=str(tmp_path)))
+    assert run_with_restarts(config) == tmp_path / "out"
+    assert attempts == [(None, 0), (None, 1), (str(tmp_path), 2)]
+    messages = capsys.readouterr().err.splitlines()
+    assert messages[1] == "relax train: restart 1 of at most 2: resuming from the start (nothing saved yet)"
+    assert messages[3] == f"relax train: restart 2 of at most 2: resuming from {tmp_path}"
+
+    attempts.clear()
+    (tmp_path / LATEST).unlink()
+    with pytest.raises(WorkerFailed, match="pid 2"):  # the bound reached: the failure is the run's
+        run_with_restarts(_Config(_Run(load="earlier", max_restarts=1), _Outputs(save=str(tmp_path))))
+    assert attempts == [("earlier", 0), ("earlier", 1)]  # nothing saved yet: from where the run started
+
+
+def test_a_run_is_not_restarted_after_an_engine_failure(tmp_path, monkeypatch):
+    attempts = []
+
+    def run(config, stop, restarts):
+        attempts.append(restarts)
+        raise WorkerFailed("engine 0 (EngineWorker, pid 1) failed: died", role="engine")
+
+    monkeypatch.setattr(relax.run.loop, "run", run)
+    with pytest.raises(WorkerFailed, match="engine 0"):
+        run_with_restarts(_Config(_Run(load=None, max_restarts=3), _Outputs(save=str(tmp_path))))
+    assert attempts == [0]

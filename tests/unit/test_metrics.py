@@ -111,10 +111,11 @@ def test_the_run_ends_with_a_summary_of_its_record(tmp_path, capsys):
     log = MetricsLog(tmp_path, num_steps=3, other_outputs={"checkpoints": "/ckpt", "rollout data": None})
     for step, reward in enumerate([0.25, 0.75, 0.5]):
         saving = {"perf/save_time": 10.0, "perf/step_time": 20.0} if step == 2 else {}
-        log.log(step, {**STEP, "rollout/reward_mean": reward, **saving})
+        log.log(step, {**STEP, "rollout/reward_mean": reward, "faults/run_restarts": 0, **saving})
     log.close()
     summary = capsys.readouterr().out
     assert "relax run summary\n  steps         3 (steps 0-2)\n" in summary
+    assert "restarts" not in summary
     assert "  reward        first 0.250, last 0.500, best 0.750 (step 1)\n" in summary
     assert "s from the actors' start; 0m40s in steps\n" in summary
     # 40 s in steps: rollout 9 s, train wait 3, train 12, save 10, weight sync 6
@@ -132,6 +133,14 @@ def test_the_summary_counts_engine_restarts_and_their_steps(tmp_path, capsys):
         log.log(step, {**STEP, "rollout/reward_mean": 0.5, "faults/engine_restarts": restarts})
     log.close()
     assert "  faults        3 engine restart(s), in step(s) 1, 3\n" in capsys.readouterr().out
+
+
+def test_the_summary_says_how_often_the_run_restarted(tmp_path, capsys):
+    log = MetricsLog(tmp_path, num_steps=3)
+    for step, restarts in enumerate([0, 1, 2]):  # resumed from a checkpoint before steps 1 and 2
+        log.log(step, {**STEP, "faults/run_restarts": restarts})
+    log.close()
+    assert "  restarts      2: resumed from a checkpoint after a training rank failed\n" in capsys.readouterr().out
 
 
 def test_a_run_stopped_before_its_first_step_still_says_where_its_outputs_are(tmp_path, capsys):

@@ -24,6 +24,7 @@ from relax.run.state import (
     sampling_seed,
     save,
     save_due,
+    saved_files,
     step_dir_name,
 )
 from relax.tools.convert import checked_input
@@ -61,7 +62,8 @@ def fake_save(save_dir, step, model_dir, seed=1234, complete=True):
     (directory / "actor" / "metadata.json").write_text("{}")
     if complete:
         loader = {"epoch": 0, "index": 8 * (step + 1), "seed": seed, "shuffle": True, "num_prompts": 100}
-        (directory / "run.json").write_text(json.dumps({"next_step": step + 1, "seed": seed, "loader": loader}))
+        state = {"next_step": step + 1, "seed": seed, "loader": loader, "files": saved_files(directory)}
+        (directory / "run.json").write_text(json.dumps(state))
         (save_dir / LATEST).write_text(directory.name + "\n")
     return directory
 
@@ -142,6 +144,38 @@ def test_a_save_is_taken_only_once_complete_and_a_crashed_one_is_replaced(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_000001", "step_000003"]
     checkpoint = read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
     assert (checkpoint.next_step, checkpoint.loader_state["index"]) == (4, 16)
+
+
+def test_a_damaged_newest_checkpoint_is_passed_over_for_the_one_before_with_a_warning(
+    tmp_path, models, monkeypatch, capsys
+):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda refs: refs)  # ActorSaves works in this process
+    model, _ = models
+    loader = SimpleNamespace(state_dict=lambda: {"epoch": 0, "index": 16})
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step, ActorSaves(model), loader, seed=1234)
+    (tmp_path / LATEST).write_text("step_000003\n")  # as after a resume from step 3: step 4 is another run's
+    config = tmp_path / "step_000003" / "actor" / "hf" / "config.json"
+    config.write_bytes(config.read_bytes()[:10])  # truncated since its save
+    (tmp_path / "step_000002" / "actor" / "metadata.json").unlink()
+
+    assert read_checkpoint(tmp_path, model, seed=1234, num_steps=10).next_step == 2  # step 1's, never step 4's
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and all(line.startswith("relax: warning: checkpoint ") for line in warnings), warnings
+    assert f"{config} has 10 bytes, {(model / 'config.json').stat().st_size} when saved" in warnings[0]
+    assert f"missing {tmp_path / 'step_000002' / 'actor' / 'metadata.json'}" in warnings[1]
+    assert all(line.endswith(f"resuming from {tmp_path / 'step_000001'} instead") for line in warnings)
+    # The damaged step directory named itself is refused, naming what is wrong.
+    with pytest.raises(CheckpointError, match="checkpoint .*step_000003 is incomplete .*config.json has 10 bytes"):
+        read_checkpoint(tmp_path / "step_000003", model, seed=1234, num_steps=10)
+
+    (tmp_path / "step_000001" / "run.json").write_text('{"next_step": 2, "se')  # truncated
+    shutil.rmtree(tmp_path / "step_000004")
+    (tmp_path / LATEST).write_text("step_000004\n")  # names a directory that is gone
+    with pytest.raises(CheckpointError, match="no complete checkpoint there .*step_000004.* is not the JSON"):
+        read_checkpoint(tmp_path, model, seed=1234, num_steps=10)
 
 
 def test_a_save_with_save_hf_writes_the_hf_directory_of_the_step(tmp_path, models, monkeypatch):

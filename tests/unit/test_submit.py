@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from relax.cli import main as cli_main
-from relax.tools.submit import exit_code_for, job_runtime_env, main, split_entrypoint
+from relax.tools.submit import exit_code_for, job_runtime_env, main, split_entrypoint, with_max_restarts
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,12 +36,23 @@ def test_job_runtime_env_forwards_the_shell_and_named_variables(tmp_path):
     }
 
 
+def test_max_restarts_goes_to_the_entrypoints_relax_train():
+    assert with_max_restarts(["relax", "train", "--save", "c"], 2) == ["relax", "train", "--save", "c",
+                                                                         "--max-restarts", "2"]
+    assert with_max_restarts(["bash", "scripts/run-qwen3-4B.sh", "--save", "c"], 1)[-2:] == ["--max-restarts", "1"]
+    assert with_max_restarts(["python", "-m", "relax.cli", "train"], 1)[-2:] == ["--max-restarts", "1"]
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [([], "no entrypoint: put the command to run after `--`"),
      (["--env", "RELAX_TEST_SURELY_UNSET", "--", "true"], "--env RELAX_TEST_SURELY_UNSET: RELAX_TEST_SURELY_UNSET is not set"),
      (["--working-dir", "/no/such/dir", "--", "true"], "--working-dir '/no/such/dir' is not a directory"),
-     (["--adress", "x", "--", "true"], "unrecognized arguments: --adress")],
+     (["--adress", "x", "--", "true"], "unrecognized arguments: --adress"),
+     (["--max-restarts", "2", "--", "python", "train.py"],
+      "--max-restarts: the entrypoint (python train.py) is neither `relax train ...` nor a scripts/run-*.sh preset"),
+     (["--max-restarts", "2", "--", "relax", "train", "--max-restarts", "1"], "given both here and in the entrypoint"),
+     (["--max-restarts", "0", "--", "relax", "train"], "--max-restarts must be a positive integer, got 0")],
 )
 def test_bad_arguments_fail_before_contacting_a_cluster(argv, message, capsys, monkeypatch):
     monkeypatch.delenv("RELAX_TEST_SURELY_UNSET", raising=False)
