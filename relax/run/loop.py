@@ -40,6 +40,7 @@ from relax.rollout.rollout import (
     split_over_engines, take_prompts,
 )
 from relax.rollout.worker import EngineWorker
+from relax.run.console import say
 from relax.run.state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.advantages import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
@@ -286,7 +287,7 @@ def _prompt_loader_and_reward(settings: RunSettings, rollout: RolloutSettings, c
     from transformers import AutoTokenizer
 
     prompts, report = load_prompts(rollout.data, AutoTokenizer.from_pretrained(settings.hf_checkpoint))
-    print(report.summary(), flush=True)
+    say(f"prompt data: {report.summary()}")
     if checkpoint:
         loader = checkpoint.loader(prompts)
     else:

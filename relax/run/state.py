@@ -30,13 +30,13 @@ import os
 import random
 import shutil
 import signal
-import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 from relax.files import write_text_atomically
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
+from relax.run.console import say
 
 if typing.TYPE_CHECKING:  # (relax.args imports this module: LATEST)
     from relax.args.settings import OutputSettings
@@ -237,11 +237,10 @@ class StopOnSignal:
         if self.signum is not None:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: abandoning the step")
         self.signum = signum
-        print(
+        say(
             f"relax train: {signal.Signals(signum).name} received; finishing the current step, then saving (if --save) "
             "and stopping; send it again to stop at once without saving",
-            file=sys.stderr,
-            flush=True,
+            error=True,
         )
 
     def __enter__(self):
