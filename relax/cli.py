@@ -64,7 +64,7 @@ def _train(argv: list[str]) -> int:
         return 0
     from relax.ray.placement import WorkerFailed
     from relax.rollout.worker import EngineWorker
-    from relax.run.console import RunConsole, say
+    from relax.console import RunConsole, say
     from relax.run.loop import run
     from relax.run.state import RunStopped, StopOnSignal
 

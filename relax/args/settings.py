@@ -78,7 +78,7 @@ class OutputSettings:
     save: str | None  # checkpoints (relax.run.state)
     save_interval: int | None  # every this many steps (and after the last)
     save_hf: str | None  # at every save, the actor's weights as an HF directory too
-    verbose: bool = False  # every line on the console, not only relax's and upstream errors (relax.run.console)
+    verbose: bool = False  # every line on the console, not only relax's and upstream errors (relax.console)
     engine_logs: bool = False  # SGLang logs at info level and the engines' lines are shown on the console
 
 

@@ -17,11 +17,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from relax.console import say
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import Sample, fill_with_informative_groups, group_by_prompt
 from relax.rollout.rewards import RewardFn, RewardInput, score
-from relax.run.console import say
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
 

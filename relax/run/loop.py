@@ -26,6 +26,7 @@ import ray
 import torch
 
 from relax.args.settings import AlgorithmSettings, OutputSettings, RolloutSettings, RunSettings
+from relax.console import say
 from relax.run.metrics import MetricsLog, extreme
 from relax.ray.placement import (
     create_engine_actors, create_node_placement, create_training_actors, wait_for, worker_failure,
@@ -40,7 +41,6 @@ from relax.rollout.rollout import (
     split_over_engines, take_prompts,
 )
 from relax.rollout.worker import EngineWorker
-from relax.run.console import say
 from relax.run.state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.advantages import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel

@@ -17,8 +17,8 @@ import shutil
 import time
 from pathlib import Path
 
+from relax.console import RUN_LOG_FILE, progress_stream, say
 from relax.files import write_text_atomically
-from relax.run.console import RUN_LOG_FILE, progress_stream, say
 
 REWARD_KEY = "rollout/reward_mean"
 PLOTTED = {REWARD_KEY: "mean reward", "rollout/response_length_mean": "mean response length (tokens)"}
@@ -127,7 +127,7 @@ class MetricsLog:
         if self._wandb is not None:
             outputs["wandb"] = self._wandb.url
             self._wandb.finish()
-        if (self.output_dir / RUN_LOG_FILE).exists():  # written by `relax train`'s console (relax.run.console)
+        if (self.output_dir / RUN_LOG_FILE).exists():  # written by `relax train`'s console (relax.console)
             outputs["console log"] = self.output_dir / RUN_LOG_FILE
         outputs.update(self._other_outputs)
         say(run_summary(read_metrics(self.jsonl_path), time.monotonic() - self._started, outputs))

@@ -34,9 +34,9 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax.console import say
 from relax.files import write_text_atomically
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
-from relax.run.console import say
 
 if typing.TYPE_CHECKING:  # (relax.args imports this module: LATEST)
     from relax.args.settings import OutputSettings

@@ -1,4 +1,4 @@
-"""The run's console (relax.run.console): relax's lines and upstream errors on the terminal, every line in run.log.
+"""The run's console (relax.console): relax's lines and upstream errors on the terminal, every line in run.log.
 The worker lines below are spelt as Ray relays them to the driver (Ray 2.60: a coloured "(Class pid=N)" prefix)."""
 
 import logging
@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from relax.run.console import RUN_LOG_FILE, RunConsole, UpstreamFilter, say, worker_line
+from relax.console import RUN_LOG_FILE, RunConsole, UpstreamFilter, say, worker_line
 
 CYAN, RESET = "\x1b[36m", "\x1b[0m"
 
