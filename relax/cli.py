@@ -64,29 +64,38 @@ def _train(argv: list[str]) -> int:
         return 0
     from relax.run.loop import run_with_restarts
     from relax.ray.placement import WorkerFailed
+    from relax.rollout.worker import EngineWorker
+    from relax.console import RunConsole, say
+    from relax.run.loop import run
     from relax.run.state import RunStopped, StopOnSignal
 
+    outputs = config.outputs
+    console = RunConsole(
+        outputs.output_dir, verbose=outputs.verbose, shown_actors=(EngineWorker.__name__,) if outputs.engine_logs else (),
+        append=config.run.load is not None,  # a resumed run continues its record
+    )
     # SIGINT / SIGTERM: the current step finishes, then a save (with --save) and the loop's cleanup (engines,
     # actors, the local Ray it started); a second signal abandons the step. Exit 128 + signal (130, 143).
     stop = StopOnSignal()
-    try:
-        with stop:
-            output_dir = run_with_restarts(config, stop)
-    except (CheckpointError, PromptDataError, RolloutDataError) as error:  # bad input: the message names it
-        print(f"relax train: {error}", file=sys.stderr)
-        return 2
-    except WorkerFailed as failure:  # the worker's own traceback is in its log, which the message names
-        print(f"relax train: {failure}", file=sys.stderr)
-        return 1
-    except RunStopped as stopped:
-        print(f"relax train: {stopped}", file=sys.stderr)
-        return 128 + stopped.signum
-    except KeyboardInterrupt:
-        if stop.signum is None:  # not one of ours: Python's own SIGINT handling from before the handlers
-            raise
-        print("relax train: stopped at once by a second signal, the step abandoned; nothing saved", file=sys.stderr)
-        return 128 + stop.signum
-    print(f"relax train: done; metrics, TensorBoard events and the reward curve are in {output_dir}")
+    with console:
+        try:
+            with stop:
+                output_dir = run_with_restarts(config, stop)
+        except (CheckpointError, PromptDataError, RolloutDataError) as error:  # bad input: the message names it
+            say(f"relax train: {error}", error=True)
+            return 2
+        except WorkerFailed as failure:  # the worker's own traceback is in its log, which the message names
+            say(f"relax train: {failure}", error=True)
+            return 1
+        except RunStopped as stopped:
+            say(f"relax train: {stopped}", error=True)
+            return 128 + stopped.signum
+        except KeyboardInterrupt:
+            if stop.signum is None:  # not one of ours: Python's own SIGINT handling from before the handlers
+                raise
+            say("relax train: stopped at once by a second signal, the step abandoned; nothing saved", error=True)
+            return 128 + stop.signum
+        say(f"relax train: done; metrics, TensorBoard events, the reward curve and the run's log are in {output_dir}")
     return 0
 
 

@@ -152,7 +152,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
             device=platform.name,
             enable_memory_saver=relax.colocate and platform.has_memory_saver,
         ),
-        defaults=server_defaults(platform),
+        defaults=server_defaults(platform, engine_logs=relax.engine_logs),
     )
     problems = check_config(relax, megatron, platform)
     if problems:

@@ -520,6 +520,19 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-interval", type=_positive_int, default=1, help="Log metrics every N steps (default: %(default)s)."
     )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Show every line on the console. By default the console shows relax's lines, the progress bar and "
+        "upstream errors (tracebacks, ERROR lines); upstream warnings and info lines (SGLang, Megatron, Ray, ...) go "
+        "only to the run's log, <--output-dir>/run.log, which holds every line either way.",
+    )
+    g.add_argument(
+        "--engine-logs",
+        action="store_true",
+        help="SGLang logs at info level (a line per prefill and decode batch: throughput, token usage, cached "
+        "tokens) and the engines' lines are shown on the console. A --sglang-log-level given as well sets the level.",
+    )
 
     g = parser.add_argument_group("relax: device")
     g.add_argument(

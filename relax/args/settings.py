@@ -4,7 +4,7 @@
     rollout    RolloutSettings: the prompts, the reward function, sampling, the engines, dynamic sampling, replay
     algorithm  AlgorithmSettings: advantages and how a rollout splits into optimizer steps
     actor      relax.train.settings.ActorSettings: loss, off-policy correction, micro-batches, LR schedule
-    outputs    OutputSettings: the run's record, checkpoints, HF directories
+    outputs    OutputSettings: the run's record, checkpoints, HF directories, the console
 
 Each builder maps flags (the parsed namespace, its defaults filled in and checked) to one group; this is the only
 place a flag's name meets the setting it becomes. A setting's own __post_init__ refusing a value (SamplingConfig's
@@ -84,6 +84,8 @@ class OutputSettings:
     save: str | None  # checkpoints (relax.run.state)
     save_interval: int | None  # every this many steps (and after the last)
     save_hf: str | None  # at every save, the actor's weights as an HF directory too
+    verbose: bool = False  # every line on the console, not only relax's and upstream errors (relax.console)
+    engine_logs: bool = False  # SGLang logs at info level and the engines' lines are shown on the console
 
 
 def run_settings(flags: argparse.Namespace) -> RunSettings:
@@ -223,6 +225,8 @@ def output_settings(flags: argparse.Namespace) -> OutputSettings:
         save=flags.save,
         save_interval=flags.save_interval,
         save_hf=flags.save_hf,
+        verbose=flags.verbose,
+        engine_logs=flags.engine_logs,
     )
 
 

@@ -21,8 +21,8 @@ Two things differ from calling sglang.Engine directly:
 """
 
 import asyncio
-import logging
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -36,12 +36,11 @@ from relax.hf_checkpoint import read_hf_checkpoint, trained_names
 from relax.ports import free_port
 from relax.sync import bucket as weight_bucket
 
-logger = logging.getLogger(__name__)
-
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what release/resume_memory_occupation accept
 LIVENESS_POLL_S = 0.5
-# relax's own defaults for engine fields nobody else sets: SGLang's "info" logs every request.
+# relax's own defaults for engine fields nobody else sets: SGLang's "info" logs every batch.
 RELAX_SERVER_DEFAULTS = {"log_level": "warning"}
+ENGINE_LOGS_DEFAULTS = {"log_level": "info"}  # --engine-logs: SGLang's batch lines (throughput, cache hits)
 
 
 class EngineDeadError(RuntimeError):
@@ -104,9 +103,10 @@ class Completion:
     text: str  # the response decoded without special tokens
 
 
-def server_defaults(platform) -> dict:
-    """ServerArgs fields relax sets on `platform` (a relax.platform record) unless the user sets them."""
-    return {**RELAX_SERVER_DEFAULTS, **platform.sglang_server_defaults}
+def server_defaults(platform, engine_logs: bool = False) -> dict:
+    """ServerArgs fields relax sets on `platform` (a relax.platform record) unless the user sets them; with
+    `engine_logs` (--engine-logs), SGLang logs at info level."""
+    return {**RELAX_SERVER_DEFAULTS, **(ENGINE_LOGS_DEFAULTS if engine_logs else {}), **platform.sglang_server_defaults}
 
 
 def _chosen_fields(server_args, platform) -> dict:
@@ -130,7 +130,8 @@ def _log_child_failure(signum=None, frame=None):
     # SGLang's children SIGQUIT the hosting process when they fail, and SGLang's handler then kills the
     # whole process tree (the host included). relax's engines notice their own dead processes instead
     # and raise EngineDeadError in the caller, so the signal only needs to be logged.
-    logger.error("an SGLang engine process reported a failure (SIGQUIT); its engine raises at its next call")
+    print("relax: an SGLang engine process reported a failure (SIGQUIT); its engine raises at its next call",
+          file=sys.stderr, flush=True)
 
 
 class RolloutEngine:

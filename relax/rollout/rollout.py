@@ -12,12 +12,12 @@ engine, however many engines there are).
 """
 
 import itertools
-import sys
 from dataclasses import replace
 from typing import Callable, NamedTuple
 
 import torch
 
+from relax.console import say
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import Sample, fill_with_informative_groups, group_by_prompt
@@ -48,10 +48,10 @@ def generate_and_score(
     for index in report.timed_out:
         samples[index].reward_timed_out = True
     if report.failures:  # scored 0 and counted in the metrics; the reasons must reach the user too
-        print(
+        say(
             f"relax: reward function {reward_fn.name!r} failed on {report.failures} of {len(samples)} samples "
             f"({len(report.timed_out)} by timing out; each scored 0.0); first: {'; '.join(report.errors[:3])}",
-            file=sys.stderr, flush=True,
+            error=True,
         )
     return samples
 

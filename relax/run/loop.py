@@ -20,7 +20,6 @@ released), then sleeps. Exporting from a sleeping actor's host copy, which would
 actor's weights, is not built yet.
 """
 
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -31,6 +30,7 @@ import ray
 import torch
 
 from relax.args.settings import AlgorithmSettings, OutputSettings, RolloutSettings, RunSettings
+from relax.console import say
 from relax.run.metrics import RUN_RESTARTS, MetricsLog, extreme
 from relax.ray.placement import (
     TRAINING_RANK, WorkerFailed, create_engine_actors, create_node_placement, create_training_actors, group_callees,
@@ -167,10 +167,10 @@ def run_with_restarts(config, stop: StopOnSignal | None = None) -> Path:
             restarts += 1
             saves = config.outputs.save
             load = saves if (Path(saves) / LATEST).is_file() else config.run.load
-            print(
+            say(
                 f"relax train: {failure}\nrelax train: restart {restarts} of at most {config.run.max_restarts}: "
                 f"resuming from {load or 'the start (nothing saved yet)'}",
-                file=sys.stderr, flush=True,
+                error=True,
             )
             config = replace(config, run=replace(config.run, load=load))
 
@@ -324,7 +324,7 @@ def _prompt_loader_and_reward(settings: RunSettings, rollout: RolloutSettings, c
     from transformers import AutoTokenizer
 
     prompts, report = load_prompts(rollout.data, AutoTokenizer.from_pretrained(settings.hf_checkpoint))
-    print(report.summary(), flush=True)
+    say(f"prompt data: {report.summary()}")
     if checkpoint:
         loader = checkpoint.loader(prompts)
     else:

@@ -17,6 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
+from relax.console import RUN_LOG_FILE, progress_stream, say
 from relax.files import write_text_atomically
 
 REWARD_KEY = "rollout/reward_mean"
@@ -25,7 +26,7 @@ PLOTTED = {REWARD_KEY: "mean reward", "rollout/response_length_mean": "mean resp
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 REWARD_CURVE_FILE = "reward_curve.png"
-RECORD = (METRICS_FILE, TENSORBOARD_DIR, REWARD_CURVE_FILE)  # what a run writes to its output directory
+RECORD = (METRICS_FILE, TENSORBOARD_DIR, REWARD_CURVE_FILE, RUN_LOG_FILE)  # what a run writes to its output directory
 PHASES = ("rollout", "train_wait", "train", "save", "weight_sync")  # each perf/<phase>_time is part of perf/step_time
 # tokens/s. Rollout: the tokens generated for the step's samples per second of rollout (under --dynamic-sampling,
 # groups it dropped are not counted); train: the trained sequences' tokens (prompt and response of every sample)
@@ -78,7 +79,9 @@ class MetricsLog:
         self._jsonl = self.jsonl_path.open("a")
         # purge_step: TensorBoard hides the earlier events of steps >= first_step (a resumed run logs them anew).
         self._tensorboard = SummaryWriter(str(self.output_dir / TENSORBOARD_DIR), purge_step=first_step or None)
-        self._progress = tqdm(total=num_steps, initial=first_step, desc="relax", unit="step", dynamic_ncols=True)
+        self._progress = tqdm(
+            total=num_steps, initial=first_step, desc="relax", unit="step", dynamic_ncols=True, file=progress_stream()
+        )
         self._wandb = None
         if wandb_project:
             import wandb
@@ -125,8 +128,10 @@ class MetricsLog:
         if self._wandb is not None:
             outputs["wandb"] = self._wandb.url
             self._wandb.finish()
+        if (self.output_dir / RUN_LOG_FILE).exists():  # written by `relax train`'s console (relax.console)
+            outputs["console log"] = self.output_dir / RUN_LOG_FILE
         outputs.update(self._other_outputs)
-        print(run_summary(read_metrics(self.jsonl_path), time.monotonic() - self._started, outputs), flush=True)
+        say(run_summary(read_metrics(self.jsonl_path), time.monotonic() - self._started, outputs))
         return outputs["reward curve"]
 
 

@@ -34,11 +34,11 @@ import os
 import random
 import shutil
 import signal
-import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from relax.console import say
 from relax.files import write_text_atomically
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 
@@ -228,8 +228,8 @@ def newest_complete_step(save_dir: Path) -> Path:
         problem = checkpoint_problem(directory)
         if problem is None:
             for bad, why in passed_over:
-                print(f"relax: warning: checkpoint {bad} is incomplete ({why}); resuming from {directory} instead",
-                      file=sys.stderr, flush=True)
+                say(f"relax: warning: checkpoint {bad} is incomplete ({why}); resuming from {directory} instead",
+                    error=True)
             return directory
         passed_over.append((directory, problem))
     raise CheckpointError(
@@ -302,11 +302,10 @@ class StopOnSignal:
         if self.signum is not None:
             raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: abandoning the step")
         self.signum = signum
-        print(
+        say(
             f"relax train: {signal.Signals(signum).name} received; finishing the current step, then saving (if --save) "
             "and stopping; send it again to stop at once without saving",
-            file=sys.stderr,
-            flush=True,
+            error=True,
         )
 
     def __enter__(self):

@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="directory to write (created if missing)")
     args = parser.parse_args(argv)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a bar for writing one small file is noise on a run's console
     print(build_tiny_model(args.out, args.family, args.seed))
 
 

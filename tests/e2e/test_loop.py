@@ -6,7 +6,12 @@ directory replaces the first one's record: tests/e2e/test_loop_debug.py checks t
 import json
 import math
 
-from tiny_runs import PERF_KEYS
+from tiny_runs import PERF_KEYS, not_relax_lines
+
+# Lines of the tiny run's console that may be upstream's and not an error: a handful, for a stray upstream line
+# that reaches the terminal another way (a library writing to the file descriptor itself). None were left in a
+# 5-step run, where 42 of 53 lines had been SGLang's, Megatron's, fla's and Ray's warnings and info lines.
+UPSTREAM_LINES_ALLOWED = 3
 
 
 def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(saved_tiny_run):
@@ -31,3 +36,12 @@ def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(saved_tiny_ru
     assert any(name.startswith("events.out.tfevents.") for name in saved_tiny_run.tensorboard_events)
     assert saved_tiny_run.reward_curve_head == b"\x89PNG"
     assert not saved_tiny_run.leftover, f"processes left behind by the run: {saved_tiny_run.leftover}"
+
+
+def test_the_console_shows_relax_lines_and_run_log_keeps_the_upstream_ones(saved_tiny_run):
+    upstream = not_relax_lines(saved_tiny_run.console)
+    assert len(upstream) <= UPSTREAM_LINES_ALLOWED, "\n".join(upstream)
+    run_log = (saved_tiny_run.exp_dir / "output" / "run.log").read_text()
+    # SGLang's warnings (from its scheduler process too) are not lost: they are in the run's log.
+    assert "Ignore import error when loading" in run_log and "UserWarning" in run_log
+    assert f"console log   {saved_tiny_run.exp_dir / 'output' / 'run.log'}" in saved_tiny_run.console

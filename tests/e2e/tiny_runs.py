@@ -25,10 +25,16 @@ def tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> tu
 
 def run_tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> list[dict]:
     """Run the tiny job (tiny_job); its metrics records. The test fails with the run's output when the run fails."""
+    _run_tiny_script(exp_dir, args, env)
+    return read_metrics(exp_dir / "output" / "metrics.jsonl")
+
+
+def _run_tiny_script(exp_dir: Path, args, env: dict[str, str] | None) -> str:
+    """The tiny job's console: what it wrote to stdout and stderr (on one terminal, both would show)."""
     command, run_env = tiny_job(exp_dir, *args, env=env)
     result = subprocess.run(command, env=run_env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return read_metrics(exp_dir / "output" / "metrics.jsonl")
+    return result.stdout + result.stderr
 
 
 @dataclass
@@ -40,6 +46,7 @@ class SavedTinyRun:
     tensorboard_events: set[str]  # the file names in output/tensorboard
     reward_curve_head: bytes  # the first bytes of output/reward_curve.png
     leftover: str  # the run's processes still alive once it ended, described; empty when none
+    console: str  # what the run wrote to stdout and stderr
 
 
 SAVING_RUN_STEPS = 4
@@ -52,15 +59,33 @@ def run_saving_tiny_job(exp_dir: Path) -> SavedTinyRun:
     a test may then resume the run into the same directory."""
     saves, hf_saves = exp_dir / "checkpoints", exp_dir / "hf"
     marker = run_marker()
-    records = run_tiny_job(
-        exp_dir, "--num-steps", str(SAVING_RUN_STEPS), "--sglang-enable-deterministic-inference",
-        "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves), env=marker,
+    console = _run_tiny_script(
+        exp_dir, ["--num-steps", str(SAVING_RUN_STEPS), "--sglang-enable-deterministic-inference",
+                  "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves)], env=marker,
     )
     leftover = leftover_processes(marker)
     output = exp_dir / "output"
     return SavedTinyRun(
-        exp_dir, saves, hf_saves, records,
+        exp_dir, saves, hf_saves, read_metrics(output / "metrics.jsonl"),
         tensorboard_events={path.name for path in (output / "tensorboard").iterdir()},
         reward_curve_head=(output / "reward_curve.png").read_bytes()[:4],
         leftover=describe(leftover) if leftover else "",
+        console=console,
     )
+
+
+def not_relax_lines(console: str) -> list[str]:
+    """The console lines that are not relax's own (blank lines are nobody's). relax's are: the prompt data report
+    ("prompt data: ..."), the progress bar and relax's messages (starting "relax", e.g. "relax train: done; ..."),
+    and the rows of the end-of-run summary (indented, after "relax run summary")."""
+    others, in_summary = [], False
+    for line in console.replace("\r", "\n").split("\n"):  # a progress bar redraws its line after a \r
+        if not line.strip():
+            continue
+        if line.startswith("relax run summary"):
+            in_summary = True
+        elif not (in_summary and line.startswith("  ")):
+            in_summary = False
+            if not line.startswith(("relax", "prompt data: ")):
+                others.append(line)
+    return others

@@ -136,6 +136,14 @@ def test_a_given_flag_wins_over_relaxs_default_even_at_sglangs_default(checkpoin
     assert given.log_level == "info"
 
 
+def test_engine_logs_has_sglang_log_its_batches_unless_a_level_is_given(checkpoint):
+    config = parse_train_args([*BASE, "--hf-checkpoint", checkpoint, "--engine-logs"])
+    assert config.sglang.log_level == "info" and config.outputs.engine_logs
+    argv = [*BASE, "--hf-checkpoint", checkpoint, "--engine-logs", "--sglang-log-level", "debug"]
+    assert parse_train_args(argv).sglang.log_level == "debug"
+    assert not parse_train_args([*BASE, "--hf-checkpoint", checkpoint]).outputs.engine_logs
+
+
 def test_sglang_config_file_means_what_it_means_to_sglang(tmp_path, checkpoint, sglang_own_parse):
     config = tmp_path / "engine.yaml"
     config.write_text(

@@ -275,7 +275,7 @@ def load_hf_weights(model, checkpoint: HFCheckpoint) -> None:
     frozen = {name for name in not_mapped if is_frozen(name)}
     unexpected = not_mapped - frozen
     if frozen and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-        print(f"{hf_dir}: {describe_frozen(frozen)}", flush=True)
+        print(f"relax: {hf_dir}: {describe_frozen(frozen)}", flush=True)
     if unexpected:
         raise ValueError(
             f"{hf_dir}: tensors not mapped by family {mapping.family.__name__}: {sorted(unexpected)[:10]}"
