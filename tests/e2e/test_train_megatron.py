@@ -699,7 +699,7 @@ def _routing_against_the_engine(hf_dir: str, batch, routing_replay: bool) -> dic
     return result
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_routing_replay_routes_every_token_as_the_engine_did(ranks, hf_dirs, tmp_path, family):
     """--use-rollout-routing-replay on SGLang's real engine and the actor: with replay the actor's routers choose
     the engine's experts for every token the engine ran (prompt and response) and its logprobs come closer to the
