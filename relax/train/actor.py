@@ -9,6 +9,9 @@ Every method is collective over all ranks of the actor. Each data-parallel rank 
 the ranks of one data-parallel replica (its TP and PP ranks) pass the same samples. Results come back on
 every rank: logprobs for this rank's samples, metrics for the whole batch (all DP ranks).
 
+With TransformerConfig.moe_enable_routing_replay (--use-rollout-routing-replay) every forward sends each token to
+the experts the batch's routed_experts name, those the rollout engine chose (relax.train.routing_replay).
+
 The configuration is megatron-core's own objects (TransformerConfig with the parallel sizes,
 OptimizerConfig, DistributedDataParallelConfig; relax.args builds them) plus ActorSettings for what
 Megatron has no field for. The architecture fields of the TransformerConfig come from the HF config.json.

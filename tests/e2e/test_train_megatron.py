@@ -1,5 +1,5 @@
 """relax.train on real megatron-core (local spec, CPU, fp32, gloo): the HF <-> Megatron model families
-against HF transformers, and the actor (logprobs, DP/TP/PP training).
+against HF transformers, and the actor (logprobs, DP/TP/PP training, MoE routing replayed from SGLang's engine).
 
 Every Megatron case runs on two spawned ranks sharing one gloo group, started once for this module:
 TP=1 runs as two data-parallel replicas; TP=2, PP=2 and EP=2 split the model across the two ranks.
