@@ -140,6 +140,8 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
         parser.error(f"--hf-checkpoint: {exc}")
     given = given_values(namespace)
     values = resolve_architecture(given, hf, parser.error)
+    if relax.use_rollout_routing_replay:  # the actor's routers take the engine's choices (relax.train.routing_replay)
+        values["moe_enable_routing_replay"] = True
     megatron = build_megatron_config(MegatronValues(values, relax.num_steps), parser.error)
     if hf is not None:  # what the actor trains: the family of config.json fixes the architecture fields
         megatron.transformer = family_transformer_config(megatron.transformer, given, hf, parser.error)
@@ -151,6 +153,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
             tp_size=relax.rollout_num_devices_per_engine,
             device=platform.name,
             enable_memory_saver=relax.colocate and platform.has_memory_saver,
+            enable_return_routed_experts=relax.use_rollout_routing_replay,
         ),
         defaults=server_defaults(platform, engine_logs=relax.engine_logs),
     )

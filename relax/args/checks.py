@@ -360,6 +360,49 @@ def grouped_experts_apply(config, platform):
         return "--moe-grouped-gemm applies to MoE models only (no --num-experts, nor num_experts in config.json)"
 
 
+def routing_replay_applies(config, platform):
+    """--use-rollout-routing-replay: the engine returns each token's experts and the actor's routers replay them
+    (relax.train.routing_replay), in every forward of a step, forward and backward alike."""
+    r, tc = config.flags, config.megatron.transformer
+    if not r.use_rollout_routing_replay:
+        if tc.moe_enable_routing_replay:
+            return (
+                "--moe-enable-routing-replay alone replays nothing: relax's actor replays the experts the rollout "
+                "engine chose with --use-rollout-routing-replay (which sets it); give that instead"
+            )
+        return None
+    if not tc.num_moe_experts:
+        return (
+            "--use-rollout-routing-replay replays the experts a MoE model's routers chose, and this model has none "
+            "(a dense model: no --num-experts, nor num_experts in config.json): drop it"
+        )
+    if r.debug_rollout_only:
+        return "--use-rollout-routing-replay has no actor to replay into with --debug-rollout-only: drop one"
+    if r.load_rollout_data:
+        return (
+            "--use-rollout-routing-replay needs the experts the engine chose, which rollouts saved by "
+            "--save-rollout-data do not keep: drop it or --load-rollout-data"
+        )
+    balancing = tc.moe_router_load_balancing_type
+    if "sinkhorn" in ([balancing] if isinstance(balancing, str) else balancing):
+        return (
+            "--use-rollout-routing-replay: megatron-core's sinkhorn router has no replay; choose another "
+            "--moe-router-load-balancing-type"
+        )
+    if tc.moe_router_fusion:
+        return "--use-rollout-routing-replay: megatron-core's fused router has no replay; drop --moe-router-fusion"
+    recomputes_router = tc.recompute_granularity == "full" or (
+        tc.recompute_granularity == "selective" and "moe" in (tc.recompute_modules or [])
+    )
+    if recomputes_router and tc.pipeline_model_parallel_size > 1:
+        return (
+            "--use-rollout-routing-replay with recomputed MoE layers (--recompute-granularity full, or "
+            "--recompute-modules moe) and --pipeline-model-parallel-size > 1: a pipeline runs later micro-batches' "
+            "forwards before a recomputing backward, which would replay their experts; drop the recompute or the "
+            "pipeline stages"
+        )
+
+
 def reward_function_loads(config, platform):
     """The reward function imports and has the signature a run calls (not read when rollouts are replayed)."""
     r = config.flags
@@ -457,6 +500,7 @@ RULES = [
     restarts_resume_from_checkpoints,
     new_run_starts_its_own_record,
     grouped_experts_apply,
+    routing_replay_applies,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
     reward_function_loads,

@@ -352,6 +352,13 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="Take the engine's logprobs as the PPO old policy instead of the actor's (mismatch metrics still "
         "compare the two).",
     )
+    g.add_argument(
+        "--use-rollout-routing-replay",
+        action="store_true",
+        help="MoE models (R3): the engine returns the experts its routers chose for every token, and the actor's "
+        "forwards (old-policy, reference, training) route each token to those experts instead of choosing again, "
+        "so routing adds nothing to the rollout-training mismatch.",
+    )
 
     g = parser.add_argument_group("relax: training")
     g.add_argument(

@@ -52,6 +52,7 @@ MANAGED_BY_RELAX = {
     "base_gpu_id": "relax's placement assigns devices; remove it",
     "enable_memory_saver": "use --colocate (on by default; the memory saver follows it where the platform has one)",
     "device": "use --device",
+    "enable_return_routed_experts": "use --use-rollout-routing-replay (the actor then replays what the engine returns)",
     "default_chat_template_kwargs": (
         "use --apply-chat-template-kwargs (relax renders the prompts and sends the engine token ids)"
     ),

@@ -103,6 +103,7 @@ def install_non_amx_fallbacks() -> None:
         return
     PostImportHook(_NON_AMX_FALLBACKS.__contains__, _apply_non_amx_fallback).install()
     PostImportHook(_SEEDED_SAMPLING.__contains__, lambda module: _SEEDED_SAMPLING[module.__name__](module)).install()
+    PostImportHook(_HOST_BUFFERS.__contains__, lambda module: _HOST_BUFFERS[module.__name__](module)).install()
     _fallbacks_installed = True
 
 
@@ -136,3 +137,20 @@ _SEEDED_SAMPLING = {
     "sglang.srt.model_executor.model_runner": _skip_batch_invariant_mode,
     "sglang.srt.layers.sampler": _uncompiled_seeded_multinomial,
 }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Routed experts (--use-rollout-routing-replay) on the CPU. SGLang 0.5.23's capturer keeps each token's experts
+# in a host buffer allocated through mem_cache/pool_host/common.py ALLOC_MEMORY_FUNCS, whose entry for "cpu" pins
+# the memory with cudaHostRegister: "Torch not compiled with CUDA enabled" in the scheduler at start. Pinning only
+# speeds up copies from an accelerator, which the CPU engine has none of: its host buffers are plain memory.
+# ----------------------------------------------------------------------------------------------------------
+def _plain_host_buffer(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    return torch.empty(dims, dtype=dtype, device=device)
+
+
+def _unpinned_host_buffers(module) -> None:
+    module.ALLOC_MEMORY_FUNCS["cpu"] = _plain_host_buffer
+
+
+_HOST_BUFFERS = {"sglang.srt.mem_cache.pool_host.common": _unpinned_host_buffers}

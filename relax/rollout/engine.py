@@ -21,6 +21,7 @@ Two things differ from calling sglang.Engine directly:
 """
 
 import asyncio
+import base64
 import signal
 import sys
 import threading
@@ -30,7 +31,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import psutil
+import torch
 
 from relax.hf_checkpoint import read_hf_checkpoint, trained_names
 from relax.ports import free_port
@@ -101,6 +104,9 @@ class Completion:
     logprobs: list[float]
     finish_reason: str  # "stop", "length" or "abort"
     text: str  # the response decoded without special tokens
+    # With routed experts on (--use-rollout-routing-replay): the experts each layer's router chose for every token
+    # of prompt + response but the last, which the engine never ran forward, int16 [tokens - 1, layers, top-k].
+    routed_experts: torch.Tensor | None = None
 
 
 def server_defaults(platform, engine_logs: bool = False) -> dict:
@@ -179,11 +185,18 @@ class RolloutEngine:
         self.platform = platform
         self.model_path = model_path
         self.tp_size = tp_size
-        self._expected_shapes = read_hf_checkpoint(model_path).tensor_shapes
+        checkpoint = read_hf_checkpoint(model_path)
+        self._expected_shapes = checkpoint.tensor_shapes
         self._trained_names = trained_names(self._expected_shapes)
         self._update_session: set[str] | None = None
         self._engine = sglang.Engine(server_args=ServerArgs(**fields))
         self.server_args = self._engine.server_args
+        # SGLang returns routed experts as flat bytes; each token's row is [layers, top-k] of the language model.
+        self._routed_experts_row = (
+            (checkpoint.text_config["num_hidden_layers"], checkpoint.text_config["num_experts_per_tok"])
+            if self.server_args.enable_return_routed_experts
+            else None
+        )
         self._child_pids = list(self._engine.get_all_child_pids())
         # The tokenizer manager installs SGLang's kill-everything SIGQUIT handler when it starts its
         # receive loop; start that now (inside the engine's loop: outside one it would make a new loop)
@@ -302,9 +315,16 @@ class RolloutEngine:
         if sampling.seed is not None:
             params = [{**params, "sampling_seed": sampling.seed + i} for i in range(len(requests))]
         outputs = self._run(
-            self._live().async_generate(input_ids=requests, sampling_params=params, return_logprob=True)
+            self._live().async_generate(
+                input_ids=requests,
+                sampling_params=params,
+                return_logprob=True,
+                return_routed_experts=self._routed_experts_row is not None,  # of the whole sequence: prompt too
+            )
         )
-        completions = [_completion(output) for output in outputs]
+        completions = [
+            _completion(output, prompt, self._routed_experts_row) for output, prompt in zip(outputs, requests)
+        ]
         return [completions[i : i + sampling.n] for i in range(0, len(completions), sampling.n)]
 
     def flush_cache(self):
@@ -544,13 +564,35 @@ def _checked_tags(tags) -> list[str]:
     return tags
 
 
-def _completion(output: dict) -> Completion:
+def _completion(output: dict, prompt: list[int], routed_experts_row: tuple[int, int] | None) -> Completion:
     meta = output["meta_info"]
     finish = meta.get("finish_reason") or {}
     token_logprobs = meta["output_token_logprobs"]
+    token_ids = [token_id for _, token_id, _ in token_logprobs]
     return Completion(
-        token_ids=[token_id for _, token_id, _ in token_logprobs],
+        token_ids=token_ids,
         logprobs=[logprob for logprob, _, _ in token_logprobs],
         finish_reason=finish.get("type", "abort"),
         text=output.get("text", ""),
+        routed_experts=(
+            None
+            if routed_experts_row is None
+            else decode_routed_experts(meta["routed_experts"], len(prompt) + len(token_ids), routed_experts_row)
+        ),
     )
+
+
+def decode_routed_experts(encoded: str, num_tokens: int, row: tuple[int, int]) -> torch.Tensor:
+    """SGLang's routed experts of one sequence of `num_tokens` tokens (base64 of int32 [num_tokens - 1, *row], the
+    last token never ran forward) as int16 [num_tokens - 1, layers, top-k]: expert ids fit, and a rollout holds
+    half the memory."""
+    values = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    expected = (num_tokens - 1) * row[0] * row[1]
+    if values.size != expected:
+        raise RuntimeError(
+            f"SGLang returned {values.size} routed-expert ids for a sequence of {num_tokens} tokens; expected "
+            f"{expected} (every token but the last x {row[0]} layers x top-{row[1]})"
+        )
+    if values.size and values.max() > torch.iinfo(torch.int16).max:
+        raise RuntimeError(f"routed expert id {values.max()} does not fit int16")
+    return torch.from_numpy(values.astype(np.int16)).reshape(num_tokens - 1, *row)

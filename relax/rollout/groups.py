@@ -8,6 +8,8 @@ more until the batch is full; its statistics say how much was thrown away.
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from relax.rollout.data import Prompt
 
 
@@ -21,6 +23,8 @@ class Sample:
     reward: float = 0.0
     reward_failed: bool = False  # the reward function raised or timed out for this sample; reward is the failure score
     reward_timed_out: bool = False  # its reward call ran past --reward-timeout (reward_failed too)
+    # The experts the engine's routers chose (--use-rollout-routing-replay), relax.rollout.engine.Completion's
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass

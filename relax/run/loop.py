@@ -278,7 +278,8 @@ def stop_run(
 
 
 def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> RolloutBatch:
-    """Token sequences, per-token advantages and the engine's logprobs of the samples, for the training ranks."""
+    """Token sequences, per-token advantages, the engine's logprobs and (routing replay) its routed experts of the
+    samples, for the training ranks."""
     lengths = [len(s.response_token_ids) for s in samples]
     mask = torch.zeros(len(samples), max(lengths))
     for i, length in enumerate(lengths):
@@ -295,6 +296,7 @@ def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> Rollou
         response_lengths=lengths,
         advantages=[advantages[i, :length] for i, length in enumerate(lengths)],
         rollout_logprobs=[torch.tensor(s.response_logprobs) for s in samples],
+        routed_experts=[s.routed_experts for s in samples] if samples[0].routed_experts is not None else None,
     )
 
 

@@ -9,6 +9,9 @@ Every method is collective over all ranks of the actor. Each data-parallel rank 
 the ranks of one data-parallel replica (its TP and PP ranks) pass the same samples. Results come back on
 every rank: logprobs for this rank's samples, metrics for the whole batch (all DP ranks).
 
+With TransformerConfig.moe_enable_routing_replay (--use-rollout-routing-replay) every forward sends each token to
+the experts the batch's routed_experts name, those the rollout engine chose (relax.train.routing_replay).
+
 The configuration is megatron-core's own objects (TransformerConfig with the parallel sizes,
 OptimizerConfig, DistributedDataParallelConfig; relax.args builds them) plus ActorSettings for what
 Megatron has no field for. The architecture fields of the TransformerConfig come from the HF config.json.
@@ -28,6 +31,7 @@ from relax.train.model import build_gpt_model, load_hf_weights, transformer_conf
 from relax.train.off_policy import corrected_policy_loss
 from relax.train.offload import training_memory
 from relax.train.process_groups import ReloadableGroups
+from relax.train.routing_replay import RoutingReplay
 from relax.train.settings import ActorSettings
 
 # Positions per piece when the entropy is computed for the metrics only (vocab_parallel_logprobs): at a
@@ -168,6 +172,10 @@ class MegatronActor:
             gdn_kernel=self.settings.gdn_training_kernel,
         ).to(self.device)
         load_hf_weights(model, self.hf_checkpoint)
+        # --use-rollout-routing-replay: every forward routes as the rollout engine did (relax.train.routing_replay)
+        self.routing_replay = (
+            RoutingReplay(model, self.config.sequence_parallel) if self.config.moe_enable_routing_replay else None
+        )
         if self.config.fp16 or self.config.bf16:
             model = Float16Module(self.config, model)
         # DDP's buffers and the optimizer's main parameters are made inside the memory route's region (the
@@ -336,20 +344,26 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator).to(self.device)
+            if self.routing_replay is not None:
+                self.routing_replay.replay(micro_batch)
             output = model(
                 micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=micro_batch.packed_seq_params()
             )
             return output, partial(loss_func, micro_batch)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iter(micro_batches),
-            model=[self.model],
-            num_microbatches=len(micro_batches),
-            seq_length=max(mb.num_tokens for mb in micro_batches),
-            micro_batch_size=1,  # one packed row
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro_batches),
+                model=[self.model],
+                num_microbatches=len(micro_batches),
+                seq_length=max(mb.num_tokens for mb in micro_batches),
+                micro_batch_size=1,  # one packed row
+                forward_only=forward_only,
+            )
+        finally:
+            if self.routing_replay is not None:
+                self.routing_replay.clear()
 
     def _from_last_stage(self, value):
         """`value` of the last pipeline stage, on every stage."""

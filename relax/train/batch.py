@@ -3,7 +3,11 @@ share is cut into Megatron micro-batches.
 
 A sample is one prompt + response token sequence; only response tokens are scored and trained. Per response
 token it may carry an advantage, the old policy's logprob, the reference policy's logprob and the rollout
-engine's logprob (what the engine reported when it sampled the token).
+engine's logprob (what the engine reported when it sampled the token). With routing replay (MoE models) it also
+carries, per token of prompt + response but the last, the experts the engine's routers chose in each layer: the
+actor's routers take those (relax.train.routing_replay). They are packed like the tokens; the rows a packed
+micro-batch has no record for (each sequence's last token, which the engine never ran forward, and padding) hold
+experts 0 .. top-k - 1: their outputs reach no logit that is read.
 
 Data-parallel ranks: `balanced_shares` splits a batch into one share per rank with about equal token counts
 (longest sample first onto the lightest rank), so the slowest rank is not the one that drew the long responses.
@@ -34,6 +38,8 @@ class RolloutBatch:
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
     rollout_logprobs: list[torch.Tensor] | None = None
+    # Routing replay: per sample the engine's experts, integer [tokens - 1, layers, top-k] (see module doc)
+    routed_experts: list[torch.Tensor] | None = None
 
     def __post_init__(self):
         self.tokens = [torch.as_tensor(t, dtype=torch.long) for t in self.tokens]
@@ -58,6 +64,23 @@ class RolloutBatch:
                         f"{name}[{i}] has shape {tuple(value.shape)}, expected ({length},): one per response token"
                     )
             setattr(self, name, values)
+        if self.routed_experts is not None:
+            self._check_routed_experts()
+
+    def _check_routed_experts(self):
+        if len(self.routed_experts) != len(self.tokens):
+            raise ValueError(f"routed_experts: {len(self.routed_experts)} entries for {len(self.tokens)} samples")
+        row = None
+        for i, (experts, tokens) in enumerate(zip(self.routed_experts, self.tokens)):
+            if experts is None or experts.dim() != 3 or experts.shape[0] != tokens.numel() - 1:
+                shape = None if experts is None else tuple(experts.shape)
+                raise ValueError(
+                    f"routed_experts[{i}] has shape {shape}, expected ({tokens.numel() - 1}, layers, top-k): the "
+                    "experts of every token but the last"
+                )
+            if row is not None and tuple(experts.shape[1:]) != row:
+                raise ValueError(f"routed_experts[{i}] has [layers, top-k] {tuple(experts.shape[1:])}, sample 0 {row}")
+            row = tuple(experts.shape[1:])
 
     def __len__(self):
         return len(self.tokens)
@@ -73,6 +96,8 @@ class RolloutBatch:
             for name in PER_TOKEN_FIELDS
             if getattr(self, name) is not None
         }
+        if self.routed_experts is not None:
+            optional["routed_experts"] = [self.routed_experts[i] for i in indices]
         return RolloutBatch(
             tokens=[self.tokens[i] for i in indices],
             response_lengths=[self.response_lengths[i] for i in indices],
@@ -176,6 +201,7 @@ class MicroBatch:
     sample_indices: list[int]  # into the RolloutBatch
     # per sample: (first logit position, response length); the logit at position p predicts token p + 1
     spans: list[tuple[int, int]] = field(default_factory=list)
+    routed_experts: torch.Tensor | None = None  # routing replay: [t, layers, top-k], each position's experts
 
     @property
     def num_tokens(self) -> int:
@@ -189,6 +215,7 @@ class MicroBatch:
             self.max_seqlen,
             self.sample_indices,
             self.spans,
+            None if self.routed_experts is None else self.routed_experts.to(device),
         )
 
     def packed_seq_params(self):
@@ -229,7 +256,19 @@ def pack_micro_batch(batch: RolloutBatch, members: list[int], num_tokens: int, p
         max_seqlen=max(sequences),
         sample_indices=list(members),
         spans=spans,
+        routed_experts=None if batch.routed_experts is None else packed_routed_experts(batch, members, num_tokens),
     )
+
+
+def packed_routed_experts(batch: RolloutBatch, members: list[int], num_tokens: int) -> torch.Tensor:
+    """The routed experts of the samples `members` laid out as pack_micro_batch lays out their tokens: [num_tokens,
+    layers, top-k], experts 0 .. top-k - 1 where there is no record (see module doc)."""
+    layers, top_k = batch.routed_experts[0].shape[1:]
+    filler = torch.arange(top_k, dtype=batch.routed_experts[0].dtype).expand(1, layers, top_k)
+    parts = [part for i in members for part in (batch.routed_experts[i], filler)]
+    packed = sum(part.shape[0] for part in parts)
+    parts.append(filler.expand(num_tokens - packed, layers, top_k))  # padding
+    return torch.cat(parts)
 
 
 def make_micro_batches(

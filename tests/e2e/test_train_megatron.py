@@ -1,5 +1,5 @@
 """relax.train on real megatron-core (local spec, CPU, fp32, gloo): the HF <-> Megatron model families
-against HF transformers, and the actor (logprobs, DP/TP/PP training).
+against HF transformers, and the actor (logprobs, DP/TP/PP training, MoE routing replayed from SGLang's engine).
 
 Every Megatron case runs on two spawned ranks sharing one gloo group, started once for this module:
 TP=1 runs as two data-parallel replicas; TP=2, PP=2 and EP=2 split the model across the two ranks.
@@ -8,6 +8,7 @@ TP=1 runs as two data-parallel replicas; TP=2, PP=2 and EP=2 split the model acr
 import dataclasses
 import datetime
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -176,7 +177,8 @@ def _my_samples(actor):
 
 def _actor(
     hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False,
-    memory_saver_stand_in: bool = False, grouped_experts: bool = False, lr: float = 1e-3, **settings,
+    memory_saver_stand_in: bool = False, grouped_experts: bool = False, lr: float = 1e-3, routing_replay: bool = False,
+    **settings,
 ):
     """memory_saver_stand_in: sleep through the memory saver route, with the CPU record's do-nothing saver."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -195,6 +197,7 @@ def _actor(
         use_cpu_initialization=True,
         perform_initialization=False,
         moe_grouped_gemm=grouped_experts,
+        moe_enable_routing_replay=routing_replay,
     )
     optimizer = OptimizerConfig(
         optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
@@ -631,6 +634,98 @@ def test_moe_actor_logprobs_equal_hf_and_expert_parallel_trains_like_dp2(ranks, 
         _train, hf_dirs["qwen3_moe"], dict(max_tokens_per_micro_batch=14, ep=2, grouped_experts=True), 2
     )
     _assert_same_training(grouped_ep2, dp2)
+
+
+def _near_tied_routers(hf_dir: str, out_dir: Path) -> str:
+    """A copy of the checkpoint whose routers score the experts nearly alike: each layer's gate rows are its first
+    row plus perturbations of 1e-6 of it, so which experts win is decided near float rounding, where the engine's
+    and the actor's kernels differ (as for a large model's near-tied experts)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, out_dir)
+    tensors = load_file(out_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(3)
+    for name in [name for name in tensors if name.endswith("mlp.gate.weight")]:
+        gate = tensors[name]
+        tensors[name] = gate[:1] * (1 + 1e-6 * torch.randn(gate.shape, generator=generator))
+    save_file(tensors, out_dir / "model.safetensors")
+    return str(out_dir)
+
+
+def _routing_against_the_engine(hf_dir: str, batch, routing_replay: bool) -> dict:
+    """The actor's old-policy forward over this DP rank's share of the engine's samples (several packed in a row):
+    the fraction of engine-recorded tokens whose experts the actor's routers chose alike in every layer, and the
+    mean |actor - engine| logprob. With replay, the reference forward and a training step too (its router weights
+    get gradients)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from relax.train.off_policy import mismatch_metrics
+
+    actor = _actor(hf_dir, max_tokens_per_micro_batch=64, routing_replay=routing_replay)
+    rank = torch.distributed.get_rank()
+    batch = batch.select(range(rank, len(batch), 2))
+    chosen = []  # per router call: (layer, the experts it chose [tokens, top-k])
+    routers = [module for module in actor.model.modules() if isinstance(module, TopKRouter)]
+    hooks = [
+        router.register_forward_hook(
+            lambda module, inputs, output: chosen.append(
+                (module.layer_number - 1, output[1].nonzero()[:, 1].view(output[1].shape[0], -1))
+            )
+        )
+        for router in routers
+    ]
+    logprobs = actor.compute_logprobs(batch)
+    for hook in hooks:
+        hook.remove()
+    agree = total = 0
+    micro_batches = actor._micro_batches(batch, forward_only=True)
+    for index, (layer, experts) in enumerate(chosen):
+        micro_batch = micro_batches[index // len(routers)]
+        bounds = micro_batch.cu_seqlens.tolist()[: len(micro_batch.sample_indices) + 1]
+        recorded = torch.cat([torch.arange(start, end - 1) for start, end in zip(bounds, bounds[1:])])
+        engine = micro_batch.routed_experts[recorded, layer].long().sort(-1).values
+        agree += (experts[recorded].sort(-1).values == engine).all(-1).sum().item()
+        total += len(recorded)
+    padded = torch.nn.utils.rnn.pad_sequence
+    mask = padded([torch.ones(len(values)) for values in logprobs], batch_first=True)
+    mismatch = mismatch_metrics(padded(logprobs, batch_first=True), padded(batch.rollout_logprobs, batch_first=True), mask)
+    result = {"agreement": agree / total, "abs_diff_mean": mismatch["mismatch/logprob_abs_diff_mean"].item()}
+    if routing_replay:
+        batch.advantages = [torch.ones(length) for length in batch.response_lengths]
+        batch.ref_logprobs = actor.compute_logprobs(batch, reference=True)  # the reference forward replays too
+        result["reference_equals_old"] = all(torch.equal(a, b) for a, b in zip(batch.ref_logprobs, logprobs))
+        result["loss"] = actor.train_step(batch)["loss"]
+        result["router_grad"] = sum(router.weight.main_grad.abs().sum().item() for router in routers)
+    return result
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_routing_replay_routes_every_token_as_the_engine_did(ranks, hf_dirs, tmp_path, family):
+    """--use-rollout-routing-replay on SGLang's real engine and the actor: with replay the actor's routers choose
+    the engine's experts for every token the engine ran (prompt and response) and its logprobs come closer to the
+    engine's than without; without replay some tokens are routed otherwise (the check can fail)."""
+    from relax.platform import get_platform
+    from relax.rollout.engine import RolloutEngine, SamplingConfig
+    from relax.train.batch import RolloutBatch
+
+    hf_dir = _near_tied_routers(hf_dirs[family], tmp_path / "near_tied")
+    prompts = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46], [(7 * i) % 50 + 3 for i in range(11)]]
+    server_args = {"max_total_tokens": 4096, "enable_return_routed_experts": True}
+    with RolloutEngine(server_args, model_path=hf_dir, platform=get_platform("cpu")) as engine:
+        completions = [c for group in engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=10)) for c in group]
+    batch = RolloutBatch(
+        tokens=[prompt + c.token_ids for prompt, c in zip([p for p in prompts for _ in range(2)], completions)],
+        response_lengths=[len(c.token_ids) for c in completions],
+        rollout_logprobs=[c.logprobs for c in completions],
+        routed_experts=[c.routed_experts for c in completions],
+    )
+    replayed = ranks.run(_routing_against_the_engine, hf_dir, batch, True)
+    chosen = ranks.run(_routing_against_the_engine, hf_dir, batch, False)
+    for with_replay, without in zip(replayed, chosen):
+        assert with_replay["agreement"] == 1.0 and without["agreement"] < 1.0, (with_replay, without)
+        assert with_replay["abs_diff_mean"] < without["abs_diff_mean"] / 10, (with_replay, without)
+        assert with_replay["reference_equals_old"]  # (the weights have not moved yet)
+        assert math.isfinite(with_replay["loss"]) and with_replay["router_grad"] > 0, with_replay
 
 
 def _expert_modules(tp: int, ep: int):

@@ -98,6 +98,11 @@ CASES = {
         (CHANGES, ["--use-rollout-logprobs"], []),
         (REFUSED, [*TIS, "--use-rollout-logprobs"], "--use-tis and --use-rollout-logprobs exclude each other"),
     ],
+    # On a MoE model it changes the actor's logprobs (and so the loss) to the engine's routing: tests/e2e/
+    # test_train_megatron.py test_routing_replay_routes_every_token_as_the_engine_did. This model is dense.
+    "--use-rollout-routing-replay": [
+        (REFUSED, ["--use-rollout-routing-replay"], "replays the experts a MoE model's routers chose"),
+    ],
 }
 
 

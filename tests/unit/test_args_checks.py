@@ -162,6 +162,32 @@ RULES = {
         "--save-hf and --save are both checkpoints: their step_N directories would collide",
     ),
     "grouped experts need experts": ([*RUN, "--moe-grouped-gemm"], "--moe-grouped-gemm applies to MoE models only"),
+    "routing replay needs experts": (
+        [*RUN, "--use-rollout-routing-replay"], "--use-rollout-routing-replay replays the experts a MoE model's"
+    ),
+    "routing replay needs an actor": (
+        [*RUN, "--num-experts", "4", "--use-rollout-routing-replay", "--debug-rollout-only"],
+        "--use-rollout-routing-replay has no actor to replay into with --debug-rollout-only",
+    ),
+    "routing replay needs the engine's experts": (
+        [*RUN, "--num-experts", "4", "--use-rollout-routing-replay", "--debug-train-only", "--load-rollout-data",
+         "rollouts/{step}.json"],
+        "rollouts saved by --save-rollout-data do not keep",
+    ),
+    "routing replay has no sinkhorn": (
+        [*RUN, "--num-experts", "4", "--use-rollout-routing-replay", "--moe-router-load-balancing-type", "sinkhorn"],
+        "megatron-core's sinkhorn router has no replay",
+    ),
+    "routing replay and recompute across pipeline stages": (
+        [*RUN, "--num-devices-per-node", "2", "--num-experts", "4", "--use-rollout-routing-replay",
+         "--pipeline-model-parallel-size", "2", "--recompute-granularity", "full", "--recompute-method", "uniform",
+         "--recompute-num-layers", "1"],
+        "which would replay their experts",
+    ),
+    "megatron's replay switch alone": (
+        [*RUN, "--num-experts", "4", "--moe-enable-routing-replay"],
+        "--moe-enable-routing-replay alone replays nothing",
+    ),
     "reward function imports": (
         [*RUN, "--reward-fn", "relax_no_such_module:score"],
         "--reward-fn relax_no_such_module:score: cannot import module 'relax_no_such_module'",
@@ -213,6 +239,13 @@ def test_grouped_experts_pass_with_experts_and_expert_parallelism():
     argv += ["--expert-model-parallel-size", "2", "--recompute-activations"]
     transformer = parse_train_args(argv).megatron.transformer
     assert transformer.moe_grouped_gemm and transformer.expert_model_parallel_size == 2
+
+
+def test_routing_replay_turns_on_the_engines_experts_and_the_actors_replay():
+    config = parse_train_args([*RUN, "--num-experts", "4", "--use-rollout-routing-replay"])
+    assert config.sglang.enable_return_routed_experts and config.megatron.transformer.moe_enable_routing_replay
+    config = parse_train_args([*RUN, "--num-experts", "4"])
+    assert not config.sglang.enable_return_routed_experts and not config.megatron.transformer.moe_enable_routing_replay
 
 
 def test_resolved_defaults():

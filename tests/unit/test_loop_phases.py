@@ -67,6 +67,17 @@ def test_rollout_batch_carries_the_engine_logprobs():
     assert [t.tolist() for t in rollout_batch(samples, GRPO_IN_PAIRS).rollout_logprobs] == [[-0.5, -1.5], [-2.0]]
 
 
+def test_rollout_batch_carries_the_engines_routed_experts_when_the_samples_have_them():
+    prompt = Prompt(1, [1, 2], "ab")
+    experts = [torch.full((3, 2, 2), 1, dtype=torch.int16), torch.full((2, 2, 2), 3, dtype=torch.int16)]
+    samples = [Sample(prompt, [5, 6], [-0.5, -1.5], "stop", routed_experts=experts[0]),
+               Sample(prompt, [7], [-2.0], "stop", routed_experts=experts[1])]
+    assert rollout_batch(samples, GRPO_IN_PAIRS).routed_experts == experts
+    for sample in samples:
+        sample.routed_experts = None
+    assert rollout_batch(samples, GRPO_IN_PAIRS).routed_experts is None
+
+
 def test_metrics_log_writes_jsonl_tensorboard_and_reward_curve(tmp_path):
     log = MetricsLog(tmp_path, num_steps=2)
     log.log(0, {"rollout/reward_mean": 0.1, "perf/step_time": torch.tensor(1.5).item()})

@@ -1,6 +1,10 @@
 """relax.rollout.engine's checks that need no running engine (the engine itself: tests/e2e/test_engine.py)."""
 
+import base64
+
+import numpy as np
 import pytest
+import torch
 
 from relax.platform import get_platform
 from relax.rollout.engine import (
@@ -8,6 +12,7 @@ from relax.rollout.engine import (
     SamplingConfig,
     _completion,
     _chosen_fields,
+    decode_routed_experts,
 )
 
 
@@ -48,6 +53,28 @@ def test_completion_from_sglang_output():
         "meta_info": {"finish_reason": {"type": "stop", "matched": 2},
                       "output_token_logprobs": [(-0.5, 13, None), (-0.25, 14, None), (-1.0, 2, None)]},
     }
-    completion = _completion(output)
+    completion = _completion(output, [7, 8], None)
     assert (completion.token_ids, completion.logprobs, completion.finish_reason, completion.text) == (
         [13, 14, 2], [-0.5, -0.25, -1.0], "stop", "ab")
+    assert completion.routed_experts is None
+
+
+def _encoded(ids: np.ndarray) -> str:
+    """As SGLang's detokenizer sends routed experts: base64 of the int32 bytes."""
+    return base64.b64encode(ids.astype(np.int32).tobytes()).decode()
+
+
+def test_routed_experts_cover_every_token_but_the_last_as_layers_by_top_k():
+    # a 2-token prompt and a 3-token response: 4 tokens ran forward, 2 layers, top-2
+    ids = np.arange(4 * 2 * 2) % 7
+    output = {"meta_info": {"output_token_logprobs": [(-0.5, 13, None), (-0.25, 14, None), (-1.0, 2, None)],
+                            "routed_experts": _encoded(ids)}}
+    completion = _completion(output, [7, 8], (2, 2))
+    assert completion.routed_experts.dtype == torch.int16
+    assert torch.equal(completion.routed_experts, torch.from_numpy(ids).reshape(4, 2, 2).to(torch.int16))
+    assert completion.routed_experts[2, 1].tolist() == ids[2 * 4 + 1 * 2 : 2 * 4 + 2 * 2].tolist()
+
+
+def test_routed_experts_of_the_wrong_length_are_refused():
+    with pytest.raises(RuntimeError, match=r"returned 12 routed-expert ids for a sequence of 5 tokens; expected 16"):
+        decode_routed_experts(_encoded(np.zeros(12)), 5, (2, 2))

@@ -89,3 +89,32 @@ def test_bad_input_is_named():
         RolloutBatch([[1, 2]], [2])
     with pytest.raises(ValueError, match=r"advantages\[0\]"):
         RolloutBatch([[1, 2, 3]], [2], advantages=[[1.0]])
+
+
+def _routed(num_tokens: int, first: int) -> torch.Tensor:
+    """Distinct experts per token (2 layers, top-2) for every token but the last: row j is first + j."""
+    return (first + torch.arange(num_tokens - 1)).view(-1, 1, 1).expand(-1, 2, 2).to(torch.int16)
+
+
+def test_routed_experts_are_packed_like_the_tokens_with_placeholders_where_nothing_was_recorded():
+    batch = _batch()
+    batch = RolloutBatch(batch.tokens, batch.response_lengths,
+                         routed_experts=[_routed(5, 10), _routed(4, 20), _routed(3, 30)])
+    (packed,) = make_micro_batches(batch, micro_batch_size=3, multiple=8)  # 12 tokens and 4 of padding
+    assert packed.routed_experts.shape == (16, 2, 2)
+    placeholder = [0, 1]  # experts 0 .. top-k - 1: each sequence's last token and the padding
+    rows = [[10, 11, 12, 13, "p"], [20, 21, 22, "p"], [30, 31, "p"], ["p"] * 4]
+    expected = [placeholder if row == "p" else [row, row] for sequence in rows for row in sequence]
+    assert packed.routed_experts[:, 0].tolist() == expected and packed.routed_experts[:, 1].tolist() == expected
+    # a sample's token at position p of the row has its own experts at p
+    start = packed.cu_seqlens[1].item()
+    assert packed.routed_experts[start + 2, 0].tolist() == [22, 22]
+    assert batch.select([2, 0]).routed_experts[0].tolist() == _routed(3, 30).tolist()
+    assert make_micro_batches(_batch(), micro_batch_size=3)[0].routed_experts is None
+
+
+def test_routed_experts_must_cover_every_token_but_the_last():
+    with pytest.raises(ValueError, match=r"routed_experts\[0\] has shape \(4, 2, 2\), expected \(2, layers, top-k\)"):
+        RolloutBatch([[1, 2, 3]], [2], routed_experts=[_routed(5, 0)])
+    with pytest.raises(ValueError, match=r"routed_experts\[1\] has \[layers, top-k\] \(2, 1\), sample 0 \(2, 2\)"):
+        RolloutBatch([[1, 2, 3], [4, 5]], [2, 1], routed_experts=[_routed(3, 0), torch.zeros(1, 2, 1)])
