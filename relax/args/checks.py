@@ -10,6 +10,7 @@ import typing
 from pathlib import Path
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
+from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.args.unsupported import unsupported_combinations
 from relax.run.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
@@ -417,12 +418,26 @@ def reward_function_loads(config, platform):
 def gdn_training_kernel_imports(config, platform):
     """Checked where the run's device is this machine's (its workers import the kernel here too)."""
     kernel = config.flags.gdn_training_kernel
-    if config.megatron.transformer.experimental_attention_variant != "gated_delta_net" or kernel != "fla":
+    if config.megatron.transformer.experimental_attention_variant != "gated_delta_net" or kernel not in KERNEL_PACKAGES:
         return None
-    if platform.unavailable_reason() is None and importlib.util.find_spec("fla") is None:
+    module, package = KERNEL_PACKAGES[kernel]
+    if platform.unavailable_reason() is None and importlib.util.find_spec(module) is None:
         return (
-            "--gdn-training-kernel fla needs flash-linear-attention, which is not "
-            "installed: install it (pip install flash-linear-attention) or pass --gdn-training-kernel reference"
+            f"--gdn-training-kernel {kernel} needs {package}, which is not installed here: install it or pass "
+            "--gdn-training-kernel reference"
+        )
+
+
+def gdn_training_kernel_takes_the_dtype(config, platform):
+    """MindSpeed's chunked rule raises on float32 q/k/v, which a run without --bf16 / --fp16 gives it."""
+    import torch
+
+    if config.megatron.transformer.experimental_attention_variant != "gated_delta_net":
+        return None
+    if config.flags.gdn_training_kernel == "mindspeed" and config.megatron.transformer.params_dtype == torch.float32:
+        return (
+            "--gdn-training-kernel mindspeed does not take float32 (MindSpeed's chunked rule refuses it): train with "
+            "--bf16, or pass --gdn-training-kernel reference"
         )
 
 
@@ -503,6 +518,7 @@ RULES = [
     routing_replay_applies,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
+    gdn_training_kernel_takes_the_dtype,
     reward_function_loads,
     wandb_imports,
     sleep_route_exists,

@@ -2,15 +2,31 @@
 
     "fla"        flash-linear-attention's Triton kernels (what megatron-core's GatedDeltaNet imports), with
                  cu_seqlens for packed rows; needs the fla package and a Triton that compiles them
+    "mindspeed"  MindSpeed's Triton kernels for Ascend NPUs (mindspeed.core.ssm.chunk_gated_delta_rule and
+                 mindspeed.ops.triton.l2norm, on MindSpeed's branch core_r0.16.0): forward and backward, with
+                 cu_seqlens; needs MindSpeed and triton-ascend (relax's NPU image installs both) and half-precision
+                 q/k/v (they refuse float32)
     "reference"  relax.kernels.gdn_reference: float32 torch, differentiable by autograd, on any device; the fallback
                  that always runs (slower: per-sequence chunked loops)
 
-The platform record names its default (Platform.gdn_training_kernel); `--gdn-training-kernel` overrides it. Both
+The platform record names its default (Platform.gdn_training_kernel); `--gdn-training-kernel` overrides it. All
 take fla's arguments: chunk_gated_delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=,
-use_qk_l2norm_in_kernel=, cu_seqlens=) on [1, t, heads, d], and l2norm(x).
+use_qk_l2norm_in_kernel=, cu_seqlens=) on [1, t, heads, d], and l2norm(x). MindSpeed's functions take exactly these
+(its rule was written as a drop-in for fla's, and its adaptor puts it at fla's entry point), so they are used as
+they are.
 """
 
-GDN_TRAINING_KERNELS = ("fla", "reference")
+GDN_TRAINING_KERNELS = ("fla", "mindspeed", "reference")
+
+# The package each kernel imports, as an error tells the user to get it.
+KERNEL_PACKAGES = {
+    "fla": ("fla", "flash-linear-attention (pip install flash-linear-attention)"),
+    "mindspeed": (
+        "mindspeed",
+        "MindSpeed (github.com/Ascend/MindSpeed, branch core_r0.16.0; relax's NPU image, docker/Dockerfile.npu, "
+        "installs it)",
+    ),
+}
 
 
 def gdn_training_kernel(name: str):
@@ -18,6 +34,11 @@ def gdn_training_kernel(name: str):
     if name == "fla":
         from fla.modules.l2norm import l2norm
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule, l2norm
+    if name == "mindspeed":
+        from mindspeed.core.ssm.chunk_gated_delta_rule import chunk_gated_delta_rule
+        from mindspeed.ops.triton.l2norm import l2norm
 
         return chunk_gated_delta_rule, l2norm
     if name == "reference":

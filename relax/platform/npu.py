@@ -131,8 +131,9 @@ class NpuPlatform(Platform):
     handles_cross_devices = False
     sglang_server_defaults = frozen({"device": "npu", "attention_backend": "ascend"})
     attention_kernel = "npu_fusion"
-    # flash-linear-attention's Triton kernels are not built for triton-ascend; the torch reference always runs
-    gdn_training_kernel = "reference"
+    # MindSpeed's triton-ascend chunked rule and l2norm (forward and backward, packed rows): MindSpeed is in the image
+    # and its adaptor puts the same functions at flash-linear-attention's entry points on every NPU rank.
+    gdn_training_kernel = "mindspeed"
     megatron_features = MINDSPEED_FEATURES
     pinned_versions = frozen({
         "torch": pins.TORCH_NPU_TORCH,

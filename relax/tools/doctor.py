@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
+from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.tools import patches
 from relax.platform import DEVICE_CHOICES, PLATFORMS, Platform, platform_facts, resolve_platform_name
 
@@ -107,13 +108,14 @@ def check_platform(facts: Facts) -> list[Row]:
 def check_training_kernels(attention_kernel: str, gdn_training_kernel: str, gdn_kernel_error: str) -> list[Row]:
     found = f"attention {attention_kernel}, GDN {gdn_training_kernel}"
     if gdn_kernel_error:
+        _, package = KERNEL_PACKAGES.get(gdn_training_kernel, (None, "it"))
         return [
             Row(
                 "training kernels",
                 WARN,
                 found,
                 "the GDN kernel imports",
-                f"Qwen3.5 / Qwen3-Next training needs it ({gdn_kernel_error}): install it, or pass "
+                f"Qwen3.5 / Qwen3-Next training needs it ({gdn_kernel_error}): install {package}, or pass "
                 "--gdn-training-kernel reference",
             )
         ]

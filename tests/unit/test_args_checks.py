@@ -306,6 +306,8 @@ def test_gdn_training_kernel_defaults_to_the_devices_and_can_be_chosen():
     cuda = [arg if arg != "cpu" else "cuda" for arg in RUN]
     assert parse_train_args(cuda).actor.gdn_training_kernel == "fla"
     assert parse_train_args([*cuda, "--gdn-training-kernel", "reference"]).actor.gdn_training_kernel == "reference"
+    npu = [arg if arg != "cpu" else "npu" for arg in RUN]
+    assert parse_train_args(npu).actor.gdn_training_kernel == "mindspeed"
 
 
 def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
@@ -374,7 +376,20 @@ def test_a_gdn_training_kernel_that_does_not_import_here_is_refused(tmp_path, ca
 
     hf_dir = build_tiny_model(tmp_path / "qwen3_5", "qwen3_5")
     argv = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run",
-            "--hf-checkpoint", str(hf_dir), "--gdn-training-kernel", "fla"]
-    assert "--gdn-training-kernel fla needs flash-linear-attention" in parse_error(
-        argv, capsys
-    )
+            "--hf-checkpoint", str(hf_dir), "--bf16", "--gdn-training-kernel"]
+    assert "--gdn-training-kernel fla needs flash-linear-attention" in parse_error([*argv, "fla"], capsys)
+    # MindSpeed is in the NPU image only: the refusal names the package and that image
+    error = parse_error([*argv, "mindspeed"], capsys)
+    assert "--gdn-training-kernel mindspeed needs MindSpeed (github.com/Ascend/MindSpeed" in error
+    assert "docker/Dockerfile.npu" in error
+
+
+def test_the_mindspeed_gdn_kernel_needs_half_precision(tmp_path, capsys):
+    from relax.tools.tiny_model import build_tiny_model
+
+    hf_dir = build_tiny_model(tmp_path / "qwen3_5", "qwen3_5")
+    argv = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "npu", "--dry-run",
+            "--hf-checkpoint", str(hf_dir)]
+    assert "--gdn-training-kernel mindspeed does not take float32" in parse_error(argv, capsys)
+    assert parse_train_args([*argv, "--bf16"]).actor.gdn_training_kernel == "mindspeed"
+    assert parse_train_args([*argv, "--gdn-training-kernel", "reference"]).actor.gdn_training_kernel == "reference"

@@ -157,6 +157,9 @@ def test_training_kernels_row_names_a_gdn_kernel_that_does_not_import():
     assert row.status == WARN and "attention flash_varlen, GDN fla" in row.found
     assert "--gdn-training-kernel reference" in row.fix
     assert check_training_kernels("sdpa", "reference", "")[0].status == OK
+    (npu_row,) = check_training_kernels("npu_fusion", "mindspeed", "No module named 'mindspeed'")
+    assert "GDN mindspeed" in npu_row.found and "MindSpeed (github.com/Ascend/MindSpeed" in npu_row.fix
+    assert "docker/Dockerfile.npu" in npu_row.fix and "--gdn-training-kernel reference" in npu_row.fix
 
 
 def test_table_lists_each_fix_and_counts_blockers():

@@ -62,3 +62,49 @@ def test_chunk_backward_equals_float64_recurrent_backward(a_range, a_scale):
         assert torch.isfinite(grad).all(), name
         error = (grad.double() - expected).abs().max().item() / expected.abs().max().item()
         assert error < 1e-5, (name, error)
+
+
+def test_the_mindspeed_kernel_is_mindspeeds_functions_called_with_fla_arguments(monkeypatch):
+    """MindSpeed is absent here: stand-in modules at its paths give functions with the signature of MindSpeed
+    core_r0.16.0's chunk_gated_delta_rule and l2norm (which refuse float32 q/k/v) and answer with the reference,
+    so the check is which functions "mindspeed" names and that relax's GDN call binds to that signature."""
+    import inspect
+    import sys
+    import types
+
+    from relax.kernels.gdn_training import gdn_training_kernel
+
+    calls = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, head_first=False):
+        if q.dtype == torch.float32:
+            raise ValueError("does not support float32")
+        calls.append(inspect.signature(chunk_gated_delta_rule).bind(
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens).arguments)
+        return ref.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+    def l2norm(x, eps=1e-6, output_dtype=None):
+        return ref.l2norm(x)
+
+    for name, attrs in {
+        "mindspeed": {}, "mindspeed.core": {}, "mindspeed.core.ssm": {}, "mindspeed.ops": {}, "mindspeed.ops.triton": {},
+        "mindspeed.core.ssm.chunk_gated_delta_rule": {"chunk_gated_delta_rule": chunk_gated_delta_rule},
+        "mindspeed.ops.triton.l2norm": {"l2norm": l2norm},
+    }.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+    rule, norm = gdn_training_kernel("mindspeed")
+    assert (rule, norm) == (chunk_gated_delta_rule, l2norm)
+
+    # the call of relax's GDN forward (relax/train/model/gdn_spec.py): bf16 q/k/v/beta, float32 g, packed rows
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 12, 2, 8, generator=generator).bfloat16() for _ in range(3))
+    g = -torch.rand(1, 12, 2, generator=generator)
+    beta = torch.rand(1, 12, 2, generator=generator).bfloat16()
+    cu_seqlens = torch.tensor([0, 5, 12], dtype=torch.int32)
+    out, final = rule(norm(q), norm(k), v, g=g, beta=beta, initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens)
+    assert out.shape == v.shape and final is None
+    assert calls[-1]["cu_seqlens"] is cu_seqlens and calls[-1]["g"] is g
