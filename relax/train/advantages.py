@@ -36,6 +36,14 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size)
 
 
+def _centred(values: torch.Tensor) -> torch.Tensor:
+    """values minus their mean over the last dimension, measured from the first value: equal values give exact
+    zeros, where the float32 mean of eight 0.7s is not 0.7 and that rounding, divided by a std as small, gave
+    +0.056 (a batch of equal REINFORCE++ returns: -0.84 on every token)."""
+    offsets = values - values[..., :1]
+    return offsets - offsets.mean(-1, keepdim=True)
+
+
 def to_tokens(sequence_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Give every response token its sequence's value: [N] -> [N, T], zero on padding."""
     if sequence_values.shape[0] != mask.shape[0]:
@@ -49,10 +57,7 @@ def grpo_sequence_advantages(
     """Group-relative advantage per response, [N]. The std is the unbiased sample std of the group (as
     torch.std); a group with equal rewards gets zero advantages."""
     grouped = _groups(rewards, group_size)
-    # Measured from each group's first reward: a group of equal rewards is all exact zeros then, where the mean of
-    # eight float32 0.7s is not 0.7 and the rounding, divided by a std as small, gave +0.056.
-    offsets = grouped - grouped[:, :1]
-    centred = offsets - offsets.mean(-1, keepdim=True)
+    centred = _centred(grouped)
     if normalize_std:
         if group_size < 2:
             raise ValueError("normalize_std needs group_size >= 2 (the std of one response is undefined)")
@@ -64,9 +69,7 @@ def rloo_sequence_advantages(rewards: torch.Tensor, group_size: int) -> torch.Te
     """Leave-one-out: r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - group mean), [N]."""
     if group_size < 2:
         raise ValueError("rloo needs group_size >= 2 (a leave-one-out baseline needs another response)")
-    grouped = _groups(rewards, group_size)
-    others_mean = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
-    return (grouped - others_mean).reshape(-1)
+    return (group_size / (group_size - 1) * _centred(_groups(rewards, group_size))).reshape(-1)
 
 
 def reinforce_plus_plus_advantages(
@@ -83,7 +86,7 @@ def reinforce_plus_plus_advantages(
         raise ValueError("reinforce_plus_plus: kl_coef is set but no per-token kl was given")
     sequence_rewards = _groups(rewards, group_size)
     if group_size > 1:
-        sequence_rewards = sequence_rewards - sequence_rewards.mean(-1, keepdim=True)
+        sequence_rewards = _centred(sequence_rewards)
     sequence_rewards = sequence_rewards.reshape(-1)
     mask = mask.to(rewards.dtype)
     lengths = mask.sum(-1).long()
@@ -98,8 +101,10 @@ def reinforce_plus_plus_advantages(
     for t in reversed(range(mask.shape[1])):
         running = token_rewards[:, t] + gamma * running * mask[:, t]
         returns[:, t] = running
-    valid = returns[mask.bool()]
-    return (returns - valid.mean()) / (valid.std() + eps) * mask
+    valid = mask.bool()
+    whitened = torch.zeros_like(returns)
+    whitened[valid] = _centred(returns[valid]) / (returns[valid].std() + eps)
+    return whitened
 
 
 def compute_advantages(

@@ -45,6 +45,17 @@ def test_grpo_equal_rewards_are_exactly_zero_in_float32():
     a = 0.1 / (0.0755929 + 1e-6)
     close(advantages[8:], [-a, a, a, -a, 0.0, 0.0, 0.0, 0.0])
 
+
+def test_rloo_and_reinforce_plus_plus_equal_rewards_are_exactly_zero_in_float32():
+    # RLOO: 0.7 - (7 x 0.7) / 7 rounded to 6e-8; REINFORCE++ without groups: eight equal returns 0.7 whitened as
+    # (0.7 - their float32 mean) / (a std of rounding + 1e-8) gave -0.84 on every token
+    rewards, mask = torch.tensor([0.7] * 8), torch.ones(8, 3)
+    assert rloo_sequence_advantages(rewards, group_size=8).tolist() == [0.0] * 8
+    for group_size in (1, 8):
+        advantages = reinforce_plus_plus_advantages(rewards, mask, group_size)
+        assert advantages.tolist() == [[0.0] * 3] * 8, f"group_size={group_size}"
+
+
 def test_rloo_leave_one_out():
     # r=1: 1 - mean(0, 0, 1) = 2/3;  r=0: 0 - mean(1, 0, 1) = -2/3.  group 2: 1 - 2/3 = 1/3, 0 - 1 = -1
     close(
