@@ -23,7 +23,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 
-from relax.rollout.data import Prompt
+from relax.rollout.data import LoadReport, Prompt, PromptDataConfig, PromptDataError, load_prompts
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample, group_by_prompt
 from relax.rollout.rewards import RewardFn
@@ -37,6 +37,20 @@ METRIC_PREFIX = "eval/"
 class EvalSet:
     name: str  # the metrics' group: eval/<name>/...
     prompts: list[Prompt]
+
+
+def load_eval_sets(datasets: dict[str, PromptDataConfig], tokenizer) -> tuple[list[EvalSet], list[LoadReport]]:
+    """Every set read, checked and tokenized as prompt data is (relax.rollout.data.load_prompts); an error names
+    the set besides the file and the row."""
+    sets, reports = [], []
+    for name, config in datasets.items():
+        try:
+            prompts, report = load_prompts(config, tokenizer)
+        except PromptDataError as error:
+            raise PromptDataError(f"--eval-prompt-data {name}: {error}") from None
+        sets.append(EvalSet(name, prompts))
+        reports.append(report)
+    return sets, reports
 
 
 def pass_at_k(num_samples: int, num_passing: int, k: int) -> float:
