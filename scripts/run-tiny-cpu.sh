@@ -29,9 +29,11 @@ done
 
 model_dir="$EXP_DIR/model"
 data="$EXP_DIR/data/copy_digit.jsonl"
-# Both are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files.
+held_out="$EXP_DIR/data/copy_digit_held_out.jsonl"  # the eval set: rows drawn with another seed
+# All are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files.
 "$python" -m relax.tools.tiny_model --family "$family" --out "$model_dir" >/dev/null
 "$python" -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out "$data" >/dev/null
+"$python" -m relax.rollout.synthetic --task copy_digit --num-rows 16 --seed 1 --out "$held_out" >/dev/null
 
 args=(
     --device cpu
@@ -45,6 +47,8 @@ args=(
     --num-steps 80
     --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 2 --rollout-temperature 1.0
     --global-batch-size 64 --micro-batch-size 16
+    # pass@1, 2 and 4 of the policy on the held-out set before the first step, every 10 steps and after the last
+    --eval-prompt-data held_out "$held_out" --eval-interval 10 --eval-n-samples-per-prompt 4
     --advantage-estimator grpo --no-normalize-advantages-by-std
     --lr 5e-3 --weight-decay 0.0 --clip-grad 1.0
     --num-nodes 1 --num-devices-per-node 1

@@ -43,18 +43,33 @@ class SavedTinyRun:
 
 
 SAVING_RUN_STEPS = 4
+EVAL_INTERVAL = 2
+EVAL_SETS = ("held_out", "ones")
+
+
+def eval_set_paths(exp_dir: Path) -> dict[str, Path]:
+    """EVAL_SETS' files: the script's held-out copy_digit set, and one of "copy 1:" prompts only, written here."""
+    ones = exp_dir / "ones.jsonl"
+    ones.write_text('{"prompt": "copy 1:", "label": "1"}\n' * 3)
+    return dict(zip(EVAL_SETS, (exp_dir / "data" / "copy_digit_held_out.jsonl", ones)))
+
+
+def eval_flags(exp_dir: Path) -> list[str]:
+    """The saving run's evaluation: EVAL_SETS every EVAL_INTERVAL steps (the script's K samples per prompt)."""
+    pairs = [str(part) for name, path in eval_set_paths(exp_dir).items() for part in (name, path)]
+    return ["--eval-prompt-data", *pairs, "--eval-interval", str(EVAL_INTERVAL)]
 
 
 def run_saving_tiny_job(exp_dir: Path) -> SavedTinyRun:
     """The tiny job for 4 steps, saving after steps 1 and 3 (--save-interval 2) with an HF directory at each save
     (--save-hf), each request sampling with a seed from (--seed, step) that SGLang honours under deterministic
-    inference, so that a run resumed from a checkpoint repeats its rollouts. What the run left is read at once:
-    a test may then resume the run into the same directory."""
+    inference, so that a run resumed from a checkpoint repeats its rollouts; evaluating two sets (eval_flags). What
+    the run left is read at once: a test may then resume the run into the same directory."""
     saves, hf_saves = exp_dir / "checkpoints", exp_dir / "hf"
     marker = run_marker()
     records = run_tiny_job(
         exp_dir, "--num-steps", str(SAVING_RUN_STEPS), "--sglang-enable-deterministic-inference",
-        "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves), env=marker,
+        "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves), *eval_flags(exp_dir), env=marker,
     )
     leftover = leftover_processes(marker)
     output = exp_dir / "output"
