@@ -47,13 +47,16 @@ args=(
     --num-steps 80
     --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 2 --rollout-temperature 1.0
     --global-batch-size 64 --micro-batch-size 16
-    # pass@1, 2 and 4 of the policy on the held-out set before the first step, every 10 steps and after the last
-    --eval-prompt-data held_out "$held_out" --eval-interval 10 --eval-n-samples-per-prompt 4
     --advantage-estimator grpo --no-normalize-advantages-by-std
     --lr 5e-3 --weight-decay 0.0 --clip-grad 1.0
     --num-nodes 1 --num-devices-per-node 1
     --output-dir "$EXP_DIR/output" --overwrite-output-dir
 )
+# pass@1, 2 and 4 of the policy on the held-out set before the first step, every 10 steps and after the last;
+# not under --debug-train-only, which starts no engines to evaluate on
+if [[ " ${train_args[*]} " != *" --debug-train-only "* ]]; then
+    args+=(--eval-prompt-data held_out "$held_out" --eval-interval 10 --eval-n-samples-per-prompt 4)
+fi
 if [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then
     args+=(--dry-run)
 fi

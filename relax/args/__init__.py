@@ -222,7 +222,8 @@ def format_config(config: TrainConfig) -> str:
     parser = _parser()  # SGLang is imported already: parsing made this config
     relax_dests = [a.dest for a in parser._actions if a.dest in vars(config.flags)]  # in --help's order
     sections = [("relax", [(k, getattr(config.flags, k), parser.get_default(k)) for k in relax_dests])]
-    for name in ("run", "rollout", "algorithm", "evaluation", "actor", "outputs"):  # what the run reads, built from the above
+    # what the run reads, built from the above
+    for name in ("run", "rollout", "algorithm", "evaluation", "actor", "outputs"):
         settings = getattr(config, name)
         rows = [(f.name, getattr(settings, f.name), getattr(settings, f.name)) for f in dataclasses.fields(settings)]
         sections.append((f"settings.{name} ({_class_path(settings)})", rows))  # (no defaults of their own: no *)

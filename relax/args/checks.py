@@ -288,7 +288,7 @@ def eval_flags_consistent(config, platform):
         return None
     refused = [
         _flag(dest) for dest in (
-            "eval_interval", "save", "load", "save_rollout_data", "load_rollout_data",
+            "save", "load", "save_rollout_data", "load_rollout_data",
             "dynamic_sampling",
         ) if _given(getattr(r, dest))
     ]

@@ -256,7 +256,9 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="Responses sampled per eval prompt; pass@k is reported for k = 1, 2, 4, ... up to K (default: 1).",
     )
     g.add_argument(
-        "--eval-temperature", type=float, help="Eval sampling temperature, 0 for greedy (default: --rollout-temperature)."
+        "--eval-temperature",
+        type=float,
+        help="Eval sampling temperature, 0 for greedy (default: --rollout-temperature).",
     )
     g.add_argument("--eval-top-p", type=float, help="Eval nucleus sampling p (default: --rollout-top-p).")
     g.add_argument(

@@ -15,6 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PERF_KEYS = ("perf/step_time", "perf/rollout_time", "perf/train_wait_time", "perf/train_time", "perf/weight_sync_time")
 
 
+def step_records(records: list[dict]) -> list[dict]:
+    """The steps' rows of a record, without the row of the evaluation after the last step (the script evaluates
+    a held-out set)."""
+    return [r for r in records if "perf/step_time" in r]
+
+
 def tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The command and environment of the tiny job with EXP_DIR=exp_dir, `args` passed on to `relax train` and
     `env` added to this process's environment."""

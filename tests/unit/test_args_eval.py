@@ -55,8 +55,8 @@ def test_no_eval_prompt_data_no_evaluation():
         (["--eval-interval", "5"], "--eval-interval without --eval-prompt-data NAME PATH ...: nothing to evaluate"),
         (["--eval-only", "--eval-temperature", "0"], "--eval-temperature, --eval-only without --eval-prompt-data"),
         ([*EVAL, "--eval-top-p", "1.5"], "top_p=1.5 (must be in (0, 1])"),
-        ([*EVAL, "--eval-only", "--eval-interval", "2", "--save", "s"], "--eval-only evaluates --hf-checkpoint "
-         "once, without training: --eval-interval, --save would do nothing"),
+        ([*EVAL, "--eval-only", "--save", "s", "--save-rollout-data", "d"], "--eval-only evaluates --hf-checkpoint "
+         "once, without training: --save, --save-rollout-data would do nothing"),
         ([*EVAL, "--eval-only", "--load", "s"], "`relax convert`"),
         ([*EVAL, "--debug-train-only", "--load-rollout-data", "d.jsonl"], "--debug-train-only does not start"),
     ],
