@@ -85,6 +85,7 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     step_3_files = [path for path in (resumed_saves / "step_000003").rglob("*") if path.is_file()]
     damaged = max(step_3_files, key=lambda path: path.stat().st_size)
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    damaged_size = damaged.stat().st_size  # (the resumed run saves step 3 again, replacing the file)
     # Into the same experiment directory (the script passes --overwrite-output-dir, which a resumed run does not act
     # on): the run's record continues from the checkpoint, the first run's steps 2 and 3 replaced.
     marker = run_marker()
@@ -95,7 +96,7 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     )
     output = _run_killing_the_training_rank_after_step_2(command, env, marker, resumed_saves, tmp_path / "resumed.log")
     assert (f"relax: warning: checkpoint {resumed_saves / 'step_000003'} is incomplete ({damaged} has "
-            f"{damaged.stat().st_size} bytes") in output, output[-6000:]
+            f"{damaged_size} bytes") in output, output[-6000:]
     assert f"resuming from {resumed_saves / 'step_000001'} instead" in output
     assert "training rank 0 (TrainWorker, pid" in output
     assert f"relax train: restart 1 of at most 1: resuming from {resumed_saves}\n" in output
