@@ -55,7 +55,7 @@ def _train(argv: list[str]) -> int:
     if config.run.dry_run:
         print(format_config(config))
         try:
-            print(_dry_run_prompt_data(config.run.hf_checkpoint, config.rollout))
+            print(_dry_run_prompt_data(config.run.hf_checkpoint, config.rollout, config.evaluation))
             if config.run.load is not None:
                 print(_dry_run_checkpoint(config.run))
         except (PromptDataError, CheckpointError) as error:
@@ -99,26 +99,39 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _dry_run_prompt_data(hf_checkpoint: str | None, rollout) -> str:
-    """Read the prompt data as the run would (every row checked and tokenized) and return its load report. Data or
-    a model that is not there yet (a preset dry-run on a machine without them) is reported as not checked.
-    `rollout`: relax.args.RolloutSettings."""
+def _dry_run_prompt_data(hf_checkpoint: str | None, rollout, evaluation) -> str:
+    """Read the prompt data and the eval sets as the run would (every row checked and tokenized) and return their
+    load reports. Data or a model that is not there yet (a preset dry-run on a machine without them) is reported as
+    not checked. `rollout`, `evaluation`: relax.args.RolloutSettings, EvalSettings."""
+    from relax.rollout.data import load_prompts
+    from relax.rollout.evaluation import load_eval_sets
+
+    lines = []
     if rollout.load_data:
-        return "prompt data: not read (the run replays --load-rollout-data)"
-    prompt_data = rollout.data.path if rollout.data else None
+        lines.append("prompt data: not read (the run replays --load-rollout-data)")
+    elif rollout.data is not None or not evaluation.only:
+        path = rollout.data.path if rollout.data else None
+        read = lambda tokenizer: load_prompts(rollout.data, tokenizer)[1]  # noqa: E731
+        lines.append(_dry_run_data("prompt data", "--prompt-data", path, hf_checkpoint, read))
+    for name, data in evaluation.datasets.items():  # (each read is called at once, within its iteration)
+        read = lambda tokenizer: load_eval_sets({name: data}, tokenizer)[1][0]  # noqa: E731
+        flag = f"--eval-prompt-data {name}"
+        lines.append(_dry_run_data(f"eval set {name}", flag, data.path, hf_checkpoint, read))
+    return "\n".join(lines)
+
+
+def _dry_run_data(what: str, flag: str, path: str | None, hf_checkpoint: str | None, read) -> str:
+    """`read(tokenizer)`: the data's load report."""
     absent = [
-        f"{flag} {'not given' if path is None else f'{path} does not exist'}"
-        for flag, path in (("--prompt-data", prompt_data), ("--hf-checkpoint", hf_checkpoint))
-        if path is None or not Path(path).exists()
+        f"{given_flag} {'not given' if given is None else f'{given} does not exist'}"
+        for given_flag, given in ((flag, path), ("--hf-checkpoint", hf_checkpoint))
+        if given is None or not Path(given).exists()
     ]
     if absent:
-        return f"prompt data: not checked ({'; '.join(absent)})"
+        return f"{what}: not checked ({'; '.join(absent)})"
     from transformers import AutoTokenizer
 
-    from relax.rollout.data import load_prompts
-
-    _, report = load_prompts(rollout.data, AutoTokenizer.from_pretrained(hf_checkpoint))
-    return f"prompt data: {report.summary()}"
+    return f"{what}: {read(AutoTokenizer.from_pretrained(hf_checkpoint)).summary()}"
 
 
 def _dry_run_checkpoint(run) -> str:

@@ -29,9 +29,11 @@ done
 
 model_dir="$EXP_DIR/model"
 data="$EXP_DIR/data/copy_digit.jsonl"
-# Both are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files.
+held_out="$EXP_DIR/data/copy_digit_held_out.jsonl"  # the eval set: rows drawn with another seed
+# All are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files.
 "$python" -m relax.tools.tiny_model --family "$family" --out "$model_dir" >/dev/null
 "$python" -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out "$data" >/dev/null
+"$python" -m relax.rollout.synthetic --task copy_digit --num-rows 16 --seed 1 --out "$held_out" >/dev/null
 
 args=(
     --device cpu
@@ -50,6 +52,11 @@ args=(
     --num-nodes 1 --num-devices-per-node 1
     --output-dir "$EXP_DIR/output" --overwrite-output-dir
 )
+# pass@1, 2 and 4 of the policy on the held-out set before the first step, every 10 steps and after the last;
+# not under --debug-train-only, which starts no engines to evaluate on
+if [[ " ${train_args[*]} " != *" --debug-train-only "* ]]; then
+    args+=(--eval-prompt-data held_out "$held_out" --eval-interval 10 --eval-n-samples-per-prompt 4)
+fi
 if [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then
     args+=(--dry-run)
 fi

@@ -1,7 +1,7 @@
 """One parser, three namespaces: relax's own flags, SGLang's ServerArgs, Megatron's config dataclasses.
 
 config = parse_train_args(argv)   # exits 2 with a message on bad input, like argparse
-config.run, config.rollout, config.algorithm, config.actor, config.outputs
+config.run, config.rollout, config.algorithm, config.evaluation, config.actor, config.outputs
                                   # relax's typed, frozen settings (relax.args.settings): what a run reads
 config.flags                      # argparse.Namespace of relax's flags (resolved defaults filled in): what the
                                   # settings were built from, what the checks and --dry-run read
@@ -40,11 +40,13 @@ from relax.args.relax_flags import (
 )
 from relax.args.settings import (
     AlgorithmSettings,
+    EvalSettings,
     OutputSettings,
     RolloutSettings,
     RunSettings,
     actor_settings,
     algorithm_settings,
+    eval_settings,
     output_settings,
     rollout_settings,
     run_settings,
@@ -64,6 +66,7 @@ __all__ = [
     "RunSettings",
     "RolloutSettings",
     "AlgorithmSettings",
+    "EvalSettings",
     "ActorSettings",
     "OutputSettings",
     "MegatronConfig",
@@ -82,6 +85,7 @@ class TrainConfig:
     run: RunSettings
     rollout: RolloutSettings
     algorithm: AlgorithmSettings
+    evaluation: EvalSettings
     actor: ActorSettings
     outputs: OutputSettings
     sglang: object  # sglang.srt.server_args.ServerArgs
@@ -166,6 +170,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
             run=run_settings(relax),
             rollout=rollout_settings(relax),
             algorithm=algorithm_settings(relax),
+            evaluation=eval_settings(relax),
             actor=actor_settings(relax, megatron.scheduler),
             outputs=output_settings(relax),
             sglang=sglang,
@@ -199,6 +204,15 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
         for name, default in TIS_CLIP_DEFAULTS.items():
             if getattr(relax, name) is None:
                 setattr(relax, name, default)
+    if relax.eval_prompt_data:  # (likewise) the eval samples as the rollout does unless told otherwise
+        for name, default in (
+            ("eval_n_samples_per_prompt", 1),
+            ("eval_temperature", relax.rollout_temperature),
+            ("eval_top_p", relax.rollout_top_p),
+            ("eval_max_response_len", relax.rollout_max_response_len),
+        ):
+            if getattr(relax, name) is None:
+                setattr(relax, name, default)
     if relax.dynamic_sampling:  # (left unset otherwise, so that giving them alone is refused)
         if relax.over_sampling_batch_size is None:
             relax.over_sampling_batch_size = relax.rollout_batch_size
@@ -211,7 +225,8 @@ def format_config(config: TrainConfig) -> str:
     parser = _parser()  # SGLang is imported already: parsing made this config
     relax_dests = [a.dest for a in parser._actions if a.dest in vars(config.flags)]  # in --help's order
     sections = [("relax", [(k, getattr(config.flags, k), parser.get_default(k)) for k in relax_dests])]
-    for name in ("run", "rollout", "algorithm", "actor", "outputs"):  # what the run reads, built from the above
+    # what the run reads, built from the above
+    for name in ("run", "rollout", "algorithm", "evaluation", "actor", "outputs"):
         settings = getattr(config, name)
         rows = [(f.name, getattr(settings, f.name), getattr(settings, f.name)) for f in dataclasses.fields(settings)]
         sections.append((f"settings.{name} ({_class_path(settings)})", rows))  # (no defaults of their own: no *)

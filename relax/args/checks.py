@@ -6,6 +6,7 @@ relax.platform record of the run's device. They run before the settings are buil
 
 import argparse
 import importlib.util
+import re
 import typing
 from pathlib import Path
 
@@ -42,10 +43,9 @@ def required_flags(config, platform):
     if r.hf_checkpoint is None and not r.dry_run:
         needed.append("--hf-checkpoint (only --dry-run may leave it out)")
     if not r.debug_train_only:
-        needed += [
-            flag for flag, value in (("--prompt-data", r.prompt_data), ("--reward-fn", r.reward_fn)) if value is None
-        ]
-    if not r.debug_rollout_only and config.megatron.optimizer.lr is None:
+        data_flags = (("--prompt-data", r.prompt_data),) if not r.eval_only else ()
+        needed += [flag for flag, value in (*data_flags, ("--reward-fn", r.reward_fn)) if value is None]
+    if not (r.debug_rollout_only or r.eval_only) and config.megatron.optimizer.lr is None:
         needed.append("--lr")
     return f"missing {', '.join(needed)}" if needed else None
 
@@ -248,6 +248,66 @@ def debug_modes_consistent(config, platform):
         return "--debug-rollout-only and --debug-train-only exclude each other"
     if r.debug_train_only and not r.load_rollout_data:
         return "--debug-train-only needs --load-rollout-data (saved by --save-rollout-data)"
+
+
+EVAL_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+EVAL_SAMPLING_FLAGS = (
+    "eval_interval", "eval_n_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_response_len",
+)
+
+
+def eval_prompt_data_pairs(config, platform):
+    values = config.flags.eval_prompt_data
+    if values is None:
+        return None
+    example = "e.g. --eval-prompt-data held_out data/held_out.jsonl aime data/aime.parquet"
+    if len(values) % 2:
+        return (
+            f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values ({' '.join(values)}): give each set "
+            f"a name, {example}"
+        )
+    names = values[::2]
+    for name in names:
+        if not EVAL_SET_NAME.fullmatch(name):
+            return (
+                f"--eval-prompt-data: {name!r} is not a NAME (letters, digits, _ . -; it names the metrics "
+                f"eval/NAME/...): the values are NAME PATH pairs, {example}"
+            )
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        return f"--eval-prompt-data names {', '.join(repeated)} more than once: give each set its own NAME"
+
+
+def eval_flags_consistent(config, platform):
+    r = config.flags
+    if r.eval_prompt_data is None:
+        given = [_flag(dest) for dest in (*EVAL_SAMPLING_FLAGS, "eval_only") if _given(getattr(r, dest))]
+        return f"{', '.join(given)} without --eval-prompt-data NAME PATH ...: nothing to evaluate" if given else None
+    if r.debug_train_only:
+        return "--eval-prompt-data needs the rollout engines, which --debug-train-only does not start; drop one"
+    if not r.eval_only:
+        return None
+    refused = [
+        _flag(dest) for dest in (
+            "save", "load", "save_rollout_data", "load_rollout_data",
+            "dynamic_sampling",
+        ) if _given(getattr(r, dest))
+    ]
+    if refused:
+        return (
+            f"--eval-only evaluates --hf-checkpoint once, without training: {', '.join(refused)} would do nothing; "
+            "drop them (to evaluate a --save checkpoint, make it an HF directory with `relax convert` and pass that "
+            "as --hf-checkpoint)"
+        )
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _given(value) -> bool:
+    """A flag left unset is None (or False for a switch); 0 is a value given."""
+    return value is not None and value is not False
 
 
 def rollout_data_patterns_valid(config, platform):
@@ -510,6 +570,8 @@ RULES = [
     rollout_data_patterns_valid,
     batching_flags_consistent,
     sampling_flags_consistent,
+    eval_prompt_data_pairs,
+    eval_flags_consistent,
     chat_template_options_need_the_template,
     checkpoint_flags_consistent,
     restarts_resume_from_checkpoints,

@@ -234,6 +234,45 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         f"reward (default: {OVERLONG_PENALTY_FACTOR_DEFAULT}).",
     )
 
+    g = parser.add_argument_group("relax: evaluation")
+    g.add_argument(
+        "--eval-prompt-data",
+        nargs="+",
+        metavar="NAME PATH",
+        help="Held-out prompt sets to evaluate the policy on, as NAME PATH pairs (a PATH as --prompt-data takes; "
+        "read with the same keys and prompt formatting, scored by --reward-fn); metrics under eval/NAME/.",
+    )
+    g.add_argument(
+        "--eval-interval",
+        type=_positive_int,
+        metavar="N",
+        help="Evaluate every N steps; with --eval-prompt-data the policy is always evaluated before the first step "
+        "and after the last (default: only then).",
+    )
+    g.add_argument(
+        "--eval-n-samples-per-prompt",
+        type=_positive_int,
+        metavar="K",
+        help="Responses sampled per eval prompt; pass@k is reported for k = 1, 2, 4, ... up to K (default: 1).",
+    )
+    g.add_argument(
+        "--eval-temperature",
+        type=float,
+        help="Eval sampling temperature, 0 for greedy (default: --rollout-temperature).",
+    )
+    g.add_argument("--eval-top-p", type=float, help="Eval nucleus sampling p (default: --rollout-top-p).")
+    g.add_argument(
+        "--eval-max-response-len",
+        type=_positive_int,
+        metavar="TOKENS",
+        help="Max new tokens per eval response (default: --rollout-max-response-len).",
+    )
+    g.add_argument(
+        "--eval-only",
+        action="store_true",
+        help="Evaluate --hf-checkpoint on --eval-prompt-data once and exit: no training actor, no steps.",
+    )
+
     g = parser.add_argument_group("relax: reward")
     g.add_argument("--reward-fn", type=_reward_fn, help=f"Reward function: {BUILTIN_REWARD_HINT}. Required for a run.")
     g.add_argument(

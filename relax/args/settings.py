@@ -3,6 +3,7 @@
     run        RunSettings: the model, the steps and seed, the devices, the debug mode, the checkpoint to resume
     rollout    RolloutSettings: the prompts, the reward function, sampling, the engines, dynamic sampling, replay
     algorithm  AlgorithmSettings: advantages and how a rollout splits into optimizer steps
+    evaluation EvalSettings: the held-out prompt sets, when they are evaluated, their sampling
     actor      relax.train.settings.ActorSettings: loss, off-policy correction, micro-batches, LR schedule
     outputs    OutputSettings: the run's record, checkpoints, HF directories, the console
 
@@ -69,6 +70,14 @@ class RolloutSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    datasets: dict[str, PromptDataConfig]  # name -> its prompts, as --eval-prompt-data pairs them; empty: no evaluation
+    interval: int | None  # every this many steps, besides before the first and after the last; None: only then
+    sampling: SamplingConfig  # n responses per prompt; each set's seed is set per set (relax.rollout.evaluation)
+    only: bool  # evaluate --hf-checkpoint once, no training actor, no steps
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmSettings:
     advantage_estimator: str  # relax.train.advantages.ESTIMATORS
     normalize_advantages_by_std: bool
@@ -111,11 +120,12 @@ def run_settings(flags: argparse.Namespace) -> RunSettings:
     )
 
 
-def prompt_data_config(flags: argparse.Namespace) -> PromptDataConfig | None:
-    if flags.prompt_data is None:
+def prompt_data_config(flags: argparse.Namespace, path: str | None) -> PromptDataConfig | None:
+    """The prompts at `path` (--prompt-data, or an --eval-prompt-data set), read as the data flags say."""
+    if path is None:
         return None
     return PromptDataConfig(
-        path=flags.prompt_data,
+        path=path,
         prompt_key=flags.input_key,
         label_key=flags.label_key,
         metadata_key=flags.metadata_key,
@@ -129,7 +139,7 @@ def prompt_data_config(flags: argparse.Namespace) -> PromptDataConfig | None:
 
 def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
     return RolloutSettings(
-        data=prompt_data_config(flags),
+        data=prompt_data_config(flags, flags.prompt_data),
         shuffle=flags.rollout_shuffle,
         reward_fn=flags.reward_fn,
         reward_timeout=flags.reward_timeout,
@@ -150,6 +160,27 @@ def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
         overlong_penalty_factor=flags.overlong_penalty_factor,
         load_data=flags.load_rollout_data,
         save_data=flags.save_rollout_data,
+    )
+
+
+def eval_settings(flags: argparse.Namespace) -> EvalSettings:
+    """(relax.args filled the eval sampling flags with the rollout's when --eval-prompt-data is given, and the
+    checks refused an odd number of its values.)"""
+    pairs = flags.eval_prompt_data or []
+    if not pairs:
+        return EvalSettings(datasets={}, interval=None, sampling=SamplingConfig(), only=flags.eval_only)
+    return EvalSettings(
+        datasets={name: prompt_data_config(flags, path) for name, path in zip(pairs[::2], pairs[1::2])},
+        interval=flags.eval_interval,
+        sampling=SamplingConfig(
+            n=flags.eval_n_samples_per_prompt,
+            temperature=flags.eval_temperature,
+            top_p=flags.eval_top_p,
+            top_k=flags.rollout_top_k,
+            max_new_tokens=flags.eval_max_response_len,
+            stop_token_ids=tuple(flags.rollout_stop_token_ids or ()),
+        ),
+        only=flags.eval_only,
     )
 
 

@@ -67,7 +67,6 @@ SLIME_FLAGS = {
         "RewardInput: prompt, response, label, metadata) or `samples` (a list of them)"
     ),
     "--disable-grpo-std-normalization": "relax spells it --no-normalize-advantages-by-std",
-    "--eval-prompt-data": "relax does not evaluate during training; remove it",
 }
 
 

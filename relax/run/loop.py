@@ -4,8 +4,13 @@ One step: generate and score; release the engines' memory; wake the actor; old-p
 reference) logprobs and advantages; train; push the new weights to the engines and put the actor to
 sleep; resume the engines. The phases are plain functions below `run`.
 
+Evaluation (--eval-prompt-data) runs on the engines while the actor sleeps, so it needs no device memory of its
+own: before a step's rollout when one is due (step 0, every --eval-interval steps) and after the last step's weight
+push; the metrics of the policy after s steps are logged at step s (relax.rollout.evaluation).
+
 Debug modes run the same phases without one side: --debug-rollout-only creates no training actor (generate,
 score, save); --debug-train-only creates no engines and trains on rollouts replayed by --load-rollout-data.
+--eval-only creates no training actor and runs no step: it evaluates --hf-checkpoint once.
 
 The driver waits on every phase through relax.ray.placement.wait_for, which also watches every actor of the
 run (and an engine's SGLang processes): a worker that dies fails the run within seconds, whichever phase
@@ -29,7 +34,7 @@ from pathlib import Path
 import ray
 import torch
 
-from relax.args.settings import AlgorithmSettings, OutputSettings, RolloutSettings, RunSettings
+from relax.args.settings import AlgorithmSettings, EvalSettings, OutputSettings, RolloutSettings, RunSettings
 from relax.console import say
 from relax.run.metrics import RUN_RESTARTS, MetricsLog, extreme
 from relax.ray.placement import (
@@ -39,6 +44,7 @@ from relax.ray.placement import (
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptLoader, load_prompts
 from relax.rollout.dump import load_rollout_data, save_rollout_data
+from relax.rollout.evaluation import EvalSet, eval_due, evaluate, load_eval_sets
 from relax.rollout.groups import Sample, apply_overlong_penalty
 from relax.rollout.engine_restarts import EngineRestarts
 from relax.rollout.rewards import load_reward_fn
@@ -59,7 +65,8 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     directory. With `stop` (entered by the `relax train` driver), a signal ends the run after its current step
     with RunStopped. `restarts`: how often the run restarted before this attempt (run_with_restarts), logged as
     faults/run_restarts at every step."""
-    settings, rollout, outputs = config.run, config.rollout, config.outputs
+    settings, rollout, evaluation, outputs = config.run, config.rollout, config.evaluation, config.outputs
+    num_steps = 0 if evaluation.only else settings.num_steps  # --eval-only: the evaluation at step 0 only
     stop = stop or StopOnSignal()  # not entered: never signalled
     checkpoint = None
     if settings.load:
@@ -67,7 +74,7 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     from relax.platform import get_platform
 
     platform = get_platform(settings.device)
-    loader, reward_fn = _prompt_loader_and_reward(settings, rollout, checkpoint)
+    loader, eval_sets, reward_fn = _prompts_and_reward(settings, rollout, evaluation, checkpoint)
     memory_saver_on = settings.colocate and platform.has_memory_saver
 
     started_ray = _init_ray()
@@ -77,14 +84,14 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     hand_over_timeout = settings.weight_sync_timeout
     start_step, saved = checkpoint.next_step if checkpoint else 0, None
     log = MetricsLog(
-        Path(outputs.output_dir), settings.num_steps, first_step=start_step, wandb_project=outputs.wandb_project,
+        Path(outputs.output_dir), num_steps, first_step=start_step, wandb_project=outputs.wandb_project,
         other_outputs={
             "checkpoints": outputs.save, "HF checkpoints": outputs.save_hf, "rollout data": rollout.save_data
         },
     )
     try:
         # The actor first, then to sleep, so the engines start with the device memory to themselves.
-        if not settings.debug_rollout_only:
+        if not (settings.debug_rollout_only or evaluation.only):
             trainers = create_training_actors(
                 TrainWorker, placement, memory_saver_on=memory_saver_on,
                 args=(
@@ -109,7 +116,8 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
         if checkpoint is not None:
             resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine, hand_over_timeout)
 
-        for step in range(start_step, settings.num_steps):
+        evaluate_policy = partial(evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps)
+        for step in range(start_step, num_steps):
             if stop.requested:  # a signal came during the previous step (or the setup), which has ended
                 last_step = step - 1 if step > start_step else None
                 raise stop_run(
@@ -117,6 +125,7 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
                 )
             timer, train_metrics, saved = PhaseTimer(), {}, None
             step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
+            eval_metrics = evaluate_policy(step)  # the policy this step samples from, while the actor sleeps
             with timer("perf/step_time"):
                 with timer("perf/rollout_time"):
                     samples, rollout_metrics = collect_rollout(
@@ -127,13 +136,19 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
                         hand_devices_to_actor(engines, trainers, hand_over_timeout)
                     with timer("perf/train_time"):
                         train_metrics = train(trainers, data_parallel_ranks, samples, config.algorithm)
-                    if save_due(outputs, settings.num_steps, step):  # while the actor is awake
+                    if save_due(outputs, num_steps, step):  # while the actor is awake
                         with timer("perf/save_time"):
                             saved = save(outputs.save, step, trainers, loader, settings.seed, outputs.save_hf)
                     with timer("perf/weight_sync_time"):
                         hand_devices_to_engines(engines, trainers, rollout.devices_per_engine, hand_over_timeout)
             faults = {"faults/engine_restarts": generate.take_count()} if generate is not None else {}
-            log.log(step, {**rollout_metrics, **train_metrics, **timer.seconds, **faults, RUN_RESTARTS: restarts})
+            log.log(
+                step,
+                {**eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds, **faults, RUN_RESTARTS: restarts},
+            )
+        final_eval = evaluate_policy(num_steps)  # the last step's weights pushed, the actor asleep
+        if final_eval:
+            log.log_evaluation(num_steps, final_eval)
         if trainers is not None and engines is not None:
             wait_for(trainers.call("close_weight_sync"), placement)  # the broadcast groups to engines on other nodes
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
@@ -176,6 +191,20 @@ def run_with_restarts(config, stop: StopOnSignal | None = None) -> Path:
 
 
 # --- phases ----------------------------------------------------------------------------------------------
+
+
+def evaluate_if_due(
+    generate: Generate, eval_sets: list[EvalSet], evaluation: EvalSettings, reward_fn, seed: int, num_steps: int,
+    step: int,
+) -> dict:
+    """The eval/ metrics of the engines' policy after `step` steps, and perf/eval_time, when an evaluation is due
+    then (relax.rollout.evaluation.eval_due); else none."""
+    if not eval_sets or not eval_due(step, num_steps, evaluation.interval):
+        return {}
+    timer = PhaseTimer()
+    with timer("perf/eval_time"):
+        metrics = evaluate(generate, eval_sets, evaluation.sampling, reward_fn, seed)
+    return {**metrics, **timer.seconds}
 
 
 def collect_rollout(
@@ -318,20 +347,28 @@ class PhaseTimer:
 # --- setup ------------------------------------------------------------------------------------------------
 
 
-def _prompt_loader_and_reward(settings: RunSettings, rollout: RolloutSettings, checkpoint):
-    """The prompt loader (at the checkpoint's position when resuming) and the reward function; neither is
-    needed when rollouts are replayed (--load-rollout-data)."""
-    if rollout.load_data:
-        return None, None
+def _prompts_and_reward(settings: RunSettings, rollout: RolloutSettings, evaluation: EvalSettings, checkpoint):
+    """The prompt loader (at the checkpoint's position when resuming), the eval sets and the reward function. No
+    loader when rollouts are replayed (--load-rollout-data) or only evaluated (--eval-only); no reward function when
+    nothing is generated."""
+    trains_on_prompts = not (rollout.load_data or evaluation.only)
+    if not (trains_on_prompts or evaluation.datasets):
+        return None, [], None
     from transformers import AutoTokenizer
 
-    prompts, report = load_prompts(rollout.data, AutoTokenizer.from_pretrained(settings.hf_checkpoint))
-    say(f"prompt data: {report.summary()}")
-    if checkpoint:
-        loader = checkpoint.loader(prompts)
-    else:
-        loader = PromptLoader(prompts, seed=settings.seed, shuffle=rollout.shuffle)
-    return loader, load_reward_fn(rollout.reward_fn, rollout.reward_timeout)
+    tokenizer = AutoTokenizer.from_pretrained(settings.hf_checkpoint)
+    loader = None
+    if trains_on_prompts:
+        prompts, report = load_prompts(rollout.data, tokenizer)
+        say(f"prompt data: {report.summary()}")
+        if checkpoint:
+            loader = checkpoint.loader(prompts)
+        else:
+            loader = PromptLoader(prompts, seed=settings.seed, shuffle=rollout.shuffle)
+    eval_sets, reports = load_eval_sets(evaluation.datasets, tokenizer)
+    for report in reports:
+        say(f"prompt data: {report.summary()}")
+    return loader, eval_sets, load_reward_fn(rollout.reward_fn, rollout.reward_timeout)
 
 
 def _generate_restarting_engines(engines, trainers, settings: RunSettings, devices_per_engine: int) -> EngineRestarts:

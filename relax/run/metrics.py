@@ -1,6 +1,9 @@
 """Per-step metrics of a run: a progress bar, metrics.jsonl, TensorBoard events, optional wandb; at the end (also
-when a signal stops the run) a PNG of reward and response length per step and a summary on the console. All
-files go to the run's output directory.
+when a signal stops the run) a PNG of reward (with each eval set's pass@1) and response length per step and a
+summary on the console. All files go to the run's output directory.
+
+The evaluation after the last step is a row of its own, at step num_steps (relax.rollout.evaluation); every other
+row is a step's.
 
 Besides what the loop logs, each step gets its throughput and the share of the step each phase took
 (step_rates); the summary gives the same over the whole record (run_summary). Both are functions of logged rows.
@@ -13,6 +16,7 @@ any later steps the earlier process logged after saving (the resumed run redoes 
 
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -22,7 +26,7 @@ from relax.files import write_text_atomically
 
 REWARD_KEY = "rollout/reward_mean"
 RUN_RESTARTS = "faults/run_restarts"  # times the run resumed from a checkpoint after a failure (--max-restarts)
-PLOTTED = {REWARD_KEY: "mean reward", "rollout/response_length_mean": "mean response length (tokens)"}
+EVAL_PASS_AT_1 = re.compile(r"eval/(?P<name>.+)/pass@1")  # each eval set's, besides the reward
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 REWARD_CURVE_FILE = "reward_curve.png"
@@ -97,8 +101,21 @@ class MetricsLog:
             (self.output_dir / REWARD_CURVE_FILE).unlink(missing_ok=True)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """A step's row."""
         metrics = {key: float(value) for key, value in metrics.items()}
         metrics.update(step_rates(metrics))
+        self._write(step, metrics)
+        self._progress.set_postfix(
+            reward=f"{metrics.get(REWARD_KEY, float('nan')):.3f}",
+            step_time=f"{metrics.get('perf/step_time', float('nan')):.1f}s",
+        )
+        self._progress.update(1)
+
+    def log_evaluation(self, step: int, metrics: dict[str, float]) -> None:
+        """A row of eval metrics alone (the evaluation after the last step): no step of the progress bar."""
+        self._write(step, {key: float(value) for key, value in metrics.items()})
+
+    def _write(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **metrics}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
@@ -108,11 +125,6 @@ class MetricsLog:
         self._tensorboard.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        self._progress.set_postfix(
-            reward=f"{metrics.get(REWARD_KEY, float('nan')):.3f}",
-            step_time=f"{metrics.get('perf/step_time', float('nan')):.1f}s",
-        )
-        self._progress.update(1)
 
     def close(self) -> Path:
         """Flush everything, draw the reward curve from metrics.jsonl and print the run's summary; returns the
@@ -164,16 +176,18 @@ def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object
     """A short table of the run's record: steps, reward, time, time share per phase, tokens/s, engines restarted
     in place (faults/engine_restarts), outputs."""
     lines = ["relax run summary"]
-    if rows:
-        lines.append(f"  steps         {len(rows)} (steps {rows[0]['step']}-{rows[-1]['step']})")
+    step_rows = [r for r in rows if "perf/step_time" in r]  # not the evaluation after the last step
+    if step_rows:
+        lines.append(f"  steps         {len(step_rows)} (steps {step_rows[0]['step']}-{step_rows[-1]['step']})")
     else:
         lines.append("  steps         none finished")
-    rewards = [(r["step"], r[REWARD_KEY]) for r in rows if REWARD_KEY in r]
-    if rewards:
-        best_step, best = max(rewards, key=lambda step_reward: step_reward[1])
-        lines.append(
-            f"  reward        first {rewards[0][1]:.3f}, last {rewards[-1][1]:.3f}, best {best:.3f} (step {best_step})"
-        )
+    for label, key in [("reward", REWARD_KEY), *((f"eval {name} pass@1", key) for name, key in eval_keys(rows))]:
+        values = [(r["step"], r[key]) for r in rows if key in r]
+        if values:
+            best_step, best = max(values, key=lambda step_value: step_value[1])
+            lines.append(
+                f"  {label:<13} first {values[0][1]:.3f}, last {values[-1][1]:.3f}, best {best:.3f} (step {best_step})"
+            )
     step_seconds = sum(r.get("perf/step_time", 0.0) for r in rows)
     wall = f"{_duration(wall_seconds)} from the actors' start; {_duration(step_seconds)} in steps"
     lines.append(f"  wall time     {wall}")
@@ -196,6 +210,16 @@ def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object
     return "\n".join(lines)
 
 
+def eval_keys(rows: list[dict]) -> list[tuple[str, str]]:
+    """(set name, its pass@1 key) of every eval set in the rows, in the order they first appear."""
+    found = {}
+    for row in rows:
+        for key in row:
+            if match := EVAL_PASS_AT_1.fullmatch(key):
+                found.setdefault(match["name"], key)
+    return list(found.items())
+
+
 def _duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -207,19 +231,29 @@ def read_metrics(jsonl_path: str | Path) -> list[dict]:
 
 
 def plot_reward_curve(jsonl_path: str | Path, png_path: str | Path) -> Path:
-    """The mean reward and the mean response length per step, one above the other."""
+    """The mean reward (with each eval set's pass@1) and the mean response length per step, one above the other."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write the file only
     import matplotlib.pyplot as plt
 
     rows = read_metrics(jsonl_path)
+    eval_lines = [(key, f"eval {name} pass@1") for name, key in eval_keys(rows)]
+    panel_lines = [  # (y label, [(key, line label)])
+        ("mean reward" + (" / eval pass@1" if eval_lines else ""), [(REWARD_KEY, "rollout reward"), *eval_lines]),
+        ("mean response length (tokens)", [("rollout/response_length_mean", None)]),
+    ]
     figure, panels = plt.subplots(2, 1, figsize=(6, 5.5), sharex=True)
-    for axes, (key, label) in zip(panels, PLOTTED.items()):
-        records = [r for r in rows if key in r]
-        axes.plot([r["step"] for r in records], [r[key] for r in records], marker="o", markersize=3)
-        axes.set_ylabel(label)
-        axes.set_ylim(bottom=min(0.0, *(r[key] for r in records)) if records else 0.0)
+    for axes, (y_label, lines) in zip(panels, panel_lines):
+        values = [0.0]
+        for key, label in lines:
+            records = [r for r in rows if key in r]
+            axes.plot([r["step"] for r in records], [r[key] for r in records], marker="o", markersize=3, label=label)
+            values += [r[key] for r in records]
+        if len(lines) > 1:
+            axes.legend(fontsize="small")
+        axes.set_ylabel(y_label)
+        axes.set_ylim(bottom=min(values))
         axes.grid(alpha=0.3)
     panels[-1].set_xlabel("step")
     figure.tight_layout()

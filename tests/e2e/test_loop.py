@@ -1,12 +1,14 @@
 """The colocated loop end to end on CPU: the README's main job (scripts/run-tiny-cpu.sh), shortened to a few
 steps, through the real stack (local Ray, SGLang engine actor, Megatron training actor). The run is the session's
 saved_tiny_run (tests/e2e/conftest.py), which test_loop_resume resumes. A second run into the same experiment
-directory replaces the first one's record: tests/e2e/test_loop_debug.py checks that on its rollout-only run."""
+directory replaces the first one's record: tests/e2e/test_loop_debug.py checks that on its rollout-only run. The run
+evaluates two sets (tiny_runs.eval_flags) at step 0, every second step and after the last step."""
 
 import json
 import math
 
-from tiny_runs import PERF_KEYS, not_relax_lines
+from relax.rollout.evaluation import pass_ks
+from tiny_runs import EVAL_INTERVAL, EVAL_SETS, PERF_KEYS, SAVING_RUN_STEPS, not_relax_lines
 
 # Lines of the tiny run's console that may be upstream's and not an error: a handful, for a stray upstream line
 # that reaches the terminal another way (a library writing to the file descriptor itself). None were left in a
@@ -16,7 +18,8 @@ UPSTREAM_LINES_ALLOWED = 3
 
 def test_tiny_colocated_run_logs_every_phase_and_leaves_no_process(saved_tiny_run):
     records = saved_tiny_run.records
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # 4: the evaluation after the last step
+    records = records[:SAVING_RUN_STEPS]
     vocab_size = json.loads((saved_tiny_run.exp_dir / "model" / "config.json").read_text())["vocab_size"]
     for record in records:
         for key in (*PERF_KEYS, "rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm"):
@@ -45,3 +48,19 @@ def test_the_console_shows_relax_lines_and_run_log_keeps_the_upstream_ones(saved
     # SGLang's warnings (from its scheduler process too) are not lost: they are in the run's log.
     assert "Ignore import error when loading" in run_log and "UserWarning" in run_log
     assert f"console log   {saved_tiny_run.exp_dir / 'output' / 'run.log'}" in saved_tiny_run.console
+
+
+def test_the_engines_evaluate_each_set_at_the_start_every_interval_and_after_the_last_step(saved_tiny_run):
+    evaluated = {r["step"]: r for r in saved_tiny_run.records if "perf/eval_time" in r}
+    assert list(evaluated) == [0, EVAL_INTERVAL, SAVING_RUN_STEPS]
+    assert set(evaluated[SAVING_RUN_STEPS]) == {"step", "perf/eval_time"} | {
+        key for key in evaluated[0] if key.startswith("eval/")
+    }  # the last evaluation is a row of its own
+    for step, record in evaluated.items():
+        for name in EVAL_SETS:
+            pass_at = [record[f"eval/{name}/pass@{k}"] for k in pass_ks(4)]  # the script's 4 samples per prompt
+            assert 0.0 <= pass_at[0] and pass_at == sorted(pass_at) and pass_at[-1] <= 1.0, (step, name, pass_at)
+            assert 0.0 <= record[f"eval/{name}/reward_mean"] <= 1.0
+            assert 1.0 <= record[f"eval/{name}/response_length_mean"] <= 2.0  # at most the rollout's 2 tokens
+            assert 0.0 <= record[f"eval/{name}/truncated_fraction"] <= 1.0
+    assert not any(key.startswith("eval/") for r in saved_tiny_run.records if r["step"] in (1, 3) for key in r)

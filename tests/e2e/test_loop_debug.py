@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from relax.rollout.dump import load_rollout_data
+from tiny_runs import step_records
 
 ROOT = Path(__file__).resolve().parents[2]
 ACTORS = ("TrainWorker", "EngineWorker")
@@ -26,9 +27,9 @@ RUN_TIMEOUT_S = 600
 
 def _run_tiny_job(exp_dir: Path, name: str, *flags: str,
                   output_name: str | None = None) -> tuple[list[dict], set[str]]:
-    """Run the tiny job with extra flags, its output in exp_dir / (output_name or name); returns its metrics
-    records and the Ray actor classes seen among the run's processes. Python modules in exp_dir can be imported
-    by the run."""
+    """Run the tiny job with extra flags, its output in exp_dir / (output_name or name); returns its steps' metrics
+    records (tiny_runs.step_records) and the Ray actor classes seen among the run's processes. Python modules in
+    exp_dir can be imported by the run."""
     python_path = os.pathsep.join(filter(None, [str(exp_dir), os.environ.get("PYTHONPATH")]))
     env = {
         **os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python"),
@@ -50,7 +51,7 @@ def _run_tiny_job(exp_dir: Path, name: str, *flags: str,
             time.sleep(0.5)
     assert process.returncode == 0, f"{name} failed:\n" + log_path.read_text()[-6000:]
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    return records, seen
+    return step_records(records), seen
 
 
 def _actors_under(pid: int) -> set[str]:

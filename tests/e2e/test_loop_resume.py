@@ -10,7 +10,9 @@ record, continued from the checkpoint. The same resumed run also shows the two f
 it is given the checkpoints with step 3's damaged, and passes over it to step 1's; its training rank is killed
 after step 2, and the run restarts from its own step-2 checkpoint, ending on the uninterrupted run's weights. The
 first run also writes HF directories (--save-hf), which must hold its checkpoints' weights, and from which SGLang's
-engine starts and greedy-decodes as HF transformers does.
+engine starts and greedy-decodes as HF transformers does; that engine also samples on the eval sets what the
+trained engine sampled in the run's last evaluation (same seeds, same metrics). The resumed run evaluates at step 2
+and after its last step, as the first run did then, with the same metrics.
 
 Rollouts repeat exactly only because each request samples with a seed derived from (--seed, step), which
 SGLang honours under --sglang-enable-deterministic-inference. Same tokens, same rewards: those are compared
@@ -31,11 +33,14 @@ from safetensors.torch import load_file
 from generations import assert_same_generations
 from hf_reference import hf_greedy
 from relax.platform import get_platform
+from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import RolloutEngine, SamplingConfig
+from relax.rollout.evaluation import evaluate, load_eval_sets
+from relax.rollout.rewards import load_reward_fn
 from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process
 from relax.run.metrics import read_metrics
 from relax.run.state import LATEST, read_checkpoint
-from tiny_runs import ROOT, SAVING_RUN_STEPS as STEPS, tiny_job
+from tiny_runs import ROOT, SAVING_RUN_STEPS as STEPS, eval_flags, eval_set_paths, step_records, tiny_job
 
 PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
 
@@ -46,7 +51,7 @@ CLOSE_KEYS = ("train/loss", "train/pg_loss", "train/clip_fraction", "train/ppo_k
 @pytest.mark.timeout(900)  # the saved run (its fixture), then the resumed run's two starts of the whole stack
 def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp_path):
     whole, saves, hf_saves = saved_tiny_run.records, saved_tiny_run.saves, saved_tiny_run.hf_saves
-    assert [r["step"] for r in whole] == [0, 1, 2, 3]
+    assert [r["step"] for r in whole] == [0, 1, 2, 3, 4]  # 4: the evaluation after the last step
     assert (saves / LATEST).read_text().strip() == "step_000003"
     # --save-hf wrote an HF directory at each save, holding the weights of that step's checkpoint exactly
     assert sorted(p.name for p in hf_saves.iterdir()) == ["step_000001", "step_000003"]
@@ -60,11 +65,15 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     assert trained.state_dict().keys() == checkpointed.keys()
     assert all(torch.equal(trained.state_dict()[k], v.float()) for k, v in checkpointed.items())
     # SGLang's engine loads the HF directory and greedy-decodes what HF transformers decodes from it.
+    # It also samples the eval sets as the trained engine did in the run's last evaluation (the script's eval
+    # sampling, the run's seeds): the same tokens give the same rewards, lengths and pass@k.
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-    with RolloutEngine({"max_total_tokens": 4096}, model_path=str(hf_saves / "step_000003"),
-                       platform=get_platform("cpu")) as engine:
+    with RolloutEngine({"max_total_tokens": 4096, "enable_deterministic_inference": True},
+                       model_path=str(hf_saves / "step_000003"), platform=get_platform("cpu")) as engine:
         engine_outputs = [(c.token_ids, c.logprobs) for (c,) in engine.generate(PROBE_PROMPTS, greedy)]
+        evaluated = _evaluate_as_the_run(engine, saved_tiny_run.exp_dir)
     assert_same_generations(engine_outputs, hf_greedy(hf_saves / "step_000003", PROBE_PROMPTS, 6))
+    assert evaluated == {key: value for key, value in whole[-1].items() if key.startswith("eval/")}
     after_step_1 = saves / "step_000001"
     assert read_checkpoint(after_step_1, saved_tiny_run.exp_dir / "model", seed=1234, num_steps=STEPS).next_step == 2
 
@@ -83,7 +92,7 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     command, env = tiny_job(
         saved_tiny_run.exp_dir, "--num-steps", str(STEPS), "--sglang-enable-deterministic-inference",
         "--load", str(resumed_saves), "--save", str(resumed_saves), "--save-interval", "1",
-        "--save-hf", str(resumed_hf_saves), "--max-restarts", "1", env=marker,
+        "--save-hf", str(resumed_hf_saves), "--max-restarts", "1", *eval_flags(saved_tiny_run.exp_dir), env=marker,
     )
     output = _run_killing_the_training_rank_after_step_2(command, env, marker, resumed_saves, tmp_path / "resumed.log")
     assert (f"relax: warning: checkpoint {resumed_saves / 'step_000003'} is incomplete ({damaged} has "
@@ -96,10 +105,10 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     assert not leftover, f"processes of the run left behind: {describe(leftover)}"
 
     record = read_metrics(saved_tiny_run.exp_dir / "output" / "metrics.jsonl")
-    assert [r["step"] for r in record] == [0, 1, 2, 3]
+    assert [r["step"] for r in record] == [0, 1, 2, 3, 4]
     assert record[:2] == whole[:2]
     resumed = record[2:]
-    assert [r["faults/run_restarts"] for r in resumed] == [0, 1]
+    assert [r["faults/run_restarts"] for r in step_records(resumed)] == [0, 1]
     # The final weights equal the uninterrupted run's.
     for name in sorted(p.name for p in (hf_saves / "step_000003").glob("*.safetensors")):
         final, uninterrupted = (load_file(d / "step_000003" / name) for d in (resumed_hf_saves, hf_saves))
@@ -108,13 +117,15 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     # Step 2 checks the loaded weights, data position and sampling seeds; step 3 also the optimizer, scheduler and
     # RNG states: its weights come out of step 2's Adam update.
     for original, again in zip(whole[2:], resumed):
-        for key in EXACT_KEYS:
-            assert again[key] == original[key], f"step {original['step']} {key}: {again[key]} != {original[key]}"
+        for key in [*EXACT_KEYS, *(key for key in original if key.startswith("eval/"))]:
+            if key in original:
+                assert again[key] == original[key], f"step {original['step']} {key}: {again[key]} != {original[key]}"
         for key in CLOSE_KEYS:
             if key in original:
                 assert abs(again[key] - original[key]) <= 1e-6, f"step {original['step']} {key}"
     # The run learns in these steps (else equal losses would prove little): the weights moved the rewards.
-    assert len({r["rollout/reward_mean"] for r in whole}) > 1 or len({r["train/loss"] for r in whole}) > 1
+    steps = step_records(whole)
+    assert len({r["rollout/reward_mean"] for r in steps}) > 1 or len({r["train/loss"] for r in steps}) > 1
 
 
 def _run_killing_the_training_rank_after_step_2(command, env, marker, saves: Path, log_path: Path) -> str:
@@ -139,3 +150,15 @@ def _run_killing_the_training_rank_after_step_2(command, env, marker, saves: Pat
     output = log_path.read_text()
     assert run.returncode == 0, output[-6000:]
     return output
+
+
+def _evaluate_as_the_run(engine, exp_dir) -> dict:
+    """The eval/ metrics of the saving run's sets (tiny_runs.eval_flags) sampled by `engine` as the run samples them
+    (scripts/run-tiny-cpu.sh: prompts as they are, 4 samples of at most 2 tokens at temperature 1; --seed 1234)."""
+    datasets = {
+        name: PromptDataConfig(str(path), apply_chat_template=False, metadata_key="metadata")
+        for name, path in eval_set_paths(exp_dir).items()
+    }
+    eval_sets, _ = load_eval_sets(datasets, transformers.AutoTokenizer.from_pretrained(exp_dir / "model"))
+    sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=2)
+    return evaluate(engine.generate, eval_sets, sampling, load_reward_fn("copy_digit"), seed=1234)

@@ -23,7 +23,7 @@ import textwrap
 import pytest
 
 from processes import describe, leftover_processes, run_marker
-from tiny_runs import PERF_KEYS, ROOT, run_tiny_job
+from tiny_runs import PERF_KEYS, ROOT, run_tiny_job, step_records
 
 NUM_STEPS = 3
 LOG_ENV = "STAND_IN_MINDSPEED_LOG"
@@ -88,7 +88,7 @@ def test_tiny_qwen35_colocated_run_logs_every_phase_and_every_push_is_accepted(q
     config = json.loads((qwen35_run["exp_dir"] / "model" / "config.json").read_text())
     assert config["model_type"] == "qwen3_5_text" and "linear_attention" in config["layer_types"]
 
-    records = qwen35_run["records"]
+    records = step_records(qwen35_run["records"])
     assert [r["step"] for r in records] == list(range(NUM_STEPS))
     for record in records:
         for key in (*PERF_KEYS, "rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm"):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from processes import environ, title
 from relax.ray.local_cluster import LocalCluster
+from tiny_runs import step_records
 
 REPO = Path(__file__).resolve().parents[2]
 # Titles of the run's processes that must see the submitting shell's variables.
@@ -46,7 +47,7 @@ def test_submitted_tiny_run_gets_the_submitting_shell_in_every_worker(tmp_path):
     assert cluster.processes() == [], "processes of the test cluster were left running"
 
     records = [json.loads(line) for line in (tmp_path / "output" / "metrics.jsonl").read_text().splitlines()]
-    assert [record["step"] for record in records] == list(range(NUM_STEPS))
+    assert [record["step"] for record in step_records(records)] == list(range(NUM_STEPS))
     # The cluster was started without them: the job's runtime_env is the only way they could arrive.
     assert raylet_envs and all(env and not set(exported) & set(env) for env in raylet_envs)
     for name in WORKER_TITLES:

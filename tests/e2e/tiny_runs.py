@@ -15,6 +15,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PERF_KEYS = ("perf/step_time", "perf/rollout_time", "perf/train_wait_time", "perf/train_time", "perf/weight_sync_time")
 
 
+def step_records(records: list[dict]) -> list[dict]:
+    """The steps' rows of a record, without the row of the evaluation after the last step (the script evaluates
+    a held-out set)."""
+    return [r for r in records if "perf/step_time" in r]
+
+
 def tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The command and environment of the tiny job with EXP_DIR=exp_dir, `args` passed on to `relax train` and
     `env` added to this process's environment."""
@@ -50,18 +56,34 @@ class SavedTinyRun:
 
 
 SAVING_RUN_STEPS = 4
+EVAL_INTERVAL = 2
+EVAL_SETS = ("held_out", "ones")
+
+
+def eval_set_paths(exp_dir: Path) -> dict[str, Path]:
+    """EVAL_SETS' files: the script's held-out copy_digit set, and one of "copy 1:" prompts only, written here."""
+    ones = exp_dir / "ones.jsonl"
+    ones.write_text('{"prompt": "copy 1:", "label": "1"}\n' * 3)
+    return dict(zip(EVAL_SETS, (exp_dir / "data" / "copy_digit_held_out.jsonl", ones)))
+
+
+def eval_flags(exp_dir: Path) -> list[str]:
+    """The saving run's evaluation: EVAL_SETS every EVAL_INTERVAL steps (the script's K samples per prompt)."""
+    pairs = [str(part) for name, path in eval_set_paths(exp_dir).items() for part in (name, path)]
+    return ["--eval-prompt-data", *pairs, "--eval-interval", str(EVAL_INTERVAL)]
 
 
 def run_saving_tiny_job(exp_dir: Path) -> SavedTinyRun:
     """The tiny job for 4 steps, saving after steps 1 and 3 (--save-interval 2) with an HF directory at each save
     (--save-hf), each request sampling with a seed from (--seed, step) that SGLang honours under deterministic
-    inference, so that a run resumed from a checkpoint repeats its rollouts. What the run left is read at once:
-    a test may then resume the run into the same directory."""
+    inference, so that a run resumed from a checkpoint repeats its rollouts; evaluating two sets (eval_flags). What
+    the run left is read at once: a test may then resume the run into the same directory."""
     saves, hf_saves = exp_dir / "checkpoints", exp_dir / "hf"
     marker = run_marker()
     console = _run_tiny_script(
         exp_dir, ["--num-steps", str(SAVING_RUN_STEPS), "--sglang-enable-deterministic-inference",
-                  "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves)], env=marker,
+                  "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves), *eval_flags(exp_dir)],
+        env=marker,
     )
     leftover = leftover_processes(marker)
     output = exp_dir / "output"

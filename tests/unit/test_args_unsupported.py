@@ -7,7 +7,9 @@ import pytest
 from relax.args import build_parser, parse_train_args
 from relax.args.checks import RULES, check_config
 from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_architecture, field_flags
-from relax.args.settings import actor_settings, algorithm_settings, output_settings, rollout_settings, run_settings
+from relax.args.settings import (
+    actor_settings, algorithm_settings, eval_settings, output_settings, rollout_settings, run_settings,
+)
 from relax.args.unsupported import REFUSED_FLAGS, UNSUPPORTED_COMBINATIONS, unsupported_combinations
 from relax.hf_checkpoint import read_hf_checkpoint
 from relax.run.metrics import METRICS_FILE
@@ -21,6 +23,8 @@ EVERY_FEATURE = [
     "--use-wandb", "--use-kl-loss", "--kl-coef", "0.1", "--use-tis", "--rollout-rs", "seq_mean_k1",
     "--rollout-rs-threshold", "2", "--use-dynamic-batch-size", "--max-tokens-per-device", "64", "--dynamic-sampling",
     "--overlong-buffer-len", "8", "--apply-chat-template", "--system-prompt", "Be brief.",
+    "--eval-prompt-data", "held_out", "h.jsonl", "--eval-interval", "2", "--eval-n-samples-per-prompt", "4",
+    "--eval-temperature", "0.5", "--eval-top-p", "0.9", "--eval-max-response-len", "8",
 ]
 # Flags whose only effect is at parse time, and why that is their whole job.
 READ_AT_PARSE_TIME_ONLY = {
@@ -94,7 +98,7 @@ def _reads(argv) -> tuple[set, set, set]:
     config = parse_train_args(argv)
     built, checked, scheduler = (ReadRecorder(config.flags), ReadRecorder(config.flags),
                                  ReadRecorder(config.megatron.scheduler))
-    for build in (run_settings, rollout_settings, algorithm_settings, output_settings):
+    for build in (run_settings, rollout_settings, algorithm_settings, eval_settings, output_settings):
         build(built)
     actor_settings(built, scheduler)
     assert check_config(checked, config.megatron, platform_facts("cpu")) == []

@@ -60,3 +60,20 @@ def test_the_dry_run_checks_the_checkpoint_to_resume(tmp_path, checkpoint, capsy
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
         f"relax train: --load {tmp_path / 'saves'}: no checkpoint there"
     )
+
+
+def test_the_dry_run_reads_every_eval_set_and_names_the_set_file_and_row(tmp_path, checkpoint, capsys):
+    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}])
+    good = write_rows(tmp_path / "good.jsonl", [{"prompt": "copy 0:", "label": "0"}] * 3)
+    bad = write_rows(tmp_path / "bad.jsonl", [{"prompt": "copy 0:", "label": "0"}, {"prompt": "copy 1:"}])
+    eval_sets = ["--eval-prompt-data", "good", str(good), "later", str(tmp_path / "later.jsonl")]
+    assert main(train_argv(checkpoint, data, "--dry-run", *eval_sets)) == 0
+    out = capsys.readouterr().out
+    assert f"eval set good: {good}: 3 rows, 3 prompts kept" in out
+    assert f"eval set later: not checked (--eval-prompt-data later {tmp_path / 'later.jsonl'} does not exist)" in out
+    assert main(train_argv(checkpoint, data, "--dry-run", *eval_sets, "bad", str(bad))) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"relax train: --eval-prompt-data bad: {bad} row 2: key 'label' missing (row has keys: prompt) "
+        "(pass skip_bad_rows / --skip-bad-rows to skip such rows)"
+    )

@@ -147,3 +147,20 @@ def test_a_run_stopped_before_its_first_step_still_says_where_its_outputs_are(tm
     MetricsLog(tmp_path, num_steps=3).close()
     summary = capsys.readouterr().out
     assert "  steps         none finished\n" in summary and f"  tensorboard   {tmp_path / 'tensorboard'}" in summary
+
+
+def test_eval_scores_reach_the_summary_and_the_curve_and_the_last_evaluation_is_no_step(tmp_path, capsys):
+    log = MetricsLog(tmp_path, num_steps=2)
+    log.log(0, {**STEP, "eval/held_out/pass@1": 0.25, "eval/held_out/pass@2": 0.5, "eval/aime/pass@1": 0.0})
+    log.log(1, STEP)
+    log.log_evaluation(2, {"eval/held_out/pass@1": 0.75, "eval/aime/pass@1": 0.125})
+    png = log.close()
+    summary = capsys.readouterr().out
+    assert "  steps         2 (steps 0-1)\n" in summary
+    assert "  eval held_out pass@1 first 0.250, last 0.750, best 0.750 (step 2)\n" in summary
+    assert "  eval aime pass@1 first 0.000, last 0.125, best 0.125 (step 2)\n" in summary
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/held_out/pass@1")] == [(0, 0.25), (2, 0.75)]

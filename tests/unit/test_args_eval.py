@@ -1,0 +1,74 @@
+"""The evaluation flags: NAME PATH pairs, defaults from the rollout's sampling, what --eval-only refuses."""
+
+import pytest
+
+from relax.args import parse_train_args
+
+SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+RUN = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
+EVAL = ["--eval-prompt-data", "held_out", "h.jsonl", "aime", "a.parquet"]
+
+
+def parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_train_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_eval_sets_read_as_the_prompt_data_and_sample_as_the_rollout():
+    config = parse_train_args(
+        [*RUN, *EVAL, "--input-key", "question", "--rollout-temperature", "0.7", "--rollout-max-response-len", "64"]
+    )
+    evaluation = config.evaluation
+    assert list(evaluation.datasets) == ["held_out", "aime"]
+    assert evaluation.datasets["aime"].path == "a.parquet" and evaluation.datasets["aime"].prompt_key == "question"
+    assert evaluation.datasets["held_out"] == config.rollout.data.__class__(
+        **{**vars(config.rollout.data), "path": "h.jsonl"}
+    )
+    sampling = evaluation.sampling
+    assert (sampling.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens) == (1, 0.7, 1.0, 64)
+    assert evaluation.interval is None and not evaluation.only
+
+
+def test_eval_sampling_flags_override_the_rollouts():
+    config = parse_train_args(
+        [*RUN, *EVAL, "--eval-interval", "5", "--eval-n-samples-per-prompt", "8", "--eval-temperature", "0",
+         "--eval-top-p", "0.9", "--eval-max-response-len", "3"]
+    )
+    sampling = config.evaluation.sampling
+    assert (sampling.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens) == (8, 0.0, 0.9, 3)
+    assert config.evaluation.interval == 5
+
+
+def test_no_eval_prompt_data_no_evaluation():
+    assert parse_train_args(RUN).evaluation.datasets == {}
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eval-prompt-data", "h.jsonl"], "--eval-prompt-data takes NAME PATH pairs, got 1 values (h.jsonl)"),
+        (["--eval-prompt-data", "a", "x.jsonl", "b"], "got 3 values"),
+        (["--eval-prompt-data", "data/h.jsonl", "x.jsonl"], "'data/h.jsonl' is not a NAME"),
+        (["--eval-prompt-data", "a", "x.jsonl", "a", "y.jsonl"], "--eval-prompt-data names a more than once"),
+        (["--eval-interval", "5"], "--eval-interval without --eval-prompt-data NAME PATH ...: nothing to evaluate"),
+        (["--eval-only", "--eval-temperature", "0"], "--eval-temperature, --eval-only without --eval-prompt-data"),
+        ([*EVAL, "--eval-top-p", "1.5"], "top_p=1.5 (must be in (0, 1])"),
+        ([*EVAL, "--eval-only", "--save", "s", "--save-rollout-data", "d"], "--eval-only evaluates --hf-checkpoint "
+         "once, without training: --save, --save-rollout-data would do nothing"),
+        ([*EVAL, "--eval-only", "--load", "s"], "`relax convert`"),
+        ([*EVAL, "--debug-train-only", "--load-rollout-data", "d.jsonl"], "--debug-train-only does not start"),
+    ],
+)
+def test_bad_eval_flags_are_refused_naming_them(args, message, capsys):
+    assert message in parse_error([*RUN, *args], capsys)
+
+
+def test_eval_only_needs_no_training_data_or_learning_rate():
+    config = parse_train_args(["--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE, *EVAL, "--eval-only"])
+    assert config.evaluation.only and config.rollout.data is None
+
+
+def test_slime_users_eval_prompt_data_is_relaxs_own():
+    assert list(parse_train_args([*RUN, "--eval-prompt-data", "aime", "aime.jsonl"]).evaluation.datasets) == ["aime"]
