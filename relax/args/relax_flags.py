@@ -39,6 +39,7 @@ REWARD_TIMEOUT_DEFAULT = 60.0  # seconds per call: far above a rule-based score,
 ENGINE_START_TIMEOUT_DEFAULT = 3600.0
 ROLLOUT_TIMEOUT_DEFAULT = 4 * 3600.0
 WEIGHT_SYNC_TIMEOUT_DEFAULT = 3600.0
+TRAIN_TIMEOUT_DEFAULT = 4 * 3600.0
 
 # slime's spellings of relax flags, for users coming from slime: each names the same setting in the same unit and
 # value format, and is a second option string of the relax flag (so --help lists it). Giving both spellings is an
@@ -519,6 +520,16 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="How long each part of handing the devices over may take: the engines' memory release and resume, "
         "the actor's wake and sleep, and the weight push (with the process groups it builds); past it the run "
         "fails naming the worker that did not answer; `none`: no bound (default: %(default)s).",
+    )
+    g.add_argument(
+        "--train-timeout",
+        type=_timeout,
+        default=TRAIN_TIMEOUT_DEFAULT,
+        metavar="SECONDS",
+        help="How long the training ranks may take for each of their other calls: one step's training (old-policy "
+        "and reference logprobs, the optimizer steps), a checkpoint save or load, and closing the weight-sync "
+        "groups; past it the run fails naming the rank that did not answer (a rank stuck in a collective); "
+        "`none`: no bound (default: %(default)s, a long step of a large model).",
     )
 
     g = parser.add_argument_group("relax: checkpoints")

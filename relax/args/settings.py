@@ -45,6 +45,7 @@ class RunSettings:
     engine_start_timeout: Timeout  # an engine's start, at the run's start or after a restart
     rollout_timeout: Timeout  # one engine's share of one generate call
     weight_sync_timeout: Timeout  # each call of the device hand-over: memory release/resume, wake/sleep, push
+    train_timeout: Timeout  # the training ranks' other calls: a step's training, checkpoint save and load
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +118,7 @@ def run_settings(flags: argparse.Namespace) -> RunSettings:
         engine_start_timeout=Timeout(flags.engine_start_timeout, "--engine-start-timeout"),
         rollout_timeout=Timeout(flags.rollout_timeout, "--rollout-timeout"),
         weight_sync_timeout=Timeout(flags.weight_sync_timeout, "--weight-sync-timeout"),
+        train_timeout=Timeout(flags.train_timeout, "--train-timeout"),
     )
 
 

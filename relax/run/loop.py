@@ -15,7 +15,7 @@ score, save); --debug-train-only creates no engines and trains on rollouts repla
 The driver waits on every phase through relax.ray.placement.wait_for, which also watches every actor of the
 run (and an engine's SGLang processes): a worker that dies fails the run within seconds, whichever phase
 the driver is waiting on, and a call that may hang is bounded (--engine-start-timeout, --rollout-timeout,
---weight-sync-timeout). The exception: an engine that fails during a rollout is started again in place, given
+--weight-sync-timeout, --train-timeout). The exception: an engine that fails during a rollout is started again in place, given
 the actor's weights, and its requests are sent again (relax.rollout.engine_restarts; --max-engine-restarts).
 With --max-restarts, run_with_restarts resumes a run whose training rank failed from its newest checkpoint, on
 workers started anew.
@@ -100,7 +100,9 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
                 ),
             )
             wait_for(trainers.call("sleep"), placement, hand_over_timeout, group_callees(trainers))
-            data_parallel_ranks = wait_for(trainers.call("data_parallel_rank"), placement)
+            data_parallel_ranks = wait_for(
+                trainers.call("data_parallel_rank"), placement, settings.train_timeout, group_callees(trainers)
+            )
         if not settings.debug_train_only:
             engines = create_engine_actors(
                 EngineWorker, placement,
@@ -114,15 +116,13 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
             wait_for(started, placement, settings.engine_start_timeout, group_callees(engines))
             generate = _generate_restarting_engines(engines, trainers, settings, rollout.devices_per_engine)
         if checkpoint is not None:
-            resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine, hand_over_timeout)
+            resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine, settings)
 
         evaluate_policy = partial(evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps)
         for step in range(start_step, num_steps):
             if stop.requested:  # a signal came during the previous step (or the setup), which has ended
                 last_step = step - 1 if step > start_step else None
-                raise stop_run(
-                    stop.signum, last_step, saved, engines, trainers, loader, settings.seed, outputs, hand_over_timeout
-                )
+                raise stop_run(stop.signum, last_step, saved, engines, trainers, loader, settings, outputs)
             timer, train_metrics, saved = PhaseTimer(), {}, None
             step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
             eval_metrics = evaluate_policy(step)  # the policy this step samples from, while the actor sleeps
@@ -135,10 +135,15 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
                     with timer("perf/train_wait_time"):
                         hand_devices_to_actor(engines, trainers, hand_over_timeout)
                     with timer("perf/train_time"):
-                        train_metrics = train(trainers, data_parallel_ranks, samples, config.algorithm)
+                        train_metrics = train(
+                            trainers, data_parallel_ranks, samples, config.algorithm, settings.train_timeout
+                        )
                     if save_due(outputs, num_steps, step):  # while the actor is awake
                         with timer("perf/save_time"):
-                            saved = save(outputs.save, step, trainers, loader, settings.seed, outputs.save_hf)
+                            saved = save(
+                                outputs.save, step, trainers, loader, settings.seed, outputs.save_hf,
+                                settings.train_timeout,
+                            )
                     with timer("perf/weight_sync_time"):
                         hand_devices_to_engines(engines, trainers, rollout.devices_per_engine, hand_over_timeout)
             faults = {"faults/engine_restarts": generate.take_count()} if generate is not None else {}
@@ -150,7 +155,8 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
         if final_eval:
             log.log_evaluation(num_steps, final_eval)
         if trainers is not None and engines is not None:
-            wait_for(trainers.call("close_weight_sync"), placement)  # the broadcast groups to engines on other nodes
+            # the broadcast groups to engines on other nodes
+            wait_for(trainers.call("close_weight_sync"), placement, settings.train_timeout, group_callees(trainers))
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
         raise worker_failure(error, [trainers, engines]) from error
     finally:
@@ -241,9 +247,11 @@ def hand_devices_to_actor(engines, trainers, timeout: Timeout) -> None:
     wait_for(trainers.call("wake"), trainers.placement, timeout, group_callees(trainers))
 
 
-def train(trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings) -> dict:
+def train(
+    trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings, timeout: Timeout
+) -> dict:
     """Advantages; each data-parallel rank gets its token-balanced share of every optimizer step; old-policy (and
-    reference) logprobs and the optimizer steps on every rank; mean metrics."""
+    reference) logprobs and the optimizer steps on every rank (within `timeout`); mean metrics."""
     batch = rollout_batch(samples, algorithm)
     shares, imbalance = split_over_data_parallel(
         batch.token_counts(), algorithm.global_batch_size, max(data_parallel_ranks) + 1
@@ -253,7 +261,7 @@ def train(trainers, data_parallel_ranks: list[int], samples: list[Sample], algor
         actor.train.remote(share_refs[rank], shares[rank].step_sizes, algorithm.uses_reference)
         for actor, rank in zip(trainers.actors, data_parallel_ranks)
     ]
-    metrics = wait_for(calls, trainers.placement)
+    metrics = wait_for(calls, trainers.placement, timeout, group_callees(trainers))
     return {**_mean_over_steps(metrics[0]), "perf/data_parallel_token_imbalance": imbalance}
 
 
@@ -279,12 +287,13 @@ def hand_devices_to_engines(engines, trainers, devices_per_engine: int, timeout:
     return reports
 
 
-def resume_actor(checkpoint, engines, trainers, devices_per_engine: int, timeout: Timeout) -> None:
+def resume_actor(checkpoint, engines, trainers, devices_per_engine: int, settings: RunSettings) -> None:
     """Load the actor's checkpoint (awake, the engines' memory released) and push its weights to the engines,
     which started from --hf-checkpoint."""
-    hand_devices_to_actor(engines, trainers, timeout)
-    wait_for(trainers.call("load_checkpoint", str(checkpoint.actor_dir)), trainers.placement)
-    hand_devices_to_engines(engines, trainers, devices_per_engine, timeout)
+    hand_devices_to_actor(engines, trainers, settings.weight_sync_timeout)
+    loaded = trainers.call("load_checkpoint", str(checkpoint.actor_dir))
+    wait_for(loaded, trainers.placement, settings.train_timeout, group_callees(trainers))
+    hand_devices_to_engines(engines, trainers, devices_per_engine, settings.weight_sync_timeout)
 
 
 def refresh_engine_weights(engines, trainers, devices_per_engine: int, timeout: Timeout) -> None:
@@ -295,14 +304,16 @@ def refresh_engine_weights(engines, trainers, devices_per_engine: int, timeout: 
 
 
 def stop_run(
-    signum: int, last_step: int | None, saved, engines, trainers, loader, seed: int, outputs: OutputSettings,
-    timeout: Timeout,
+    signum: int, last_step: int | None, saved, engines, trainers, loader, settings: RunSettings,
+    outputs: OutputSettings,
 ) -> RunStopped:
     """The run ends after `last_step` (None: before its first step) on a signal. With --save, that step's state
     is saved unless it just was (the actor woken for it: the engines are not needed any more)."""
     if outputs.save and last_step is not None and saved is None:
-        hand_devices_to_actor(engines, trainers, timeout)
-        saved = save(outputs.save, last_step, trainers, loader, seed, outputs.save_hf)
+        hand_devices_to_actor(engines, trainers, settings.weight_sync_timeout)
+        saved = save(
+            outputs.save, last_step, trainers, loader, settings.seed, outputs.save_hf, settings.train_timeout
+        )
     return RunStopped(signum, last_step, saved)
 
 

@@ -44,6 +44,7 @@ from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 
 if typing.TYPE_CHECKING:  # (relax.args imports this module: LATEST)
     from relax.args.settings import OutputSettings
+    from relax.ray.watch import Timeout
 
 LATEST = "latest"
 PARTIAL_SUFFIX = ".partial"  # a step directory while it is written
@@ -73,14 +74,21 @@ def sampling_seed(seed: int, step: int) -> int:
     return random.Random(f"{seed}:sampling:{step}").getrandbits(38) << 24
 
 
-def save(save_dir: str | Path, step: int, trainers, loader, seed: int, save_hf: str | Path | None = None) -> Path:
+def save(
+    save_dir: str | Path, step: int, trainers, loader, seed: int, save_hf: str | Path | None = None,
+    timeout: "Timeout | None" = None,
+) -> Path:
     """Save the state after `step`: the actor's checkpoint (collective over the training ranks, which must be
     awake), then the loop's state, then `latest`; with `save_hf` (--save-hf), then the actor's weights as an HF
-    directory save_hf/step_N. Returns the step directory."""
-    from relax.ray.placement import wait_for
+    directory save_hf/step_N. Returns the step directory. `timeout` (--train-timeout) bounds each call on the
+    ranks."""
+    from relax.ray.placement import group_callees, wait_for
 
     directory = _fresh_partial(Path(save_dir), step)
-    wait_for(trainers.call("save_checkpoint", str(directory / ACTOR_DIR), step), trainers.placement)
+    wait_for(
+        trainers.call("save_checkpoint", str(directory / ACTOR_DIR), step), trainers.placement, timeout,
+        group_callees(trainers),
+    )
     state = {
         "next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None,
         "files": saved_files(directory),
@@ -90,7 +98,7 @@ def save(save_dir: str | Path, step: int, trainers, loader, seed: int, save_hf: 
     write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
     if save_hf is not None:
         hf_directory = _fresh_partial(Path(save_hf), step)
-        wait_for(trainers.call("save_hf", str(hf_directory)), trainers.placement)
+        wait_for(trainers.call("save_hf", str(hf_directory)), trainers.placement, timeout, group_callees(trainers))
         _complete(hf_directory)
     return directory
 

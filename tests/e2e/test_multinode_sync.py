@@ -81,9 +81,11 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
 
         for step in range(2):  # the second push reuses the groups made by the first
             samples = one_group(PROMPTS[step], [before[0][step][0][:4], before[0][step][0][4:]], rewards=[1.0, 0.0])
-            hand_devices_to_actor(engines, trainers)
-            train(trainers, data_parallel_ranks, samples, config.algorithm)
-            reports = hand_devices_to_engines(engines, trainers, config.rollout.devices_per_engine)
+            hand_devices_to_actor(engines, trainers, config.run.weight_sync_timeout)
+            train(trainers, data_parallel_ranks, samples, config.algorithm, config.run.train_timeout)
+            reports = hand_devices_to_engines(
+                engines, trainers, config.rollout.devices_per_engine, config.run.weight_sync_timeout
+            )
             assert reports[0]["routes"] == [SAME_DEVICE, BROADCAST] and reports[0]["bytes"] > 0
             assert reports[1]["routes"] == [BROADCAST, SAME_DEVICE] and reports[1]["bytes"] > 0
 

@@ -287,10 +287,12 @@ def test_engine_restarts_and_the_driver_waits_are_bounded_by_default(capsys):
     assert run.engine_start_timeout == Timeout(3600.0, "--engine-start-timeout")
     assert run.rollout_timeout == Timeout(4 * 3600.0, "--rollout-timeout")
     assert run.weight_sync_timeout == Timeout(3600.0, "--weight-sync-timeout")
+    assert run.train_timeout == Timeout(4 * 3600.0, "--train-timeout")
     run = parse_train_args([*RUN, "--max-engine-restarts", "0", "--rollout-timeout", "none"]).run
     assert run.max_engine_restarts == 0 and run.rollout_timeout.seconds is None
     assert "--max-engine-restarts: must be >= 0, got -1" in parse_error([*RUN, "--max-engine-restarts", "-1"], capsys)
     assert "--weight-sync-timeout: must be > 0, got 0" in parse_error([*RUN, "--weight-sync-timeout", "0"], capsys)
+    assert "--train-timeout: must be > 0, got 0" in parse_error([*RUN, "--train-timeout", "0"], capsys)
 
 
 def test_max_restarts_defaults_to_none_and_is_positive(capsys):
