@@ -20,11 +20,11 @@ At most `max_restarts` restarts per run; the next failure fails the run as befor
     restarts_this_step = generate.take_count()
 """
 
-import sys
 from typing import Callable
 
 import ray
 
+from relax.console import say
 from relax.ray.placement import ActorGroup, WorkerFailed, wait_for, worker_failure
 from relax.ray.watch import Timeout
 from relax.rollout.engine import Completion, SamplingConfig
@@ -94,9 +94,9 @@ class EngineRestarts:
             ) from error
         self.used += 1
         self._untaken += 1
-        print(
+        say(
             f"relax: {failure}; starting it again on its devices (engine restart {self.used} of at most "
-            f"{self.max_restarts}, --max-engine-restarts)", file=sys.stderr, flush=True,
+            f"{self.max_restarts}, --max-engine-restarts)", error=True,
         )
         self.engines.restart(failure.index)
         return failure.index
