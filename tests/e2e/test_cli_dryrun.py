@@ -47,7 +47,7 @@ def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
     s = sections(result.stdout)
     assert set(s) == {
         "relax",
-        *(f"settings.{group}" for group in ("run", "rollout", "algorithm", "actor", "outputs")),
+        *(f"settings.{group}" for group in ("run", "rollout", "evaluation", "algorithm", "actor", "outputs")),
         "sglang",
         "megatron.transformer",
         "megatron.optimizer",
