@@ -9,6 +9,8 @@ scored by the run's reward function; the metrics of set NAME are, under eval/NAM
                            1 - C(K - c, k) / C(K, k) (c: the prompt's passing samples; Chen et al., 2021)
     response_length_mean   tokens per response
     truncated_fraction     responses that reached the eval's max response length
+    reward_failures        samples whose reward call raised or timed out (scored 0.0, as in a rollout)
+    reward_timeouts        of those, the ones past --reward-timeout
 
 A sample passes when it earns the full reward, PASSING_REWARD (the built-in rewards give 1.0 to a right answer
 and less otherwise).
@@ -79,6 +81,8 @@ def eval_metrics(name: str, samples: list[Sample], samples_per_prompt: int) -> d
         metrics[f"{prefix}pass@{k}"] = sum(pass_at_k(samples_per_prompt, c, k) for c in passing) / len(groups)
     metrics[f"{prefix}response_length_mean"] = sum(len(s.response_token_ids) for s in samples) / len(samples)
     metrics[f"{prefix}truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
+    metrics[f"{prefix}reward_failures"] = float(sum(s.reward_failed for s in samples))
+    metrics[f"{prefix}reward_timeouts"] = float(sum(s.reward_timed_out for s in samples))
     return metrics
 
 

@@ -5,7 +5,8 @@
    starts from the same checkpoint and sees the same samples, the engine's logprobs included);
 3. --debug-rollout-only generates, scores and saves with no training actor, into the normal run's output
    directory: a new run's record replaces the previous one's (as a user reruns the job) rather than continuing it.
-   One call of its reward function never returns, and is timed out, counted and killed while the step goes on.
+   One call of its reward function never returns (the first, in the evaluation before step 0), and is timed out,
+   counted and killed while the run goes on.
 
 Which Ray actors each run created is read from its process tree while it runs."""
 
@@ -129,7 +130,9 @@ def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_on
     assert [r["step"] for r in generated] == [0] and "rollout/reward_mean" in generated[0]
     events = set((tmp_path / "original" / "tensorboard").iterdir())
     assert len(events) == 1 and not events & original_events, (original_events, events)
-    assert generated[0]["rollout/reward_timeouts"] == generated[0]["rollout/reward_failures"] == 1
+    # The script's held-out evaluation before step 0 makes the run's first reward calls.
+    assert generated[0]["eval/held_out/reward_timeouts"] == generated[0]["eval/held_out/reward_failures"] == 1
+    assert generated[0]["rollout/reward_timeouts"] == generated[0]["rollout/reward_failures"] == 0
     log = (tmp_path / "rollout_only.log").read_text()
     assert "(1 by timing out; each scored 0.0)" in log and "timed out: no score within 2 s" in log
     assert not psutil.pid_exists(int((tmp_path / "hung_pid").read_text()))  # the stuck worker was killed

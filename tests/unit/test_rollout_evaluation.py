@@ -62,6 +62,8 @@ def test_eval_metrics_by_hand():
         "eval/held_out/pass@4": 1.0,
         "eval/held_out/response_length_mean": 1.5,
         "eval/held_out/truncated_fraction": 0.5,
+        "eval/held_out/reward_failures": 0.0,
+        "eval/held_out/reward_timeouts": 0.0,
     })
 
 
