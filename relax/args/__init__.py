@@ -165,12 +165,13 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     if problems:
         parser.error("\n".join(problems))
     try:
+        rollout = rollout_settings(relax)
         return TrainConfig(
             flags=relax,
             run=run_settings(relax),
-            rollout=rollout_settings(relax),
+            rollout=rollout,
             algorithm=algorithm_settings(relax),
-            evaluation=eval_settings(relax),
+            evaluation=eval_settings(relax, rollout.sampling),
             actor=actor_settings(relax, megatron.scheduler),
             outputs=output_settings(relax),
             sglang=sglang,

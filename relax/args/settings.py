@@ -165,22 +165,22 @@ def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
     )
 
 
-def eval_settings(flags: argparse.Namespace) -> EvalSettings:
-    """(relax.args filled the eval sampling flags with the rollout's when --eval-prompt-data is given, and the
-    checks refused an odd number of its values.)"""
+def eval_settings(flags: argparse.Namespace, rollout_sampling: SamplingConfig) -> EvalSettings:
+    """The eval samples as the rollout does (`rollout_sampling`: top-k, stop tokens) but for what the eval flags
+    set. (relax.args filled those with the rollout's when --eval-prompt-data is given, and the checks refused an
+    odd number of its values.)"""
     pairs = flags.eval_prompt_data or []
     if not pairs:
         return EvalSettings(datasets={}, interval=None, sampling=SamplingConfig(), only=flags.eval_only)
     return EvalSettings(
         datasets={name: prompt_data_config(flags, path) for name, path in zip(pairs[::2], pairs[1::2])},
         interval=flags.eval_interval,
-        sampling=SamplingConfig(
+        sampling=dataclasses.replace(
+            rollout_sampling,
             n=flags.eval_n_samples_per_prompt,
             temperature=flags.eval_temperature,
             top_p=flags.eval_top_p,
-            top_k=flags.rollout_top_k,
             max_new_tokens=flags.eval_max_response_len,
-            stop_token_ids=tuple(flags.rollout_stop_token_ids or ()),
         ),
         only=flags.eval_only,
     )

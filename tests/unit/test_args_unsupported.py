@@ -98,8 +98,9 @@ def _reads(argv) -> tuple[set, set, set]:
     config = parse_train_args(argv)
     built, checked, scheduler = (ReadRecorder(config.flags), ReadRecorder(config.flags),
                                  ReadRecorder(config.megatron.scheduler))
-    for build in (run_settings, rollout_settings, algorithm_settings, eval_settings, output_settings):
+    for build in (run_settings, algorithm_settings, output_settings):
         build(built)
+    eval_settings(built, rollout_settings(built).sampling)
     actor_settings(built, scheduler)
     assert check_config(checked, config.megatron, platform_facts("cpu")) == []
     return built.read, checked.read, scheduler.read
