@@ -102,9 +102,9 @@ def test_an_engine_killed_mid_rollout_restarts_in_place_until_its_restarts_are_u
         )
     try:
         _wait_for_steps(1, metrics, run, log_path)
-        _kill_scheduler_mid_generate(marker, run)  # step 1's rollout: the engine restarts, the step completes
-        _wait_for_steps(2, metrics, run, log_path)
-        second = _kill_scheduler_mid_generate(marker, run)  # step 2's: no restart left
+        _kill_scheduler_mid_generate(marker, run)  # a rollout: the engine restarts, the step completes
+        _wait_for_steps(metrics.read_text().count("\n") + 1, metrics, run, log_path)  # the step that restarted
+        second = _kill_scheduler_mid_generate(marker, run)  # a later rollout: no restart left
         _wait_for_exit(run, f"the second scheduler (pid {second.pid})", log_path)
     finally:
         if run.poll() is None:
@@ -113,12 +113,16 @@ def test_an_engine_killed_mid_rollout_restarts_in_place_until_its_restarts_are_u
     output = log_path.read_text()
     assert run.returncode == 1, output[-6000:]
     rows = read_metrics(metrics)
-    assert [row["faults/engine_restarts"] for row in rows] == [0, 1], output[-6000:]
+    # Each kill lands in the first rollout the test catches after the step it waited for (usually the next
+    # step's, a later one's on a loaded machine): one step restarted its engine, and the run failed in the
+    # step after the last row.
+    restarts = [row["faults/engine_restarts"] for row in rows]
+    assert restarts[0] == 0 and restarts.count(1) == 1 and sum(restarts) == 1, (restarts, output[-6000:])
     assert "relax: engine 0 (EngineWorker, " in output, output[-6000:]
     assert "starting it again on its devices (engine restart 1 of at most 1" in output, output[-6000:]
-    # The restarted engine had the actor's weights after step 0 and sampled step 1's requests with their seeds.
+    # The restarted engine had the actor's weights of the step before and sampled its requests with their seeds.
     for key in ("rollout/reward_mean", "rollout/response_tokens"):
-        assert [row[key] for row in rows] == [row[key] for row in saved_tiny_run.records[:2]], key
+        assert [row[key] for row in rows] == [row[key] for row in saved_tiny_run.records[:len(rows)]], key
     line = _failure_line(output, "engine 0", second.pid)
     assert "no engine restart left: --max-engine-restarts 1" in line, line
     leftover = leftover_processes(marker)
