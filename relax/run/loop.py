@@ -1,4 +1,5 @@
-"""The colocated RL loop. `run` reads top to bottom: set up, then one colocated step per iteration.
+"""The colocated RL loop. `run` reads top to bottom: set up (start_workers: the training actors, then the engines,
+then the checkpoint resumed from), then one colocated step per iteration, then the evaluation after the last step.
 
 One step: generate and score; release the engines' memory; wake the actor; old-policy (and
 reference) logprobs and advantages; train; push the new weights to the engines and put the actor to
@@ -20,6 +21,9 @@ the actor's weights, and its requests are sent again (relax.rollout.engine_resta
 With --max-restarts, run_with_restarts resumes a run whose training rank failed from its newest checkpoint, on
 workers started anew.
 
+A signal to the driver (SIGINT / SIGTERM, StopOnSignal) ends the run after the step it came in, that step saved
+with --save (stop_run); the evaluations still due are not run, the one after the last step included.
+
 Weight push order: the actor pushes while awake (engines' weights resumed, their KV cache still
 released), then sleeps. Exporting from a sleeping actor's host copy, which would lower the peak by the
 actor's weights, is not built yet.
@@ -27,7 +31,7 @@ actor's weights, is not built yet.
 
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -38,8 +42,8 @@ from relax.args.settings import AlgorithmSettings, EvalSettings, OutputSettings,
 from relax.console import say
 from relax.run.metrics import RUN_RESTARTS, MetricsLog, extreme
 from relax.ray.placement import (
-    TRAINING_RANK, WorkerFailed, create_engine_actors, create_node_placement, create_training_actors, group_callees,
-    wait_for, worker_failure,
+    TRAINING_RANK, ActorGroup, Placement, WorkerFailed, create_engine_actors, create_node_placement,
+    create_training_actors, group_callees, wait_for, worker_failure,
 )
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptLoader, load_prompts
@@ -63,8 +67,8 @@ ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
 def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     """Train as `config` (relax.args.TrainConfig: settings built and checked at parse time) says; returns the output
     directory. With `stop` (entered by the `relax train` driver), a signal ends the run after its current step
-    with RunStopped. `restarts`: how often the run restarted before this attempt (run_with_restarts), logged as
-    faults/run_restarts at every step."""
+    with RunStopped (stop_run), also after the last step: the evaluation after it is then not run. `restarts`: how
+    often the run restarted before this attempt (run_with_restarts), logged as faults/run_restarts at every step."""
     settings, rollout, evaluation, outputs = config.run, config.rollout, config.evaluation, config.outputs
     num_steps = 0 if evaluation.only else settings.num_steps  # --eval-only: the evaluation at step 0 only
     stop = stop or StopOnSignal()  # not entered: never signalled
@@ -75,14 +79,13 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
 
     platform = get_platform(settings.device)
     loader, eval_sets, reward_fn = _prompts_and_reward(settings, rollout, evaluation, checkpoint)
-    memory_saver_on = settings.colocate and platform.has_memory_saver
 
     started_ray = _init_ray()
     stop.take_back()  # ray.init set its own SIGTERM handler
     placement = create_node_placement(platform, settings.num_nodes, settings.num_devices_per_node)
-    trainers = engines = generate = None  # generate: EngineRestarts over the engines, when there are engines
+    workers = Workers()  # filled as each group is created, so that the cleanup ends those a failed setup created
     hand_over_timeout = settings.weight_sync_timeout
-    start_step, saved = checkpoint.next_step if checkpoint else 0, None
+    start_step = checkpoint.next_step if checkpoint else 0
     log = MetricsLog(
         Path(outputs.output_dir), num_steps, first_step=start_step, wandb_project=outputs.wandb_project,
         other_outputs={
@@ -90,39 +93,12 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
         },
     )
     try:
-        # The actor first, then to sleep, so the engines start with the device memory to themselves.
-        if not (settings.debug_rollout_only or evaluation.only):
-            trainers = create_training_actors(
-                TrainWorker, placement, memory_saver_on=memory_saver_on,
-                args=(
-                    settings.hf_checkpoint, config.megatron.values, config.actor, platform.name,
-                    settings.update_weight_buffer_size, settings.megatron_features,
-                ),
-            )
-            wait_for(trainers.call("sleep"), placement, hand_over_timeout, group_callees(trainers))
-            data_parallel_ranks = wait_for(
-                trainers.call("data_parallel_rank"), placement, settings.train_timeout, group_callees(trainers)
-            )
-        if not settings.debug_train_only:
-            engines = create_engine_actors(
-                EngineWorker, placement,
-                devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
-                args=(
-                    config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on
-                ),
-            )
-            # Started (weights loaded, graphs captured) before the first step, which would otherwise time it as rollout.
-            started = engines.call("watched_child_pids")
-            wait_for(started, placement, settings.engine_start_timeout, group_callees(engines))
-            generate = _generate_restarting_engines(engines, trainers, settings, rollout.devices_per_engine)
-        if checkpoint is not None:
-            resume_actor(checkpoint, engines, trainers, rollout.devices_per_engine, settings)
-
+        start_workers(workers, config, platform, placement, checkpoint)
+        trainers, engines, generate = workers.trainers, workers.engines, workers.generate
+        if stop.requested:  # a signal came during the setup
+            raise RunStopped(stop.signum, None, None)
         evaluate_policy = partial(evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps)
         for step in range(start_step, num_steps):
-            if stop.requested:  # a signal came during the previous step (or the setup), which has ended
-                last_step = step - 1 if step > start_step else None
-                raise stop_run(stop.signum, last_step, saved, engines, trainers, loader, settings, outputs)
             timer, train_metrics, saved = PhaseTimer(), {}, None
             step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
             eval_metrics = evaluate_policy(step)  # the policy this step samples from, while the actor sleeps
@@ -136,7 +112,7 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
                         hand_devices_to_actor(engines, trainers, hand_over_timeout)
                     with timer("perf/train_time"):
                         train_metrics = train(
-                            trainers, data_parallel_ranks, samples, config.algorithm, settings.train_timeout
+                            trainers, workers.data_parallel_ranks, samples, config.algorithm, settings.train_timeout
                         )
                     if save_due(outputs, num_steps, step):  # while the actor is awake
                         with timer("perf/save_time"):
@@ -146,26 +122,28 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
                             )
                     with timer("perf/weight_sync_time"):
                         hand_devices_to_engines(engines, trainers, rollout.devices_per_engine, hand_over_timeout)
-            faults = {"faults/engine_restarts": generate.take_count()} if generate is not None else {}
             log.log(
                 step,
-                {**eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds, **faults, RUN_RESTARTS: restarts},
+                {
+                    **eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds, **workers.take_faults(),
+                    RUN_RESTARTS: restarts,
+                },
             )
+            if stop.requested:  # a signal came during this step, which has ended (the last: no evaluation after it)
+                raise stop_run(stop.signum, step, saved, engines, trainers, loader, settings, outputs)
         final_eval = evaluate_policy(num_steps)  # the last step's weights pushed, the actor asleep
         if final_eval:
-            log.log_evaluation(num_steps, final_eval)
+            log.log_evaluation(num_steps, {**final_eval, **workers.take_faults()})
         if trainers is not None and engines is not None:
             # the broadcast groups to engines on other nodes
             wait_for(trainers.call("close_weight_sync"), placement, settings.train_timeout, group_callees(trainers))
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
-        raise worker_failure(error, [trainers, engines]) from error
+        raise worker_failure(error, [workers.trainers, workers.engines]) from error
     finally:
         log.close()
         if reward_fn is not None:  # its worker processes, if it has any
             reward_fn.close()
-        for group in (engines, trainers):
-            if group is not None:
-                group.kill()
+        workers.kill()
         placement.remove()
         if started_ray:  # the run's own local cluster: its processes end here, not at interpreter exit
             ray.shutdown()
@@ -304,12 +282,11 @@ def refresh_engine_weights(engines, trainers, devices_per_engine: int, timeout: 
 
 
 def stop_run(
-    signum: int, last_step: int | None, saved, engines, trainers, loader, settings: RunSettings,
-    outputs: OutputSettings,
+    signum: int, last_step: int, saved, engines, trainers, loader, settings: RunSettings, outputs: OutputSettings
 ) -> RunStopped:
-    """The run ends after `last_step` (None: before its first step) on a signal. With --save, that step's state
-    is saved unless it just was (the actor woken for it: the engines are not needed any more)."""
-    if outputs.save and last_step is not None and saved is None:
+    """The run ends after `last_step` on a signal. With --save, that step's state is saved unless it just was (the
+    actor woken for it: the engines are not needed any more)."""
+    if outputs.save and saved is None:
         hand_devices_to_actor(engines, trainers, settings.weight_sync_timeout)
         saved = save(
             outputs.save, last_step, trainers, loader, settings.seed, outputs.save_hf, settings.train_timeout
@@ -356,6 +333,57 @@ class PhaseTimer:
 
 
 # --- setup ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workers:
+    """The run's worker groups, each set as soon as it is created (start_workers), so that the run's cleanup ends
+    every group a setup that failed half-way had created."""
+
+    trainers: ActorGroup | None = None  # the training actors; none under --debug-rollout-only and --eval-only
+    data_parallel_ranks: list[int] | None = None  # each training actor's
+    engines: ActorGroup | None = None  # the rollout engines; none under --debug-train-only
+    generate: EngineRestarts | None = None  # the rollout's `generate` over the engines, restarting one that fails
+
+    def take_faults(self) -> dict:
+        """faults/engine_restarts: the engines restarted in place since the last call (none without engines)."""
+        return {"faults/engine_restarts": self.generate.take_count()} if self.generate is not None else {}
+
+    def kill(self) -> None:
+        for group in (self.engines, self.trainers):
+            if group is not None:
+                group.kill()
+
+
+def start_workers(workers: Workers, config, platform, placement: Placement, checkpoint) -> None:
+    """Create the run's workers into `workers`: the training actors, put to sleep so that the engines start with
+    the device memory to themselves; then the engines, waited on until started (weights loaded, graphs captured:
+    the first step would otherwise time it as rollout); when resuming, the actor's checkpoint, pushed to them."""
+    settings, rollout = config.run, config.rollout
+    memory_saver_on = settings.colocate and platform.has_memory_saver
+    if not (settings.debug_rollout_only or config.evaluation.only):
+        workers.trainers = trainers = create_training_actors(
+            TrainWorker, placement, memory_saver_on=memory_saver_on,
+            args=(
+                settings.hf_checkpoint, config.megatron.values, config.actor, platform.name,
+                settings.update_weight_buffer_size, settings.megatron_features,
+            ),
+        )
+        wait_for(trainers.call("sleep"), placement, settings.weight_sync_timeout, group_callees(trainers))
+        workers.data_parallel_ranks = wait_for(
+            trainers.call("data_parallel_rank"), placement, settings.train_timeout, group_callees(trainers)
+        )
+    if not settings.debug_train_only:
+        workers.engines = engines = create_engine_actors(
+            EngineWorker, placement,
+            devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
+            args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
+        )
+        started = engines.call("watched_child_pids")
+        wait_for(started, placement, settings.engine_start_timeout, group_callees(engines))
+        workers.generate = _generate_restarting_engines(engines, workers.trainers, settings, rollout.devices_per_engine)
+    if checkpoint is not None:
+        resume_actor(checkpoint, workers.engines, workers.trainers, rollout.devices_per_engine, settings)
 
 
 def _prompts_and_reward(settings: RunSettings, rollout: RolloutSettings, evaluation: EvalSettings, checkpoint):

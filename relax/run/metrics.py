@@ -2,8 +2,8 @@
 when a signal stops the run) a PNG of reward (with each eval set's pass@1) and response length per step and a
 summary on the console. All files go to the run's output directory.
 
-The evaluation after the last step is a row of its own, at step num_steps (relax.rollout.evaluation); every other
-row is a step's.
+The evaluation after the last step is a row of its own, at step num_steps (relax.rollout.evaluation), with the
+engines restarted during it (faults/engine_restarts); every other row is a step's.
 
 Besides what the loop logs, each step gets its throughput and the share of the step each phase took
 (step_rates); the summary gives the same over the whole record (run_summary). Both are functions of logged rows.
@@ -112,7 +112,8 @@ class MetricsLog:
         self._progress.update(1)
 
     def log_evaluation(self, step: int, metrics: dict[str, float]) -> None:
-        """A row of eval metrics alone (the evaluation after the last step): no step of the progress bar."""
+        """The row of the evaluation after the last step: its eval metrics, perf/eval_time and (with engines)
+        faults/engine_restarts; no step of the progress bar."""
         self._write(step, {key: float(value) for key, value in metrics.items()})
 
     def _write(self, step: int, metrics: dict[str, float]) -> None:
@@ -199,10 +200,14 @@ def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object
     if rates:
         parts = [f"{TOKENS_PER_SECOND[key][2]} {rate:,.0f}" for key, rate in rates.items()]
         lines.append(f"  tokens/s      {', '.join(parts)}")
-    restarts = {r["step"]: int(r["faults/engine_restarts"]) for r in rows if r.get("faults/engine_restarts")}
-    if restarts:
-        steps = ", ".join(map(str, restarts))
-        lines.append(f"  faults        {sum(restarts.values())} engine restart(s), in step(s) {steps}")
+    restarted = [r for r in rows if r.get("faults/engine_restarts")]
+    if restarted:
+        steps = [str(r["step"]) for r in restarted if "perf/step_time" in r]  # the others: the last evaluation
+        where = [f"step(s) {', '.join(steps)}"] if steps else []
+        if len(steps) < len(restarted):
+            where.append("the evaluation after the last step")
+        count = sum(int(r["faults/engine_restarts"]) for r in restarted)
+        lines.append(f"  faults        {count} engine restart(s), in {' and '.join(where)}")
     restarts = max((r.get(RUN_RESTARTS, 0) for r in rows), default=0)
     if restarts:
         lines.append(f"  restarts      {restarts:.0f}: resumed from a checkpoint after a training rank failed")
