@@ -1,18 +1,24 @@
-"""The colocated loop's pure pieces: batch assembly with advantages, phase timing, metrics files."""
+"""The colocated loop's pure pieces: batch assembly with advantages, phase timing, metrics files; and run's control
+flow (setup, steps, the evaluation after the last step, a stop signal, cleanup) on test doubles of its workers."""
 
 import json
+import os
+import signal
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import relax.platform
 import relax.run.loop
 from relax.args import AlgorithmSettings
-from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch, run_with_restarts
+from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch, run, run_with_restarts
 from relax.run.metrics import MetricsLog, read_metrics
 from relax.ray.placement import TRAINING_RANK, WorkerFailed
-from relax.run.state import LATEST
+from relax.run.state import LATEST, RunStopped, StopOnSignal
 from relax.rollout.data import Prompt
+from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample
 
 
@@ -145,3 +151,125 @@ def test_a_run_is_not_restarted_after_an_engine_failure(tmp_path, monkeypatch):
     with pytest.raises(WorkerFailed, match="engine 0"):
         run_with_restarts(_Config(_Run(load=None, max_restarts=3), _Outputs(save=str(tmp_path))))
     assert attempts == [0]
+
+
+# --- run's control flow, on test doubles of the workers (no Ray, no engine, no actor) ---------------------------
+
+
+class _Group:
+    """An ActorGroup double: a call's refs name the group and the method; kill() is recorded."""
+
+    def __init__(self, role: str):
+        self.role, self.killed = role, False
+
+    def __len__(self) -> int:
+        return 1
+
+    def call(self, method: str, *args) -> list:
+        return [(self.role, method)]
+
+    def kill(self) -> None:
+        self.killed = True
+
+
+class _Generate:
+    """EngineRestarts' restart count: `untaken` restarts since the last take_count()."""
+
+    def __init__(self):
+        self.untaken = 0
+
+    def take_count(self) -> int:
+        count, self.untaken = self.untaken, 0
+        return count
+
+
+class _World:
+    """What run() would create, replaced by doubles in relax.run.loop: the platform, Ray, the placement, the
+    workers' groups, the evaluations and rollouts (recorded by step). `wait_for` answers a call's refs, or raises
+    `fails` for the call named there."""
+
+    def __init__(self, monkeypatch, fails: tuple[tuple[str, str], Exception] | None = None):
+        self.groups, self.evaluated, self.ray_shut_down, self.placement_removed = {}, [], False, False
+        self.generate = _Generate()
+        self.on_rollout = self.on_evaluation = lambda step: None
+        loop = relax.run.loop
+        platform = SimpleNamespace(name="cpu", has_memory_saver=False)
+        monkeypatch.setattr(relax.platform, "get_platform", lambda name: platform)
+        monkeypatch.setattr(loop, "_prompts_and_reward", lambda *args: (None, [], None))
+        monkeypatch.setattr(loop, "_init_ray", lambda: True)
+        monkeypatch.setattr(loop.ray, "shutdown", lambda: setattr(self, "ray_shut_down", True))
+        placement = SimpleNamespace(remove=lambda: setattr(self, "placement_removed", True))
+        monkeypatch.setattr(loop, "create_node_placement", lambda *args: placement)
+        monkeypatch.setattr(loop, "create_training_actors", lambda *args, **kwargs: self._group("trainers"))
+        monkeypatch.setattr(loop, "create_engine_actors", lambda *args, **kwargs: self._group("engines"))
+        monkeypatch.setattr(loop, "_generate_restarting_engines", lambda *args: self.generate)
+
+        def wait_for(refs, *args):
+            if fails is not None and refs == [fails[0]]:
+                raise fails[1]
+            return [0 for _ in refs]  # data_parallel_rank: 0
+
+        monkeypatch.setattr(loop, "wait_for", wait_for)
+
+        def evaluate_if_due(generate, eval_sets, evaluation, reward_fn, seed, num_steps, step):
+            self.evaluated.append(step)
+            self.on_evaluation(step)
+            return {"eval/held_out/pass@1": 0.5, "perf/eval_time": 0.1}
+
+        def collect_rollout(step, *args):
+            self.on_rollout(step)
+            return [], {"rollout/reward_mean": 0.25}
+
+        monkeypatch.setattr(loop, "evaluate_if_due", evaluate_if_due)
+        monkeypatch.setattr(loop, "collect_rollout", collect_rollout)
+
+    def _group(self, role: str) -> _Group:
+        self.groups[role] = _Group(role)
+        return self.groups[role]
+
+
+def _config(output_dir, num_steps: int, debug_rollout_only: bool) -> SimpleNamespace:
+    """The settings run() reads (relax.args.TrainConfig's), without --save."""
+    settings = SimpleNamespace(
+        num_steps=num_steps, load=None, device="cpu", seed=1, num_nodes=1, num_devices_per_node=1, colocate=True,
+        hf_checkpoint="model", debug_rollout_only=debug_rollout_only, debug_train_only=False,
+        update_weight_buffer_size=0, megatron_features=None, weight_sync_timeout=None, train_timeout=None,
+        engine_start_timeout=None,
+    )
+    return SimpleNamespace(
+        run=settings, rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None),
+        evaluation=SimpleNamespace(only=False), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
+        sglang=None, outputs=SimpleNamespace(output_dir=str(output_dir), wandb_project=None, save=None, save_hf=None),
+    )
+
+
+def test_the_evaluation_after_the_last_step_logs_the_engines_restarted_during_it(tmp_path, monkeypatch):
+    world = _World(monkeypatch)
+    world.on_evaluation = lambda step: setattr(world.generate, "untaken", 1 if step == 2 else 0)
+    assert run(_config(tmp_path, num_steps=2, debug_rollout_only=True)) == tmp_path
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["faults/engine_restarts"]) for r in rows] == [(0, 0), (1, 0), (2, 1)]
+    assert "perf/step_time" not in rows[-1] and world.groups["engines"].killed and world.ray_shut_down
+
+
+def test_a_signal_during_the_last_step_stops_the_run_after_it_without_the_evaluation_after_it(tmp_path, monkeypatch):
+    world = _World(monkeypatch)
+    with StopOnSignal() as stop:
+        world.on_rollout = lambda step: os.kill(os.getpid(), signal.SIGTERM) if step == 1 else None
+        with pytest.raises(RunStopped) as stopped:
+            run(_config(tmp_path, num_steps=2, debug_rollout_only=True), stop)
+    assert (stopped.value.signum, stopped.value.last_step, stopped.value.saved) == (signal.SIGTERM, 1, None)
+    assert world.evaluated == [0, 1]  # not 2, the evaluation after the last step
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+    assert world.groups["engines"].killed and world.placement_removed and world.ray_shut_down
+
+
+def test_a_setup_that_fails_half_way_ends_the_workers_it_created(tmp_path, monkeypatch, capsys):
+    # The engines were created and the training actors before them, then the engines failed to start.
+    failure = WorkerFailed("engine 0 (EngineWorker, pid 1) failed: died", role="engine")
+    world = _World(monkeypatch, fails=(("engines", "watched_child_pids"), failure))
+    with pytest.raises(WorkerFailed, match="engine 0"):
+        run(_config(tmp_path, num_steps=2, debug_rollout_only=False))
+    assert world.groups["trainers"].killed and world.groups["engines"].killed
+    assert world.placement_removed and world.ray_shut_down and world.evaluated == []
+    assert "  steps         none finished\n" in capsys.readouterr().out  # the metrics log closed too

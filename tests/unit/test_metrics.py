@@ -135,6 +135,18 @@ def test_the_summary_counts_engine_restarts_and_their_steps(tmp_path, capsys):
     assert "  faults        3 engine restart(s), in step(s) 1, 3\n" in capsys.readouterr().out
 
 
+def test_engine_restarts_in_the_evaluation_after_the_last_step_reach_its_row_and_the_summary(tmp_path, capsys):
+    log = MetricsLog(tmp_path, num_steps=2)
+    for step, restarts in enumerate([1, 0]):
+        log.log(step, {**STEP, "faults/engine_restarts": restarts})
+    log.log_evaluation(2, {"eval/held_out/pass@1": 0.5, "perf/eval_time": 1.0, "faults/engine_restarts": 2})
+    log.close()
+    assert read_metrics(tmp_path / "metrics.jsonl")[-1]["faults/engine_restarts"] == 2
+    assert "  faults        3 engine restart(s), in step(s) 0 and the evaluation after the last step\n" in (
+        capsys.readouterr().out
+    )
+
+
 def test_the_summary_says_how_often_the_run_restarted(tmp_path, capsys):
     log = MetricsLog(tmp_path, num_steps=3)
     for step, restarts in enumerate([0, 1, 2]):  # resumed from a checkpoint before steps 1 and 2
