@@ -439,11 +439,6 @@ def routing_replay_applies(config, platform):
         )
     if r.debug_rollout_only:
         return "--use-rollout-routing-replay has no actor to replay into with --debug-rollout-only: drop one"
-    if r.load_rollout_data:
-        return (
-            "--use-rollout-routing-replay needs the experts the engine chose, which rollouts saved by "
-            "--save-rollout-data do not keep: drop it or --load-rollout-data"
-        )
     balancing = tc.moe_router_load_balancing_type
     if "sinkhorn" in ([balancing] if isinstance(balancing, str) else balancing):
         return (

@@ -608,7 +608,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--save-rollout-data",
         metavar="PATTERN",
         help="Write each step's scored samples to this path, {step} replaced by the step "
-        "(e.g. dumps/step_{step}.jsonl; format in relax/rollout/dump.py).",
+        "(e.g. dumps/step_{step}.jsonl; format in relax/rollout/dump.py); with --use-rollout-routing-replay, the "
+        "engine's routed experts beside it.",
     )
     g.add_argument(
         "--load-rollout-data",

@@ -64,6 +64,7 @@ class RolloutSettings:
     overlong_penalty_factor: float | None  # the penalty at the limit
     load_data: str | None  # replay the scored samples this pattern names instead of generating
     save_data: str | None  # write each step's scored samples to this pattern
+    routing_replay: bool  # samples carry the experts the engine chose (saved and loaded with them) for the actor
 
     @property
     def max_response_len(self) -> int:
@@ -162,6 +163,7 @@ def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
         overlong_penalty_factor=flags.overlong_penalty_factor,
         load_data=flags.load_rollout_data,
         save_data=flags.save_rollout_data,
+        routing_replay=flags.use_rollout_routing_replay,
     )
 
 

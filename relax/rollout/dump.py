@@ -6,29 +6,50 @@ or with a format spec, `dumps/step_{step:04d}.jsonl`).
 A pattern without `{step}` names one file: saving refuses it for runs of more than one step; loading
 replays that same rollout at every step.
 
-Format (version 1): JSON lines, UTF-8. The first line is a header, then one line per prompt group:
+Format (version 2): JSON lines, UTF-8. The first line is a header, then one line per prompt group:
 
-    {"format": "relax.rollout_data", "version": 1, "step": 3, "num_groups": 8, "samples_per_prompt": 8}
+    {"format": "relax.rollout_data", "version": 2, "step": 3, "num_groups": 8, "samples_per_prompt": 8,
+     "routed_experts": "step_3.jsonl.experts.safetensors"}
     {"prompt": {"row": 17, "token_ids": [...], "text": "...", "label": ..., "metadata": {...}},
      "samples": [{"response_token_ids": [...], "response_logprobs": [...], "finish_reason": "stop",
                   "response_text": "...", "reward": 1.0, "reward_failed": false}, ...]}
 
 Rewards are the reward function's scores, before any overlong penalty (the loop applies that after
 loading, from the response lengths). Floats are written as Python's repr, so they read back bit for bit.
-Labels and metadata must be JSON values. The file is written to a temporary name and then renamed, so a
-run that dies mid-write leaves no half file under the step's name.
+Labels and metadata must be JSON values.
+
+Routed experts (samples of a --use-rollout-routing-replay run) are millions of small integers per step, so they
+lie beside the JSON lines in a safetensors file named after it (`<file name>.experts.safetensors`), which the
+header's "routed_experts" names (null: the step has none). It holds one tensor per sample, named by the sample's
+index in the file (groups in order, samples in order within each), [prompt + response tokens - 1, layers, top-k]:
+the experts of every token but the last. They are stored as uint8 where every id of the step fits (up to 256
+experts), else int16, and load as the engine returns them (relax.rollout.engine.ROUTED_EXPERTS_DTYPE). Loading
+reads them only for a run that replays them, and refuses a file without them for such a run.
+
+Both files are written to a temporary name and then renamed, the experts first: a run that dies mid-write leaves
+no half file under the step's name, and a step's JSON lines, once there, have their experts complete beside them.
+Version 1 files (before routed experts were kept; no "routed_experts" in the header) load as a step without them.
 """
 
 import json
 import math
 from pathlib import Path
 
-from relax.files import write_text_atomically
+import safetensors.torch
+import torch
+from safetensors import SafetensorError
+
+from relax.files import write_bytes_atomically, write_text_atomically
 from relax.rollout.data import Prompt
+from relax.rollout.engine import ROUTED_EXPERTS_DTYPE
 from relax.rollout.groups import Sample, group_by_prompt
+from relax.train.batch import check_routed_experts
 
 FORMAT = "relax.rollout_data"
-VERSION = 1
+VERSION = 2  # what saving writes
+READABLE_VERSIONS = (1, 2)  # version 1: no routed experts
+EXPERTS_SUFFIX = ".experts.safetensors"
+STORED_DTYPES = (torch.uint8, ROUTED_EXPERTS_DTYPE)  # routed experts on disk: the first that holds every id
 
 
 class RolloutDataError(ValueError):
@@ -59,12 +80,15 @@ def pattern_problem(flag: str, pattern: str | None, num_steps: int) -> str | Non
 
 
 def save_rollout_data(pattern: str, step: int, samples: list[Sample], samples_per_prompt: int) -> Path:
-    """Write the step's samples (listed prompt by prompt) to the pattern's file for `step`; returns its path."""
+    """Write the step's samples (listed prompt by prompt) to the pattern's file for `step`, their routed experts
+    beside it where they carry them; returns its path."""
     path = rollout_data_path(pattern, step)
     groups = group_by_prompt(samples, samples_per_prompt)
+    experts_path = experts_path_of(path) if any(s.routed_experts is not None for s in samples) else None
     header = {
         "format": FORMAT, "version": VERSION, "step": step, "num_groups": len(groups),
         "samples_per_prompt": samples_per_prompt,
+        "routed_experts": None if experts_path is None else experts_path.name,
     }
     lines = [json.dumps(header)]
     for group in groups:
@@ -92,13 +116,40 @@ def save_rollout_data(pattern: str, step: int, samples: list[Sample], samples_pe
                 f"--save-rollout-data, step {step}: cannot write {path}: the label or metadata of prompt row {p.row} "
                 f"is not a JSON value ({e})"
             ) from None
+    experts_file = None if experts_path is None else _experts_file(samples, f"--save-rollout-data, step {step}")
     path.parent.mkdir(parents=True, exist_ok=True)
+    if experts_file is not None:
+        write_bytes_atomically(experts_path, experts_file)
     write_text_atomically(path, "\n".join(lines) + "\n")
     return path
 
 
-def load_rollout_data(pattern: str, step: int, num_groups: int, samples_per_prompt: int) -> list[Sample]:
-    """The samples saved for `step` (prompt by prompt), checked against the run's batch shape."""
+def experts_path_of(path: Path) -> Path:
+    """Where the routed experts of the rollout data file `path` lie."""
+    return path.with_name(path.name + EXPERTS_SUFFIX)
+
+
+def _experts_file(samples: list[Sample], where: str) -> bytes:
+    """The samples' routed experts as a safetensors file, in the smallest of STORED_DTYPES that holds every id."""
+    experts = [s.routed_experts for s in samples]
+    try:
+        check_routed_experts(experts, _token_counts(samples))
+    except ValueError as e:
+        raise RolloutDataError(f"{where}: the samples' routed experts are inconsistent ({e})") from None
+    low, high = min(int(e.min()) for e in experts), max(int(e.max()) for e in experts)
+    dtype = next(d for d in STORED_DTYPES if torch.iinfo(d).min <= low and high <= torch.iinfo(d).max)
+    return safetensors.torch.save({str(i): e.to(dtype).contiguous() for i, e in enumerate(experts)})
+
+
+def _token_counts(samples: list[Sample]) -> list[int]:
+    return [len(s.prompt.token_ids) + len(s.response_token_ids) for s in samples]
+
+
+def load_rollout_data(
+    pattern: str, step: int, num_groups: int, samples_per_prompt: int, with_routed_experts: bool = False
+) -> list[Sample]:
+    """The samples saved for `step` (prompt by prompt), checked against the run's batch shape; with their routed
+    experts if `with_routed_experts` (the run replays them), else without."""
     path = rollout_data_path(pattern, step)
     where = f"--load-rollout-data, step {step}: {path}"
     if not path.is_file():
@@ -116,8 +167,11 @@ def load_rollout_data(pattern: str, step: int, num_groups: int, samples_per_prom
     (header_line, header), groups = records[0], records[1:]
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise RolloutDataError(f"{where} line {header_line}: not a {FORMAT} header: {str(header)[:120]}")
-    if header.get("version") != VERSION:
-        raise RolloutDataError(f"{where}: format version {header.get('version')!r}; this relax reads version {VERSION}")
+    if header.get("version") not in READABLE_VERSIONS:
+        raise RolloutDataError(
+            f"{where}: format version {header.get('version')!r}; this relax reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}"
+        )
     if header.get("num_groups") != len(groups):
         raise RolloutDataError(
             f"{where}: the header says {header.get('num_groups')} groups, the file holds {len(groups)}"
@@ -134,7 +188,45 @@ def load_rollout_data(pattern: str, step: int, num_groups: int, samples_per_prom
             samples += _group_samples(record, samples_per_prompt)
         except (KeyError, TypeError, ValueError) as e:
             raise RolloutDataError(f"{where} line {number}: malformed group ({type(e).__name__}: {e})") from None
+    if with_routed_experts:
+        experts_name = header.get("routed_experts")  # absent in version 1
+        if not isinstance(experts_name, str):
+            raise RolloutDataError(
+                f"{where} holds no routed experts (saved by a run without --use-rollout-routing-replay, or in "
+                "format version 1), and --use-rollout-routing-replay replays them: save the rollouts again with "
+                "--use-rollout-routing-replay, or drop it"
+            )
+        _load_experts(samples, path.parent / experts_name, where)
     return samples
+
+
+def _load_experts(samples: list[Sample], experts_path: Path, where: str) -> None:
+    """Set each sample's routed experts from the safetensors file _experts_file wrote."""
+    where = f"{where}: its routed experts {experts_path}"
+    if not experts_path.is_file():
+        raise RolloutDataError(
+            f"{where} do not exist (the header names them): keep them beside the file, as --save-rollout-data "
+            "wrote them"
+        )
+    try:
+        tensors = safetensors.torch.load_file(experts_path)
+    except (OSError, SafetensorError) as e:
+        raise RolloutDataError(f"{where} cannot be read ({e})") from None
+    names = [str(i) for i in range(len(samples))]
+    if set(tensors) != set(names):
+        raise RolloutDataError(
+            f"{where} hold {len(tensors)} tensors; expected one per sample, named 0..{len(names) - 1}"
+        )
+    experts = [tensors[name] for name in names]
+    unexpected = {str(e.dtype) for e in experts if e.dtype not in STORED_DTYPES}
+    if unexpected:
+        raise RolloutDataError(f"{where} are {', '.join(sorted(unexpected))}; expected one of {STORED_DTYPES}")
+    try:
+        check_routed_experts(experts, _token_counts(samples))
+    except ValueError as e:
+        raise RolloutDataError(f"{where} do not match its samples ({e})") from None
+    for sample, sample_experts in zip(samples, experts):
+        sample.routed_experts = sample_experts.to(ROUTED_EXPERTS_DTYPE)
 
 
 def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:

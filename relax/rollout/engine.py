@@ -44,6 +44,8 @@ LIVENESS_POLL_S = 0.5
 # relax's own defaults for engine fields nobody else sets: SGLang's "info" logs every batch.
 RELAX_SERVER_DEFAULTS = {"log_level": "warning"}
 ENGINE_LOGS_DEFAULTS = {"log_level": "info"}  # --engine-logs: SGLang's batch lines (throughput, cache hits)
+# Routed expert ids in memory (Completion.routed_experts): they fit, at half the memory of SGLang's int32.
+ROUTED_EXPERTS_DTYPE = torch.int16
 
 
 class EngineDeadError(RuntimeError):
@@ -584,8 +586,7 @@ def _completion(output: dict, prompt: list[int], routed_experts_row: tuple[int, 
 
 def decode_routed_experts(encoded: str, num_tokens: int, row: tuple[int, int]) -> torch.Tensor:
     """SGLang's routed experts of one sequence of `num_tokens` tokens (base64 of int32 [num_tokens - 1, *row], the
-    last token never ran forward) as int16 [num_tokens - 1, layers, top-k]: expert ids fit, and a rollout holds
-    half the memory."""
+    last token never ran forward) as ROUTED_EXPERTS_DTYPE [num_tokens - 1, layers, top-k]."""
     values = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
     expected = (num_tokens - 1) * row[0] * row[1]
     if values.size != expected:
@@ -593,6 +594,6 @@ def decode_routed_experts(encoded: str, num_tokens: int, row: tuple[int, int]) -
             f"SGLang returned {values.size} routed-expert ids for a sequence of {num_tokens} tokens; expected "
             f"{expected} (every token but the last x {row[0]} layers x top-{row[1]})"
         )
-    if values.size and values.max() > torch.iinfo(torch.int16).max:
-        raise RuntimeError(f"routed expert id {values.max()} does not fit int16")
-    return torch.from_numpy(values.astype(np.int16)).reshape(num_tokens - 1, *row)
+    if values.size and values.max() > torch.iinfo(ROUTED_EXPERTS_DTYPE).max:
+        raise RuntimeError(f"routed expert id {values.max()} does not fit {ROUTED_EXPERTS_DTYPE}")
+    return torch.tensor(values, dtype=ROUTED_EXPERTS_DTYPE).reshape(num_tokens - 1, *row)

@@ -199,7 +199,9 @@ def collect_rollout(
     The overlong penalty comes last, so saved rewards and reward metrics are the reward function's own."""
     sampling_metrics, group_size = {}, rollout.sampling.n
     if rollout.load_data:
-        samples = load_rollout_data(rollout.load_data, step, rollout.batch_size, group_size)
+        samples = load_rollout_data(
+            rollout.load_data, step, rollout.batch_size, group_size, with_routed_experts=rollout.routing_replay
+        )
     elif rollout.dynamic_sampling:
         samples, sampling_metrics = generate_informative_groups(
             generate, loader, sampling, reward_fn, num_groups=rollout.batch_size,

@@ -65,22 +65,7 @@ class RolloutBatch:
                     )
             setattr(self, name, values)
         if self.routed_experts is not None:
-            self._check_routed_experts()
-
-    def _check_routed_experts(self):
-        if len(self.routed_experts) != len(self.tokens):
-            raise ValueError(f"routed_experts: {len(self.routed_experts)} entries for {len(self.tokens)} samples")
-        row = None
-        for i, (experts, tokens) in enumerate(zip(self.routed_experts, self.tokens)):
-            if experts is None or experts.dim() != 3 or experts.shape[0] != tokens.numel() - 1:
-                shape = None if experts is None else tuple(experts.shape)
-                raise ValueError(
-                    f"routed_experts[{i}] has shape {shape}, expected ({tokens.numel() - 1}, layers, top-k): the "
-                    "experts of every token but the last"
-                )
-            if row is not None and tuple(experts.shape[1:]) != row:
-                raise ValueError(f"routed_experts[{i}] has [layers, top-k] {tuple(experts.shape[1:])}, sample 0 {row}")
-            row = tuple(experts.shape[1:])
+            check_routed_experts(self.routed_experts, self.token_counts())
 
     def __len__(self):
         return len(self.tokens)
@@ -103,6 +88,24 @@ class RolloutBatch:
             response_lengths=[self.response_lengths[i] for i in indices],
             **optional,
         )
+
+
+def check_routed_experts(routed_experts: list[torch.Tensor | None], token_counts: list[int]) -> None:
+    """Raise ValueError unless every sample (of `token_counts` tokens each) has its experts as [tokens - 1, layers,
+    top-k], all of one [layers, top-k]."""
+    if len(routed_experts) != len(token_counts):
+        raise ValueError(f"routed_experts: {len(routed_experts)} entries for {len(token_counts)} samples")
+    row = None
+    for i, (experts, num_tokens) in enumerate(zip(routed_experts, token_counts)):
+        if experts is None or experts.dim() != 3 or experts.shape[0] != num_tokens - 1:
+            shape = None if experts is None else tuple(experts.shape)
+            raise ValueError(
+                f"routed_experts[{i}] has shape {shape}, expected ({num_tokens - 1}, layers, top-k): the "
+                "experts of every token but the last"
+            )
+        if row is not None and tuple(experts.shape[1:]) != row:
+            raise ValueError(f"routed_experts[{i}] has [layers, top-k] {tuple(experts.shape[1:])}, sample 0 {row}")
+        row = tuple(experts.shape[1:])
 
 
 def balanced_shares(token_counts: list[int], num_shares: int) -> list[list[int]]:

@@ -169,11 +169,6 @@ RULES = {
         [*RUN, "--num-experts", "4", "--use-rollout-routing-replay", "--debug-rollout-only"],
         "--use-rollout-routing-replay has no actor to replay into with --debug-rollout-only",
     ),
-    "routing replay needs the engine's experts": (
-        [*RUN, "--num-experts", "4", "--use-rollout-routing-replay", "--debug-train-only", "--load-rollout-data",
-         "rollouts/{step}.json"],
-        "rollouts saved by --save-rollout-data do not keep",
-    ),
     "routing replay has no sinkhorn": (
         [*RUN, "--num-experts", "4", "--use-rollout-routing-replay", "--moe-router-load-balancing-type", "sinkhorn"],
         "megatron-core's sinkhorn router has no replay",
@@ -244,8 +239,17 @@ def test_grouped_experts_pass_with_experts_and_expert_parallelism():
 def test_routing_replay_turns_on_the_engines_experts_and_the_actors_replay():
     config = parse_train_args([*RUN, "--num-experts", "4", "--use-rollout-routing-replay"])
     assert config.sglang.enable_return_routed_experts and config.megatron.transformer.moe_enable_routing_replay
+    assert config.rollout.routing_replay
     config = parse_train_args([*RUN, "--num-experts", "4"])
     assert not config.sglang.enable_return_routed_experts and not config.megatron.transformer.moe_enable_routing_replay
+    assert not config.rollout.routing_replay
+
+
+def test_routing_replay_replays_saved_rollouts():
+    # saved rollouts keep the engine's experts (relax.rollout.dump), so a replayed step trains as the saved run did
+    argv = [*RUN, "--num-experts", "4", "--use-rollout-routing-replay", "--debug-train-only"]
+    config = parse_train_args([*argv, "--load-rollout-data", "rollouts/{step}.jsonl"])
+    assert config.rollout.routing_replay and config.rollout.load_data == "rollouts/{step}.jsonl"
 
 
 def test_resolved_defaults():

@@ -5,6 +5,9 @@ import argparse
 import json
 
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from relax.args import RolloutSettings
 from relax.args.checks import Parsed, rollout_data_patterns_valid
@@ -15,6 +18,7 @@ from relax.rollout.dump import (
     FORMAT,
     VERSION,
     RolloutDataError,
+    experts_path_of,
     load_rollout_data,
     pattern_problem,
     rollout_data_path,
@@ -53,7 +57,10 @@ def test_the_documented_format(tmp_path):
     path = save_rollout_data(str(tmp_path / "s{step:03d}.jsonl"), 12, _samples(), samples_per_prompt=2)
     assert path.name == "s012.jsonl"
     header, *groups = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-    assert header == {"format": FORMAT, "version": VERSION, "step": 12, "num_groups": 2, "samples_per_prompt": 2}
+    assert header == {
+        "format": FORMAT, "version": VERSION, "step": 12, "num_groups": 2, "samples_per_prompt": 2,
+        "routed_experts": None,
+    }
     assert groups[0]["prompt"] == {
         "row": 3, "token_ids": [1, 2], "text": "écris 7", "label": {"answer": [7, "7"]}, "metadata": {"source": "t", "k": 1}
     }
@@ -102,7 +109,7 @@ def _write(path, header_changes=None, groups=None):
         (lambda p: p.write_text(""), "is empty"),
         (lambda p: p.write_text('{"format": "relax.rollout_data", "version": 1\n'), "line 1: invalid JSON"),
         (lambda p: p.write_text('{"something": "else"}\n'), "line 1: not a relax.rollout_data header"),
-        (lambda p: _write(p, {"version": 99}), "format version 99; this relax reads version 1"),
+        (lambda p: _write(p, {"version": 99}), "format version 99; this relax reads versions 1, 2"),
         (lambda p: _write(p, {"num_groups": 3}), "the header says 3 groups, the file holds 1"),
         (lambda p: _write(p, {"samples_per_prompt": 4}), "holds 1 groups of 4 samples; this run trains on"),
     ],
@@ -136,6 +143,72 @@ def test_malformed_groups_name_their_line(tmp_path, corrupt, error):
         load_rollout_data(str(path), 0, num_groups=1, samples_per_prompt=1)
 
 
+def _with_experts(samples, highest_id):
+    """Each sample with int16 routed experts (as the engine returns them) for every token but the last, 2 layers by
+    top-2, ids up to `highest_id`."""
+    for i, s in enumerate(samples):
+        rows = len(s.prompt.token_ids) + len(s.response_token_ids) - 1
+        s.routed_experts = (torch.arange(rows * 4).reshape(rows, 2, 2) * 37 + i) % (highest_id + 1)
+        s.routed_experts = s.routed_experts.to(torch.int16)
+        s.routed_experts[-1, -1, -1] = highest_id
+    return samples
+
+
+@pytest.mark.parametrize("highest_id, stored", [(255, torch.uint8), (300, torch.int16)])
+def test_routed_experts_round_trip_bit_exact_beside_the_file_in_the_smallest_dtype(tmp_path, highest_id, stored):
+    samples = _with_experts(_samples(), highest_id)
+    path = save_rollout_data(str(tmp_path / "step_{step}.jsonl"), 5, samples, samples_per_prompt=2)
+    experts_path = experts_path_of(path)
+    assert experts_path.name == "step_5.jsonl.experts.safetensors"
+    assert json.loads(path.read_text().splitlines()[0])["routed_experts"] == experts_path.name
+    assert not list(tmp_path.glob("*.partial"))
+    with safe_open(str(experts_path), framework="pt") as f:
+        assert sorted(f.keys(), key=int) == ["0", "1", "2", "3"]
+        assert {f.get_tensor(name).dtype for name in f.keys()} == {stored}
+
+    loaded = load_rollout_data(str(tmp_path / "step_{step}.jsonl"), 5, 2, 2, with_routed_experts=True)
+    for saved, back in zip(samples, loaded):
+        assert back.routed_experts.dtype == torch.int16 and torch.equal(back.routed_experts, saved.routed_experts)
+    # A run that does not replay them reads only the JSON lines.
+    assert all(s.routed_experts is None for s in load_rollout_data(str(path), 5, 2, 2))
+
+
+def test_version_1_files_load_without_experts_and_a_replaying_run_is_told_how_to_get_them(tmp_path):
+    path = tmp_path / "v1.jsonl"
+    group = _write(path, {"version": 1})  # a version 1 header: no "routed_experts"
+    (sample,) = load_rollout_data(str(path), 0, num_groups=1, samples_per_prompt=1)
+    assert (sample.response_token_ids, sample.reward, sample.routed_experts) == ([2], 1.0, None)
+    assert sample.prompt.token_ids == group["prompt"]["token_ids"]
+    with pytest.raises(RolloutDataError, match=(
+        rf"step 0: {path} holds no routed experts \(saved by a run without --use-rollout-routing-replay, or in "
+        r"format version 1\), .*: save the rollouts again with --use-rollout-routing-replay, or drop it"
+    )):
+        load_rollout_data(str(path), 0, num_groups=1, samples_per_prompt=1, with_routed_experts=True)
+
+
+def test_missing_or_mismatched_experts_fail_naming_both_files(tmp_path):
+    pattern = str(tmp_path / "s{step}.jsonl")
+    path = save_rollout_data(pattern, 0, _samples(), samples_per_prompt=2)  # no experts
+    with pytest.raises(RolloutDataError, match=r"s0\.jsonl holds no routed experts \(saved by a run without"):
+        load_rollout_data(pattern, 0, 2, 2, with_routed_experts=True)
+
+    path = save_rollout_data(pattern, 0, _with_experts(_samples(), 7), samples_per_prompt=2)
+    experts_path = experts_path_of(path)
+    experts_path.unlink()
+    with pytest.raises(RolloutDataError, match=(
+        rf"step 0: {path}: its routed experts {experts_path} do not exist \(the header names them\): keep them"
+    )):
+        load_rollout_data(pattern, 0, 2, 2, with_routed_experts=True)
+
+    # Experts of another rollout: the batch's own check names the sample whose token count they miss.
+    wrong = {str(i): torch.zeros(2, 2, 2, dtype=torch.uint8) for i in range(4)}
+    save_file(wrong, str(experts_path))
+    with pytest.raises(RolloutDataError, match=(
+        rf"{experts_path} do not match its samples \(routed_experts\[0\] has shape \(2, 2, 2\), expected \(3, "
+    )):
+        load_rollout_data(pattern, 0, 2, 2, with_routed_experts=True)
+
+
 def test_labels_that_are_not_json_fail_and_leave_no_file(tmp_path):
     samples = _samples()
     samples[2].prompt.label = {1, 2}
@@ -149,7 +222,7 @@ def _loop_settings(**changes) -> RolloutSettings:
         data=None, shuffle=False, reward_fn=None, reward_timeout=None,
         sampling=SamplingConfig(n=2, max_new_tokens=3), batch_size=2,
         devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, dynamic_sampling_max_rounds=None,
-        overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None,
+        overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None, routing_replay=False,
     )
     return RolloutSettings(**{**base, **changes})
 
@@ -169,3 +242,15 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
     assert [s.reward for s in samples] == [1 / 3, 0.0, -2.5, 2.0]
     with pytest.raises(RolloutDataError, match=r"step 2: .*in_2\.jsonl does not exist"):
         collect_rollout(2, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
+
+
+def test_the_loop_replays_and_saves_again_the_routed_experts_under_routing_replay(tmp_path):
+    samples = _with_experts(_samples(), 9)
+    save_rollout_data(str(tmp_path / "in_{step}.jsonl"), 0, samples, samples_per_prompt=2)
+    rollout = _loop_settings(
+        load_data=str(tmp_path / "in_{step}.jsonl"), save_data=str(tmp_path / "out_{step}.jsonl"), routing_replay=True
+    )
+    replayed, _ = collect_rollout(0, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
+    assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(replayed, samples))
+    saved_again = (tmp_path / "out_0.jsonl.experts.safetensors").read_bytes()
+    assert saved_again == (tmp_path / "in_0.jsonl.experts.safetensors").read_bytes()
