@@ -66,7 +66,6 @@ def _train(argv: list[str]) -> int:
     from relax.ray.placement import WorkerFailed
     from relax.rollout.worker import EngineWorker
     from relax.console import RunConsole, say
-    from relax.run.loop import run
     from relax.run.state import RunStopped, StopOnSignal
 
     outputs = config.outputs

@@ -16,8 +16,9 @@ score, save); --debug-train-only creates no engines and trains on rollouts repla
 The driver waits on every phase through relax.ray.placement.wait_for, which also watches every actor of the
 run (and an engine's SGLang processes): a worker that dies fails the run within seconds, whichever phase
 the driver is waiting on, and a call that may hang is bounded (--engine-start-timeout, --rollout-timeout,
---weight-sync-timeout, --train-timeout). The exception: an engine that fails during a rollout is started again in place, given
-the actor's weights, and its requests are sent again (relax.rollout.engine_restarts; --max-engine-restarts).
+--weight-sync-timeout, --train-timeout). The exception: an engine that fails during a rollout is started again
+in place, given the actor's weights, and its requests are sent again (relax.rollout.engine_restarts;
+--max-engine-restarts).
 With --max-restarts, run_with_restarts resumes a run whose training rank failed from its newest checkpoint, on
 workers started anew.
 

@@ -30,10 +30,6 @@ EVERY_FEATURE = [
 READ_AT_PARSE_TIME_ONLY = {
     "overwrite_output_dir": "permits a new run in a directory holding an earlier run's record",
     "log_interval": "every step is logged: any other value is refused by the table",
-    "use_rollout_routing_replay": (
-        "turns on SGLang's enable_return_routed_experts and megatron-core's moe_enable_routing_replay, which the "
-        "engine and the actor read"
-    ),
 }
 # Model-level Megatron flags that config.json does not fix, and what reads them.
 OTHER_MODEL_FLAG_READERS = {
