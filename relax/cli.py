@@ -108,7 +108,12 @@ def _dry_run_prompt_data(hf_checkpoint: str | None, rollout, evaluation) -> str:
     lines = []
     if rollout.load_data:
         lines.append("prompt data: not read (the run replays --load-rollout-data)")
-    elif rollout.data is not None or not evaluation.only:
+    elif evaluation.only:
+        lines.append(
+            "prompt data: none (--eval-only evaluates --hf-checkpoint on the eval sets once; the training flags, "
+            "--num-steps, batch sizes, optimizer and loss, are checked as for a run but unused)"
+        )
+    else:
         path = rollout.data.path if rollout.data else None
         read = lambda tokenizer: load_prompts(rollout.data, tokenizer)[1]  # noqa: E731
         lines.append(_dry_run_data("prompt data", "--prompt-data", path, hf_checkpoint, read))

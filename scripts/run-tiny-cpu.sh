@@ -42,7 +42,7 @@ args=(
     # without the std division (Dr. GRPO): with a chat template around the prompt (14 tokens between the digit
     # and the answer), lr 1e-2 and GRPO's std division, the policy often settled on one digit for every prompt
     # before it learned to read the prompt (mean reward about 0.6; docs/benchmarks.md).
-    --prompt-data "$data" --input-key prompt --label-key label --rollout-shuffle
+    --input-key prompt --label-key label
     --reward-fn copy_digit
     --num-steps 80
     --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 2 --rollout-temperature 1.0
@@ -52,10 +52,19 @@ args=(
     --num-nodes 1 --num-devices-per-node 1
     --output-dir "$EXP_DIR/output" --overwrite-output-dir
 )
-# pass@1, 2 and 4 of the policy on the held-out set before the first step, every 10 steps and after the last;
-# not under --debug-train-only, which starts no engines to evaluate on
-if [[ " ${train_args[*]} " != *" --debug-train-only "* ]]; then
-    args+=(--eval-prompt-data held_out "$held_out" --eval-interval 10 --eval-n-samples-per-prompt 4)
+given() { [[ " ${train_args[*]} " == *" $1 "* ]]; }
+# The training prompts; --eval-only trains on none (and refuses --prompt-data, --rollout-shuffle, --eval-interval).
+# Its other training flags above are checked but unused.
+if ! given --eval-only; then
+    args+=(--prompt-data "$data" --rollout-shuffle)
+fi
+# pass@1, 2 and 4 of the policy on the held-out set before the first step, every 10 steps and after the last (once
+# under --eval-only); not under --debug-train-only, which starts no engines to evaluate on
+if ! given --debug-train-only; then
+    args+=(--eval-prompt-data held_out "$held_out" --eval-n-samples-per-prompt 4)
+    if ! given --eval-only; then
+        args+=(--eval-interval 10)
+    fi
 fi
 if [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then
     args+=(--dry-run)

@@ -255,6 +255,14 @@ EVAL_SAMPLING_FLAGS = (
     "eval_interval", "eval_n_samples_per_prompt", "eval_temperature", "eval_top_p", "eval_max_response_len",
 )
 
+# What --eval-only refuses: the flags that choose the training's prompts, schedule, checkpoints or actor, unset
+# unless given. The training's other flags (--num-steps, batch sizes, optimizer, loss) have defaults: they are
+# checked as for a run and unused (the dry-run says so).
+EVAL_ONLY_REFUSED = (
+    "prompt_data", "rollout_shuffle", "eval_interval", "save", "load", "save_rollout_data", "load_rollout_data",
+    "dynamic_sampling", "debug_rollout_only", "use_rollout_routing_replay",
+)
+
 
 def eval_prompt_data_pairs(config, platform):
     values = config.flags.eval_prompt_data
@@ -287,12 +295,7 @@ def eval_flags_consistent(config, platform):
         return "--eval-prompt-data needs the rollout engines, which --debug-train-only does not start; drop one"
     if not r.eval_only:
         return None
-    refused = [
-        _flag(dest) for dest in (
-            "save", "load", "save_rollout_data", "load_rollout_data",
-            "dynamic_sampling",
-        ) if _given(getattr(r, dest))
-    ]
+    refused = [_flag(dest) for dest in EVAL_ONLY_REFUSED if _given(getattr(r, dest))]
     if refused:
         return (
             f"--eval-only evaluates --hf-checkpoint once, without training: {', '.join(refused)} would do nothing; "

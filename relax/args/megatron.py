@@ -344,6 +344,13 @@ def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
         error("--num-query-groups needs --group-query-attention (Megatron-LM ignores it otherwise)")
     if not values.get("group_query_attention"):
         values.pop("num_query_groups", None)
+    if values.get("sequence_parallel") and (values.get("tensor_model_parallel_size") or 1) == 1:
+        # megatron-core's own rule (ModelParallelConfig refuses it), said with the flags and the fix
+        error(
+            "--sequence-parallel needs --tensor-model-parallel-size > 1: sequence parallelism splits the activations "
+            "over the tensor-parallel group, and megatron-core refuses it without tensor parallelism; drop "
+            "--sequence-parallel or raise --tensor-model-parallel-size"
+        )
     derived = {"params_dtype": dtype, "pipeline_dtype": dtype}
     if values.get("swiglu"):
         derived.update(gated_linear_unit=True, activation_func=F.silu)

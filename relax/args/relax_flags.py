@@ -271,7 +271,9 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--eval-only",
         action="store_true",
-        help="Evaluate --hf-checkpoint on --eval-prompt-data once and exit: no training actor, no steps.",
+        help="Evaluate --hf-checkpoint on --eval-prompt-data once and exit: no training actor, no steps. Refuses "
+        "the flags of the training's prompts, schedule and checkpoints (--prompt-data, --eval-interval, --save, ...); "
+        "the other training flags (--num-steps, batch sizes, optimizer, loss) are checked as for a run but unused.",
     )
 
     g = parser.add_argument_group("relax: reward")

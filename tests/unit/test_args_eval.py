@@ -55,9 +55,6 @@ def test_no_eval_prompt_data_no_evaluation():
         (["--eval-interval", "5"], "--eval-interval without --eval-prompt-data NAME PATH ...: nothing to evaluate"),
         (["--eval-only", "--eval-temperature", "0"], "--eval-temperature, --eval-only without --eval-prompt-data"),
         ([*EVAL, "--eval-top-p", "1.5"], "top_p=1.5 (must be in (0, 1])"),
-        ([*EVAL, "--eval-only", "--save", "s", "--save-rollout-data", "d"], "--eval-only evaluates --hf-checkpoint "
-         "once, without training: --save, --save-rollout-data would do nothing"),
-        ([*EVAL, "--eval-only", "--load", "s"], "`relax convert`"),
         ([*EVAL, "--debug-train-only", "--load-rollout-data", "d.jsonl"], "--debug-train-only does not start"),
     ],
 )
@@ -65,9 +62,35 @@ def test_bad_eval_flags_are_refused_naming_them(args, message, capsys):
     assert message in parse_error([*RUN, *args], capsys)
 
 
+EVAL_ONLY = ["--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE, *EVAL, "--eval-only"]
+
+
 def test_eval_only_needs_no_training_data_or_learning_rate():
-    config = parse_train_args(["--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE, *EVAL, "--eval-only"])
+    config = parse_train_args(EVAL_ONLY)
     assert config.evaluation.only and config.rollout.data is None
+
+
+def test_eval_only_takes_the_training_flags_that_have_defaults_and_checks_them_as_for_a_run(capsys):
+    """(unused: the loop runs no step; the dry-run says so)"""
+    config = parse_train_args([*EVAL_ONLY, "--num-steps", "3", "--lr", "1e-6", "--rollout-batch-size", "4"])
+    assert config.evaluation.only and config.run.num_steps == 3
+    err = parse_error([*EVAL_ONLY, "--rollout-batch-size", "3", "--global-batch-size", "5"], capsys)
+    assert "= 24 samples is not a multiple of --global-batch-size 5" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--eval-interval", "2"], "--eval-only evaluates --hf-checkpoint once, without training: --eval-interval "
+         "would do nothing; drop them"),
+        (["--prompt-data", "p.jsonl", "--rollout-shuffle"], ": --prompt-data, --rollout-shuffle would do nothing"),
+        (["--save", "s", "--save-rollout-data", "d"], ": --save, --save-rollout-data would do nothing"),
+        (["--load", "s"], "`relax convert`"),
+        (["--debug-rollout-only"], ": --debug-rollout-only would do nothing"),
+    ],
+)
+def test_eval_only_refuses_the_flags_that_would_do_nothing(args, message, capsys):
+    assert message in parse_error([*EVAL_ONLY, *args], capsys)
 
 
 def test_slime_users_eval_prompt_data_is_relaxs_own():

@@ -349,6 +349,14 @@ def test_num_query_groups_needs_group_query_attention(capsys):
     assert "--num-query-groups needs --group-query-attention" in err
 
 
+def test_sequence_parallel_needs_tensor_parallel(capsys):
+    """megatron-core's rule (its ModelParallelConfig refuses the pair), said with the flags."""
+    err = parse_error([*RUN, *SIZE, "--sequence-parallel", "--tensor-model-parallel-size", "1"], capsys)
+    assert "--sequence-parallel needs --tensor-model-parallel-size > 1" in err
+    with pytest.raises(ValueError, match="sequence parallelism without tensor parallelism"):
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, sequence_parallel=True)
+
+
 def test_a_real_run_needs_a_checkpoint_directory(tmp_path, capsys):
     argv = [
         "--lr",

@@ -77,3 +77,14 @@ def test_the_dry_run_reads_every_eval_set_and_names_the_set_file_and_row(tmp_pat
         f"relax train: --eval-prompt-data bad: {bad} row 2: key 'label' missing (row has keys: prompt) "
         "(pass skip_bad_rows / --skip-bad-rows to skip such rows)"
     )
+
+
+def test_the_eval_only_dry_run_reads_the_eval_sets_and_says_the_training_flags_are_unused(tmp_path, checkpoint, capsys):
+    held_out = write_rows(tmp_path / "held_out.jsonl", [{"prompt": "copy 0:", "label": "0"}] * 2)
+    argv = ["train", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--reward-fn", "copy_digit", "--dry-run",
+            "--eval-prompt-data", "held_out", str(held_out), "--eval-only", "--num-steps", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"eval set held_out: {held_out}: 2 rows, 2 prompts kept" in out
+    assert "prompt data: none (--eval-only evaluates --hf-checkpoint on the eval sets once; the training flags" in out
+    assert "are checked as for a run but unused)" in out
