@@ -9,10 +9,10 @@ compared with the run that saved. The resumed run writes into the first run's ex
 record, continued from the checkpoint. The same resumed run also shows the two faults a run survives on its own:
 it is given the checkpoints with step 3's damaged, and passes over it to step 1's; its training rank is killed
 after step 2, and the run restarts from its own step-2 checkpoint, ending on the uninterrupted run's weights. The
-first run also writes HF directories (--save-hf), which must hold its checkpoints' weights, and from which SGLang's
-engine starts and greedy-decodes as HF transformers does; that engine also samples on the eval sets what the
-trained engine sampled in the run's last evaluation (same seeds, same metrics). The resumed run evaluates at step 2
-and after its last step, as the first run did then, with the same metrics.
+first run also writes HF directories (--save-hf), which must hold its checkpoints' weights; `relax train --eval-only`
+on the last one samples on the eval sets what the trained engine sampled in the run's last evaluation (same seeds,
+same metrics). The resumed run evaluates at step 2 and after its last step, as the first run did then, with the
+same metrics.
 
 Rollouts repeat exactly only because each request samples with a seed derived from (--seed, step), which
 SGLang honours under --sglang-enable-deterministic-inference. Same tokens, same rewards: those are compared
@@ -30,19 +30,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from generations import assert_same_generations
-from hf_reference import hf_greedy
-from relax.platform import get_platform
-from relax.rollout.data import PromptDataConfig
-from relax.rollout.engine import RolloutEngine, SamplingConfig
-from relax.rollout.evaluation import evaluate, load_eval_sets
-from relax.rollout.rewards import load_reward_fn
 from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process
 from relax.run.metrics import read_metrics
 from relax.run.state import LATEST, read_checkpoint
-from tiny_runs import ROOT, SAVING_RUN_STEPS as STEPS, eval_flags, eval_set_paths, step_records, tiny_job
-
-PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
+from tiny_runs import (
+    ROOT, SAVING_RUN_STEPS as STEPS, eval_flags, eval_set_paths, run_tiny_job, step_records, tiny_job,
+)
 
 EXACT_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean", "rollout/truncated_fraction")
 CLOSE_KEYS = ("train/loss", "train/pg_loss", "train/clip_fraction", "train/ppo_kl", "train/grad_norm", "train/lr")
@@ -64,15 +57,10 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     checkpointed = load_file(converted / "model.safetensors")
     assert trained.state_dict().keys() == checkpointed.keys()
     assert all(torch.equal(trained.state_dict()[k], v.float()) for k, v in checkpointed.items())
-    # SGLang's engine loads the HF directory and greedy-decodes what HF transformers decodes from it.
-    # It also samples the eval sets as the trained engine did in the run's last evaluation (the script's eval
-    # sampling, the run's seeds): the same tokens give the same rewards, lengths and pass@k.
-    greedy = SamplingConfig(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-    with RolloutEngine({"max_total_tokens": 4096, "enable_deterministic_inference": True},
-                       model_path=str(hf_saves / "step_000003"), platform=get_platform("cpu")) as engine:
-        engine_outputs = [(c.token_ids, c.logprobs) for (c,) in engine.generate(PROBE_PROMPTS, greedy)]
-        evaluated = _evaluate_as_the_run(engine, saved_tiny_run.exp_dir)
-    assert_same_generations(engine_outputs, hf_greedy(hf_saves / "step_000003", PROBE_PROMPTS, 6))
+    # `relax train --eval-only` on the HF directory: SGLang's engine loads it and samples the eval sets as the trained
+    # engine did in the run's last evaluation (the same eval sampling and --seed): the same tokens give the same
+    # rewards, lengths and pass@k, and no training actor is created.
+    evaluated = _evaluate_only(hf_saves / "step_000003", tmp_path / "eval_only")
     assert evaluated == {key: value for key, value in whole[-1].items() if key.startswith("eval/")}
     after_step_1 = saves / "step_000001"
     assert read_checkpoint(after_step_1, saved_tiny_run.exp_dir / "model", seed=1234, num_steps=STEPS).next_step == 2
@@ -152,13 +140,15 @@ def _run_killing_the_training_rank_after_step_2(command, env, marker, saves: Pat
     return output
 
 
-def _evaluate_as_the_run(engine, exp_dir) -> dict:
-    """The eval/ metrics of the saving run's sets (tiny_runs.eval_flags) sampled by `engine` as the run samples them
-    (scripts/run-tiny-cpu.sh: prompts as they are, 4 samples of at most 2 tokens at temperature 1; --seed 1234)."""
-    datasets = {
-        name: PromptDataConfig(str(path), apply_chat_template=False, metadata_key="metadata")
-        for name, path in eval_set_paths(exp_dir).items()
-    }
-    eval_sets, _ = load_eval_sets(datasets, transformers.AutoTokenizer.from_pretrained(exp_dir / "model"))
-    sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=2)
-    return evaluate(engine.generate, eval_sets, sampling, load_reward_fn("copy_digit"), seed=1234)
+def _evaluate_only(hf_checkpoint: Path, exp_dir: Path) -> dict:
+    """The eval/ metrics of `relax train --eval-only` on `hf_checkpoint` through the tiny job in a new `exp_dir`
+    (its data rebuilt there as in every run), with the saving run's eval sets (tiny_runs.eval_set_paths)."""
+    exp_dir.mkdir()
+    pairs = [str(part) for name, path in eval_set_paths(exp_dir).items() for part in (name, path)]
+    records = run_tiny_job(
+        exp_dir, "--eval-only", "--hf-checkpoint", str(hf_checkpoint), "--sglang-enable-deterministic-inference",
+        "--eval-prompt-data", *pairs,
+    )
+    assert [r["step"] for r in records] == [0], records
+    assert not any(key.startswith(("train/", "rollout/")) for key in records[0]), records[0]
+    return {key: value for key, value in records[0].items() if key.startswith("eval/")}
