@@ -383,7 +383,10 @@ def restarts_resume_from_checkpoints(config, platform):
     if r.max_restarts is None:
         return None
     if r.debug_rollout_only:
-        return "--max-restarts restarts the run after a training rank fails; --debug-rollout-only has none: drop one"
+        return (
+            "--max-restarts resumes the run from the actor's newest checkpoint; --debug-rollout-only has no actor "
+            "and saves none: drop one"
+        )
     if not r.save:
         return (
             "--max-restarts needs --save: a restarted run resumes from the newest checkpoint there; add --save DIR "

@@ -495,7 +495,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="An engine (or its SGLang scheduler or detokenizer) that dies or stops answering during a rollout is "
         "started again on its devices, given the actor's current weights, and its requests are sent again with "
         "their seeds; the step goes on. At most this many restarts per run, then the run fails naming the "
-        "engine; 0: fail at the first (default: %(default)s). Counted in faults/engine_restarts.",
+        "engine (or, with --max-restarts, restarts from its newest checkpoint); 0: fail at the first (default: "
+        "%(default)s). Counted in faults/engine_restarts.",
     )
     g.add_argument(
         "--engine-start-timeout",
@@ -549,9 +550,10 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--max-restarts",
         type=_positive_int,
         metavar="N",
-        help="When a training rank fails (its process dies, or a call on it raises), end the run's workers and resume "
-        "from the newest complete checkpoint in --save (from the start when none is saved yet), at most N times in "
-        "all; then the run fails. Needs --save; counted in faults/run_restarts and the summary (default: no restart).",
+        help="When a training rank fails (its process dies, or a call on it raises), or an engine fails outside a "
+        "rollout or an evaluation or past --max-engine-restarts, end the run's workers and resume from the newest "
+        "complete checkpoint in --save (from the start when none is saved yet), at most N times in all; then the run "
+        "fails. Needs --save; counted in faults/run_restarts and the summary (default: no restart).",
     )
     g.add_argument(
         "--save-hf",

@@ -39,7 +39,7 @@ class RunSettings:
     debug_rollout_only: bool  # no training actor
     debug_train_only: bool  # no engines: rollouts replayed from RolloutSettings.load_data
     load: str | None  # a --save directory (or one of its steps) to resume from
-    max_restarts: int  # times the run resumes from its newest checkpoint after a training rank fails
+    max_restarts: int  # times the run resumes from its newest checkpoint after a worker fails
     dry_run: bool  # validate and print; run nothing
     max_engine_restarts: int  # engines started again in place over the run before a dead engine fails it
     engine_start_timeout: Timeout  # an engine's start, at the run's start or after a restart

@@ -45,6 +45,7 @@ ENGINE_DEVICES_ENV = "RELAX_ENGINE_DEVICES"  # logical indices of all of an engi
 _PER_ACTOR_ENV = (LOCAL_DEVICE_ENV, ENGINE_RANK_ENV, NUM_ENGINES_ENV, ENGINE_DEVICES_ENV)
 
 TRAINING_RANK = "training rank"  # the role of create_training_actors' actors, in messages and WorkerFailed
+ENGINE = "engine"  # the role of create_engine_actors' actors
 
 _WAIT_POLL_S = 1.0
 
@@ -547,4 +548,4 @@ def create_engine_actors(actor_class, placement: Placement, devices_per_engine: 
     """One actor per group of `devices_per_engine` bundles, on the first bundle of its group."""
     envs = engine_envs(placement, devices_per_engine, _base_env(placement, env, memory_saver_on))
     positions = [engine[0] for engine in engine_positions(placement.num_devices, devices_per_engine)]
-    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role="engine")
+    return ActorGroup(actor_class, placement, positions, share, envs, args, kwargs, ray_options, role=ENGINE)

@@ -16,11 +16,12 @@ score, save); --debug-train-only creates no engines and trains on rollouts repla
 The driver waits on every phase through relax.ray.placement.wait_for, which also watches every actor of the
 run (and an engine's SGLang processes): a worker that dies fails the run within seconds, whichever phase
 the driver is waiting on, and a call that may hang is bounded (--engine-start-timeout, --rollout-timeout,
---weight-sync-timeout, --train-timeout). The exception: an engine that fails during a rollout is started again
-in place, given the actor's weights, and its requests are sent again (relax.rollout.engine_restarts;
+--weight-sync-timeout, --train-timeout). The exception: an engine that fails during a rollout or an evaluation is
+started again in place, given the actor's weights, and its requests are sent again (relax.rollout.engine_restarts;
 --max-engine-restarts).
-With --max-restarts, run_with_restarts resumes a run whose training rank failed from its newest checkpoint, on
-workers started anew.
+With --max-restarts, run_with_restarts resumes a run whose training rank or engine failed (an engine outside a
+rollout or an evaluation, or past its in-place restarts) from its newest checkpoint, on workers started anew. A
+checkpoint of the last step is resumed too: what remains is the weight push and the evaluation after the last step.
 
 A signal to the driver (SIGINT / SIGTERM, StopOnSignal) ends the run after the step it came in, that step saved
 with --save (stop_run); the evaluations still due are not run, the one after the last step included.
@@ -41,9 +42,9 @@ import torch
 
 from relax.args.settings import AlgorithmSettings, EvalSettings, OutputSettings, RolloutSettings, RunSettings
 from relax.console import say
-from relax.run.metrics import RUN_RESTARTS, MetricsLog, extreme
+from relax.run.metrics import MetricsLog, extreme
 from relax.ray.placement import (
-    TRAINING_RANK, ActorGroup, Placement, WorkerFailed, create_engine_actors, create_node_placement,
+    ENGINE, TRAINING_RANK, ActorGroup, Placement, WorkerFailed, create_engine_actors, create_node_placement,
     create_training_actors, group_callees, wait_for, worker_failure,
 )
 from relax.ray.watch import Timeout
@@ -69,13 +70,16 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     """Train as `config` (relax.args.TrainConfig: settings built and checked at parse time) says; returns the output
     directory. With `stop` (entered by the `relax train` driver), a signal ends the run after its current step
     with RunStopped (stop_run), also after the last step: the evaluation after it is then not run. `restarts`: how
-    often the run restarted before this attempt (run_with_restarts), logged as faults/run_restarts at every step."""
+    often the run restarted before this attempt (run_with_restarts), logged as faults/run_restarts in every row; a
+    restart resumes a checkpoint of the last step too (read_checkpoint's finished_ok), which runs no step."""
     settings, rollout, evaluation, outputs = config.run, config.rollout, config.evaluation, config.outputs
     num_steps = 0 if evaluation.only else settings.num_steps  # --eval-only: the evaluation at step 0 only
     stop = stop or StopOnSignal()  # not entered: never signalled
     checkpoint = None
     if settings.load:
-        checkpoint = read_checkpoint(settings.load, settings.hf_checkpoint, settings.seed, settings.num_steps)
+        checkpoint = read_checkpoint(
+            settings.load, settings.hf_checkpoint, settings.seed, settings.num_steps, finished_ok=restarts > 0
+        )
     from relax.platform import get_platform
 
     platform = get_platform(settings.device)
@@ -92,6 +96,7 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
         other_outputs={
             "checkpoints": outputs.save, "HF checkpoints": outputs.save_hf, "rollout data": rollout.save_data
         },
+        restarts=restarts,
     )
     try:
         start_workers(workers, config, platform, placement, checkpoint)
@@ -123,13 +128,8 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
                             )
                     with timer("perf/weight_sync_time"):
                         hand_devices_to_engines(engines, trainers, rollout.devices_per_engine, hand_over_timeout)
-            log.log(
-                step,
-                {
-                    **eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds, **workers.take_faults(),
-                    RUN_RESTARTS: restarts,
-                },
-            )
+            faults = workers.take_faults()
+            log.log(step, {**eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds, **faults})
             if stop.requested:  # a signal came during this step, which has ended (the last: no evaluation after it)
                 raise stop_run(stop.signum, step, saved, engines, trainers, loader, settings, outputs)
         final_eval = evaluate_policy(num_steps)  # the last step's weights pushed, the actor asleep
@@ -152,17 +152,20 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
 
 
 def run_with_restarts(config, stop: StopOnSignal | None = None) -> Path:
-    """run(config); after a training rank fails, again from the newest complete checkpoint in --save (from where
-    the run started while none is saved), at most --max-restarts times, then the failure is raised. run's cleanup
-    has ended the failed attempt's workers (and the local Ray it started) before the next one starts them anew.
-    A failure of anything else (an engine: its SGLang processes; the driver's own errors) is raised at once, as
-    is one after a stop signal."""
+    """run(config); after a worker fails, again from the newest complete checkpoint in --save (from where the run
+    started while none is saved), at most --max-restarts times in all, then the failure is raised. The workers:
+    a training rank, or an engine (its actor or SGLang processes) that failed where no in-place restart covers it
+    (outside a rollout or an evaluation, or with --max-engine-restarts used up: the new attempt's engines have
+    their own). run's cleanup has ended the failed attempt's workers (and the local Ray it started) before the
+    next one starts them anew. The driver's own errors (bad input included) and a failure naming no worker (the
+    liveness watch of a lost node) are raised at once, as is any failure after a stop signal."""
     restarts = 0
     while True:
         try:
             return run(config, stop, restarts)
         except WorkerFailed as failure:
-            if failure.role != TRAINING_RANK or restarts == config.run.max_restarts or (stop and stop.requested):
+            restartable = failure.role in (TRAINING_RANK, ENGINE)
+            if not restartable or restarts == config.run.max_restarts or (stop and stop.requested):
                 raise
             restarts += 1
             saves = config.outputs.save

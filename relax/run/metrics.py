@@ -3,7 +3,8 @@ when a signal stops the run) a PNG of reward (with each eval set's pass@1) and r
 summary on the console. All files go to the run's output directory.
 
 The evaluation after the last step is a row of its own, at step num_steps (relax.rollout.evaluation), with the
-engines restarted during it (faults/engine_restarts); every other row is a step's.
+engines restarted during it (faults/engine_restarts); every other row is a step's. Every row has
+faults/run_restarts: how often the run had restarted when it was logged (relax.run.loop.run_with_restarts).
 
 Besides what the loop logs, each step gets its throughput and the share of the step each phase took
 (step_rates); the summary gives the same over the whole record (run_summary). Both are functions of logged rows.
@@ -25,7 +26,7 @@ from relax.console import RUN_LOG_FILE, progress_stream, say
 from relax.files import write_text_atomically
 
 REWARD_KEY = "rollout/reward_mean"
-RUN_RESTARTS = "faults/run_restarts"  # times the run resumed from a checkpoint after a failure (--max-restarts)
+RUN_RESTARTS = "faults/run_restarts"  # times the run resumed from a checkpoint after a worker failed (--max-restarts)
 EVAL_PASS_AT_1 = re.compile(r"eval/(?P<name>.+)/pass@1")  # each eval set's, besides the reward
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -66,15 +67,19 @@ class MetricsLog:
         first_step: int = 0,
         wandb_project: str | None = None,
         other_outputs: dict[str, str | None] | None = None,
+        restarts: int = 0,
     ):
         """The record of a run that starts at `first_step`: 0 for a new run, the checkpoint's next step for a
         resumed one. Steps from first_step on are dropped from an earlier record in output_dir (all of it for a
         new run, which `relax train` lets start there only with --overwrite-output-dir). other_outputs: what the
-        run writes elsewhere (name -> path, None where it writes nothing), listed in the summary."""
+        run writes elsewhere (name -> path, None where it writes nothing), listed in the summary. restarts: how
+        often the run restarted before this attempt, in every row (RUN_RESTARTS) and in the summary, also when
+        the attempt logs no row (a restart after the final save, with no evaluation after the last step)."""
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
         self._started = time.monotonic()
+        self._restarts = restarts
         self._other_outputs = {name: path for name, path in (other_outputs or {}).items() if path is not None}
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -117,7 +122,7 @@ class MetricsLog:
         self._write(step, {key: float(value) for key, value in metrics.items()})
 
     def _write(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, **metrics}
+        record = {"step": step, **metrics, RUN_RESTARTS: float(self._restarts)}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         for key, value in record.items():
@@ -144,7 +149,7 @@ class MetricsLog:
         if (self.output_dir / RUN_LOG_FILE).exists():  # written by `relax train`'s console (relax.console)
             outputs["console log"] = self.output_dir / RUN_LOG_FILE
         outputs.update(self._other_outputs)
-        say(run_summary(read_metrics(self.jsonl_path), time.monotonic() - self._started, outputs))
+        say(run_summary(read_metrics(self.jsonl_path), time.monotonic() - self._started, outputs, self._restarts))
         return outputs["reward curve"]
 
 
@@ -173,9 +178,10 @@ def step_rates(row: dict) -> dict[str, float]:
     return {**tokens_per_second([row]), **phase_shares([row])}
 
 
-def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object]) -> str:
+def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object], restarts: int = 0) -> str:
     """A short table of the run's record: steps, reward, time, time share per phase, tokens/s, engines restarted
-    in place (faults/engine_restarts), outputs."""
+    in place (faults/engine_restarts), run restarts (the most of the rows' and `restarts`, the current
+    attempt's), outputs."""
     lines = ["relax run summary"]
     step_rows = [r for r in rows if "perf/step_time" in r]  # not the evaluation after the last step
     if step_rows:
@@ -208,9 +214,11 @@ def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object
             where.append("the evaluation after the last step")
         count = sum(int(r["faults/engine_restarts"]) for r in restarted)
         lines.append(f"  faults        {count} engine restart(s), in {' and '.join(where)}")
-    restarts = max((r.get(RUN_RESTARTS, 0) for r in rows), default=0)
+    restarts = max([restarts, *(r.get(RUN_RESTARTS, 0) for r in rows)])
     if restarts:
-        lines.append(f"  restarts      {restarts:.0f}: resumed from a checkpoint after a training rank failed")
+        lines.append(
+            f"  restarts      {restarts:.0f}: resumed from a checkpoint after a training rank or an engine failed"
+        )
     lines += [f"  {name:<13} {where}" for name, where in outputs.items()]
     return "\n".join(lines)
 

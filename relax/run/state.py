@@ -170,9 +170,13 @@ class Checkpoint:
         return PromptLoader.from_state_dict(prompts, self.loader_state)
 
 
-def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_steps: int) -> Checkpoint:
+def read_checkpoint(
+    load: str | Path, hf_checkpoint: str | Path, seed: int, num_steps: int, finished_ok: bool = False
+) -> Checkpoint:
     """The checkpoint --load names, checked against this run before anything starts: it is complete, made with
-    the same --seed, from a model of the same architecture as --hf-checkpoint, and has steps left to run."""
+    the same --seed, from a model of the same architecture as --hf-checkpoint, and has steps left to run.
+    `finished_ok`: a checkpoint after the last step is taken too (a run restarted after its final save, where
+    what remains is the evaluation after the last step; relax.run.loop.run_with_restarts)."""
     directory = step_directory(Path(load))
     problem = checkpoint_problem(directory)
     if problem is not None:
@@ -187,7 +191,7 @@ def read_checkpoint(load: str | Path, hf_checkpoint: str | Path, seed: int, num_
             f"--load {load}: the checkpoint was made with --seed {state['seed']}, this run has --seed {seed}; "
             f"resume with --seed {state['seed']} (the data order and sampling seeds derive from it)"
         )
-    if state["next_step"] >= num_steps:
+    if state["next_step"] > num_steps or (state["next_step"] == num_steps and not finished_ok):
         raise CheckpointError(
             f"--load {load}: the checkpoint is after step {state['next_step'] - 1} and --num-steps is {num_steps}: "
             f"nothing is left to run; raise --num-steps above {state['next_step']}"

@@ -12,7 +12,7 @@ command waits for the job, streams its logs, and exits 0 when the job succeeded,
 
 --max-restarts N hands `--max-restarts N` to the job's `relax train` (the entrypoint's last words, as
 `relax train ...` or a scripts/run-*.sh preset passes them on): the job's driver itself restarts the run from its
-newest checkpoint after a training rank fails (relax.run.loop.run_with_restarts). Ray resubmitting a failed job
+newest checkpoint after a worker fails (relax.run.loop.run_with_restarts). Ray resubmitting a failed job
 instead would also survive the driver's death, but needs this command to outlive the job and a new job to find
 the old one's checkpoints; restarting inside the job needs neither.
 """
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-restarts", type=int, metavar="N",
         help="append `--max-restarts N` to the entrypoint, a `relax train` run (or a scripts/run-*.sh preset): the "
-        "job resumes from its newest checkpoint in --save after a training rank fails, at most N times",
+        "job resumes from its newest checkpoint in --save after a training rank or an engine fails, at most N times",
     )
     return parser
 

@@ -88,7 +88,7 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     assert f"resuming from {resumed_saves / 'step_000001'} instead" in output
     assert "training rank 0 (TrainWorker, pid" in output
     assert f"relax train: restart 1 of at most 1: resuming from {resumed_saves}\n" in output
-    assert "  restarts      1: resumed from a checkpoint after a training rank failed" in output
+    assert "  restarts      1: resumed from a checkpoint after a training rank or an engine failed" in output
     leftover = leftover_processes(marker)
     assert not leftover, f"processes of the run left behind: {describe(leftover)}"
 

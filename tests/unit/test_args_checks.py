@@ -155,7 +155,7 @@ RULES = {
     "restarts need save": ([*RUN, "--max-restarts", "2"], "--max-restarts needs --save: a restarted run resumes"),
     "restarts need training ranks": (
         [*RUN, "--max-restarts", "2", "--save", "checkpoints", "--debug-rollout-only"],
-        "--max-restarts restarts the run after a training rank fails; --debug-rollout-only has none",
+        "--max-restarts resumes the run from the actor's newest checkpoint; --debug-rollout-only has no actor",
     ),
     "HF directories beside the checkpoints": (
         [*RUN, "--save", "checkpoints", "--save-hf", "checkpoints/"],

@@ -4,7 +4,8 @@ flow (setup, steps, the evaluation after the last step, a stop signal, cleanup) 
 import json
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +16,8 @@ import relax.run.loop
 from relax.args import AlgorithmSettings
 from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch, run, run_with_restarts
 from relax.run.metrics import MetricsLog, read_metrics
-from relax.ray.placement import TRAINING_RANK, WorkerFailed
-from relax.run.state import LATEST, RunStopped, StopOnSignal
+from relax.ray.placement import ENGINE, TRAINING_RANK, WorkerFailed
+from relax.run.state import LATEST, Checkpoint, CheckpointError, RunStopped, StopOnSignal
 from relax.rollout.data import Prompt
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample
@@ -140,16 +141,29 @@ def test_a_run_restarts_after_training_rank_failures_from_its_newest_save_at_mos
     assert attempts == [("earlier", 0), ("earlier", 1)]  # nothing saved yet: from where the run started
 
 
-def test_a_run_is_not_restarted_after_an_engine_failure(tmp_path, monkeypatch):
+def test_a_run_restarts_after_an_engine_failure_but_not_after_a_driver_error_or_a_failure_naming_no_worker(
+    tmp_path, monkeypatch
+):
+    failures = [  # the first attempt's, then the second's
+        WorkerFailed("engine 0 (EngineWorker, pid 1) failed: died (no engine restart left)", role=ENGINE),
+        CheckpointError("--load saves: the checkpoint was made with --seed 1"),
+    ]
     attempts = []
 
     def run(config, stop, restarts):
         attempts.append(restarts)
-        raise WorkerFailed("engine 0 (EngineWorker, pid 1) failed: died", role="engine")
+        raise failures[restarts]
 
     monkeypatch.setattr(relax.run.loop, "run", run)
-    with pytest.raises(WorkerFailed, match="engine 0"):
-        run_with_restarts(_Config(_Run(load=None, max_restarts=3), _Outputs(save=str(tmp_path))))
+    config = _Config(_Run(load=None, max_restarts=3), _Outputs(save=str(tmp_path)))
+    with pytest.raises(CheckpointError, match="--seed 1"):
+        run_with_restarts(config)
+    assert attempts == [0, 1]
+
+    attempts.clear()
+    failures[0] = WorkerFailed("the liveness watch of the engines on one node ended (the node lost?): gone")
+    with pytest.raises(WorkerFailed, match="liveness watch"):
+        run_with_restarts(config)
     assert attempts == [0]
 
 
@@ -161,6 +175,7 @@ class _Group:
 
     def __init__(self, role: str):
         self.role, self.killed = role, False
+        self.placement, self.actors, self.bundles = None, [role], [SimpleNamespace(node_id="node")]
 
     def __len__(self) -> int:
         return 1
@@ -204,9 +219,14 @@ class _World:
         monkeypatch.setattr(loop, "create_engine_actors", lambda *args, **kwargs: self._group("engines"))
         monkeypatch.setattr(loop, "_generate_restarting_engines", lambda *args: self.generate)
 
+        self.waited = []  # the refs of every wait_for call
+
         def wait_for(refs, *args):
+            nonlocal fails
+            self.waited.append(refs)
             if fails is not None and refs == [fails[0]]:
-                raise fails[1]
+                failure, fails = fails[1], None  # once: a restarted run gets past it
+                raise failure
             return [0 for _ in refs]  # data_parallel_rank: 0
 
         monkeypatch.setattr(loop, "wait_for", wait_for)
@@ -228,18 +248,24 @@ class _World:
         return self.groups[role]
 
 
-def _config(output_dir, num_steps: int, debug_rollout_only: bool) -> SimpleNamespace:
-    """The settings run() reads (relax.args.TrainConfig's), without --save."""
-    settings = SimpleNamespace(
+def _record(**fields):
+    """A frozen dataclass instance of `fields` (run_with_restarts replaces the config's run.load)."""
+    return make_dataclass("Record", list(fields), frozen=True)(**fields)
+
+
+def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max_restarts: int = 0):
+    """The settings run() and run_with_restarts read (relax.args.TrainConfig's)."""
+    settings = _record(
         num_steps=num_steps, load=None, device="cpu", seed=1, num_nodes=1, num_devices_per_node=1, colocate=True,
         hf_checkpoint="model", debug_rollout_only=debug_rollout_only, debug_train_only=False,
         update_weight_buffer_size=0, megatron_features=None, weight_sync_timeout=None, train_timeout=None,
-        engine_start_timeout=None,
+        engine_start_timeout=None, max_restarts=max_restarts,
     )
-    return SimpleNamespace(
+    outputs = _record(output_dir=str(output_dir), wandb_project=None, save=save, save_interval=None, save_hf=None)
+    return _record(
         run=settings, rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None),
         evaluation=SimpleNamespace(only=False), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
-        sglang=None, outputs=SimpleNamespace(output_dir=str(output_dir), wandb_project=None, save=None, save_hf=None),
+        sglang=None, outputs=outputs,
     )
 
 
@@ -273,3 +299,36 @@ def test_a_setup_that_fails_half_way_ends_the_workers_it_created(tmp_path, monke
     assert world.groups["trainers"].killed and world.groups["engines"].killed
     assert world.placement_removed and world.ray_shut_down and world.evaluated == []
     assert "  steps         none finished\n" in capsys.readouterr().out  # the metrics log closed too
+
+
+def test_a_training_rank_failing_after_the_final_save_restarts_to_the_evaluation_after_the_last_step(
+    tmp_path, monkeypatch, capsys
+):
+    failure = WorkerFailed("training rank 0 (TrainWorker, pid 1) failed: died", role=TRAINING_RANK)
+    world = _World(monkeypatch, fails=(("trainers", "close_weight_sync"), failure))
+    loop, saves, loaded = relax.run.loop, tmp_path / "saves", []
+    monkeypatch.setattr(loop, "train", lambda *args: {"train/loss": 1.0})
+
+    def save(save_dir, step, *args):  # the actor's checkpoint and the loop's state, as far as the loop sees them
+        Path(save_dir).mkdir(exist_ok=True)
+        (Path(save_dir) / LATEST).write_text(f"step_{step:06d}\n")
+        return Path(save_dir) / f"step_{step:06d}"
+
+    def read_checkpoint(load, hf_checkpoint, seed, num_steps, finished_ok):  # the last step's, taken on a restart
+        loaded.append((load, finished_ok))
+        return Checkpoint(Path(load) / "step_000001", next_step=2, seed=seed, loader_state=None)
+
+    monkeypatch.setattr(loop, "save", save)
+    monkeypatch.setattr(loop, "read_checkpoint", read_checkpoint)
+    config = _config(tmp_path / "out", num_steps=2, debug_rollout_only=False, save=str(saves), max_restarts=1)
+    assert run_with_restarts(config) == tmp_path / "out"
+    assert loaded == [(str(saves), True)]  # the restart takes the checkpoint of the last step
+    assert world.evaluated == [0, 1, 2, 2]  # the restart ran no step, only the evaluation after the last one
+    assert world.waited[-1] == [("trainers", "close_weight_sync")] and world.groups["trainers"].killed
+    rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
+    assert [(r["step"], r["faults/run_restarts"], "perf/step_time" in r) for r in rows] == [
+        (0, 0, True), (1, 0, True), (2, 1, False)  # the failed attempt's evaluation row replaced
+    ]
+    assert "  restarts      1: resumed from a checkpoint after a training rank or an engine failed\n" in (
+        capsys.readouterr().out
+    )

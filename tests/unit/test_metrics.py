@@ -111,7 +111,7 @@ def test_the_run_ends_with_a_summary_of_its_record(tmp_path, capsys):
     log = MetricsLog(tmp_path, num_steps=3, other_outputs={"checkpoints": "/ckpt", "rollout data": None})
     for step, reward in enumerate([0.25, 0.75, 0.5]):
         saving = {"perf/save_time": 10.0, "perf/step_time": 20.0} if step == 2 else {}
-        log.log(step, {**STEP, "rollout/reward_mean": reward, "faults/run_restarts": 0, **saving})
+        log.log(step, {**STEP, "rollout/reward_mean": reward, **saving})
     log.close()
     summary = capsys.readouterr().out
     assert "relax run summary\n  steps         3 (steps 0-2)\n" in summary
@@ -147,12 +147,17 @@ def test_engine_restarts_in_the_evaluation_after_the_last_step_reach_its_row_and
     )
 
 
-def test_the_summary_says_how_often_the_run_restarted(tmp_path, capsys):
-    log = MetricsLog(tmp_path, num_steps=3)
-    for step, restarts in enumerate([0, 1, 2]):  # resumed from a checkpoint before steps 1 and 2
-        log.log(step, {**STEP, "faults/run_restarts": restarts})
-    log.close()
-    assert "  restarts      2: resumed from a checkpoint after a training rank failed\n" in capsys.readouterr().out
+def test_every_row_and_the_summary_say_how_often_the_run_restarted(tmp_path, capsys):
+    for restarts in range(3):  # each attempt failed after its step: resumed from a checkpoint before steps 1 and 2
+        log = MetricsLog(tmp_path, num_steps=3, first_step=restarts, restarts=restarts)
+        log.log(restarts, STEP)
+        log.close()
+    assert [r["faults/run_restarts"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    restarted = "  restarts      {}: resumed from a checkpoint after a training rank or an engine failed\n"
+    assert restarted.format(2) in capsys.readouterr().out
+    # Restarted after the final save, without an evaluation after the last step: the attempt logs no row.
+    MetricsLog(tmp_path, num_steps=3, first_step=3, restarts=3).close()
+    assert restarted.format(3) in capsys.readouterr().out
 
 
 def test_a_run_stopped_before_its_first_step_still_says_where_its_outputs_are(tmp_path, capsys):

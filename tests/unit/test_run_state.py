@@ -99,6 +99,14 @@ def test_load_refuses_what_it_cannot_resume_naming_the_path_and_the_fix(tmp_path
         read_checkpoint(tmp_path / "saves", model, seed=1234, num_steps=4)
 
 
+def test_a_restart_takes_a_checkpoint_after_the_last_step_and_nothing_later(tmp_path, models):
+    model, _ = models
+    fake_save(tmp_path, 3, model)  # the last step of a 4-step run: what remains is the evaluation after it
+    assert read_checkpoint(tmp_path, model, seed=1234, num_steps=4, finished_ok=True).next_step == 4
+    with pytest.raises(CheckpointError, match="after step 3 and --num-steps is 3"):
+        read_checkpoint(tmp_path, model, seed=1234, num_steps=3, finished_ok=True)
+
+
 class ActorSaves:
     """Stands in for the training actors' group: `call("save_checkpoint", dir, step)` writes what a real save
     writes there (an empty dist-checkpoint metadata, the HF config), or fails like a crash mid-save;
