@@ -48,7 +48,7 @@ from relax.ray.placement import (
 )
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptLoader, load_prompts
-from relax.rollout.dump import load_rollout_data, save_rollout_data
+from relax.rollout.dump import check_rollout_data, load_rollout_data, save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate, load_eval_sets
 from relax.rollout.groups import Sample, apply_overlong_penalty
 from relax.rollout.engine_restarts import EngineRestarts
@@ -76,6 +76,13 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     checkpoint = None
     if settings.load:
         checkpoint = read_checkpoint(settings.load, settings.hf_checkpoint, settings.seed, settings.num_steps)
+    start_step = checkpoint.next_step if checkpoint else 0
+    if rollout.load_data:  # a missing step file or another batch shape fails here, not after the workers start
+        replayed = check_rollout_data(
+            rollout.load_data, range(start_step, num_steps), rollout.batch_size, rollout.sampling.n,
+            rollout.routing_replay, read_samples=False,
+        )
+        say(f"rollout data: {replayed}")
     from relax.platform import get_platform
 
     platform = get_platform(settings.device)
@@ -86,7 +93,6 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     placement = create_node_placement(platform, settings.num_nodes, settings.num_devices_per_node)
     workers = Workers()  # filled as each group is created, so that the cleanup ends those a failed setup created
     hand_over_timeout = settings.weight_sync_timeout
-    start_step = checkpoint.next_step if checkpoint else 0
     log = MetricsLog(
         Path(outputs.output_dir), num_steps, first_step=start_step, wandb_project=outputs.wandb_project,
         other_outputs={

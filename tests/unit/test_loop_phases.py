@@ -237,7 +237,8 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool) -> SimpleNames
         engine_start_timeout=None,
     )
     return SimpleNamespace(
-        run=settings, rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None),
+        run=settings,
+        rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None),
         evaluation=SimpleNamespace(only=False), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=SimpleNamespace(output_dir=str(output_dir), wandb_project=None, save=None, save_hf=None),
     )
