@@ -56,9 +56,13 @@ def _train(argv: list[str]) -> int:
         print(format_config(config))
         try:
             print(_dry_run_prompt_data(config.run.hf_checkpoint, config.rollout, config.evaluation))
+            start_step = 0
             if config.run.load is not None:
-                print(_dry_run_checkpoint(config.run))
-        except (PromptDataError, CheckpointError) as error:
+                checkpoint_report, start_step = _dry_run_checkpoint(config.run)
+                print(checkpoint_report)
+            if config.rollout.load_data:
+                print(_dry_run_rollout_data(config.rollout, start_step, config.run.num_steps))
+        except (PromptDataError, CheckpointError, RolloutDataError) as error:
             print(f"relax train: {error}", file=sys.stderr)
             return 2
         return 0
@@ -138,20 +142,37 @@ def _dry_run_data(what: str, flag: str, path: str | None, hf_checkpoint: str | N
     return f"{what}: {read(AutoTokenizer.from_pretrained(hf_checkpoint)).summary()}"
 
 
-def _dry_run_checkpoint(run) -> str:
+def _dry_run_checkpoint(run) -> tuple[str, int | None]:
     """Check the checkpoint --load names as the run would (complete, same seed and architecture, steps left);
-    `run`: relax.args.RunSettings. A directory that is not there yet is reported as not checked."""
+    `run`: relax.args.RunSettings. Returns the report and the step the run resumes at. A directory that is not there
+    yet is reported as not checked (resuming at an unknown step: None)."""
     absent = [
         f"{flag} {'not given' if path is None else f'{path} does not exist'}"
         for flag, path in (("--load", run.load), ("--hf-checkpoint", run.hf_checkpoint))
         if path is None or not Path(path).exists()
     ]
     if absent:
-        return f"--load: not checked ({'; '.join(absent)})"
+        return f"--load: not checked ({'; '.join(absent)})", None
     from relax.run.state import read_checkpoint
 
     checkpoint = read_checkpoint(run.load, run.hf_checkpoint, run.seed, run.num_steps)
-    return f"--load: {checkpoint.directory}, the run resumes at step {checkpoint.next_step}"
+    return f"--load: {checkpoint.directory}, the run resumes at step {checkpoint.next_step}", checkpoint.next_step
+
+
+def _dry_run_rollout_data(rollout, start_step: int | None, num_steps: int) -> str:
+    """Read every step's file --load-rollout-data names, from `start_step` on, whole and checked as the run reads
+    it at that step (one file at a time); `rollout`: relax.args.RolloutSettings. Reading all of it costs what the
+    run's own reads cost, and only that finds a malformed group or routed experts that do not match their samples
+    before the run."""
+    if start_step is None:
+        return "rollout data: not checked (the run's first step is that of the --load checkpoint, not checked)"
+    from relax.rollout.dump import check_rollout_data
+
+    read = check_rollout_data(
+        rollout.load_data, range(start_step, num_steps), rollout.batch_size, rollout.sampling.n,
+        rollout.routing_replay, read_samples=True,
+    )
+    return f"rollout data: {read}"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """What a person sees while `relax train` runs, and the run's log file, which holds every line.
 
 While a RunConsole is open (the `relax train` driver opens one around the run), the terminal shows:
-- relax's own lines: what relax's code in the driver writes through say() (the prompt data report, the run
-  summary, the `relax train: ...` messages), the progress bar (progress_stream()), and the lines a worker writes
+- relax's own lines: what relax's code in the driver writes through say() (the prompt and rollout data reports,
+  the run summary, the `relax train: ...` messages), the progress bar (progress_stream()), and the lines a worker writes
   that begin with "relax" (relax's code in the actors writes its lines so);
 - upstream errors: Python tracebacks (from the line holding "Traceback (most recent call last):" through the
   exception's line) and lines holding a level word ERROR, CRITICAL or FATAL;

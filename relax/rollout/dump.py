@@ -29,6 +29,10 @@ reads them only for a run that replays them, and refuses a file without them for
 Both files are written to a temporary name and then renamed, the experts first: a run that dies mid-write leaves
 no half file under the step's name, and a step's JSON lines, once there, have their experts complete beside them.
 Version 1 files (before routed experts were kept; no "routed_experts" in the header) load as a step without them.
+
+Before a replaying run touches a device, check_rollout_data checks every step's file it will read: `relax train
+--dry-run` reads each one whole, the run itself only its header (and that its experts are there), as it reads each
+file whole at its step.
 """
 
 import json
@@ -150,21 +154,92 @@ def load_rollout_data(
 ) -> list[Sample]:
     """The samples saved for `step` (prompt by prompt), checked against the run's batch shape; with their routed
     experts if `with_routed_experts` (the run replays them), else without."""
+    path, where = _existing_file(pattern, step)
+    records = [
+        (number, _json_line(line, number, where))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if line.strip()
+    ]
+    if not records:
+        raise RolloutDataError(f"{where} is empty")
+    (header_line, header), groups = records[0], records[1:]
+    experts_name = _check_header(
+        header, header_line, where, num_groups, samples_per_prompt, with_routed_experts, groups_in_file=len(groups)
+    )
+    samples = []
+    for number, record in groups:
+        try:
+            samples += _group_samples(record, samples_per_prompt)
+        except (KeyError, TypeError, ValueError) as e:
+            raise RolloutDataError(f"{where} line {number}: malformed group ({type(e).__name__}: {e})") from None
+    if experts_name is not None:
+        _load_experts(samples, path.parent / experts_name, where)
+    return samples
+
+
+def check_rollout_data(
+    pattern: str, steps: range, num_groups: int, samples_per_prompt: int, with_routed_experts: bool,
+    read_samples: bool,
+) -> str:
+    """Check the files a run replaying `pattern` at `steps` reads, before it starts; returns the report. With
+    `read_samples` (the dry-run), each file is read whole as load_rollout_data reads it at its step, one at a time;
+    without (the run itself, before its workers start: it reads each file whole at its step anyway), only that each
+    is there with a header of the run's batch shape, and its routed experts beside it when replayed."""
+    first_steps = {}  # each file -> the first step that reads it (a pattern without {step}: one file, every step)
+    for step in steps:
+        first_steps.setdefault(rollout_data_path(pattern, step), step)
+    for step in first_steps.values():
+        if read_samples:
+            load_rollout_data(pattern, step, num_groups, samples_per_prompt, with_routed_experts)
+        else:
+            path, where = _existing_file(pattern, step)
+            header_line, header = _first_record(path, where)
+            experts_name = _check_header(
+                header, header_line, where, num_groups, samples_per_prompt, with_routed_experts
+            )
+            if experts_name is not None:
+                _check_experts_exist(path.parent / experts_name, where)
+    files = f"{len(first_steps)} file{'s' if len(first_steps) != 1 else ''}"
+    what = "read" if read_samples else "found, their headers checked (each is read whole at its step)"
+    experts = ", with routed experts" if with_routed_experts else ""
+    return (
+        f"{pattern}: {files} {what}, steps {steps.start}-{steps.stop - 1}, {num_groups} groups x "
+        f"{samples_per_prompt} samples{experts}"
+    )
+
+
+def _existing_file(pattern: str, step: int) -> tuple[Path, str]:
+    """The file of `step` and the words that name it in errors; refused if it is not there."""
     path = rollout_data_path(pattern, step)
     where = f"--load-rollout-data, step {step}: {path}"
     if not path.is_file():
         raise RolloutDataError(f"{where} does not exist (write it with --save-rollout-data {pattern})")
-    records = []  # (line number, value)
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append((number, json.loads(line)))
-        except json.JSONDecodeError as e:
-            raise RolloutDataError(f"{where} line {number}: invalid JSON ({e.msg} at column {e.colno})") from None
-    if not records:
-        raise RolloutDataError(f"{where} is empty")
-    (header_line, header), groups = records[0], records[1:]
+    return path, where
+
+
+def _json_line(line: str, number: int, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise RolloutDataError(f"{where} line {number}: invalid JSON ({e.msg} at column {e.colno})") from None
+
+
+def _first_record(path: Path, where: str) -> tuple[int, object]:
+    """The line number and value of the file's first line that is not blank (its header), reading no further."""
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                return number, _json_line(line, number, where)
+    raise RolloutDataError(f"{where} is empty")
+
+
+def _check_header(
+    header, header_line: int, where: str, num_groups: int, samples_per_prompt: int, with_routed_experts: bool,
+    groups_in_file: int | None = None,
+) -> str | None:
+    """Refuse a header that is not one, of a version this relax cannot read, that miscounts the groups after it
+    (`groups_in_file`, when they were read), of another batch shape than the run's, or without routed experts for
+    a run that replays them. Returns the routed experts' file name (beside the file) when replayed, else None."""
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise RolloutDataError(f"{where} line {header_line}: not a {FORMAT} header: {str(header)[:120]}")
     if header.get("version") not in READABLE_VERSIONS:
@@ -172,9 +247,9 @@ def load_rollout_data(
             f"{where}: format version {header.get('version')!r}; this relax reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}"
         )
-    if header.get("num_groups") != len(groups):
+    if groups_in_file is not None and header.get("num_groups") != groups_in_file:
         raise RolloutDataError(
-            f"{where}: the header says {header.get('num_groups')} groups, the file holds {len(groups)}"
+            f"{where}: the header says {header.get('num_groups')} groups, the file holds {groups_in_file}"
         )
     shape = (header.get("num_groups"), header.get("samples_per_prompt"))
     if shape != (num_groups, samples_per_prompt):
@@ -182,32 +257,21 @@ def load_rollout_data(
             f"{where} holds {shape[0]} groups of {shape[1]} samples; this run trains on --rollout-batch-size "
             f"{num_groups} groups of --n-samples-per-prompt {samples_per_prompt}: use the flags the file was saved with"
         )
-    samples = []
-    for number, record in groups:
-        try:
-            samples += _group_samples(record, samples_per_prompt)
-        except (KeyError, TypeError, ValueError) as e:
-            raise RolloutDataError(f"{where} line {number}: malformed group ({type(e).__name__}: {e})") from None
-    if with_routed_experts:
-        experts_name = header.get("routed_experts")  # absent in version 1
-        if not isinstance(experts_name, str):
-            raise RolloutDataError(
-                f"{where} holds no routed experts (saved by a run without --use-rollout-routing-replay, or in "
-                "format version 1), and --use-rollout-routing-replay replays them: save the rollouts again with "
-                "--use-rollout-routing-replay, or drop it"
-            )
-        _load_experts(samples, path.parent / experts_name, where)
-    return samples
+    if not with_routed_experts:
+        return None
+    experts_name = header.get("routed_experts")  # absent in version 1
+    if not isinstance(experts_name, str):
+        raise RolloutDataError(
+            f"{where} holds no routed experts (saved by a run without --use-rollout-routing-replay, or in "
+            "format version 1), and --use-rollout-routing-replay replays them: save the rollouts again with "
+            "--use-rollout-routing-replay, or drop it"
+        )
+    return experts_name
 
 
 def _load_experts(samples: list[Sample], experts_path: Path, where: str) -> None:
     """Set each sample's routed experts from the safetensors file _experts_file wrote."""
-    where = f"{where}: its routed experts {experts_path}"
-    if not experts_path.is_file():
-        raise RolloutDataError(
-            f"{where} do not exist (the header names them): keep them beside the file, as --save-rollout-data "
-            "wrote them"
-        )
+    where = _check_experts_exist(experts_path, where)
     try:
         tensors = safetensors.torch.load_file(experts_path)
     except (OSError, SafetensorError) as e:
@@ -227,6 +291,17 @@ def _load_experts(samples: list[Sample], experts_path: Path, where: str) -> None
         raise RolloutDataError(f"{where} do not match its samples ({e})") from None
     for sample, sample_experts in zip(samples, experts):
         sample.routed_experts = sample_experts.to(ROUTED_EXPERTS_DTYPE)
+
+
+def _check_experts_exist(experts_path: Path, where: str) -> str:
+    """Refuse routed experts the header names that are not there; returns the words that name them in errors."""
+    where = f"{where}: its routed experts {experts_path}"
+    if not experts_path.is_file():
+        raise RolloutDataError(
+            f"{where} do not exist (the header names them): keep them beside the file, as --save-rollout-data "
+            "wrote them"
+        )
+    return where
 
 
 def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:

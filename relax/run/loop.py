@@ -49,7 +49,7 @@ from relax.ray.placement import (
 )
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptLoader, load_prompts
-from relax.rollout.dump import load_rollout_data, save_rollout_data
+from relax.rollout.dump import check_rollout_data, load_rollout_data, save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate, load_eval_sets
 from relax.rollout.groups import Sample, apply_overlong_penalty
 from relax.rollout.engine_restarts import EngineRestarts
@@ -80,17 +80,17 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
         checkpoint = read_checkpoint(
             settings.load, settings.hf_checkpoint, settings.seed, settings.num_steps, finished_ok=restarts > 0
         )
+    start_step = checkpoint.next_step if checkpoint else 0
+    loader, eval_sets, reward_fn = _read_inputs(settings, rollout, evaluation, checkpoint, range(start_step, num_steps))
     from relax.platform import get_platform
 
     platform = get_platform(settings.device)
-    loader, eval_sets, reward_fn = _prompts_and_reward(settings, rollout, evaluation, checkpoint)
 
     started_ray = _init_ray()
     stop.take_back()  # ray.init set its own SIGTERM handler
     placement = create_node_placement(platform, settings.num_nodes, settings.num_devices_per_node)
     workers = Workers()  # filled as each group is created, so that the cleanup ends those a failed setup created
     hand_over_timeout = settings.weight_sync_timeout
-    start_step = checkpoint.next_step if checkpoint else 0
     log = MetricsLog(
         Path(outputs.output_dir), num_steps, first_step=start_step, wandb_project=outputs.wandb_project,
         other_outputs={
@@ -392,10 +392,17 @@ def start_workers(workers: Workers, config, platform, placement: Placement, chec
         resume_actor(checkpoint, workers.engines, workers.trainers, rollout.devices_per_engine, settings)
 
 
-def _prompts_and_reward(settings: RunSettings, rollout: RolloutSettings, evaluation: EvalSettings, checkpoint):
-    """The prompt loader (at the checkpoint's position when resuming), the eval sets and the reward function. No
-    loader when rollouts are replayed (--load-rollout-data) or only evaluated (--eval-only); no reward function when
-    nothing is generated."""
+def _read_inputs(settings: RunSettings, rollout: RolloutSettings, evaluation: EvalSettings, checkpoint, steps: range):
+    """What the run reads before any worker starts: the prompt loader (at the checkpoint's position when resuming),
+    the eval sets and the reward function; the rollout data replayed at `steps` is checked to be there, in the run's
+    batch shape (a step's file is read whole at that step). No loader when rollouts are replayed
+    (--load-rollout-data) or only evaluated (--eval-only); no reward function when nothing is generated."""
+    if rollout.load_data:
+        replayed = check_rollout_data(
+            rollout.load_data, steps, rollout.batch_size, rollout.sampling.n, rollout.routing_replay,
+            read_samples=False,
+        )
+        say(f"rollout data: {replayed}")
     trains_on_prompts = not (rollout.load_data or evaluation.only)
     if not (trains_on_prompts or evaluation.datasets):
         return None, [], None

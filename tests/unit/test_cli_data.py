@@ -1,12 +1,15 @@
 """Prompt data through `relax train`: the dry run reads every row the run would, and a data error ends a dry run
 or a run with one line naming the file and the row, exit status 2, no traceback. The dry run checks the checkpoint
---load names likewise."""
+--load names and every step's file --load-rollout-data names likewise."""
 
 import json
 
 import pytest
 
 from relax.cli import main
+from relax.rollout.data import Prompt
+from relax.rollout.dump import save_rollout_data
+from relax.rollout.groups import Sample
 from relax.tools.tiny_model import build_tiny_model
 
 
@@ -88,3 +91,60 @@ def test_the_eval_only_dry_run_reads_the_eval_sets_and_says_the_training_flags_a
     assert f"eval set held_out: {held_out}: 2 rows, 2 prompts kept" in out
     assert "prompt data: none (--eval-only evaluates --hf-checkpoint on the eval sets once; the training flags" in out
     assert "are checked as for a run but unused)" in out
+
+
+def save_rollouts(pattern, steps, num_groups):
+    """Real rollout data files of `num_groups` groups of 2 samples each for `steps`, as --save-rollout-data writes."""
+    for step in steps:
+        samples = []
+        for row in range(num_groups):
+            prompt = Prompt(row=row, token_ids=[1, 2], text=f"copy {row}:", label=str(row))
+            samples += [Sample(prompt, [3], [-0.5], "stop", str(row), reward=1.0) for _ in range(2)]
+        save_rollout_data(pattern, step, samples, samples_per_prompt=2)
+
+
+def replay_argv(checkpoint, pattern, *extra):
+    """A run replaying `pattern` for 3 steps of 2 groups of 2 samples (the prompt data is not read then)."""
+    return train_argv(
+        checkpoint, "unread.jsonl", "--load-rollout-data", pattern, "--rollout-batch-size", "2",
+        "--n-samples-per-prompt", "2", "--num-steps", "3", *extra,
+    )
+
+
+def test_the_dry_run_reads_every_step_of_the_replayed_rollout_data(tmp_path, checkpoint, capsys):
+    pattern = str(tmp_path / "step_{step}.jsonl")
+    save_rollouts(pattern, range(3), num_groups=2)
+    assert main(replay_argv(checkpoint, pattern, "--dry-run")) == 0
+    assert f"rollout data: {pattern}: 3 files read, steps 0-2, 2 groups x 2 samples" in capsys.readouterr().out
+    one_file = str(tmp_path / "step_0.jsonl")  # no {step}: the same rollout every step
+    assert main(replay_argv(checkpoint, one_file, "--dry-run")) == 0
+    assert f"rollout data: {one_file}: 1 file read, steps 0-2, 2 groups x 2 samples" in capsys.readouterr().out
+    # The first step replayed is the --load checkpoint's: unknown while it is not there.
+    assert main(replay_argv(checkpoint, pattern, "--dry-run", "--load", str(tmp_path / "later"))) == 0
+    assert "rollout data: not checked (the run's first step is that of the --load checkpoint, not checked)" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize(
+    "steps, num_groups, error",
+    [
+        ([0, 2], 2, "--load-rollout-data, step 1: {dir}/step_1.jsonl does not exist (write it with "
+                    "--save-rollout-data {dir}/step_{{step}}.jsonl)"),
+        ([0, 1, 2], 3, "--load-rollout-data, step 0: {dir}/step_0.jsonl holds 3 groups of 2 samples; this run trains "
+                       "on --rollout-batch-size 2 groups of --n-samples-per-prompt 2: use the flags the file was "
+                       "saved with"),
+    ],
+    ids=["missing step", "group count"],
+)
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry run", "run"])
+def test_replayed_rollout_data_of_another_shape_or_a_missing_step_ends_it_with_one_line(
+    tmp_path, checkpoint, capsys, steps, num_groups, error, dry_run
+):
+    """The run checks every step's file (its header) before it starts any worker, as the dry run does (reading it
+    whole)."""
+    pattern = str(tmp_path / "step_{step}.jsonl")
+    save_rollouts(pattern, steps, num_groups)
+    assert main(replay_argv(checkpoint, pattern, *dry_run, "--output-dir", str(tmp_path / "out"))) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == f"relax train: {error.format(dir=tmp_path)}"

@@ -210,7 +210,7 @@ class _World:
         loop = relax.run.loop
         platform = SimpleNamespace(name="cpu", has_memory_saver=False)
         monkeypatch.setattr(relax.platform, "get_platform", lambda name: platform)
-        monkeypatch.setattr(loop, "_prompts_and_reward", lambda *args: (None, [], None))
+        monkeypatch.setattr(loop, "_read_inputs", lambda *args: (None, [], None))
         monkeypatch.setattr(loop, "_init_ray", lambda: True)
         monkeypatch.setattr(loop.ray, "shutdown", lambda: setattr(self, "ray_shut_down", True))
         placement = SimpleNamespace(remove=lambda: setattr(self, "placement_removed", True))
@@ -263,7 +263,8 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
     )
     outputs = _record(output_dir=str(output_dir), wandb_project=None, save=save, save_interval=None, save_hf=None)
     return _record(
-        run=settings, rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None),
+        run=settings,
+        rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None),
         evaluation=SimpleNamespace(only=False), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=outputs,
     )

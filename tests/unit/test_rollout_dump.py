@@ -3,6 +3,7 @@ errors that name the file and the step."""
 
 import argparse
 import json
+from functools import partial
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from relax.rollout.dump import (
     FORMAT,
     VERSION,
     RolloutDataError,
+    check_rollout_data,
     experts_path_of,
     load_rollout_data,
     pattern_problem,
@@ -254,3 +256,26 @@ def test_the_loop_replays_and_saves_again_the_routed_experts_under_routing_repla
     assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(replayed, samples))
     saved_again = (tmp_path / "out_0.jsonl.experts.safetensors").read_bytes()
     assert saved_again == (tmp_path / "in_0.jsonl.experts.safetensors").read_bytes()
+
+
+def test_the_check_before_a_run_reads_headers_and_the_dry_runs_check_reads_all(tmp_path):
+    pattern = str(tmp_path / "s{step}.jsonl")
+    for step in (1, 2):
+        save_rollout_data(pattern, step, _with_experts(_samples(), 7), samples_per_prompt=2)
+    check = partial(check_rollout_data, pattern, range(1, 3), 2, 2, True)
+    assert check(read_samples=False) == (
+        f"{pattern}: 2 files found, their headers checked (each is read whole at its step), steps 1-2, 2 groups x 2 "
+        "samples, with routed experts"
+    )
+    assert check(read_samples=True) == f"{pattern}: 2 files read, steps 1-2, 2 groups x 2 samples, with routed experts"
+    # A bad group line is found only by reading the whole file; missing experts by either.
+    path = tmp_path / "s2.jsonl"
+    header, group, *rest = path.read_text().splitlines()
+    path.write_text("\n".join([header, group.replace('"reward": ', '"reward": "'), *rest]) + "\n")
+    check(read_samples=False)
+    with pytest.raises(RolloutDataError, match=r"step 2: .*s2\.jsonl line 2: invalid JSON"):
+        check(read_samples=True)
+    experts_path_of(tmp_path / "s1.jsonl").unlink()
+    for read_samples in (False, True):
+        with pytest.raises(RolloutDataError, match=r"step 1: .*s1\.jsonl: its routed experts .* do not exist"):
+            check(read_samples=read_samples)
