@@ -79,9 +79,10 @@ def save(
     timeout: "Timeout | None" = None,
 ) -> Path:
     """Save the state after `step`: the actor's checkpoint (collective over the training ranks, which must be
-    awake), then the loop's state, then `latest`; with `save_hf` (--save-hf), then the actor's weights as an HF
-    directory save_hf/step_N. Returns the step directory. `timeout` (--train-timeout) bounds each call on the
-    ranks."""
+    awake), then the loop's state; with `save_hf` (--save-hf), the actor's weights as an HF directory
+    save_hf/step_N; then `latest`. The step counts as saved (for --load and a restart) only once its HF directory
+    is written too, so a rank that dies in the export has the step redone, export included. Returns the step
+    directory. `timeout` (--train-timeout) bounds each call on the ranks."""
     from relax.ray.placement import group_callees, wait_for
 
     directory = _fresh_partial(Path(save_dir), step)
@@ -94,12 +95,12 @@ def save(
         "files": saved_files(directory),
     }
     write_text_atomically(directory / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
-    directory = _complete(directory)
-    write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
     if save_hf is not None:
         hf_directory = _fresh_partial(Path(save_hf), step)
         wait_for(trainers.call("save_hf", str(hf_directory)), trainers.placement, timeout, group_callees(trainers))
         _complete(hf_directory)
+    directory = _complete(directory)
+    write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")
     return directory
 
 

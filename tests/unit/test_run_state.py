@@ -115,13 +115,15 @@ class ActorSaves:
     placement = SimpleNamespace(groups=[])  # no actors for wait_for to watch
 
     def __init__(self, model_dir):
-        self.model_dir, self.fail = model_dir, False
+        self.model_dir, self.fail, self.fail_hf = model_dir, False, False
 
     def __len__(self):  # its calls return no refs: no actor for wait_for to name
         return 0
 
     def call(self, method, directory, step=None):
         if method == "save_hf":
+            if self.fail_hf:
+                raise RuntimeError("a training rank died in the HF export")
             shutil.copy(self.model_dir / "config.json", Path(directory) / "config.json")
             return []
         assert method == "save_checkpoint"
@@ -199,6 +201,13 @@ def test_a_save_with_save_hf_writes_the_hf_directory_of_the_step(tmp_path, model
     save(tmp_path / "checkpoints", 1, ActorSaves(model), loader, seed=1234, save_hf=tmp_path / "hf")  # resumed
     assert [p.name for p in (tmp_path / "hf").iterdir()] == ["step_000001"]
     assert (tmp_path / "hf" / "step_000001" / "config.json").read_text() == (model / "config.json").read_text()
+    # A rank that dies in step 3's export leaves step 3 unsaved: a restart resumes after step 1 and redoes the export.
+    dying = ActorSaves(model)
+    dying.fail_hf = True
+    with pytest.raises(RuntimeError, match="HF export"):
+        save(tmp_path / "checkpoints", 3, dying, loader, seed=1234, save_hf=tmp_path / "hf")
+    assert read_checkpoint(tmp_path / "checkpoints", model, seed=1234, num_steps=10).next_step == 2
+    assert not (tmp_path / "checkpoints" / "step_000003").exists() and not (tmp_path / "hf" / "step_000003").exists()
 
 
 def test_convert_takes_the_latest_or_a_named_step(tmp_path, models):
