@@ -4,8 +4,8 @@ While a RunConsole is open (the `relax train` driver opens one around the run), 
 - relax's own lines: what relax's code in the driver writes through say() (the prompt and rollout data reports,
   the run summary, the `relax train: ...` messages), the progress bar (progress_stream()), and the lines a worker writes
   that begin with "relax" (relax's code in the actors writes its lines so);
-- upstream errors: Python tracebacks (from the line holding "Traceback (most recent call last):" through the
-  exception's line) and lines holding a level word ERROR, CRITICAL or FATAL;
+- upstream errors: Python tracebacks, whole (chained ones, the exception's message of several lines and its notes:
+  UpstreamFilter says where one ends), and lines holding a level word ERROR, CRITICAL or FATAL;
 - with `verbose`, every line; with `shown_actors`, every line of those actors (--engine-logs: the SGLang engines).
 Every line but the progress bar also goes to <output-dir>/run.log (RUN_LOG_FILE).
 
@@ -28,6 +28,17 @@ from typing import TextIO
 
 RUN_LOG_FILE = "run.log"
 TRACEBACK_START = "Traceback (most recent call last):"
+# The line between the parts of a chained traceback (Python writes a blank line before and after it).
+CHAIN_LINKS = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
+# How a new log record begins: SGLang's "[2026-12-02 02:55:09] ...", Ray's and Python logging's
+# "2026-12-02 03:04:48,963 ...", Ray's core "[2026-12-02 03:04:48,963 E 12 34] ...".
+LOG_RECORD_START = re.compile(r"\[?\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}")
+# Unindented lines after the exception's line that still count as its message and notes: relax's and upstream's
+# messages of several lines run to a few; more is rather the process going on after a logged exception.
+MESSAGE_LINES_MAX = 20
 ERROR_WORD = re.compile(r"\b(ERROR|CRITICAL|FATAL)\b")
 RELAX_MARK = "relax"  # how every line relax's code writes in a worker begins
 # Ray's prefix of a line relayed from a worker: "(EngineWorker pid=123)" or "(pid=123, ip=10.0.0.2)", maybe coloured.
@@ -62,12 +73,23 @@ def worker_line(line: str) -> tuple[str | None, str] | None:
 
 class UpstreamFilter:
     """Decides, line by line, which upstream lines reach the terminal. Tracebacks are followed per source (the
-    driver, or each worker process), as Ray interleaves the workers' lines."""
+    driver, or each worker process), as Ray interleaves the workers' lines.
+
+    A source's traceback runs from its line holding "Traceback (most recent call last):" through its frames (the
+    indented lines), the exception's line (the first unindented one) and the lines after that, which are the
+    exception's message and notes (and, for an error a Ray worker relays, that worker's stack) and, in a chained
+    traceback, the blank line, the CHAIN_LINKS line and the blank line before the next "Traceback ...". It ends at a
+    line that begins something else (that line is then judged on its own):
+    - a line of relax's, or a new log record (a line beginning with a date: LOG_RECORD_START);
+    - after a blank line, any line but a blank one, a CHAIN_LINKS line or a new traceback;
+    - past the exception's line, the unindented line after MESSAGE_LINES_MAX of them (indented lines, such as a
+      relayed stack's frames, are not counted): output that goes on and on is not a message; run.log keeps it.
+    A blank line that ends a traceback is shown with it (a line is judged before the next one arrives)."""
 
     def __init__(self, verbose: bool = False, shown_actors: tuple[str, ...] = ()):
         self.verbose = verbose
         self.shown_actors = set(shown_actors)
-        self._in_traceback: set[str] = set()  # sources inside a traceback
+        self._tracebacks: dict[str, _OpenTraceback] = {}  # by source: the tracebacks being written
 
     def shows(self, line: str) -> bool:
         relayed = worker_line(line)
@@ -77,19 +99,50 @@ class UpstreamFilter:
             actor, text = relayed
             source = line[: len(line) - len(text)]
             if text.startswith(RELAX_MARK):
+                self.relax_line_written(source)
                 return True
         in_error = self._is_error(source, text)
         return self.verbose or in_error or actor in self.shown_actors
 
+    def relax_line_written(self, source: str = "") -> None:
+        """A line of relax's from `source` ends its traceback (the driver's lines come through say(), not shows())."""
+        self._tracebacks.pop(source, None)
+
     def _is_error(self, source: str, text: str) -> bool:
         if TRACEBACK_START in text:
-            self._in_traceback.add(source)
+            self._tracebacks[source] = _OpenTraceback()
             return True
-        if source in self._in_traceback:
-            if not text[:1].isspace():  # the exception's own line ends the traceback
-                self._in_traceback.discard(source)
+        traceback = self._tracebacks.get(source)
+        if traceback is not None and traceback.goes_on(text):
             return True
+        self._tracebacks.pop(source, None)
         return ERROR_WORD.search(text) is not None
+
+
+class _OpenTraceback:
+    """Where a source is in the traceback it is writing (the rule is UpstreamFilter's)."""
+
+    def __init__(self):
+        self.past_frames = False  # the exception's line was written
+        self.after_blank = False  # the last line was blank
+        self.message_lines = 0  # unindented lines past the exception's line
+
+    def goes_on(self, text: str) -> bool:
+        """Whether `text`, the source's next line (not a new traceback's first), is part of this traceback."""
+        indented = text[:1].isspace()
+        if not self.past_frames:
+            self.past_frames = not indented
+            return True
+        if self.after_blank and text.strip() not in ("", *CHAIN_LINKS):
+            return False
+        if LOG_RECORD_START.match(text):
+            return False
+        if not indented:
+            self.message_lines += 1
+            if self.message_lines > MESSAGE_LINES_MAX:
+                return False
+        self.after_blank = not text.strip()
+        return True
 
 
 class _UpstreamStream:
@@ -165,6 +218,7 @@ class RunConsole:
     def write_relax_line(self, text: str, error: bool) -> None:
         terminal = self.terminal_err if error else self.terminal_out
         with self._lock:
+            self._filter.relax_line_written()
             terminal.write(text + "\n")
             terminal.flush()
             self._log.write(text + "\n")
