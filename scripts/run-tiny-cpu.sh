@@ -43,7 +43,6 @@ args=(
     # and the answer), lr 1e-2 and GRPO's std division, the policy often settled on one digit for every prompt
     # before it learned to read the prompt (mean reward about 0.6; docs/benchmarks.md).
     --input-key prompt --label-key label
-    --reward-fn copy_digit
     --num-steps 80
     --rollout-batch-size 8 --n-samples-per-prompt 8 --rollout-max-response-len 2 --rollout-temperature 1.0
     --global-batch-size 64 --micro-batch-size 16
@@ -53,15 +52,16 @@ args=(
     --output-dir "$EXP_DIR/output" --overwrite-output-dir
 )
 given() { [[ " ${train_args[*]} " == *" $1 "* ]]; }
-# The training prompts; --eval-only trains on none (and refuses --prompt-data, --rollout-shuffle, --eval-interval).
-# Its other training flags above are checked but unused.
-if ! given --eval-only; then
+# The training prompts; --eval-only trains on none and --load-rollout-data replays saved rollouts instead (both
+# refuse --prompt-data and --rollout-shuffle). --eval-only's other training flags above are checked but unused.
+if ! given --eval-only && ! given --load-rollout-data; then
     args+=(--prompt-data "$data" --rollout-shuffle)
 fi
 # pass@1, 2 and 4 of the policy on the held-out set before the first step, every 10 steps and after the last (once
-# under --eval-only); not under --debug-train-only, which starts no engines to evaluate on
+# under --eval-only); not under --debug-train-only, which starts no engines to evaluate on. The reward function
+# scores the rollouts and the evaluations: --debug-train-only has neither, and refuses it.
 if ! given --debug-train-only; then
-    args+=(--eval-prompt-data held_out "$held_out" --eval-n-samples-per-prompt 4)
+    args+=(--reward-fn copy_digit --eval-prompt-data held_out "$held_out" --eval-n-samples-per-prompt 4)
     if ! given --eval-only; then
         args+=(--eval-interval 10)
     fi

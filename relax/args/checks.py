@@ -26,6 +26,18 @@ class Parsed(typing.NamedTuple):
     megatron: typing.Any  # relax.args.megatron.MegatronConfig
 
 
+def generates_rollouts(flags) -> bool:
+    """The run samples its rollouts from --prompt-data: it neither replays them (--load-rollout-data, which
+    --debug-train-only needs) nor only evaluates (--eval-only)."""
+    return not (flags.load_rollout_data or flags.debug_train_only or flags.eval_only)
+
+
+def scores_samples(flags) -> bool:
+    """--reward-fn scores what the engines generate: the rollouts, or an evaluation (--eval-prompt-data), which
+    --debug-train-only starts no engines for."""
+    return generates_rollouts(flags) or (flags.eval_prompt_data is not None and not flags.debug_train_only)
+
+
 def world_size(flags) -> int:
     return flags.num_nodes * flags.num_devices_per_node
 
@@ -42,9 +54,10 @@ def required_flags(config, platform):
     needed = []
     if r.hf_checkpoint is None and not r.dry_run:
         needed.append("--hf-checkpoint (only --dry-run may leave it out)")
-    if not r.debug_train_only:
-        data_flags = (("--prompt-data", r.prompt_data),) if not r.eval_only else ()
-        needed += [flag for flag, value in (*data_flags, ("--reward-fn", r.reward_fn)) if value is None]
+    if generates_rollouts(r) and r.prompt_data is None:
+        needed.append("--prompt-data")
+    if scores_samples(r) and r.reward_fn is None:
+        needed.append("--reward-fn")
     if not (r.debug_rollout_only or r.eval_only) and config.megatron.optimizer.lr is None:
         needed.append("--lr")
     return f"missing {', '.join(needed)}" if needed else None
@@ -263,6 +276,14 @@ EVAL_ONLY_REFUSED = (
     "dynamic_sampling", "debug_rollout_only", "use_rollout_routing_replay",
 )
 
+# What --load-rollout-data refuses: the flags that choose how the training's rollouts are generated. And, unless an
+# evaluation reads them (scores_samples), the flags that read and score prompts, unset unless given.
+REPLAY_REFUSED = ("prompt_data", "rollout_shuffle", "dynamic_sampling", "debug_rollout_only")
+READ_WITH_PROMPTS = (
+    "reward_fn", "apply_chat_template", "apply_chat_template_kwargs", "system_prompt", "max_prompt_length",
+    "skip_bad_rows",
+)
+
 
 def eval_prompt_data_pairs(config, platform):
     values = config.flags.eval_prompt_data
@@ -293,15 +314,32 @@ def eval_flags_consistent(config, platform):
         return f"{', '.join(given)} without --eval-prompt-data NAME PATH ...: nothing to evaluate" if given else None
     if r.debug_train_only:
         return "--eval-prompt-data needs the rollout engines, which --debug-train-only does not start; drop one"
-    if not r.eval_only:
-        return None
-    refused = [_flag(dest) for dest in EVAL_ONLY_REFUSED if _given(getattr(r, dest))]
-    if refused:
-        return (
-            f"--eval-only evaluates --hf-checkpoint once, without training: {', '.join(refused)} would do nothing; "
-            "drop them (to evaluate a --save checkpoint, make it an HF directory with `relax convert` and pass that "
-            "as --hf-checkpoint)"
+    if r.eval_only:
+        return _unread_flags(
+            r, EVAL_ONLY_REFUSED, "--eval-only evaluates --hf-checkpoint once, without training",
+            "to evaluate a --save checkpoint, make it an HF directory with `relax convert` and pass that as "
+            "--hf-checkpoint",
         )
+
+
+def replay_flags_consistent(config, platform):
+    r = config.flags
+    if not r.load_rollout_data or r.eval_only:  # (--eval-only refuses --load-rollout-data itself)
+        return None
+    replaying = "--load-rollout-data replays saved rollouts, scored, instead of generating them"
+    if scores_samples(r):
+        return _unread_flags(r, REPLAY_REFUSED, replaying)
+    return _unread_flags(
+        r, REPLAY_REFUSED + READ_WITH_PROMPTS, replaying,
+        "with no evaluation (--eval-prompt-data), the run reads no prompts and scores nothing",
+    )
+
+
+def _unread_flags(flags, dests, what_the_run_does: str, hint: str | None = None) -> str | None:
+    """The flags among `dests` that were given, refused as doing nothing in a run that `what_the_run_does`."""
+    given = [_flag(dest) for dest in dests if _given(getattr(flags, dest))]
+    if given:
+        return f"{what_the_run_does}: {', '.join(given)} would do nothing; drop them" + (f" ({hint})" if hint else "")
 
 
 def _flag(dest: str) -> str:
@@ -466,9 +504,9 @@ def routing_replay_applies(config, platform):
 
 
 def reward_function_loads(config, platform):
-    """The reward function imports and has the signature a run calls (not read when rollouts are replayed)."""
+    """The reward function imports and has the signature a run calls (where it is read: scores_samples)."""
     r = config.flags
-    if r.reward_fn is None or r.load_rollout_data:
+    if r.reward_fn is None or not scores_samples(r):
         return None
     try:
         load_reward_fn(r.reward_fn)
@@ -573,6 +611,7 @@ RULES = [
     sampling_flags_consistent,
     eval_prompt_data_pairs,
     eval_flags_consistent,
+    replay_flags_consistent,
     chat_template_options_need_the_template,
     checkpoint_flags_consistent,
     restarts_resume_from_checkpoints,

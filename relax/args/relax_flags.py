@@ -132,7 +132,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--prompt-data",
         metavar="PATH",
         help="Prompt dataset: a .jsonl or .parquet file, a `datasets` save_to_disk directory or a Hub-style dataset "
-        "directory (data files under it, e.g. data/train-*.parquet; its train split). Required for a run.",
+        "directory (data files under it, e.g. data/train-*.parquet; its train split). Required for a run, except one "
+        "that replays --load-rollout-data or runs --eval-only.",
     )
     g.add_argument(
         "--input-key",
@@ -277,7 +278,13 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     )
 
     g = parser.add_argument_group("relax: reward")
-    g.add_argument("--reward-fn", type=_reward_fn, help=f"Reward function: {BUILTIN_REWARD_HINT}. Required for a run.")
+    g.add_argument(
+        "--reward-fn",
+        type=_reward_fn,
+        help=f"Reward function: {BUILTIN_REWARD_HINT}. Required wherever samples are generated and scored: the "
+        "rollouts of a run, and evaluations (--eval-prompt-data); refused where nothing is (--load-rollout-data "
+        "without --eval-prompt-data).",
+    )
     g.add_argument(
         "--reward-timeout",
         type=_timeout,
@@ -619,7 +626,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--load-rollout-data",
         metavar="PATTERN",
         help="Replay the samples --save-rollout-data wrote instead of generating (without {step}: one file, "
-        "replayed at every step).",
+        "replayed at every step). Refuses the flags of generating the rollouts (--prompt-data, --rollout-shuffle, "
+        "--dynamic-sampling, ...), and --reward-fn and the prompt format flags unless --eval-prompt-data reads them.",
     )
     g.add_argument(
         "--dry-run", action="store_true", help="Validate every flag, print the resolved configuration and exit."

@@ -247,9 +247,49 @@ def test_routing_replay_turns_on_the_engines_experts_and_the_actors_replay():
 
 def test_routing_replay_replays_saved_rollouts():
     # saved rollouts keep the engine's experts (relax.rollout.dump), so a replayed step trains as the saved run did
-    argv = [*RUN, "--num-experts", "4", "--use-rollout-routing-replay", "--debug-train-only"]
-    config = parse_train_args([*argv, "--load-rollout-data", "rollouts/{step}.jsonl"])
+    config = parse_train_args([*TRAIN_ONLY, "--num-experts", "4", "--use-rollout-routing-replay"])
     assert config.rollout.routing_replay and config.rollout.load_data == "rollouts/{step}.jsonl"
+
+
+# Runs that replay saved rollouts: they read no prompts; only an evaluation (on the engines) scores anything.
+REPLAY = ["--lr", "1e-6", "--device", "cpu", "--dry-run", *SIZE, "--load-rollout-data", "rollouts/{step}.jsonl"]
+TRAIN_ONLY = [*REPLAY, "--debug-train-only"]
+EVAL_SET = ["--eval-prompt-data", "held_out", "h.jsonl"]
+
+
+@pytest.mark.parametrize("argv", [REPLAY, TRAIN_ONLY, [*REPLAY, *EVAL_SET, "--reward-fn", "math"]],
+                         ids=["replay", "train only", "replay and evaluate"])
+def test_a_replaying_run_needs_no_prompt_data(argv):
+    config = parse_train_args(argv)
+    assert config.rollout.data is None and config.rollout.load_data == "rollouts/{step}.jsonl"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([*TRAIN_ONLY, "--prompt-data", "p.jsonl", "--rollout-shuffle", "--dynamic-sampling"],
+         "--load-rollout-data replays saved rollouts, scored, instead of generating them: --prompt-data, "
+         "--rollout-shuffle, --dynamic-sampling would do nothing; drop them"),
+        ([*REPLAY, "--debug-rollout-only"], ": --debug-rollout-only would do nothing"),
+        ([*TRAIN_ONLY, "--reward-fn", "math"], ": --reward-fn would do nothing; drop them (with no evaluation "
+         "(--eval-prompt-data), the run reads no prompts and scores nothing)"),
+        ([*REPLAY, "--apply-chat-template", "--system-prompt", "Be brief.", "--max-prompt-length", "8"],
+         ": --apply-chat-template, --system-prompt, --max-prompt-length would do nothing"),
+        ([*REPLAY, *EVAL_SET, "--reward-fn", "math", "--prompt-data", "p.jsonl"], ": --prompt-data would do nothing; "
+         "drop them\n"),  # (the reward function is read: no hint about it)
+        ([*REPLAY, *EVAL_SET], "missing --reward-fn"),  # the evaluation scores its samples
+        ([*REPLAY, *EVAL_SET, "--reward-fn", "relax_no_such_module:score"],
+         "--reward-fn relax_no_such_module:score: cannot import module"),
+    ],
+    ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward", "imported"],
+)
+def test_a_replaying_run_refuses_what_it_does_not_read(argv, message, capsys):
+    assert message in parse_error(argv, capsys)
+
+
+def test_a_replaying_run_that_evaluates_reads_the_reward_function_and_the_prompt_format():
+    config = parse_train_args([*REPLAY, *EVAL_SET, "--reward-fn", "math", "--apply-chat-template"])
+    assert config.rollout.reward_fn == "math" and config.evaluation.datasets["held_out"].apply_chat_template
 
 
 def test_resolved_defaults():

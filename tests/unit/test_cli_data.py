@@ -104,11 +104,10 @@ def save_rollouts(pattern, steps, num_groups):
 
 
 def replay_argv(checkpoint, pattern, *extra):
-    """A run replaying `pattern` for 3 steps of 2 groups of 2 samples (the prompt data is not read then)."""
-    return train_argv(
-        checkpoint, "unread.jsonl", "--load-rollout-data", pattern, "--rollout-batch-size", "2",
-        "--n-samples-per-prompt", "2", "--num-steps", "3", *extra,
-    )
+    """A run replaying `pattern` for 3 steps of 2 groups of 2 samples: no prompt data, no reward function."""
+    return ["train", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--lr", "1e-2",
+            "--load-rollout-data", pattern, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+            "--num-steps", "3", *extra]
 
 
 def test_the_dry_run_reads_every_step_of_the_replayed_rollout_data(tmp_path, checkpoint, capsys):
