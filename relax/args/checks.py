@@ -331,7 +331,7 @@ def replay_flags_consistent(config, platform):
         return _unread_flags(r, REPLAY_REFUSED, replaying)
     return _unread_flags(
         r, REPLAY_REFUSED + READ_WITH_PROMPTS, replaying,
-        "with no evaluation (--eval-prompt-data), the run reads no prompts and scores nothing",
+        "without --eval-prompt-data the run reads no prompts and scores nothing",
     )
 
 

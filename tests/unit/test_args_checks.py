@@ -1,6 +1,9 @@
 """Cross-field rules: each one fires with a message naming the flags, and a consistent run passes them all."""
 
 import argparse
+import os
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,6 +12,7 @@ from relax.args import parse_train_args
 from relax.args.checks import Parsed, colocation_releases_memory
 from relax.platform import platform_facts
 from relax.ray.watch import Timeout
+from relax.tools.tiny_model import build_tiny_model
 
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
@@ -271,8 +275,8 @@ def test_a_replaying_run_needs_no_prompt_data(argv):
          "--load-rollout-data replays saved rollouts, scored, instead of generating them: --prompt-data, "
          "--rollout-shuffle, --dynamic-sampling would do nothing; drop them"),
         ([*REPLAY, "--debug-rollout-only"], ": --debug-rollout-only would do nothing"),
-        ([*TRAIN_ONLY, "--reward-fn", "math"], ": --reward-fn would do nothing; drop them (with no evaluation "
-         "(--eval-prompt-data), the run reads no prompts and scores nothing)"),
+        ([*TRAIN_ONLY, "--reward-fn", "math"], ": --reward-fn would do nothing; drop them (without "
+         "--eval-prompt-data the run reads no prompts and scores nothing)"),
         ([*REPLAY, "--apply-chat-template", "--system-prompt", "Be brief.", "--max-prompt-length", "8"],
          ": --apply-chat-template, --system-prompt, --max-prompt-length would do nothing"),
         ([*REPLAY, *EVAL_SET, "--reward-fn", "math", "--prompt-data", "p.jsonl"], ": --prompt-data would do nothing; "
@@ -290,6 +294,39 @@ def test_a_replaying_run_refuses_what_it_does_not_read(argv, message, capsys):
 def test_a_replaying_run_that_evaluates_reads_the_reward_function_and_the_prompt_format():
     config = parse_train_args([*REPLAY, *EVAL_SET, "--reward-fn", "math", "--apply-chat-template"])
     assert config.rollout.reward_fn == "math" and config.evaluation.datasets["held_out"].apply_chat_template
+
+
+TINY_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "run-tiny-cpu.sh"
+
+
+@pytest.fixture(scope="module")
+def tiny_exp_dir(tmp_path_factory):
+    """An EXP_DIR holding the tiny model where scripts/run-tiny-cpu.sh builds it, and an interpreter stand-in that
+    prints its arguments one per line (the script's model and data builds then do nothing)."""
+    exp_dir = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(exp_dir / "model", "qwen3")
+    recorder = exp_dir / "python"
+    recorder.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    recorder.chmod(0o755)
+    return exp_dir
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["--eval-only"], ["--load-rollout-data", "r_{step}.jsonl"],
+     ["--debug-train-only", "--load-rollout-data", "r_{step}.jsonl"]],
+    ids=["run", "eval only", "replay", "train only"],
+)
+def test_the_tiny_scripts_flags_pass_the_checks_in_each_mode(tiny_exp_dir, mode):
+    env = {**os.environ, "EXP_DIR": str(tiny_exp_dir), "RELAX_PYTHON": str(tiny_exp_dir / "python")}
+    env.pop("RELAX_DRY_RUN", None)
+    printed = subprocess.run(
+        ["bash", str(TINY_SCRIPT), *mode], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    config = parse_train_args(printed.split("-m\nrelax.cli\ntrain\n", 1)[1].splitlines())
+    replays = "--load-rollout-data" in mode
+    assert (config.rollout.data is None) == (replays or "--eval-only" in mode)
+    assert (config.rollout.reward_fn is None) == ("--debug-train-only" in mode)
 
 
 def test_resolved_defaults():
