@@ -1,10 +1,11 @@
-"""Workers of the tiny colocated run (scripts/run-tiny-cpu.sh) killed with SIGKILL mid-run.
+"""Workers of the tiny colocated run (scripts/run-tiny-cpu.sh) killed with SIGKILL mid-run, in one run.
 
-A training rank: the driver fails soon, with a message naming the worker that died and where its log is, and no
-process of the run is left. An engine's SGLang scheduler, mid-rollout: the engine is started again in place, given
-the actor's weights, and its requests sent again with their seeds (relax.rollout.engine_restarts); the step
-completes with the rewards of a run without the fault (saved_tiny_run: the same flags, deterministic inference);
-once --max-engine-restarts are used up, the next kill fails the run as a training rank's does.
+First the engine's SGLang scheduler, mid-rollout: the engine is started again in place, given the actor's weights,
+and its requests sent again with their seeds (relax.rollout.engine_restarts); the step completes with the rewards
+of a run without the fault (saved_tiny_run: deterministic inference, the same learning rate). Then a training rank:
+the driver fails soon, with a message naming the worker that died and where its log is, and no process of the run
+is left. (An engine failing once its --max-engine-restarts are used up fails the run as a training rank's death
+does: tests/e2e/test_worker_watch.py.)
 
 The bound on the driver's exit is a hang guard (a dead worker must not leave the driver waiting forever),
 not a timing test."""
@@ -19,6 +20,7 @@ import pytest
 
 from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process, wait_for_title
 from relax.run.metrics import read_metrics
+from tiny_runs import step_records
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120
@@ -53,35 +55,6 @@ def _failure_line(output: str, named: str, pid: int) -> str:
     return failure[-1]
 
 
-def test_a_training_rank_killed_mid_run_fails_the_run_naming_it_and_leaves_no_process(tmp_path):
-    marker = run_marker()
-    env = {**os.environ, **marker, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
-    log_path = tmp_path / "run.log"
-    with open(log_path, "w") as log:
-        # Far more steps than the test waits for: the run is always mid-way when the worker is killed.
-        run = subprocess.Popen(["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", "1000"],
-                               env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        _wait_for_steps(1, tmp_path / "output" / "metrics.jsonl", run, log_path)
-        target = wait_for_process(marker, "ray::TrainWorker", still_running=lambda: run.poll() is None)
-        target.kill()
-        waited = _wait_for_exit(run, f"training rank 0 (pid {target.pid})", log_path)
-    finally:
-        if run.poll() is None:  # the test failed: end the whole run, not only its driver
-            kill_marked(marker)
-            run.wait()
-    output = log_path.read_text()
-    assert run.returncode == 1, output[-6000:]
-    steps = len((tmp_path / "output" / "metrics.jsonl").read_text().splitlines())
-    print(f"training rank 0 killed after {steps} step(s); the driver exited {run.returncode} {waited:.1f} s later")
-    # Either the driver's liveness watch (relax.ray.watch) reports the death, within about a second, or the call
-    # the driver waits on fails first (Ray reports a dead actor to calls on it): the tiny run's phases are too
-    # short to tell which. tests/e2e/test_worker_watch.py shows the watch alone.
-    _failure_line(output, "training rank 0", target.pid)
-    leftover = leftover_processes(marker)
-    assert not leftover, f"processes of the run left behind: {describe(leftover)}"
-
-
 def _kill_scheduler_mid_generate(marker: dict, run: subprocess.Popen):
     """SIGKILL the engine's SGLang scheduler while its engine actor runs a generate call; the scheduler."""
     scheduler = wait_for_process(marker, "sglang::scheduler", still_running=lambda: run.poll() is None)
@@ -90,13 +63,17 @@ def _kill_scheduler_mid_generate(marker: dict, run: subprocess.Popen):
     return scheduler
 
 
-def test_an_engine_killed_mid_rollout_restarts_in_place_until_its_restarts_are_used_up(tmp_path, saved_tiny_run):
+def test_an_engine_killed_mid_rollout_restarts_in_place_then_a_training_rank_killed_fails_the_run(
+    tmp_path, saved_tiny_run
+):
     marker = run_marker()
     env = {**os.environ, **marker, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
     log_path, metrics = tmp_path / "run.log", tmp_path / "output" / "metrics.jsonl"
     with open(log_path, "w") as log:
+        # Far more steps than the test waits for: the run is always mid-way when the training rank is killed. The
+        # learning rate is constant, so the first steps are the saved run's.
         run = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", str(len(saved_tiny_run.records)),
+            ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", "1000",
              "--sglang-enable-deterministic-inference", "--max-engine-restarts", "1"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )
@@ -104,26 +81,31 @@ def test_an_engine_killed_mid_rollout_restarts_in_place_until_its_restarts_are_u
         _wait_for_steps(1, metrics, run, log_path)
         _kill_scheduler_mid_generate(marker, run)  # a rollout: the engine restarts, the step completes
         _wait_for_steps(metrics.read_text().count("\n") + 1, metrics, run, log_path)  # the step that restarted
-        second = _kill_scheduler_mid_generate(marker, run)  # a later rollout: no restart left
-        _wait_for_exit(run, f"the second scheduler (pid {second.pid})", log_path)
+        rank = wait_for_process(marker, "ray::TrainWorker", still_running=lambda: run.poll() is None)
+        rank.kill()
+        waited = _wait_for_exit(run, f"training rank 0 (pid {rank.pid})", log_path)
     finally:
-        if run.poll() is None:
+        if run.poll() is None:  # the test failed: end the whole run, not only its driver
             kill_marked(marker)
             run.wait()
     output = log_path.read_text()
     assert run.returncode == 1, output[-6000:]
     rows = read_metrics(metrics)
-    # Each kill lands in the first rollout the test catches after the step it waited for (usually the next
-    # step's, a later one's on a loaded machine): one step restarted its engine, and the run failed in the
-    # step after the last row.
+    print(f"training rank 0 killed after {len(rows)} step(s); the driver exited {waited:.1f} s later")
+    # The kill lands in the first rollout the test catches after step 0 (usually step 1's, a later one's on a
+    # loaded machine): one step restarted its engine.
     restarts = [row["faults/engine_restarts"] for row in rows]
     assert restarts[0] == 0 and restarts.count(1) == 1 and sum(restarts) == 1, (restarts, output[-6000:])
     assert "relax: engine 0 (EngineWorker, " in output, output[-6000:]
     assert "starting it again on its devices (engine restart 1 of at most 1" in output, output[-6000:]
     # The restarted engine had the actor's weights of the step before and sampled its requests with their seeds.
+    saved_steps = step_records(saved_tiny_run.records)
+    compared = rows[: len(saved_steps)]
     for key in ("rollout/reward_mean", "rollout/response_tokens"):
-        assert [row[key] for row in rows] == [row[key] for row in saved_tiny_run.records[:len(rows)]], key
-    line = _failure_line(output, "engine 0", second.pid)
-    assert "no engine restart left: --max-engine-restarts 1" in line, line
+        assert [row[key] for row in compared] == [row[key] for row in saved_steps[: len(compared)]], key
+    # Either the driver's liveness watch (relax.ray.watch) reports the rank's death, within about a second, or the
+    # call the driver waits on fails first (Ray reports a dead actor to calls on it): the tiny run's phases are too
+    # short to tell which. tests/e2e/test_worker_watch.py shows the watch alone.
+    _failure_line(output, "training rank 0", rank.pid)
     leftover = leftover_processes(marker)
     assert not leftover, f"processes of the run left behind: {describe(leftover)}"
