@@ -118,7 +118,7 @@ class MetricsLog:
 
     def log_evaluation(self, step: int, metrics: dict[str, float]) -> None:
         """The row of the evaluation after the last step: its eval metrics, perf/eval_time and (with engines)
-        faults/engine_restarts; no step of the progress bar."""
+        faults/engine_restarts, and RUN_RESTARTS as every row; no step of the progress bar."""
         self._write(step, {key: float(value) for key, value in metrics.items()})
 
     def _write(self, step: int, metrics: dict[str, float]) -> None:
@@ -130,7 +130,7 @@ class MetricsLog:
                 self._tensorboard.add_scalar(key, value, step)
         self._tensorboard.flush()
         if self._wandb is not None:
-            self._wandb.log(metrics, step=step)
+            self._wandb.log({key: value for key, value in record.items() if key != "step"}, step=step)
 
     def close(self) -> Path:
         """Flush everything, draw the reward curve from metrics.jsonl and print the run's summary; returns the

@@ -8,6 +8,7 @@ import json
 import math
 
 from relax.rollout.evaluation import pass_ks
+from relax.run.metrics import RUN_RESTARTS
 from tiny_runs import EVAL_INTERVAL, EVAL_SETS, PERF_KEYS, SAVING_RUN_STEPS, not_relax_lines
 
 # Lines of the tiny run's console that may be upstream's and not an error: a handful, for a stray upstream line
@@ -53,7 +54,7 @@ def test_the_console_shows_relax_lines_and_run_log_keeps_the_upstream_ones(saved
 def test_the_engines_evaluate_each_set_at_the_start_every_interval_and_after_the_last_step(saved_tiny_run):
     evaluated = {r["step"]: r for r in saved_tiny_run.records if "perf/eval_time" in r}
     assert list(evaluated) == [0, EVAL_INTERVAL, SAVING_RUN_STEPS]
-    assert set(evaluated[SAVING_RUN_STEPS]) == {"step", "perf/eval_time", "faults/engine_restarts"} | {
+    assert set(evaluated[SAVING_RUN_STEPS]) == {"step", "perf/eval_time", "faults/engine_restarts", RUN_RESTARTS} | {
         key for key in evaluated[0] if key.startswith("eval/")
     }  # the last evaluation is a row of its own
     assert evaluated[SAVING_RUN_STEPS]["faults/engine_restarts"] == 0
