@@ -6,6 +6,7 @@ so a CPU run passes only where MindSpeed does not compute with an Ascend operato
 - `torch_npu` sets `torch.npu` to its `npu` module, as the real package registers that module at import (MindSpeed's
   annotations read torch.npu.Stream);
 - `torch_npu.unsupported_dtype` is an empty list (MindSpeed's dist_train module tests dtypes against it at import);
+- `torch_npu._C._distributed_c10d.ProcessGroupHCCL` is a class (ProcessGroupHCCL below says why);
 - calling a torchair name returns a decorator that changes nothing: MindSpeed registers graph-mode converters with
   torchair at import (op_builder/*_builder.py register_op_ir), which a CPU run never reaches.
 triton: MindSpeed's Triton kernels (ops/triton/cumsum.py) autotune on keys that are not kernel arguments; the Triton
@@ -38,6 +39,15 @@ class AscendPart:
         return AscendPart(f"{self._name}.{attribute}")
 
 
+class ProcessGroupHCCL:
+    """HCCL's process group, whose Options here have no hccl_config: MindSpeed's wrapper of megatron's process-group
+    options (functional/profiler/profiler_info.py) then leaves them as they are, its path for torch_npu versions
+    without that attribute, which the gloo groups of a CPU run need."""
+
+    class Options:
+        pass
+
+
 class StoodInModule(types.ModuleType):
     def __getattr__(self, attribute):
         if attribute.startswith("__"):
@@ -63,6 +73,11 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
             module.npu = torch.npu = importlib.import_module("torch_npu.npu")
             module.unsupported_dtype = []
+            module._C = importlib.import_module("torch_npu._C")
+        elif module.__name__ == "torch_npu._C":
+            module._distributed_c10d = importlib.import_module("torch_npu._C._distributed_c10d")
+        elif module.__name__ == "torch_npu._C._distributed_c10d":
+            module.ProcessGroupHCCL = ProcessGroupHCCL
 
 
 def _autotune_keys_of_arguments_only() -> None:
