@@ -7,6 +7,8 @@ so a CPU run passes only where MindSpeed does not compute with an Ascend operato
   annotations read torch.npu.Stream);
 - `torch_npu.unsupported_dtype` is an empty list (MindSpeed's dist_train module tests dtypes against it at import);
 - `torch_npu._C._distributed_c10d.ProcessGroupHCCL` is a class (ProcessGroupHCCL below says why);
+- `torch_npu.npu`'s device generator, lazy call and current device, and `torch.cuda.current_device` pointed at the
+  latter by the transfer_to_npu stand-in (exec_module says why);
 - calling a torchair name returns a decorator that changes nothing: MindSpeed registers graph-mode converters with
   torchair at import (op_builder/*_builder.py register_op_ir), which a CPU run never reaches.
 triton: MindSpeed's Triton kernels (ops/triton/cumsum.py) autotune on keys that are not kernel arguments; the Triton
@@ -48,11 +50,18 @@ class ProcessGroupHCCL:
         pass
 
 
+# Stood-in modules that MindSpeed reaches as attributes of their package (`from torch_npu.contrib import
+# transfer_to_npu`, `torch_npu._C._distributed_c10d.ProcessGroupHCCL`): imported on attribute access.
+SUBMODULES = {"torch_npu.npu", "torch_npu.contrib", "torch_npu.contrib.transfer_to_npu", "torch_npu._C",
+              "torch_npu._C._distributed_c10d"}
+
+
 class StoodInModule(types.ModuleType):
     def __getattr__(self, attribute):
         if attribute.startswith("__"):
             raise AttributeError(attribute)
-        return AscendPart(f"{self.__name__}.{attribute}")
+        name = f"{self.__name__}.{attribute}"
+        return importlib.import_module(name) if name in SUBMODULES else AscendPart(name)
 
 
 class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -68,14 +77,26 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return module
 
     def exec_module(self, module):
-        if module.__name__ == "torch_npu":
+        if module.__name__ == "torch_npu.contrib.transfer_to_npu":
+            import torch
+
+            # transfer_to_npu points torch.cuda's calls at torch.npu at import; the one MindSpeed's CPU-reachable
+            # code calls is current_device (core/megatron_basic/megatron_basic.py, _set_cuda_rng_state).
+            torch.cuda.current_device = importlib.import_module("torch_npu.npu").current_device
+        elif module.__name__ == "torch_npu":
             import torch
 
             module.npu = torch.npu = importlib.import_module("torch_npu.npu")
             module.unsupported_dtype = []
-            module._C = importlib.import_module("torch_npu._C")
-        elif module.__name__ == "torch_npu._C":
-            module._distributed_c10d = importlib.import_module("torch_npu._C._distributed_c10d")
+        elif module.__name__ == "torch_npu.npu":
+            import torch
+
+            # The device's random generator and lazy initialisation (MindSpeed's _set_cuda_rng_state,
+            # core/megatron_basic/megatron_basic.py): the CPU generator stands in for the device's, as relax's CPU
+            # platform makes it stand in for CUDA's (relax.platform.cpu_megatron), and a lazy call runs at once.
+            module.default_generators = (torch.default_generator,)
+            module._lazy_call = lambda callback: callback()
+            module.current_device = lambda: 0
         elif module.__name__ == "torch_npu._C._distributed_c10d":
             module.ProcessGroupHCCL = ProcessGroupHCCL
 

@@ -15,8 +15,11 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from relax.platform import PLATFORMS
 from relax.platform.cpu import CpuPlatform
+from relax.platform.cpu_megatron import _scoped_type as scoped_type
 from relax.platform.npu import NpuPlatform, prepare_mindspeed
 from relax.train.worker import TrainWorker
 
@@ -31,6 +34,11 @@ class MindSpeedOnCpu(CpuPlatform):
         # The CPU redirects first: they adjust megatron-core's modules as MindSpeed's patching imports them.
         super().prepare_megatron()
         prepare_mindspeed(dict(feature_args or {}))
+        # MindSpeed wraps Tensor.type and Parameter.type globally (its NPU type names reported as CUDA ones,
+        # core/megatron_basic/requirements_basic.py type_wrapper), above the CPU platform's Tensor.type, which answers
+        # CUDA names only to megatron-core's callers: that answer goes on top again, as torch_npu's sits below on an NPU.
+        for tensor_class in (torch.Tensor, torch.nn.Parameter):
+            tensor_class.type = scoped_type(tensor_class.type)
 
 
 def mindspeed_in_use() -> str:
