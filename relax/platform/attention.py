@@ -15,7 +15,8 @@ Kernels:
     "flash_varlen" torch's flash kernels on CUDA: torch.nn.attention.varlen.varlen_attn for packed rows, SDPA
                    (which picks flash for half precision) for padded ones; float32 falls back to "sdpa"
     "npu_fusion"   torch_npu.npu_fusion_attention in TND layout with the causal sparse mode (the path MindSpeed
-                   uses on Ascend). Only its argument plumbing is tested here: no NPU was available.
+                   uses on Ascend). Tested on the CPU only, against a stand-in bound by the op's schema from the
+                   torch-npu wheel (tests/npu): no NPU was available.
 """
 
 import functools
