@@ -14,7 +14,7 @@ import torch
 
 from relax.platform import attention, grouped_linear
 from relax.tools import pins
-from tests.npu import torch_npu_ops
+from tests.npu import extract_torch_npu_schemas, torch_npu_ops
 
 RELAX = Path(__file__).resolve().parents[2] / "relax"
 CALL = re.compile(r"\btorch_npu\.(npu_\w+)\s*\(")
@@ -50,6 +50,30 @@ def test_schemas_come_from_the_pinned_wheel_and_parse():
     for entry in torch_npu_ops.SCHEMAS["ops"].values():
         for schema in entry["schemas"]:
             torch._C.parse_schema(schema)
+
+
+def test_the_data_holds_the_extraction_scripts_ops():
+    assert list(torch_npu_ops.SCHEMAS["ops"]) == list(extract_torch_npu_schemas.OPS)
+    assert torch_npu_ops.SCHEMAS["yaml"] == extract_torch_npu_schemas.SCHEMA_YAML
+
+
+def test_the_extraction_gathers_overloads_across_the_yamls_sections():
+    text = """
+backend: NPU
+custom:
+  - func: npu_op(Tensor x) -> Tensor
+    exposed: true
+  - func: npu_op.List(Tensor[] x) -> Tensor
+  - func: npu_op_grad(Tensor x) -> Tensor
+symint:
+  - func: npu_op(Tensor x) -> Tensor
+  - func: npu_other(SymInt n) -> Tensor
+"""
+    assert extract_torch_npu_schemas.schemas_in(text) == {
+        "npu_op": ["npu_op(Tensor x) -> Tensor", "npu_op.List(Tensor[] x) -> Tensor"],
+        "npu_op_grad": ["npu_op_grad(Tensor x) -> Tensor"],
+        "npu_other": ["npu_other(SymInt n) -> Tensor"],
+    }
 
 
 def test_every_relax_call_has_a_schema_and_a_computation():
