@@ -204,6 +204,11 @@ def test_documented_constraints_are_named(torch_npu):
         torch_npu.npu_fusion_attention(
             q, k, v, 4, input_layout="TND", sparse_mode=3, atten_mask=mask[:6, :6], actual_seq_qlen=[6], actual_seq_kvlen=[6]
         )
+    many = list(range(1, 1026))
+    with pytest.raises(torch_npu_ops.NpuOpError, match="npu_fusion_attention: actual_seq_qlen: at most 1024 sequences"):
+        torch_npu.npu_fusion_attention(
+            *_qkv(1025), 4, input_layout="TND", sparse_mode=3, atten_mask=mask, actual_seq_qlen=many, actual_seq_kvlen=many
+        )
     with pytest.raises(torch_npu_ops.NpuOpError, match="npu_fusion_attention: head_num: 2 differs"):
         torch_npu.npu_fusion_attention(q, k, v, 2, input_layout="TND", actual_seq_qlen=[6], actual_seq_kvlen=[6])
     x = torch.randn(4, 6)

@@ -28,6 +28,12 @@ SCHEMAS = json.loads(Path(__file__).with_name("torch_npu_schemas.json").read_tex
 CAUSAL_MASK_SIZE = 2048
 LEFT_UP_CAUSAL, RIGHT_DOWN_CAUSAL = 2, 3
 SOFTMAX_STAT_WIDTH = 8  # softmax_max / softmax_sum are [T, N, 8] in TND (the wheel's meta function)
+# The TND limits of npu_fusion_attention (wheel docs, 约束说明): at most 1K sequences per call in varlen, T up to 1M,
+# head dims Dq = Dk >= Dv up to 768, up to 256 query heads.
+FUSION_ATTENTION_MAX_SEQUENCES = 1024
+FUSION_ATTENTION_MAX_TOKENS = 1024 * 1024
+FUSION_ATTENTION_MAX_HEAD_DIM = 768
+FUSION_ATTENTION_MAX_HEADS = 256
 GROUPED_MATMUL_MAX_WEIGHTS = 128  # a weight list holds at most 128 tensors (wheel docs)
 GROUPED_MATMUL_MAX_GROUPS = 1024  # a single 3-D weight takes at most 1024 groups (wheel docs)
 
@@ -87,14 +93,25 @@ def npu_fusion_attention(
     if softmax_layout not in ("", "TND"):
         raise NpuOpError(f"torch_npu.{op}: softmax_layout: only '' or 'TND' with input_layout='TND', got {softmax_layout!r}")
     _require(query.dim() == 3 and key.dim() == 3 and value.dim() == 3, op, "query/key/value", "TND takes [T, N, D]")
+    _require(query.dtype == key.dtype == value.dtype, op, "key/value", "query, key and value need one dtype")
     heads, kv_heads = query.shape[1], key.shape[1]
     _require(head_num == heads, op, "head_num", f"{head_num} differs from query's {heads} heads")
-    _require(value.shape[1] == kv_heads, op, "value", "key and value head counts differ")
+    _require(heads <= FUSION_ATTENTION_MAX_HEADS, op, "query", f"at most {FUSION_ATTENTION_MAX_HEADS} heads, got {heads}")
+    _require(key.shape == value.shape[:2] + key.shape[2:], op, "value", "key and value differ in tokens or heads")
     _require(heads % kv_heads == 0, op, "key", f"{kv_heads} key/value heads do not divide {heads} query heads")
     _require(query.shape[2] == key.shape[2], op, "key", "query and key head dims differ")
+    _require(
+        value.shape[2] <= key.shape[2] <= FUSION_ATTENTION_MAX_HEAD_DIM, op, "value",
+        f"head dims need Dv <= Dk <= {FUSION_ATTENTION_MAX_HEAD_DIM}, got Dk={key.shape[2]}, Dv={value.shape[2]}",
+    )
+    _require(query.shape[0] <= FUSION_ATTENTION_MAX_TOKENS, op, "query", f"T {query.shape[0]} is above 1M tokens")
     _check_sequence_ends(actual_seq_qlen, query.shape[0], "actual_seq_qlen")
     _check_sequence_ends(actual_seq_kvlen, key.shape[0], "actual_seq_kvlen")
     _require(len(actual_seq_qlen) == len(actual_seq_kvlen), op, "actual_seq_kvlen", "one end per query sequence")
+    _require(
+        len(actual_seq_qlen) <= FUSION_ATTENTION_MAX_SEQUENCES, op, "actual_seq_qlen",
+        f"at most {FUSION_ATTENTION_MAX_SEQUENCES} sequences per call in TND, got {len(actual_seq_qlen)}",
+    )
     if sparse_mode in (LEFT_UP_CAUSAL, RIGHT_DOWN_CAUSAL):
         _require(atten_mask is not None, op, "atten_mask", f"sparse_mode {sparse_mode} reads the 2048 x 2048 mask")
         _require(
