@@ -124,6 +124,17 @@ def test_packed_npu_attention_equals_sdpa(torch_npu, heads, kv_heads, dtype, tol
         torch.testing.assert_close(got_grad, expected_grad, atol=tolerance, rtol=tolerance)
 
 
+def test_packed_npu_attention_splits_more_than_1024_sequences_over_calls(torch_npu):
+    lengths = [1, 2] * 700  # 1400 sequences: two calls
+    q, k, v = (t.detach() for t in _qkv(sum(lengths)))
+    cu_seqlens = _cu_seqlens(lengths)
+    torch.testing.assert_close(
+        attention.packed("npu_fusion", q, k, v, cu_seqlens, 2, 0.3),
+        attention.packed("sdpa", q, k, v, cu_seqlens, 2, 0.3),
+        atol=1e-5, rtol=1e-5,
+    )
+
+
 def test_padded_npu_attention_equals_sdpa(torch_npu):
     q, k, v = (t.detach().view(3, 6, *t.shape[1:]) for t in _qkv(18))
     torch.testing.assert_close(
