@@ -61,6 +61,20 @@ def unguarded_kernel_imports(package_dir: Path) -> list[KernelImport]:
     return found
 
 
+def lazy_kernel_imports(package_dir: Path, files: list[str]) -> list[KernelImport]:
+    """The sgl_kernel_npu imports inside functions of the given files (relative to package_dir's parent): they run
+    when the function is first called, on the serving path."""
+    found: list[KernelImport] = []
+    for file in files:
+        tree = ast.parse((package_dir.parent / file).read_text(encoding="utf-8"), filename=file)
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for stmt in ast.walk(function):
+                    if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").split(".")[0] == "sgl_kernel_npu":
+                        found.append(KernelImport(file, stmt.lineno, stmt.module, tuple(a.name for a in stmt.names)))
+    return sorted(set(found), key=lambda i: (i.file, i.line))
+
+
 def unresolved(imports: list[KernelImport], modules: dict[str, dict]) -> list[str]:
     """The imports that the manifest's modules do not satisfy, one line each naming file, line and what is missing."""
     problems = []

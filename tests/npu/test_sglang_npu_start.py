@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import sgl_kernel_npu_api
-from sglang_npu_imports import unguarded_kernel_imports, unresolved
+from sglang_npu_imports import lazy_kernel_imports, unguarded_kernel_imports, unresolved
 from relax.tools import patches, pins
 
 HERE = Path(__file__).resolve().parent
@@ -38,12 +38,26 @@ UNUSED_FEATURE_MODULES = {"sglang/srt/hardware_backend/npu/sparsity_driven_kv_of
 # check adds these names to the stand-in so that it can check the rest of the path; the static check requires
 # that exactly these, and nothing else, are missing. An entry the series supplies must be deleted here.
 AWAITED_FROM_RELAX_SERIES = {
-    "sgl_kernel_npu.activation.fused_sigmoid_mul": {"package": False, "names": ["fused_sigmoid_mul"]},
+    "sgl_kernel_npu.activation.fused_sigmoid_mul": {
+        "package": False,
+        "names": ["fused_sigmoid_mul", "fused_sigmoid_mul_broadcast"],  # the second imported lazily (qwen2_moe.py)
+    },
     "sgl_kernel_npu.fla.fused_sigmoid_gating_recurrent_decode_optimized": {
         "package": False,
         "names": ["fused_sigmoid_gating_delta_rule_update_decode_npu"],
     },
 }
+
+# The files of SGLang's Qwen3.5 serving path on an NPU whose functions import sgl_kernel_npu when first called:
+# the Qwen3.5 models (their MoE blocks are qwen2_moe's), the GDN kernels and the Ascend attention backends.
+QWEN3_5_NPU_PATH = [
+    "sglang/srt/models/qwen3_5.py",
+    "sglang/srt/models/qwen2_moe.py",
+    "sglang/srt/layers/attention/linear/kernels/gdn_triton.py",
+    "sglang/srt/hardware_backend/npu/attention/ascend_backend.py",
+    "sglang/srt/hardware_backend/npu/attention/ascend_gdn_backend.py",
+    "sglang/srt/hardware_backend/npu/attention/ascend_hybrid_linear_attn_backend.py",
+]
 
 ARCHITECTURES = ["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"]
 
@@ -108,6 +122,15 @@ def test_unguarded_kernel_imports_resolve_in_the_pinned_api():
     assert still_missing == [], "SGLang imports names the pinned sgl-kernel-npu lacks:\n" + "\n".join(still_missing)
     # Without the awaited modules exactly their imports fail, and nothing else.
     assert {line.split(": ", 1)[1] for line in _problems(api)} == {f"no module {m}" for m in AWAITED_FROM_RELAX_SERIES}
+
+
+def test_lazy_kernel_imports_of_the_qwen3_5_path_resolve_in_the_pinned_api():
+    lazy = lazy_kernel_imports(SGLANG_DIR, QWEN3_5_NPU_PATH)
+    assert ("sglang/srt/models/qwen2_moe.py", "sgl_kernel_npu.activation.fused_sigmoid_mul") in {
+        (i.file, i.module) for i in lazy
+    }
+    missing = unresolved(lazy, {**_pinned_api(), **AWAITED_FROM_RELAX_SERIES})
+    assert missing == [], "Qwen3.5's NPU path imports names the pinned sgl-kernel-npu lacks:\n" + "\n".join(missing)
 
 
 def _probe(tmp_path: Path, api: dict[str, dict], *flags: str) -> dict:
