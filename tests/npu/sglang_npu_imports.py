@@ -2,8 +2,8 @@
 
 An import is unguarded when it runs while its module is imported and nothing catches its failure: it sits in the
 module body, or in module-level `if`/`with`/`for`/`while` blocks or class bodies (an `if _is_npu:` block runs on
-every NPU), and not in a `try` whose handlers catch ImportError (or a base of it). Imports inside functions run
-later, at call time, and are not counted here.
+every NPU), and not in a `try` whose handlers catch ImportError (or a base of it), nor under `if TYPE_CHECKING:`.
+Imports inside functions run later, at call time; lazy_kernel_imports lists those of chosen files.
 """
 
 import ast
@@ -28,6 +28,12 @@ def _catches_import_error(handler: ast.ExceptHandler) -> bool:
     return any(isinstance(t, ast.Name) and t.id in GUARDING_EXCEPTIONS for t in types)
 
 
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
 def _walk(body: list[ast.stmt], file: str, out: list[KernelImport]) -> None:
     for stmt in body:
         if isinstance(stmt, ast.ImportFrom) and stmt.level == 0 and (stmt.module or "").split(".")[0] == "sgl_kernel_npu":
@@ -36,7 +42,11 @@ def _walk(body: list[ast.stmt], file: str, out: list[KernelImport]) -> None:
             for alias in stmt.names:
                 if alias.name.split(".")[0] == "sgl_kernel_npu":
                     out.append(KernelImport(file, stmt.lineno, alias.name, ()))
-        elif isinstance(stmt, (ast.If, ast.For, ast.AsyncFor, ast.While)):
+        elif isinstance(stmt, ast.If):
+            if not _is_type_checking(stmt.test):  # that block never runs
+                _walk(stmt.body, file, out)
+            _walk(stmt.orelse, file, out)
+        elif isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
             _walk(stmt.body, file, out)
             _walk(stmt.orelse, file, out)
         elif isinstance(stmt, (ast.With, ast.AsyncWith, ast.ClassDef)):
