@@ -138,12 +138,15 @@ def main(argv=None) -> int:
 
     def commit(rev: str) -> str:
         return subprocess.run(
-            ["git", "-C", str(args.checkout), "rev-parse", f"{rev}^{{commit}}"], check=True, capture_output=True, text=True
+            ["git", "-C", str(args.checkout), "rev-parse", f"{rev}^{{commit}}"],
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
 
     upstream_commit = commit(args.ref)
     if commit("HEAD") != upstream_commit:
-        parser.error(f"{args.checkout} is not checked out at {args.ref}: check out the tag itself, without relax's series")
+        parser.error(f"{args.checkout} is not at {args.ref}: check out the tag itself, without relax's series")
     manifest = {
         "repository": "https://github.com/sgl-project/sgl-kernel-npu",
         "ref": args.ref,

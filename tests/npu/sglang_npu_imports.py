@@ -10,6 +10,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+PACKAGE = "sgl_kernel_npu"
 GUARDING_EXCEPTIONS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 
 
@@ -36,11 +37,11 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 def _walk(body: list[ast.stmt], file: str, out: list[KernelImport]) -> None:
     for stmt in body:
-        if isinstance(stmt, ast.ImportFrom) and stmt.level == 0 and (stmt.module or "").split(".")[0] == "sgl_kernel_npu":
+        if isinstance(stmt, ast.ImportFrom) and stmt.level == 0 and (stmt.module or "").split(".")[0] == PACKAGE:
             out.append(KernelImport(file, stmt.lineno, stmt.module, tuple(a.name for a in stmt.names)))
         elif isinstance(stmt, ast.Import):
             for alias in stmt.names:
-                if alias.name.split(".")[0] == "sgl_kernel_npu":
+                if alias.name.split(".")[0] == PACKAGE:
                     out.append(KernelImport(file, stmt.lineno, alias.name, ()))
         elif isinstance(stmt, ast.If):
             if not _is_type_checking(stmt.test):  # that block never runs
@@ -65,7 +66,7 @@ def unguarded_kernel_imports(package_dir: Path) -> list[KernelImport]:
     found: list[KernelImport] = []
     for path in sorted(package_dir.rglob("*.py")):
         source = path.read_text(encoding="utf-8")
-        if "sgl_kernel_npu" not in source:
+        if PACKAGE not in source:
             continue
         _walk(ast.parse(source, filename=str(path)).body, str(path.relative_to(package_dir.parent)), found)
     return found
@@ -80,7 +81,7 @@ def lazy_kernel_imports(package_dir: Path, files: list[str]) -> list[KernelImpor
         for function in ast.walk(tree):
             if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for stmt in ast.walk(function):
-                    if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").split(".")[0] == "sgl_kernel_npu":
+                    if isinstance(stmt, ast.ImportFrom) and (stmt.module or "").split(".")[0] == PACKAGE:
                         found.append(KernelImport(file, stmt.lineno, stmt.module, tuple(a.name for a in stmt.names)))
     return sorted(set(found), key=lambda i: (i.file, i.line))
 

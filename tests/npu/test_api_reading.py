@@ -107,7 +107,8 @@ def _series(repo: Path, out: Path) -> Path:
 
 
 def test_series_api_reads_the_modules_a_series_adds(kernel_tree, tmp_path):
-    _write(kernel_tree, "python/sgl_kernel_npu/sgl_kernel_npu/activation/fused.py", "import torch\n\ndef fused(x):\n    return x\n")
+    fused = "import torch\n\n\ndef fused(x):\n    return x\n"
+    _write(kernel_tree, "python/sgl_kernel_npu/sgl_kernel_npu/activation/fused.py", fused)
     _write(kernel_tree, "README.md", "not a module\n")
     modules = sgl_kernel_npu_api.series_api(_series(kernel_tree, tmp_path / "series"))
     assert modules == {"sgl_kernel_npu.activation.fused": {"package": False, "names": ["fused", "torch"]}}

@@ -16,9 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import sgl_kernel_npu_api
+from npu_import_probe import ARCHITECTURES
 from sglang_npu_imports import lazy_kernel_imports, unguarded_kernel_imports, unresolved
 from relax.tools import patches, pins
 
@@ -58,9 +57,6 @@ QWEN3_5_NPU_PATH = [
     "sglang/srt/hardware_backend/npu/attention/ascend_gdn_backend.py",
     "sglang/srt/hardware_backend/npu/attention/ascend_hybrid_linear_attn_backend.py",
 ]
-
-ARCHITECTURES = ["Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"]
-
 
 def _manifest() -> dict:
     return json.loads(MANIFEST.read_text())
@@ -117,7 +113,9 @@ def test_the_scan_finds_the_npu_imports_of_qwen3_5_and_the_gdn_kernels():
 def test_unguarded_kernel_imports_resolve_in_the_pinned_api():
     api = _pinned_api()
     supplied = sorted(set(AWAITED_FROM_RELAX_SERIES) & set(api))
-    assert supplied == [], f"relax's sgl-kernel-npu series now supplies {supplied}: delete them from AWAITED_FROM_RELAX_SERIES"
+    assert supplied == [], (
+        f"relax's sgl-kernel-npu series supplies {supplied}: delete them from AWAITED_FROM_RELAX_SERIES"
+    )
     still_missing = _problems({**api, **AWAITED_FROM_RELAX_SERIES})
     assert still_missing == [], "SGLang imports names the pinned sgl-kernel-npu lacks:\n" + "\n".join(still_missing)
     # Without the awaited modules exactly their imports fail, and nothing else.

@@ -19,7 +19,7 @@ class CompilerConfig:
 
 def get_npu_backend(compiler_config=None):
     def backend(graph_module, example_inputs):
-        raise StandInError("torchair's NPU compile backend is a CPU stand-in (tests/npu/stand_ins): no NPU to compile for")
+        raise StandInError("torchair's NPU compile backend is a CPU stand-in (tests/npu/stand_ins): no NPU to compile")
 
     return backend
 
