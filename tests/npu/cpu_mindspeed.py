@@ -8,8 +8,10 @@ use_mindspeed_on_cpu() gets it from relax.platform.get_platform("cpu").
 
 Which MindSpeed: the contract double in tests/npu/mindspeed_double, or, with RELAX_MINDSPEED_CHECKOUT set to a
 checkout of the pinned commit (relax.tools.pins.MINDSPEED), the real package with stand-ins for the compiled Ascend
-parts it imports (ascend_stand_ins.py). torch_npu is tests/npu/stand_ins' with the double, the generated one of
-ascend_stand_ins with the real package (which reaches far more of torch_npu's modules)."""
+parts it imports (ascend_stand_ins.py). torch_npu is the minimal stand-in in mindspeed_stand_ins with the double, the
+generated one of ascend_stand_ins with the real package. Not tests/npu/stand_ins' torch_npu: it registers "npu" as
+torch's PrivateUse1 device and reports an NPU available, and the training step's torch.compile then fails on this CPU
+build of torch ("PyTorch is not linked with support for npu devices")."""
 
 import os
 import sys
@@ -62,7 +64,7 @@ def use_mindspeed_on_cpu() -> None:
         install_ascend_stand_ins()
         sys.path.insert(0, checkout)
     else:
-        sys.path[:0] = [str(HERE / "mindspeed_double"), str(HERE / "stand_ins")]
+        sys.path[:0] = [str(HERE / "mindspeed_double"), str(HERE / "mindspeed_stand_ins")]
     PLATFORMS["cpu"] = MindSpeedOnCpu()
 
 
