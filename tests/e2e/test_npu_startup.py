@@ -59,10 +59,8 @@ def preset_args_with_tiny_model(exp_dir: Path) -> list[str]:
     env = {**os.environ, "EXP_DIR": str(exp_dir), "MODEL_DIR": str(model), "DATA_DIR": str(exp_dir)}
     env.pop("RELAX_DEVICE", None)
     args = _printed_args(["bash", str(PRESET)], env)
-    architecture = _printed_args(
-        ["bash", "-c", 'source scripts/models/qwen3.5-9B.sh && exec "$RELAX_PYTHON" -m relax.cli train "${MODEL_ARGS[@]}"'],
-        env,
-    )
+    print_model_args = 'source scripts/models/qwen3.5-9B.sh && exec "$RELAX_PYTHON" -m relax.cli train "${MODEL_ARGS[@]}"'
+    architecture = _printed_args(["bash", "-c", print_model_args], env)
     assert args[: len(architecture)] == architecture, "the preset no longer starts with its model's flags"
     args = args[len(architecture):]
     args[args.index("--prompt-data") + 1] = str(prompts)

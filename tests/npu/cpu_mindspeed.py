@@ -37,8 +37,9 @@ class MindSpeedOnCpu(CpuPlatform):
         super().prepare_megatron()
         prepare_mindspeed(dict(feature_args or {}))
         # MindSpeed wraps Tensor.type and Parameter.type globally (its NPU type names reported as CUDA ones,
-        # core/megatron_basic/requirements_basic.py type_wrapper), above the CPU platform's Tensor.type, which answers
-        # CUDA names only to megatron-core's callers: that answer goes on top again, as torch_npu's sits below on an NPU.
+        # core/megatron_basic/requirements_basic.py type_wrapper), above the CPU platform's Tensor.type, which
+        # answers CUDA names only to megatron-core's callers: that answer goes on top again, as torch_npu's sits
+        # below on an NPU.
         for tensor_class in (torch.Tensor, torch.nn.Parameter):
             tensor_class.type = scoped_type(tensor_class.type)
 
