@@ -59,7 +59,9 @@ def preset_args_with_tiny_model(exp_dir: Path) -> list[str]:
     env = {**os.environ, "EXP_DIR": str(exp_dir), "MODEL_DIR": str(model), "DATA_DIR": str(exp_dir)}
     env.pop("RELAX_DEVICE", None)
     args = _printed_args(["bash", str(PRESET)], env)
-    print_model_args = 'source scripts/models/qwen3.5-9B.sh && exec "$RELAX_PYTHON" -m relax.cli train "${MODEL_ARGS[@]}"'
+    print_model_args = (
+        'source scripts/models/qwen3.5-9B.sh && exec "$RELAX_PYTHON" -m relax.cli train "${MODEL_ARGS[@]}"'
+    )
     architecture = _printed_args(["bash", "-c", print_model_args], env)
     assert args[: len(architecture)] == architecture, "the preset no longer starts with its model's flags"
     args = args[len(architecture):]
