@@ -2,8 +2,8 @@
 SGLang's Ascend GDN backend calls for a decode batch (`fused_sigmoid_gating_delta_rule_update_decode_npu`, the
 name SGLang v0.5.23 imports). Reference: relax.kernels.gdn_sglang_ops.fused_sigmoid_gating_delta_rule_update.
 
-`gdn_gate` and `delta_rule_tile` are the two steps relax's fused CUDA decode kernel (relax.kernels.gdn_triton)
-shares with this one.
+`gdn_log_decay` and `delta_rule_tile` are the two steps relax's GDN kernels (relax.kernels.gdn_triton: the
+fused decode step and the gating) share with this one.
 """
 
 import torch
@@ -17,14 +17,13 @@ MAX_BLOCK_V = 32  # state rows per tile: a [32, K <= 128] float32 tile, its two 
 
 
 @triton.jit
-def gdn_gate(a, b, A_log, dt_bias, softplus_beta, softplus_threshold):
-    """(decay, beta) of one value head from its float32 inputs: decay = exp(-exp(A_log) * softplus(a + dt_bias)),
-    beta = sigmoid(b); softplus(x) = log(1 + exp(softplus_beta * x)) / softplus_beta, x itself above the threshold
-    (torch's softplus)."""
+def gdn_log_decay(a, A_log, dt_bias, softplus_beta, softplus_threshold):
+    """g = -exp(A_log) * softplus(a + dt_bias), the log of a value head's decay, from float32 inputs;
+    softplus(x) = log(1 + exp(softplus_beta * x)) / softplus_beta, x itself above the threshold (torch's)."""
     x = a + dt_bias
     scaled = softplus_beta * x
     softplus = tl.where(scaled <= softplus_threshold, tl.log(1.0 + tl.exp(scaled)) / softplus_beta, x)
-    return tl.exp(-tl.exp(A_log) * softplus), tl.sigmoid(b)
+    return -tl.exp(A_log) * softplus
 
 
 @triton.jit
@@ -82,9 +81,9 @@ def _gated_delta_rule_decode_kernel(
                     q = q * tl.rsqrt(tl.sum(q * q) + 1e-6)
                     k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
                 q = q * scale
-                decay, beta = gdn_gate(tl.load(a_ptr + t * a_token_stride + hv).to(tl.float32),
-                                       tl.load(b_ptr + t * b_token_stride + hv).to(tl.float32), A_log, dt_bias,
-                                       softplus_beta, softplus_threshold)
+                decay = tl.exp(gdn_log_decay(tl.load(a_ptr + t * a_token_stride + hv).to(tl.float32), A_log,
+                                             dt_bias, softplus_beta, softplus_threshold))
+                beta = tl.sigmoid(tl.load(b_ptr + t * b_token_stride + hv).to(tl.float32))
                 v_tile = tl.load(v_ptr + t * v_token_stride + hv * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
                 s, o = delta_rule_tile(s, k, q, v_tile, decay, beta, tl.sum(k * q))
                 tl.store(out_rows + t * HV * V, o.to(out_ptr.dtype.element_ty), mask=mask_v)
