@@ -33,7 +33,7 @@ RUN_ARGS=(
     # overlap DP gradient reduce-scatter and parameter all-gather with backward and forward compute
     --overlap-grad-reduce --overlap-param-gather
     # MindSpeed's fused NPU kernels in megatron-core's own modules (relax's attention, GDN and norms have their own)
-    --use-fused-swiglu --bias-activation-fusion --use-fused-rotary-pos-emb
+    --bias-activation-fusion --use-fused-rotary-pos-emb
     # experts as one grouped matmul per projection; MindSpeed's fused token permute for the alltoall dispatcher
     --moe-grouped-gemm --use-fused-moe-token-permute-and-unpermute
     --rollout-num-devices-per-engine 8

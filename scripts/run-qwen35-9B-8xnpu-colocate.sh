@@ -24,7 +24,7 @@ RUN_ARGS=(
     --tensor-model-parallel-size 4 --sequence-parallel
     # engines of 2 NPUs: 9 GB of weights per NPU leaves most of the memory for the KV cache
     # MindSpeed's fused NPU kernels in megatron-core's own modules (relax's attention, GDN and norms have their own)
-    --use-fused-swiglu --bias-activation-fusion --use-fused-rotary-pos-emb
+    --bias-activation-fusion --use-fused-rotary-pos-emb
     --rollout-num-devices-per-engine 2
     # a prefill may wait up to 30 scheduler passes to be batched with others
     --sglang-prefill-delayer-max-delay-passes 30

@@ -574,11 +574,6 @@ def megatron_features_fit_the_platform(config, platform):
             "--use-fused-moe-token-permute-and-unpermute needs --moe-token-dispatcher-type alltoall (MindSpeed's fused "
             f"permute is for that dispatcher), got {tc.moe_token_dispatcher_type!r}"
         )
-    if r.use_fused_swiglu and not tc.bias_activation_fusion:
-        return (
-            "--use-fused-swiglu needs --bias-activation-fusion: megatron's MLP calls the SwiGLU function MindSpeed "
-            "replaces only with it"
-        )
     if r.use_fused_rmsnorm and tc.experimental_attention_variant == "gated_delta_net":
         return (
             "--use-fused-rmsnorm does not reach hybrid GDN models (qwen3_5, qwen3_next): their zero-centred RMSNorms "

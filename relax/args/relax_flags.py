@@ -27,7 +27,6 @@ TIS_CLIP_DEFAULTS = {"tis_clip": 2.0, "tis_clip_low": 0.0}  # with --use-tis (sl
 # one reaches its repatch in every training rank (Platform.prepare_megatron's feature_args).
 MEGATRON_FEATURE_FLAGS = {
     "use_fused_rmsnorm": "RMSNorm of megatron's layer specs (Qwen2/Qwen3 norms).",
-    "use_fused_swiglu": "megatron's SwiGLU (dense MLPs, shared experts).",
     "use_fused_rotary_pos_emb": "RoPE of the softmax-attention layers.",
     "use_fused_moe_token_permute_and_unpermute": "MoE token permute and unpermute (needs --moe-token-dispatcher-type "
     "alltoall).",

@@ -2,7 +2,7 @@
 only what a run carries out).
 
 Three kinds of entry, each with its reason and what to use instead:
-- REFUSED_FLAGS: Megatron-LM flags relax knows and refuses (giving one is a parse error).
+- REFUSED_FLAGS: Megatron-LM and MindSpeed flags relax knows and refuses (giving one is a parse error).
 - MANAGED_BY_RELAX: SGLang ServerArgs fields relax sets itself (--sglang-<field> and --sglang-config keys are
   refused, naming the relax flag to use).
 - UNSUPPORTED_COMBINATIONS: values or combinations of accepted flags that no part of relax carries out.
@@ -38,6 +38,12 @@ REFUSED_FLAGS = [
         "token budget",
         "remove it; --max-prompt-length and --rollout-max-response-len bound a sample's length, "
         "--max-tokens-per-device a packed micro-batch's",
+    ),
+    Unsupported(
+        "--use-fused-swiglu",
+        "MindSpeed's argument of that name selects nothing: its SwiGLU feature replaces megatron's SwiGLU functions "
+        "in every run (Ascend/MindSpeed core_r0.16.0, features_manager/fusions/fused_bias_swiglu.py)",
+        "remove it; on an NPU, --bias-activation-fusion puts megatron's MLP on the SwiGLU function MindSpeed replaces",
     ),
 ]
 

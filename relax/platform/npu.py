@@ -10,7 +10,8 @@ megatron-core when `mindspeed.megatron_adaptor` is imported (its module body run
 also imports torch_npu.contrib.transfer_to_npu), so it must come before the first `import megatron`.
 At import it reads its feature flags from sys.argv with parse_known_args; in a Ray actor sys.argv holds
 Ray's worker flags, so relax hides them during the import and applies feature arguments explicitly with
-the module's `repatch(args)`.
+the module's `repatch(args)`, together with the Megatron-LM arguments MindSpeed's checks read
+(MINDSPEED_MEGATRON_ARGS).
 Before SGLang: torch_npu must be imported so that `torch.npu` exists when SGLang decides its device
 (sglang/srt/utils/common.py is_npu() checks hasattr(torch, "npu")).
 Memory saver: torch_memory_saver as built by sgl-kernel-npu for Ascend (hook mode "torch" by default).
@@ -77,16 +78,22 @@ def cann_version(environ: Mapping[str, str]) -> Optional[str]:
 
 
 # MindSpeed's switches for its fused NPU kernels in megatron-core's own modules (its feature arguments, by dest):
-# RMSNorm of megatron's layer specs (LNImpl / WrappedTorchNorm), megatron's SwiGLU, RoPE (apply_rotary_pos_emb), and
-# the MoE token permute / unpermute of the alltoall dispatcher. relax's own modules do not go through them: its core
-# attention calls npu_fusion_attention and its grouped experts npu_grouped_matmul already; Qwen3.5's zero-centred
-# RMSNorm and GDN layers are relax's own torch.
+# RMSNorm of megatron's layer specs (LNImpl / WrappedTorchNorm), RoPE (apply_rotary_pos_emb), and the MoE token
+# permute / unpermute of the alltoall dispatcher. relax's own modules do not go through them: its core attention calls
+# npu_fusion_attention and its grouped experts npu_grouped_matmul already; Qwen3.5's zero-centred RMSNorm and GDN
+# layers are relax's own torch. megatron's SwiGLU needs no switch: MindSpeed's FusedSwigluFeature ("use-swiglu",
+# optimization level 0, features_manager/fusions/fused_bias_swiglu.py) replaces its SwiGLU functions in every run.
 MINDSPEED_FEATURES = (
     "use_fused_rmsnorm",
-    "use_fused_swiglu",
     "use_fused_rotary_pos_emb",
     "use_fused_moe_token_permute_and_unpermute",
 )
+# Megatron-LM arguments MindSpeed's checks read from every TransformerConfig that megatron-core's config lacks:
+# MindSpeed copies its arguments onto each new config (core/megatron_basic/arguments_basic.py) and validates it with
+# each feature's checks; the fused-RoPE check reads position_embedding_type
+# (features_manager/fusions/fused_rope.py), an argument of megatron.training, which relax does not use. relax builds
+# every model with RoPE (relax.train.model.build_gpt_model; relax.args refuses other position embeddings).
+MINDSPEED_MEGATRON_ARGS = {"position_embedding_type": "rope"}
 
 _applied_feature_args: Optional[dict] = None
 
@@ -110,8 +117,7 @@ def prepare_mindspeed(feature_args: Mapping[str, Any]) -> None:
         import mindspeed.megatron_adaptor as adaptor
     finally:
         sys.argv = argv
-    if feature_args:
-        adaptor.repatch(feature_args)
+    adaptor.repatch({**MINDSPEED_MEGATRON_ARGS, **feature_args})
     _applied_feature_args = feature_args
 
 

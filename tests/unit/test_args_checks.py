@@ -192,8 +192,8 @@ RULES = {
         "--reward-fn relax_no_such_module:score: cannot import module 'relax_no_such_module'",
     ),
     "MindSpeed switches off NPU": (
-        [*RUN, "--use-fused-rmsnorm", "--use-fused-swiglu"],
-        "--use-fused-rmsnorm, --use-fused-swiglu: switches of the NPU's Megatron adaptation layer (MindSpeed); the "
+        [*RUN, "--use-fused-rmsnorm", "--use-fused-rotary-pos-emb"],
+        "--use-fused-rmsnorm, --use-fused-rotary-pos-emb: switches of the NPU's Megatron adaptation layer (MindSpeed); the "
         "'cpu' platform has none",
     ),
 }
@@ -204,9 +204,6 @@ NPU_RULES = {
         [*NPU_RUN, "--use-fused-moe-token-permute-and-unpermute"],
         "--use-fused-moe-token-permute-and-unpermute needs --moe-token-dispatcher-type alltoall",
     ),
-    "fused SwiGLU needs megatron's fused path": (
-        [*NPU_RUN, "--use-fused-swiglu"], "--use-fused-swiglu needs --bias-activation-fusion"
-    ),
 }
 
 
@@ -214,9 +211,9 @@ NPU_RULES = {
 def test_mindspeed_switch_rules_on_npu(rule, capsys):
     argv, message = NPU_RULES[rule]
     assert message in parse_error(argv, capsys)
-    switches = ["--use-fused-swiglu", "--bias-activation-fusion", "--use-fused-rotary-pos-emb", "--use-fused-rmsnorm"]
+    switches = ["--bias-activation-fusion", "--use-fused-rotary-pos-emb", "--use-fused-rmsnorm"]
     config = parse_train_args([*NPU_RUN, *switches])
-    assert set(config.run.megatron_features) == {"use_fused_swiglu", "use_fused_rotary_pos_emb", "use_fused_rmsnorm"}
+    assert set(config.run.megatron_features) == {"use_fused_rotary_pos_emb", "use_fused_rmsnorm"}
 
 
 @pytest.mark.parametrize("rule", list(RULES))

@@ -244,10 +244,12 @@ def test_npu_preparation_order_with_stand_in_torch_npu_and_mindspeed(tmp_path):
         npu.prepare_megatron({"use_fused_rmsnorm": True})  # idempotent
         assert sys.argv == ["default_worker.py", "--node-ip-address=10.0.0.1"], sys.argv
         assert import_log.events == [
-            "torch_npu", ("adaptor", ["default_worker.py"]), ("repatch", {"use_fused_rmsnorm": True})
+            "torch_npu", ("adaptor", ["default_worker.py"]), ("repatch", {"position_embedding_type": "rope", "use_fused_rmsnorm": True})
         ], import_log.events
         npu.prepare_megatron({"use_fused_rmsnorm": False})  # new feature args are applied
-        assert import_log.events[-1] == ("repatch", {"use_fused_rmsnorm": False}), import_log.events
+        assert import_log.events[-1] == (
+            "repatch", {"position_embedding_type": "rope", "use_fused_rmsnorm": False}
+        ), import_log.events
         print("ok")
         """
     )
