@@ -18,7 +18,7 @@ from relax.rollout.dump import pattern_problem
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
 from relax.run.state import LATEST
-from relax.train.advantages import STD_NORMALISED
+from relax.train.algorithms import ALGORITHMS, STD_NORMALISED
 
 
 class Parsed(typing.NamedTuple):
@@ -185,10 +185,10 @@ def dual_clip_applies(config, platform):
     r = config.flags
     if r.eps_clip_c is None:
         return None
-    if r.advantage_estimator == "cispo":
+    if not ALGORITHMS[r.advantage_estimator].dual_clip:
         return (
-            "--eps-clip-c bounds PPO's clipped loss; cispo's loss weighs each token by its capped ratio instead "
-            "(--eps-clip, --eps-clip-high): drop --eps-clip-c"
+            f"--eps-clip-c bounds PPO's clipped loss; {r.advantage_estimator}'s loss weighs each token by its capped "
+            "ratio instead (--eps-clip, --eps-clip-high): drop --eps-clip-c"
         )
     if r.eps_clip_c <= 1:
         return f"--eps-clip-c {r.eps_clip_c} must be > 1 (it bounds the loss of ratios past 1 + --eps-clip-high)"
@@ -214,7 +214,7 @@ def kl_flags_need_kl_loss(config, platform):
 
 def std_normalisation_applies(config, platform):
     r = config.flags
-    if not r.normalize_advantages_by_std and r.advantage_estimator not in STD_NORMALISED:
+    if not r.normalize_advantages_by_std and not ALGORITHMS[r.advantage_estimator].divides_by_group_std:
         return (
             f"--no-normalize-advantages-by-std changes nothing with --advantage-estimator {r.advantage_estimator}, "
             f"which never divides by the group's std (only {', '.join(STD_NORMALISED)} do); drop it"
@@ -225,15 +225,16 @@ def groups_fit_the_estimator(config, platform):
     r = config.flags
     if r.n_samples_per_prompt > 1:
         return None
-    if r.advantage_estimator in STD_NORMALISED and r.normalize_advantages_by_std:
+    algorithm = ALGORITHMS[r.advantage_estimator]
+    if algorithm.divides_by_group_std and r.normalize_advantages_by_std:
         return (
-            f"--advantage-estimator {r.advantage_estimator} divides by the std of each prompt's responses, which "
+            f"--advantage-estimator {algorithm.name} divides by the std of each prompt's responses, which "
             "one response (--n-samples-per-prompt 1) does not have: give --n-samples-per-prompt 2 or more, or "
             "--no-normalize-advantages-by-std"
         )
-    if r.advantage_estimator == "rloo":
+    if algorithm.needs_group_because:
         return (
-            "--advantage-estimator rloo takes each response's baseline from the other responses to its prompt: "
+            f"--advantage-estimator {algorithm.name} {algorithm.needs_group_because}: "
             "give --n-samples-per-prompt 2 or more"
         )
 

@@ -20,6 +20,7 @@ from relax.platform import platform_facts
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import SamplingConfig
+from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import LossSettings
 from relax.train.off_policy import RolloutCorrection
 from relax.train.settings import ActorSettings
@@ -81,7 +82,7 @@ class EvalSettings:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSettings:
-    advantage_estimator: str  # relax.train.advantages.ESTIMATORS
+    advantage_estimator: str  # a name in relax.train.algorithms.ALGORITHMS
     normalize_advantages_by_std: bool
     group_size: int  # responses per prompt: the group advantages are normalised over
     global_batch_size: int  # samples per optimizer step
@@ -209,13 +210,14 @@ def actor_settings(flags: argparse.Namespace, scheduler: argparse.Namespace) -> 
         if uses_reference(flags)
         else {}
     )
+    algorithm = ALGORITHMS[flags.advantage_estimator]
     loss = LossSettings(
-        loss_mode="cispo" if flags.advantage_estimator == "cispo" else "ppo",
+        loss_mode=algorithm.loss_mode,
         clip_low=flags.eps_clip,
         clip_high=flags.eps_clip_high,
         dual_clip=flags.eps_clip_c,
         log_ratio_clamp=flags.log_ratio_clamp,
-        ratio_level="sequence" if flags.advantage_estimator == "gspo" else "token",
+        ratio_level=algorithm.ratio_level,
         aggregation=flags.loss_aggregation.replace("-", "_"),
         # Dr. GRPO's constant: the longest response the engine may give, the same on every rank and step
         norm_length=flags.rollout_max_response_len,

@@ -1,8 +1,9 @@
 """What relax does not support: the one table, enforced when `relax train` parses its flags (so --dry-run accepts
 only what a run carries out).
 
-Three kinds of entry, each with its reason and what to use instead:
+Four kinds of entry, each with its reason and what to use instead:
 - REFUSED_FLAGS: Megatron-LM flags relax knows and refuses (giving one is a parse error).
+- REFUSED_VALUES: values a relax flag does not offer but a user may expect (e.g. an algorithm other trainers name).
 - MANAGED_BY_RELAX: SGLang ServerArgs fields relax sets itself (--sglang-<field> and --sglang-config keys are
   refused, naming the relax flag to use).
 - UNSUPPORTED_COMBINATIONS: values or combinations of accepted flags that no part of relax carries out.
@@ -38,6 +39,17 @@ REFUSED_FLAGS = [
         "token budget",
         "remove it; --max-prompt-length and --rollout-max-response-len bound a sample's length, "
         "--max-tokens-per-device a packed micro-batch's",
+    ),
+]
+
+# Values that are not among a relax flag's choices and are refused with what to give instead, where argparse would
+# only list the choices. Each setting is spelled "--flag value".
+REFUSED_VALUES = [
+    Unsupported(
+        "--advantage-estimator dapo",
+        "it would compute GRPO's advantages and change nothing else",
+        "DAPO is --advantage-estimator grpo with clip-higher (--eps-clip-high, e.g. 0.28), --dynamic-sampling and "
+        "--overlong-buffer-len, and the token-mean loss that is the default; give those instead",
     ),
 ]
 
@@ -84,10 +96,6 @@ def _grouped_experts_recomputing_moe_act(parsed) -> str | None:
 def _position_embedding(parsed) -> str | None:
     kind = parsed.megatron.model.position_embedding_type
     return f"--position-embedding-type {kind}" if kind != "rope" else None
-
-
-def _dapo_estimator(parsed) -> str | None:
-    return "--advantage-estimator dapo" if parsed.flags.advantage_estimator == "dapo" else None
 
 
 def _not_colocated(parsed) -> str | None:
@@ -137,13 +145,6 @@ UNSUPPORTED_COMBINATIONS = [
         "the actor builds every model family with rotary position embeddings, as their HF checkpoints do",
         "give rope or drop the flag",
         _position_embedding,
-    ),
-    Unsupported(
-        "--advantage-estimator dapo",
-        "it would compute GRPO's advantages and change nothing else",
-        "DAPO is --advantage-estimator grpo with clip-higher (--eps-clip-high, e.g. 0.28), --dynamic-sampling and "
-        "--overlong-buffer-len, and the token-mean loss that is the default; give those instead",
-        _dapo_estimator,
     ),
 ]
 

@@ -59,7 +59,7 @@ from relax.rollout.rollout import (
 )
 from relax.rollout.worker import EngineWorker
 from relax.run.state import LATEST, RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
-from relax.train.advantages import compute_advantages
+from relax.train.algorithms import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.worker import TrainWorker
 
