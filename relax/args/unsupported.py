@@ -13,6 +13,8 @@ those), because relax has no such setting or takes it in another form; giving on
 
 import typing
 
+from relax.args.settings import RunMode
+
 
 class Unsupported(typing.NamedTuple):
     setting: str  # the flag or combination, as a user writes it
@@ -105,7 +107,7 @@ def _not_colocated(parsed) -> str | None:
 def _checkpoints_without_actor(parsed) -> str | None:
     f = parsed.flags
     given = [flag for flag, value in (("--save", f.save), ("--load", f.load)) if value is not None]
-    return f"{' and '.join(given)} with --debug-rollout-only" if f.debug_rollout_only and given else None
+    return f"{' and '.join(given)} with --debug-rollout-only" if parsed.mode is RunMode.ROLLOUT_ONLY and given else None
 
 
 def _log_interval(parsed) -> str | None:
