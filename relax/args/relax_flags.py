@@ -323,7 +323,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--eps-clip-c",
         type=_positive_float,
         help="Dual-clip: a token with a negative advantage A loses at most -A x this (> 1), however far its ratio "
-        f"has grown; not with cispo, whose weights are capped already (default: {DUAL_CLIP}).",
+        f"has grown; not with {', '.join(a.name for a in ALGORITHMS.values() if not a.dual_clip)}, whose weights "
+        f"are capped already (default: {DUAL_CLIP}).",
     )
     g.add_argument(
         "--log-ratio-clamp",
