@@ -327,7 +327,7 @@ def eval_flags_consistent(config, platform):
 
 def replay_flags_consistent(config, platform):
     r = config.flags
-    if not config.mode.replays_rollouts:  # (--eval-only refuses --load-rollout-data itself)
+    if r.load_rollout_data is None or not config.mode.replays_rollouts:  # (--eval-only refuses it itself)
         return None
     replaying = "--load-rollout-data replays saved rollouts, scored, instead of generating them"
     if scores_samples(config):
