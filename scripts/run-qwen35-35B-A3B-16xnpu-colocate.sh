@@ -21,6 +21,8 @@ export HCCL_BUFFSIZE="${HCCL_BUFFSIZE:-400}"
 RUN_ARGS=(
     --device npu
     --num-nodes "${NUM_NODES:-2}" --num-devices-per-node "${NUM_DEVICES_PER_NODE:-16}" --colocate
+    # truncated importance sampling: corrects each token's gradient for the engine's sampling mismatch
+    --use-tis
     --rollout-batch-size 64 --micro-batch-size 1
     --use-dynamic-batch-size --max-tokens-per-device 16384
     --tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size 2

@@ -16,6 +16,8 @@ npu_environment
 RUN_ARGS=(
     --device npu
     --num-nodes "${NUM_NODES:-1}" --num-devices-per-node "${NUM_DEVICES_PER_NODE:-8}" --colocate
+    # truncated importance sampling: corrects each token's gradient for the engine's sampling mismatch
+    --use-tis
     --rollout-batch-size 32 --micro-batch-size 1
     # pack each micro-batch up to 16k tokens instead of a fixed number of samples
     --use-dynamic-batch-size --max-tokens-per-device 16384

@@ -18,6 +18,12 @@ they are.
 
 GDN_TRAINING_KERNELS = ("fla", "mindspeed", "reference")
 
+# MindSpeed's l2norm kernels take the row count (tokens x heads) as a tl.constexpr and autotune per cdiv(rows, 2048)
+# (mindspeed/ops/triton/l2norm.py at e4772499f7eb): triton-ascend compiles them anew, forward and backward, for every
+# packed length, and packed micro-batches rarely repeat one. Padding the packed tokens with zero rows to a multiple of
+# this many bounds the compilations by the token budget / 1024 for at most 1023 rows of extra work per call.
+L2NORM_BUCKET_TOKENS = 1024
+
 # The package each kernel imports, as an error tells the user to get it.
 KERNEL_PACKAGES = {
     "fla": ("fla", "flash-linear-attention (pip install flash-linear-attention)"),
@@ -40,9 +46,24 @@ def gdn_training_kernel(name: str):
         from mindspeed.core.ssm.chunk_gated_delta_rule import chunk_gated_delta_rule
         from mindspeed.ops.triton.l2norm import l2norm
 
-        return chunk_gated_delta_rule, l2norm
+        return chunk_gated_delta_rule, bucketed_l2norm(l2norm)
     if name == "reference":
         from relax.kernels import gdn_reference
 
         return gdn_reference.chunk_gated_delta_rule, gdn_reference.l2norm
     raise ValueError(f"unknown GDN training kernel {name!r}: choose one of {', '.join(GDN_TRAINING_KERNELS)}")
+
+
+def bucketed_l2norm(l2norm):
+    """l2norm over [1, t, heads, d] computed on t padded with zero rows to a multiple of L2NORM_BUCKET_TOKENS (a zero
+    row normalises to zero and gets no gradient), sliced back to t."""
+    import torch.nn.functional as F
+
+    def padded(x):
+        tokens = x.shape[1]
+        extra = -tokens % L2NORM_BUCKET_TOKENS
+        if extra == 0:
+            return l2norm(x)
+        return l2norm(F.pad(x, (0, 0, 0, 0, 0, extra)))[:, :tokens]
+
+    return padded

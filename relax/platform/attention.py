@@ -15,7 +15,8 @@ Kernels:
     "flash_varlen" torch's flash kernels on CUDA: torch.nn.attention.varlen.varlen_attn for packed rows, SDPA
                    (which picks flash for half precision) for padded ones; float32 falls back to "sdpa"
     "npu_fusion"   torch_npu.npu_fusion_attention in TND layout with the causal sparse mode (the path MindSpeed
-                   uses on Ascend). Only its argument plumbing is tested here: no NPU was available.
+                   uses on Ascend). Tested on the CPU only, against a stand-in bound by the op's schema from the
+                   torch-npu wheel (tests/npu): no NPU was available.
 """
 
 import functools
@@ -87,20 +88,31 @@ def _npu_causal_mask(device) -> torch.Tensor:
     return torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
 
 
+# npu_fusion_attention's TND layout takes at most 1024 sequences per call (torch-npu 2.10's documentation); a packed
+# micro-batch of more short sequences is attended in several calls.
+_NPU_MAX_SEQUENCES = 1024
+
+
 def _npu_packed(q, k, v, cu_seqlens, max_seqlen, scale):
     import torch_npu
 
-    ends = cu_seqlens[1:].tolist()  # the TND layout takes cumulative ends as host lists
-    return torch_npu.npu_fusion_attention(
-        q, k, v, q.shape[1],
-        input_layout="TND",
-        scale=scale,
-        keep_prob=1.0,
-        sparse_mode=3,
-        atten_mask=_npu_causal_mask(q.device),
-        actual_seq_qlen=ends,
-        actual_seq_kvlen=ends,
-    )[0]
+    bounds = cu_seqlens.tolist()
+    outputs = []
+    for first in range(0, len(bounds) - 1, _NPU_MAX_SEQUENCES):
+        part = bounds[first : first + _NPU_MAX_SEQUENCES + 1]
+        start, end = part[0], part[-1]
+        ends = [bound - start for bound in part[1:]]  # the TND layout takes cumulative ends as host lists
+        outputs.append(torch_npu.npu_fusion_attention(
+            q[start:end], k[start:end], v[start:end], q.shape[1],
+            input_layout="TND",
+            scale=scale,
+            keep_prob=1.0,
+            sparse_mode=3,
+            atten_mask=_npu_causal_mask(q.device),
+            actual_seq_qlen=ends,
+            actual_seq_kvlen=ends,
+        )[0])
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _as_packed(packed):

@@ -11,8 +11,8 @@ inputs and weights. Each platform record names its own (Platform.grouped_linear)
 - cuda_grouped_linear: torch._grouped_mm, one CUTLASS kernel for all groups, for bf16 on Hopper and Blackwell
   data-centre GPUs (compute capability 9.x, 10.x) with 16-byte aligned rows; otherwise the loop.
 - npu_grouped_linear: torch_npu.npu_grouped_matmul, Ascend's grouped matmul (the op MindSpeed's grouped MLP calls),
-  its forward and both gradients each one call. UNVERIFIED on an NPU (none was available); its plumbing is
-  unit-tested against a stand-in with the op's documented semantics.
+  its forward and both gradients each one call. UNVERIFIED on an NPU (none was available); its calls are
+  unit-tested against a CPU stand-in bound by the op's schemas from the torch-npu wheel (tests/npu).
 """
 
 import torch
@@ -50,20 +50,22 @@ def cuda_grouped_linear(inputs: torch.Tensor, weights: torch.Tensor, tokens_per_
 
 
 class _NpuGroupedLinear(torch.autograd.Function):
-    """npu_grouped_matmul with x as one tensor split by row counts (group_list_type=1) and one weight per group.
-    Forward and input gradient group the rows (group_type=0, one output tensor: split_item=2); the weight gradient
-    groups the contraction over tokens (group_type=2: inputs^T [in, tokens] times grads [tokens, out] per group,
-    one stacked [groups, in, out] result: split_item=3)."""
+    """npu_grouped_matmul with x as one tensor split by cumulative row ends (group_list_type=0) and the weights as one
+    [groups, K, N] tensor, as MindSpeed's grouped MLP calls it (mindspeed/core/transformer/moe/grouped_matmul_util.py).
+    torch-npu 2.10's documentation bounds the other forms: a list of 2-D weights holds at most 128 tensors (one 3-D
+    weight up to 1024 groups), and per-group counts (group_list_type=1) may not describe a single group; a rank may
+    hold 256 local experts, or one. Forward and input gradient group the rows (group_type=0, one output tensor:
+    split_item=3); the weight gradient groups the contraction over tokens (group_type=2: inputs^T [in, tokens] times
+    grads [tokens, out] per group, one stacked [groups, in, out] result)."""
 
     @staticmethod
     def forward(ctx, inputs, weights, tokens_per_group):
         import torch_npu
 
-        counts = tokens_per_group.to(device=inputs.device, dtype=torch.int64)
-        ctx.save_for_backward(inputs, weights, counts)
+        ends = torch.cumsum(tokens_per_group.to(device=inputs.device, dtype=torch.int64), dim=0)
+        ctx.save_for_backward(inputs, weights, ends)
         (output,) = torch_npu.npu_grouped_matmul(
-            [inputs], [weight.t() for weight in weights], group_list=counts, split_item=2, group_type=0,
-            group_list_type=1,
+            [inputs], [weights.transpose(1, 2)], group_list=ends, split_item=3, group_type=0, group_list_type=0
         )
         return output
 
@@ -71,13 +73,13 @@ class _NpuGroupedLinear(torch.autograd.Function):
     def backward(ctx, grad_output):
         import torch_npu
 
-        inputs, weights, counts = ctx.saved_tensors
+        inputs, weights, ends = ctx.saved_tensors
         grad_output = grad_output.contiguous()
         (grad_inputs,) = torch_npu.npu_grouped_matmul(
-            [grad_output], list(weights), group_list=counts, split_item=2, group_type=0, group_list_type=1
+            [grad_output], [weights], group_list=ends, split_item=3, group_type=0, group_list_type=0
         )
         (grad_weights,) = torch_npu.npu_grouped_matmul(
-            [inputs.t()], [grad_output], group_list=counts, split_item=3, group_type=2, group_list_type=1
+            [inputs.t()], [grad_output], group_list=ends, split_item=3, group_type=2, group_list_type=0
         )
         return grad_inputs, grad_weights.transpose(-2, -1), None
 

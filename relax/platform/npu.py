@@ -175,6 +175,18 @@ class NpuPlatform(Platform):
             env[self.alloc_conf_env] = EXPANDABLE_SEGMENTS
         return env
 
+    def check_worker_env(self, env, memory_saver_on: bool = False) -> None:
+        """Also refuses TMS_HOOK_MODE=preload: that hook mode works only in a process started with the saver's hook
+        library in LD_PRELOAD, and relax starts its actors (and SGLang its schedulers) without one; relax's NPU
+        memory saver runs in the torch hook mode, which needs nothing at start."""
+        super().check_worker_env(env, memory_saver_on)
+        if env.get("TMS_HOOK_MODE", "").strip().lower() == "preload":
+            raise ValueError(
+                "TMS_HOOK_MODE=preload: torch_memory_saver's preload hooks need its library in LD_PRELOAD of every "
+                "actor and engine process, which relax does not set; unset TMS_HOOK_MODE (or set it to torch): relax "
+                "runs the memory saver in the torch hook mode"
+            )
+
     def prepare_megatron(self, feature_args=None) -> None:
         prepare_mindspeed(dict(feature_args or {}))
 

@@ -104,6 +104,9 @@ TEST_TOOLS = ["pytest", "pytest-timeout", *DOCKER_LINT_TOOLS]
 # Dockerfiles' ARG defaults and patches/manifest.toml agree with these lines. Each pairing below is stated by the
 # upstream's own files, cited in docs/npu.md's version table; the anchor is sgl-kernel-npu's release CI at tag
 # SGL_KERNEL_NPU (CANN 9.0.0, Python 3.11, torch 2.10.0, torch_npu of TorchNPU 26.0.0, triton-ascend 3.2.1).
+# The exception is SGLANG with SGL_KERNEL_NPU: SGLang's own files of v0.5.23's time pin a later sgl-kernel-npu
+# (2026.9.0.post9, on CANN 9.1.0 / Python 3.12); relax keeps this tag, and its series patches/sgl-kernel-npu adds
+# the two modules SGLang v0.5.23 imports that the tag lacks (tests/npu checks the imports).
 CANN_NPU_IMAGE = "quay.io/ascend/cann:9.0.0-a3-ubuntu22.04-py3.11"
 SOC_VERSION_NPU = "Ascend910_9382"  # A3 (Atlas 800T/900 A3); sgl-kernel-npu's build.sh SOC name
 TORCH_NPU_TORCH = "2.10.0"  # the torch the torch_npu below is built for (CPU wheel from PyTorch's index)

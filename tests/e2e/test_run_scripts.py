@@ -110,6 +110,13 @@ def test_the_dense_npu_preset_sets_its_sglang_switches(dry_runs):
     assert _setting(out, "relax", "use_dynamic_batch_size") == "True"
 
 
+@pytest.mark.parametrize("name", ["run-qwen35-9B-8xnpu-colocate.sh", "run-qwen35-35B-A3B-16xnpu-colocate.sh"])
+def test_npu_presets_correct_the_engines_sampling_with_tis(dry_runs, name):
+    """As Relax's Ascend scripts do: truncated importance sampling, with relax's default cap."""
+    out = dry_runs[name][1]
+    assert (_setting(out, "relax", "use_tis"), _setting(out, "relax", "tis_clip")) == ("True", "2.0")
+
+
 @pytest.mark.parametrize("name", [p.name for p in RUN_SCRIPTS])
 def test_each_presets_engine_ranks_take_weights_from_their_own_device_or_by_broadcast(dry_runs, name):
     """The weight-push plan of the preset's layout (relax.sync.broadcast), with the stages Megatron's own rank

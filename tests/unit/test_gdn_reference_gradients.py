@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from relax.kernels import gdn_reference as ref
+from relax.kernels.gdn_training import L2NORM_BUCKET_TOKENS, bucketed_l2norm
 
 LENGTH, CHUNK = 100, 32  # three whole chunks and a partial one
 
@@ -74,7 +75,7 @@ def test_the_mindspeed_kernel_is_mindspeeds_functions_called_with_fla_arguments(
 
     from relax.kernels.gdn_training import gdn_training_kernel
 
-    calls = []
+    calls, normed_lengths = [], []
 
     def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64, head_first=False):
@@ -87,6 +88,7 @@ def test_the_mindspeed_kernel_is_mindspeeds_functions_called_with_fla_arguments(
                                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
     def l2norm(x, eps=1e-6, output_dtype=None):
+        normed_lengths.append(x.shape[1])
         return ref.l2norm(x)
 
     for name, attrs in {
@@ -96,7 +98,7 @@ def test_the_mindspeed_kernel_is_mindspeeds_functions_called_with_fla_arguments(
     }.items():
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
     rule, norm = gdn_training_kernel("mindspeed")
-    assert (rule, norm) == (chunk_gated_delta_rule, l2norm)
+    assert rule == chunk_gated_delta_rule  # and norm is MindSpeed's l2norm on bucketed lengths (below)
 
     # the call of relax's GDN forward (relax/train/model/gdn_spec.py): bf16 q/k/v/beta, float32 g, packed rows
     generator = torch.Generator().manual_seed(0)
@@ -108,3 +110,20 @@ def test_the_mindspeed_kernel_is_mindspeeds_functions_called_with_fla_arguments(
                       use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens)
     assert out.shape == v.shape and final is None
     assert calls[-1]["cu_seqlens"] is cu_seqlens and calls[-1]["g"] is g
+    assert normed_lengths == [L2NORM_BUCKET_TOKENS, L2NORM_BUCKET_TOKENS]
+
+
+@pytest.mark.parametrize("tokens", [5, 1024, 1500])
+def test_bucketed_l2norm_equals_l2norm_and_pads_to_the_bucket(tokens):
+    lengths = []
+
+    def l2norm(x):
+        lengths.append(x.shape[1])
+        return ref.l2norm(x)
+
+    x = torch.randn(1, tokens, 2, 8, generator=torch.Generator().manual_seed(tokens), requires_grad=True)
+    got, expected = bucketed_l2norm(l2norm)(x), ref.l2norm(x)
+    torch.testing.assert_close(got, expected)
+    assert lengths == [-(-tokens // L2NORM_BUCKET_TOKENS) * L2NORM_BUCKET_TOKENS]
+    grad = torch.randn_like(got)
+    torch.testing.assert_close(torch.autograd.grad(got, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])

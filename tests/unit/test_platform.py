@@ -108,6 +108,15 @@ def test_npu_worker_env_keeps_expandable_segments_away_from_the_memory_saver():
     npu.check_worker_env({**with_saver, "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"}, True)
 
 
+@pytest.mark.parametrize("memory_saver_on", [False, True])
+def test_npu_worker_env_refuses_the_memory_savers_preload_hook_mode(memory_saver_on):
+    npu = platform_facts("npu")
+    env = npu.worker_env(memory_saver_on=memory_saver_on)
+    with pytest.raises(ValueError, match="TMS_HOOK_MODE=preload: .*LD_PRELOAD.*unset TMS_HOOK_MODE"):
+        npu.check_worker_env({**env, "TMS_HOOK_MODE": "preload"}, memory_saver_on)
+    npu.check_worker_env({**env, "TMS_HOOK_MODE": "torch"}, memory_saver_on)
+
+
 def test_cuda_worker_env_and_its_check():
     cuda = platform_facts("cuda")
     assert cuda.worker_env(memory_saver_on=True) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}

@@ -1,7 +1,7 @@
 """relax.platform.grouped_linear: each platform's grouped product equals one matrix product per group, forward and
 gradients, with uneven and empty groups. The CUDA kernel's call (torch._grouped_mm) runs here where this torch has
-a CPU implementation of it; the NPU one runs against a stand-in for torch_npu.npu_grouped_matmul written from its
-documented semantics (no NPU here), so what is tested is relax's plumbing: argument modes, layouts, gradients."""
+a CPU implementation of it; the NPU one runs against tests/npu's CPU stand-in for torch_npu.npu_grouped_matmul, bound by the op's schemas from
+the torch-npu wheel (no NPU here), so what is tested is relax's plumbing: argument modes, layouts, gradients."""
 
 import sys
 import types
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from relax.platform import grouped_linear, platform_facts
+from tests.npu import torch_npu_ops
 
 TOKENS_PER_GROUP = [[3, 0, 5, 1], [0, 0, 0, 0], [0, 4, 0, 0]]
 
@@ -71,26 +72,15 @@ def test_grouped_mm_applies_to_aligned_bf16_on_hopper_and_blackwell(capability, 
     assert not grouped_linear.grouped_mm_applies(*unaligned)  # rows of 24 bytes: not 16-byte aligned
 
 
-def npu_grouped_matmul_stand_in(x, weight, *, group_list, split_item, group_type, group_list_type):
-    """torch_npu.npu_grouped_matmul as documented, for the modes relax uses: one x, group_list of per-group counts
-    (group_list_type=1); group_type=0 groups x's rows (one output tensor, split_item=2); group_type=2 groups the
-    contraction dimension, x's columns against weight's rows (one stacked output, split_item=3)."""
-    assert group_list_type == 1 and group_list.dtype == torch.int64 and len(x) == 1
-    bounds = [0, *torch.cumsum(group_list, 0).tolist()]
-    if group_type == 0:
-        assert split_item == 2 and len(weight) == len(group_list)
-        return [torch.cat([x[0][a:b] @ w for a, b, w in zip(bounds, bounds[1:], weight)])]
-    assert group_type == 2 and split_item == 3 and len(weight) == 1
-    return [torch.stack([x[0][:, a:b] @ weight[0][a:b] for a, b in zip(bounds, bounds[1:])])]
-
-
 @pytest.mark.parametrize("tokens_per_group", TOKENS_PER_GROUP)
 def test_npu_record_calls_the_grouped_matmul_for_forward_and_both_gradients(tokens_per_group, monkeypatch):
     calls = []
+    torch_npu_stand_in = types.ModuleType("torch_npu")
+    torch_npu_ops.install(torch_npu_stand_in)
 
     def recording(*args, **kwargs):
         calls.append(kwargs["group_type"])
-        return npu_grouped_matmul_stand_in(*args, **kwargs)
+        return torch_npu_stand_in.npu_grouped_matmul(*args, **kwargs)
 
     monkeypatch.setitem(sys.modules, "torch_npu", types.SimpleNamespace(npu_grouped_matmul=recording))
     case = operands(tokens_per_group)
