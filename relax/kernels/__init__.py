@@ -9,6 +9,10 @@ Modules
 - launch: the TritonLaunch record and each Triton target's launch tuning (NVIDIA as measured on an H200, Ascend,
   the interpreter), scaled to a device's compute units.
 - gdn_sglang_ops: functions with the semantics of the sgl_kernel CPU ops SGLang 0.5.23 calls for GDN models.
+- sgl_kernel_npu: Triton kernels for SGLang's Ascend path (the sigmoid-gated GDN decode update, the sigmoid gate,
+  the MoE routing front), self-contained so patches/sgl-kernel-npu carries them into sgl-kernel-npu as they are;
+  gdn_triton takes its gating and delta-rule tile update from there.
+- moe_reference: the MoE routing front (softmax or sigmoid scores, top-k, renormalised) in torch.
 
 SGLang's Qwen3.5 decode reaches gdn_triton.gdn_decode through relax.rollout.sglang_gdn_decode (patches/sglang/0004).
 

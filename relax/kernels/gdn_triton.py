@@ -21,6 +21,7 @@ import triton.language as tl
 
 from relax.kernels.gdn_reference import QKVZ_LAYOUTS
 from relax.kernels.launch import TritonLaunch
+from relax.kernels.sgl_kernel_npu.gdn_decode import delta_rule_tile, gdn_log_decay
 
 
 @triton.jit
@@ -197,13 +198,11 @@ def _gdn_decode_kernel(
             for i in range(first_tile, end_tile, SPLITS):
                 head = i // NT
                 h = hk * R + head
-                x = tl.load(a_in + head).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-                softplus = tl.where(x <= 20.0, tl.log(1.0 + tl.exp(x)), x)
-                decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
+                decay = tl.exp(gdn_log_decay(tl.load(a_in + head).to(tl.float32), tl.load(A_log_ptr + h).to(tl.float32),
+                                             tl.load(dt_bias_ptr + h).to(tl.float32), 1.0, 20.0))
                 beta = tl.sigmoid(tl.load(b_in + head).to(tl.float32))
                 v_tile = tl.sum(tl.where(tiles[:, None] == i, v, 0.0), axis=0)
-                # State tile [BV, K] of the pool's [V, K] head: S' = e^g S + beta (v - e^g S k) k^T, o = S' q.
-                # Both products with the old S are taken at once: o = e^g S q + beta (v - e^g S k) (k . q).
+                # State tile [BV, K] of the pool's [V, K] head
                 tile, tile_mask = _state_tile(state_group, i, end_tile, rows_in_tile, offs_k, mask_k, K, V, NT, BV)
                 if TILE_STAGES > 1:  # this tile was loaded one step ahead; now the next one is
                     s = s_next
@@ -214,16 +213,12 @@ def _gdn_decode_kernel(
                     s = tl.load(tile)
                 else:
                     s = tl.load(tile, mask=tile_mask, other=0.0)
-                s = s.to(tl.float32)
-                sk = tl.sum(s * k[None, :], axis=1)
-                sq = tl.sum(s * q[None, :], axis=1)
-                delta = (v_tile - decay * sk) * beta
-                s = s * decay + delta[:, None] * k[None, :]
+                s, o_tile = delta_rule_tile(s.to(tl.float32), k, q, v_tile, decay, beta, kq)
                 if EVEN:
                     tl.store(tile, s.to(state_ptr.dtype.element_ty))
                 else:
                     tl.store(tile, s.to(state_ptr.dtype.element_ty), mask=tile_mask)
-                o = tl.where(tiles[:, None] == i, (decay * sq + delta * kq)[None, :], o)
+                o = tl.where(tiles[:, None] == i, o_tile[None, :], o)
 
             if P == 1:
                 _gated_norm_store(o, z, norm_weight_ptr, pos_in_head, out_group, group_offs, in_group, tile_head, V,
@@ -281,13 +276,12 @@ def _gdn_gating_kernel(A_log_ptr, a_ptr, b_ptr, dt_bias_ptr, g_ptr, beta_ptr, nu
     """One work item = one row of heads: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)."""
     offs = tl.arange(0, BH)
     mask = offs < heads
-    A = tl.exp(tl.load(A_log_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    A_log = tl.load(A_log_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-        x = (tl.load(a_ptr + row * a_row_stride + offs, mask=mask, other=0.0).to(tl.float32) + dt_bias)
-        scaled = softplus_beta * x
-        softplus = tl.where(scaled <= softplus_threshold, tl.log(1.0 + tl.exp(scaled)) / softplus_beta, x)
-        tl.store(g_ptr + row * heads + offs, -A * softplus, mask=mask)
+        a = tl.load(a_ptr + row * a_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(g_ptr + row * heads + offs, gdn_log_decay(a, A_log, dt_bias, softplus_beta, softplus_threshold),
+                 mask=mask)
         b = tl.load(b_ptr + row * b_row_stride + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(beta_ptr + row * heads + offs, tl.sigmoid(b), mask=mask)
 

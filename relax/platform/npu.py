@@ -202,7 +202,8 @@ class NpuPlatform(Platform):
         return cann_version(environ)
 
     def triton_compute_units(self, device_index: int) -> int:
-        """Vector cores: relax's kernels have no matrix-unit work. Unverified: no NPU was available."""
-        import triton
+        """Vector cores: relax's kernels have no matrix-unit work. The count its kernels in sgl-kernel-npu size their
+        grids with, read the same way. Unverified: no NPU was available."""
+        from relax.kernels.sgl_kernel_npu.launch import vector_cores
 
-        return int(triton.runtime.driver.active.utils.get_device_properties(device_index)["num_vectorcore"])
+        return vector_cores(device_index)

@@ -10,6 +10,9 @@ check   For an upstream on PyPI, download its wheel of the pinned version (cache
         Any patch that does not apply fails the check, naming the patch, the file and the hunk.
         For an upstream not on PyPI, check that every patch is well formed (mail headers, a message,
         diff headers, real-looking index lines, hunk line counts) and say that it was not applied here.
+        `--checkout NAME=PATH` names a git repository of an upstream (a clone or a bare mirror holding the
+        pinned ref): the series is then applied with `git am` to a scratch clone of it at the ref, whether
+        or not the upstream is on PyPI; PATH itself is not changed.
 apply   Patch an installed copy in place (site-packages layout), patch by patch; patches already
         applied are skipped, so running it twice is harmless.
 status  Say, per patch, whether an installed copy carries it (`relax doctor` uses the same function).
@@ -304,15 +307,30 @@ def _git(cwd: Path, *args: str, check: bool = True, env: Optional[dict] = None) 
     return result
 
 
-def apply_series_with_git_am(upstream: Upstream, repo: Path) -> None:
-    """`git am` the whole series in order; on a failure, raise naming the patch, file and hunk(s)."""
+def clone_checkout(upstream: Upstream, checkout: Path, root: Path) -> Path:
+    """A scratch clone at `root` of the git repository `checkout`, at the upstream's pinned ref."""
+    if not checkout.exists():
+        raise PatchError(f"{upstream.name}: --checkout {checkout} does not exist")
+    _git(root, "clone", "--quiet", "--shared", "--no-checkout", str(checkout.resolve()), ".")
+    if _git(root, "rev-parse", "--verify", "--quiet", f"{upstream.ref}^{{commit}}", check=False).returncode:
+        raise PatchError(
+            f"{upstream.name}: {checkout} has no {upstream.ref} (the ref patches/manifest.toml pins): fetch it there "
+            f"(git -C {checkout} fetch {upstream.repository} tag {upstream.ref})"
+        )
+    _git(root, "checkout", "--quiet", "--detach", upstream.ref)
+    return root
+
+
+def apply_series_with_git_am(upstream: Upstream, repo: Path, target: str) -> None:
+    """`git am` the whole series in order to `repo` (`target` names it in errors); on a failure, raise naming
+    the patch, file and hunk(s)."""
     for patch in upstream.series:
         result = _git(repo, *_GIT_IDENTITY, "am", "--quiet", str(patch), check=False)
         if result.returncode != 0:
             details = _rejected_hunks(repo, patch)
             _git(repo, "am", "--abort", check=False)
             raise PatchError(
-                f"{upstream.name}: {_rel(patch)} does not apply to {upstream.pypi} {upstream.version}:\n"
+                f"{upstream.name}: {_rel(patch)} does not apply to {target}:\n"
                 + "\n".join(f"  {line}" for line in details or [result.stderr.strip() or result.stdout.strip()])
             )
 
@@ -352,9 +370,12 @@ def _rejected_hunks(repo: Path, patch: Path) -> list[str]:
 # Commands
 
 
-def check(upstreams: list[Upstream], out=None) -> list[str]:
-    """Check every named upstream's series; return the failures (empty when all is well)."""
+def check(upstreams: list[Upstream], out=None, checkouts: Optional[dict[str, Path]] = None) -> list[str]:
+    """Check every named upstream's series, applying it to the git repository `checkouts` names for the upstream
+    (at its pinned ref), else to its PyPI wheel's files, else for form only; return the failures (empty when all
+    is well)."""
     out = out or sys.stdout
+    checkouts = checkouts or {}
     failures = []
     for upstream in upstreams:
         series = upstream.series
@@ -364,18 +385,30 @@ def check(upstreams: list[Upstream], out=None) -> list[str]:
             if not series:
                 print(f"{upstream.name}: no patches", file=out)
                 continue
+            if upstream.name in checkouts:
+                checkout = checkouts[upstream.name]
+                with tempfile.TemporaryDirectory(prefix=f"relax-patches-{upstream.name}-") as scratch:
+                    repo = clone_checkout(upstream, checkout, Path(scratch))
+                    commit = _git(repo, "rev-parse", "--short=12", "HEAD").stdout.strip()
+                    apply_series_with_git_am(upstream, repo, f"{upstream.ref} of {checkout}")
+                print(
+                    f"{upstream.name} {upstream.ref}: {len(series)} patch(es) apply with git am "
+                    f"(checkout {checkout} at {commit})",
+                    file=out,
+                )
+                continue
             if not upstream.pypi:
                 print(
                     f"{upstream.name} {upstream.ref}: {len(series)} patch(es) well formed; NOT applied here "
                     f"({upstream.name} is not on PyPI: the Docker build applies them with git am "
-                    f"to {upstream.repository})",
+                    f"to {upstream.repository}; --checkout {upstream.name}=PATH applies them to a clone)",
                     file=out,
                 )
                 continue
             wheel = fetch_wheel(upstream)
             with tempfile.TemporaryDirectory(prefix=f"relax-patches-{upstream.name}-") as scratch:
                 repo = build_scratch_repo(upstream, wheel, Path(scratch))
-                apply_series_with_git_am(upstream, repo)
+                apply_series_with_git_am(upstream, repo, f"{upstream.pypi} {upstream.version}")
             print(
                 f"{upstream.name} {upstream.version}: {len(series)} patch(es) apply with git am ({wheel.name})",
                 file=out,
@@ -438,6 +471,18 @@ def apply(upstream: Upstream, root: Path, out=None) -> None:
         print(f"{upstream.name}: applied {patch.name}", file=out)
 
 
+def parse_checkouts(values: list[str], upstreams: dict[str, Upstream]) -> dict[str, Path]:
+    """--checkout NAME=PATH values by upstream name, each NAME one of the manifest's."""
+    checkouts = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not path:
+            raise PatchError(f"--checkout {value!r}: give NAME=PATH, e.g. --checkout sgl-kernel-npu=../sgl-kernel-npu")
+        select(upstreams, [name])
+        checkouts[name] = Path(path)
+    return checkouts
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="relax patches", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -448,6 +493,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("upstreams", nargs="*", help="names from patches/manifest.toml (default: all)")
+        if name == "check":
+            sub.add_argument(
+                "--checkout", action="append", default=[], metavar="NAME=PATH",
+                help="apply NAME's set to a clone of the git repository PATH at the pinned ref (repeatable)",
+            )
         if name in ("apply", "status"):
             sub.add_argument(
                 "--target", type=Path, help="directory holding the package (default: where it is installed)"
@@ -457,7 +507,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         upstreams = load_manifest(args.manifest)
         if args.command == "check":
-            failures = check(select(upstreams, args.upstreams))
+            failures = check(select(upstreams, args.upstreams), checkouts=parse_checkouts(args.checkout, upstreams))
             return 1 if failures else 0
         chosen = select(upstreams, args.upstreams) if args.upstreams else [u for u in upstreams.values() if u.package]
         for upstream in chosen:

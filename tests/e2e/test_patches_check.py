@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from relax.tools import patches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,6 +33,17 @@ def test_check_applies_every_pypi_backed_set_with_git_am():
     # the upstreams not on PyPI are reported as not applied here, never silently passed over
     for name in ("sgl-kernel-npu", "mindspeed"):
         assert re.search(rf"^{name}\b.*(no patches|NOT applied here)", done.stdout, re.M), done.stdout
+
+
+@pytest.mark.skipif(not os.environ.get("RELAX_SGL_KERNEL_NPU_CHECKOUT"),
+                    reason="opt-in: RELAX_SGL_KERNEL_NPU_CHECKOUT names a git repository of sgl-kernel-npu "
+                    "holding the pinned tag (CI cannot reach GitHub)")
+def test_check_applies_the_sgl_kernel_npu_set_to_a_checkout_of_the_pinned_tag():
+    checkout = os.environ["RELAX_SGL_KERNEL_NPU_CHECKOUT"]
+    done = _relax("patches", "check", "sgl-kernel-npu", "--checkout", f"sgl-kernel-npu={checkout}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^sgl-kernel-npu \S+: \d+ patch\(es\) apply with git am \(checkout ", done.stdout, re.M), \
+        done.stdout
 
 
 def test_check_fails_naming_the_patch_file_and_hunk(tmp_path):

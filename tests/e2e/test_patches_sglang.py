@@ -243,3 +243,73 @@ def test_fused_gdn_decode_switch_is_off_by_default_and_falls_back_without_relax(
     assert expected in run.stdout.splitlines(), run.stdout
     # without relax the model says so once, and SGLang's own decode path stays in place
     assert ("relax is not importable" in run.stderr) == (relax_glue == "blocked"), run.stderr[-3000:]
+
+
+FUSED_MOE_TOPK = textwrap.dedent(
+    """
+    import os, sys, types
+
+    from relax.platform import get_platform
+
+    get_platform("cpu").prepare_sglang()
+    import torch
+
+    import relax.kernels.sgl_kernel_npu as relax_npu_kernels
+    from relax.kernels.sgl_kernel_npu import moe_routing
+    from relax.kernels.moe_reference import route_topk
+
+    # sgl_kernel_npu as relax's patches leave it: its relax/ package is relax's own source (the same bytes); the NPU's
+    # vector-core count, the one thing the CPU lacks, is 2 programs here.
+    calls = []
+    real_fused_topk = moe_routing.fused_topk
+    moe_routing.grid_size = lambda items, device, num_programs: min(items, 2)
+    def counted(*args, **kwargs):
+        calls.append(args[1:])
+        return real_fused_topk(*args, **kwargs)
+    moe_routing.fused_topk = counted
+    sys.modules.update({"sgl_kernel_npu": types.ModuleType("sgl_kernel_npu"), "sgl_kernel_npu.relax": relax_npu_kernels,
+                        "sgl_kernel_npu.relax.moe_routing": moe_routing})
+    from sglang.srt.hardware_backend.npu.moe import topk as npu_topk
+    from sglang.srt.layers.moe.topk import TopKConfig
+
+    assert npu_topk.__file__.startswith(sys.argv[1]), npu_topk.__file__
+    logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(0))
+    for scoring_func, renormalize in (("softmax", True), ("sigmoid", False)):
+        config = TopKConfig(top_k=3, renormalize=renormalize, scoring_func=scoring_func)
+        try:
+            out = npu_topk.fused_topk_npu(hidden_states=torch.zeros(5, 4), router_logits=logits, topk_config=config)
+        except (AttributeError, RuntimeError) as error:  # SGLang's own path: torch_npu's ops, absent on the CPU
+            print("NOT_SERVED", scoring_func, type(error).__name__)
+            continue
+        weights, ids = route_topk(logits, 3, scoring_func, renormalize)
+        torch.testing.assert_close(out.topk_weights, weights)
+        assert torch.equal(out.topk_ids.long(), ids)
+        print("SERVED", scoring_func, renormalize, out.topk_ids.dtype)
+    # grouped routing is never relax's: SGLang's torch-native grouped top-k serves it
+    grouped = TopKConfig(top_k=2, use_grouped_topk=True, topk_group=1, num_expert_group=2)
+    npu_topk.fused_topk_npu(hidden_states=torch.zeros(5, 4), router_logits=logits, topk_config=grouped)
+    print("CALLS", calls)
+    """
+)
+
+
+@pytest.mark.parametrize("switch,expected", [
+    ("1", ["SERVED softmax True torch.int32", "SERVED sigmoid False torch.int32",
+           "CALLS [(3, 'softmax', True), (3, 'sigmoid', False)]"]),
+    (None, ["NOT_SERVED softmax AttributeError", "NOT_SERVED sigmoid AttributeError", "CALLS []"]),
+])
+def test_fused_moe_topk_switch_routes_plain_layers_through_relax_kernel(patched_root, tmp_path, switch, expected):
+    """SGLang's patched NPU top-k with relax's routing kernel under TRITON_INTERPRET=1: switched on, plain routing
+    gets the reference's weights and ids from it and grouped routing does not reach it; off, SGLang's own path
+    (torch_npu's ops) runs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "RELAX_DEVICE"}
+    env.update(PYTHONPATH=os.pathsep.join([str(patched_root), str(REPO)]), TRITON_INTERPRET="1")
+    if switch is not None:
+        env["SGLANG_RELAX_FUSED_MOE_TOPK"] = switch
+    script = tmp_path / "check_fused_moe_topk.py"
+    script.write_text(FUSED_MOE_TOPK)
+    run = subprocess.run([sys.executable, str(script), str(patched_root)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert [line for line in run.stdout.splitlines() if line.split()[0] in ("SERVED", "NOT_SERVED", "CALLS")] \
+        == expected, run.stdout

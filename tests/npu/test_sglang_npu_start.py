@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,21 +32,6 @@ SGLANG_DIR = Path(importlib.util.find_spec("sglang").submodule_search_locations[
 # feature is switched on. sgl_kernel_npu.sparsity_driven_kv_offload exists only in sgl-kernel-npu's unmerged
 # pull request #636; ascend_backend.py imports manager.py inside functions, when sparsity-driven KV offload is on.
 UNUSED_FEATURE_MODULES = {"sglang/srt/hardware_backend/npu/sparsity_driven_kv_offload/manager.py"}
-
-# What SGLang v0.5.23 imports at module level on an NPU that the tag 2026.08.21 lacks (upstream added them later,
-# sgl-kernel-npu pull request #740): relax's series is to add them (docs/npu.md). While it does not, the dynamic
-# check adds these names to the stand-in so that it can check the rest of the path; the static check requires
-# that exactly these, and nothing else, are missing. An entry the series supplies must be deleted here.
-AWAITED_FROM_RELAX_SERIES = {
-    "sgl_kernel_npu.activation.fused_sigmoid_mul": {
-        "package": False,
-        "names": ["fused_sigmoid_mul", "fused_sigmoid_mul_broadcast"],  # the second imported lazily (qwen2_moe.py)
-    },
-    "sgl_kernel_npu.fla.fused_sigmoid_gating_recurrent_decode_optimized": {
-        "package": False,
-        "names": ["fused_sigmoid_gating_delta_rule_update_decode_npu"],
-    },
-}
 
 # The files of SGLang's Qwen3.5 serving path on an NPU whose functions import sgl_kernel_npu when first called:
 # the Qwen3.5 models (their MoE blocks are qwen2_moe's), the GDN kernels and the Ascend attention backends.
@@ -88,15 +74,21 @@ def test_the_installed_sglang_is_the_pinned_one():
     assert version("sglang") == pins.SGLANG
 
 
-def test_relax_sglang_series_adds_no_kernel_import():
-    # The static check reads the installed (unpatched) SGLang; relax's SGLang series must not add imports it misses.
-    added = [
-        f"{patch.name}: {line}"
-        for patch in sorted((REPO_ROOT / "patches" / "sglang").glob("*.patch"))
-        for line in patch.read_text().splitlines()
-        if line.startswith("+") and "sgl_kernel_npu" in line
-    ]
-    assert added == []
+def test_kernel_imports_relax_sglang_series_adds_resolve_in_the_pinned_api():
+    # The static check reads the installed (unpatched) SGLang: the imports relax's SGLang series adds are checked here.
+    api = _pinned_api()
+    added = {}
+    for patch in sorted((REPO_ROOT / "patches" / "sglang").glob("*.patch")):
+        for line in patch.read_text().splitlines():
+            match = re.match(r"^\+\s*from (sgl_kernel_npu[\w.]*) import (.+)$", line)
+            if match:
+                names = match.group(2).split(",")
+                added[(patch.name, match.group(1))] = [name.split(" as ")[0].strip() for name in names]
+            else:
+                assert not re.match(r"^\+\s*import sgl_kernel_npu", line), f"{patch.name}: {line}: name what it uses"
+    assert any(module == "sgl_kernel_npu.relax.moe_routing" for _, module in added), added  # patch 0005's
+    for (patch, module), names in added.items():
+        assert module in api and set(names) <= set(api[module]["names"]), f"{patch}: {module} {names}"
 
 
 def test_the_scan_finds_the_npu_imports_of_qwen3_5_and_the_gdn_kernels():
@@ -111,15 +103,14 @@ def test_the_scan_finds_the_npu_imports_of_qwen3_5_and_the_gdn_kernels():
 
 
 def test_unguarded_kernel_imports_resolve_in_the_pinned_api():
-    api = _pinned_api()
-    supplied = sorted(set(AWAITED_FROM_RELAX_SERIES) & set(api))
-    assert supplied == [], (
-        f"relax's sgl-kernel-npu series supplies {supplied}: delete them from AWAITED_FROM_RELAX_SERIES"
-    )
-    still_missing = _problems({**api, **AWAITED_FROM_RELAX_SERIES})
-    assert still_missing == [], "SGLang imports names the pinned sgl-kernel-npu lacks:\n" + "\n".join(still_missing)
-    # Without the awaited modules exactly their imports fail, and nothing else.
-    assert {line.split(": ", 1)[1] for line in _problems(api)} == {f"no module {m}" for m in AWAITED_FROM_RELAX_SERIES}
+    missing = _problems(_pinned_api())
+    assert missing == [], "SGLang imports names the pinned sgl-kernel-npu lacks:\n" + "\n".join(missing)
+    # The tag alone lacks exactly the two modules relax's series supplies (upstream added them later, sgl-kernel-npu
+    # pull request #740), and nothing else.
+    assert {line.split(": ", 1)[1] for line in _problems(_manifest()["modules"])} == {
+        "no module sgl_kernel_npu.activation.fused_sigmoid_mul",
+        "no module sgl_kernel_npu.fla.fused_sigmoid_gating_recurrent_decode_optimized",
+    }
 
 
 def test_lazy_kernel_imports_of_the_qwen3_5_path_resolve_in_the_pinned_api():
@@ -127,7 +118,7 @@ def test_lazy_kernel_imports_of_the_qwen3_5_path_resolve_in_the_pinned_api():
     assert ("sglang/srt/models/qwen2_moe.py", "sgl_kernel_npu.activation.fused_sigmoid_mul") in {
         (i.file, i.module) for i in lazy
     }
-    missing = unresolved(lazy, {**_pinned_api(), **AWAITED_FROM_RELAX_SERIES})
+    missing = unresolved(lazy, _pinned_api())
     assert missing == [], "Qwen3.5's NPU path imports names the pinned sgl-kernel-npu lacks:\n" + "\n".join(missing)
 
 
@@ -146,7 +137,7 @@ def _probe(tmp_path: Path, api: dict[str, dict], *flags: str) -> dict:
 
 
 def test_sglang_ascend_path_imports_with_the_pinned_api(tmp_path):
-    report = _probe(tmp_path, {**_pinned_api(), **AWAITED_FROM_RELAX_SERIES}, "--registry")
+    report = _probe(tmp_path, _pinned_api(), "--registry")
     assert report["is_npu"] is True
     assert set(report["modules"].values()) == {"ok"}, report["modules"]
     assert report["architectures"] == {arch: True for arch in ARCHITECTURES}

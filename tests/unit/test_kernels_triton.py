@@ -78,9 +78,11 @@ def check_simple_ops():
     torch.testing.assert_close(gdn_triton.gated_rms_norm(x, z, w, 1e-6, launch), ref.gated_rms_norm(x, z, w, 1e-6))
 
 
-def run_interpreted(check, *args):
+def run_interpreted(check, *args, module=__name__):
+    """Run `module`'s function `check`(*args) in a subprocess with TRITON_INTERPRET=1 (a test module beside this
+    one); fail with its stderr."""
     code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-            f"import {__name__.rsplit('.', 1)[-1]} as t; t.{check}(*{args!r})")
+            f"import {module.rsplit('.', 1)[-1]} as t; t.{check}(*{args!r})")
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -5,6 +5,7 @@ Applying each series to its pinned upstream (which downloads from PyPI) is tests
 
 import importlib.util
 import io
+import re
 import runpy
 import shutil
 import subprocess
@@ -195,3 +196,49 @@ def test_check_of_an_upstream_not_on_pypi_checks_form_and_says_it_did_not_apply(
         len(failures) == 1
         and "0002-b.patch: python/sglang/srt/managers/scheduler_components/weight_updater.py: hunk #2" in failures[0]
     )
+
+
+def _upstream_with_a_tagged_base(tmp_path) -> tuple[Path, Path]:
+    """A git repository holding tag v1 (a.txt = "one"), and a series of one patch on it under tmp/patches/demo."""
+    repo = tmp_path / "upstream"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    (repo / "a.txt").write_text("one\n")
+    subprocess.run([*git, "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "a.txt"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], cwd=repo, check=True)
+    subprocess.run([*git, "tag", "v1"], cwd=repo, check=True)
+    (repo / "a.txt").write_text("one\ntwo\n")
+    subprocess.run([*git, "commit", "-qam", "add two\n\nbecause a test needs it"], cwd=repo, check=True)
+    subprocess.run(["git", "format-patch", "-q", "-o", str(tmp_path / "patches" / "demo"), "v1"], cwd=repo,
+                   check=True)
+    (tmp_path / "patches" / "manifest.toml").write_text(
+        '[upstream.demo]\nrepository = "https://example.invalid/demo"\nref = "v1"\npath_prefix = ""\n')
+    return repo, tmp_path / "patches" / "manifest.toml"
+
+
+def test_check_applies_a_set_to_a_named_checkout_at_the_pinned_ref(tmp_path):
+    repo, manifest = _upstream_with_a_tagged_base(tmp_path)  # the checkout's HEAD already carries the patch
+    upstream = patches.load_manifest(manifest)["demo"]
+    out = io.StringIO()
+    assert patches.check([upstream], out=out, checkouts={"demo": repo}) == []
+    assert re.match(r"demo v1: 1 patch\(es\) apply with git am \(checkout .*upstream at [0-9a-f]{12}\)",
+                    out.getvalue()), out.getvalue()
+    assert (repo / "a.txt").read_text() == "one\ntwo\n", "the checkout itself is not changed"
+
+    patch = upstream.series[0]
+    patch.write_text(patch.read_text().replace("+two", "+two\n+three").replace("@@ -1 +1,2 @@", "@@ -1 +1,3 @@")
+                     .replace(" one\n", " zero\n"))
+    failures = patches.check([upstream], out=io.StringIO(), checkouts={"demo": repo})
+    assert len(failures) == 1 and "does not apply to v1 of" in failures[0] and "a.txt" in failures[0], failures
+
+    subprocess.run(["git", "tag", "-d", "v1"], cwd=repo, check=True, capture_output=True)
+    failures = patches.check([upstream], out=io.StringIO(), checkouts={"demo": repo})
+    assert len(failures) == 1 and "has no v1" in failures[0] and "fetch" in failures[0], failures
+
+
+def test_checkout_flag_names_a_manifest_upstream(capsys):
+    assert patches.main(["check", "--checkout", "no-such=/tmp"]) == 1
+    assert "unknown upstream(s) ['no-such']" in capsys.readouterr().err
+    assert patches.main(["check", "--checkout", "sgl-kernel-npu"]) == 1
+    assert "give NAME=PATH" in capsys.readouterr().err
