@@ -55,12 +55,12 @@ def _train(argv: list[str]) -> int:
     if config.run.dry_run:
         print(format_config(config))
         try:
-            print(_dry_run_prompt_data(config.run.hf_checkpoint, config.rollout, config.evaluation))
+            print(_dry_run_prompt_data(config.run, config.rollout, config.evaluation))
             start_step = 0
             if config.run.load is not None:
                 checkpoint_report, start_step = _dry_run_checkpoint(config.run)
                 print(checkpoint_report)
-            if config.rollout.load_data:
+            if config.run.mode.replays_rollouts:
                 print(_dry_run_rollout_data(config.rollout, start_step, config.run.num_steps))
         except (PromptDataError, CheckpointError, RolloutDataError) as error:
             print(f"relax train: {error}", file=sys.stderr)
@@ -102,17 +102,17 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _dry_run_prompt_data(hf_checkpoint: str | None, rollout, evaluation) -> str:
+def _dry_run_prompt_data(run, rollout, evaluation) -> str:
     """Read the prompt data and the eval sets as the run would (every row checked and tokenized) and return their
     load reports. Data or a model that is not there yet (a preset dry-run on a machine without them) is reported as
-    not checked. `rollout`, `evaluation`: relax.args.RolloutSettings, EvalSettings."""
+    not checked. `run`, `rollout`, `evaluation`: relax.args.RunSettings, RolloutSettings, EvalSettings."""
     from relax.rollout.data import load_prompts
     from relax.rollout.evaluation import load_eval_sets
 
-    lines = []
-    if rollout.load_data:
+    lines, hf_checkpoint = [], run.hf_checkpoint
+    if run.mode.replays_rollouts:
         lines.append("prompt data: not read (the run replays --load-rollout-data)")
-    elif evaluation.only:
+    elif not run.mode.reads_prompts:
         lines.append(
             "prompt data: none (--eval-only evaluates --hf-checkpoint on the eval sets once; the training flags, "
             "--num-steps, batch sizes, optimizer and loss, are checked as for a run but unused)"

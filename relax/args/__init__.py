@@ -28,10 +28,6 @@ from relax.args.megatron import (
     resolve_architecture,
 )
 from relax.args.relax_flags import (
-    AGGREGATION_DEFAULTS,
-    CLIP_DEFAULTS,
-    DEFAULT_AGGREGATION,
-    DEFAULT_CLIP,
     DEVICE_CHOICES,
     OVERLONG_PENALTY_FACTOR_DEFAULT,
     TIS_CLIP_DEFAULTS,
@@ -53,11 +49,12 @@ from relax.args.settings import (
 )
 from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
 from relax.args.strict import StrictArgumentParser
-from relax.args.unsupported import SLIME_FLAGS
+from relax.args.unsupported import REFUSED_VALUES, SLIME_FLAGS
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 from relax.platform import platform_facts, resolve_platform_name
 from relax.rollout.engine import server_defaults
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
+from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import DUAL_CLIP, K3_CLAMP
 from relax.train.settings import ActorSettings
 
@@ -105,6 +102,7 @@ def _parser() -> StrictArgumentParser:
         "A relax flag's second spelling is slime's name for the same setting (give one of the two).",
         redirects={**redirects(), **SLIME_FLAGS},
         aliases=SLIME_SPELLINGS,
+        refused_values={entry.setting: entry.message() for entry in REFUSED_VALUES},
     )
     add_relax_args(parser)
     add_sglang_args(parser)
@@ -185,15 +183,15 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
     """Defaults that are other flags' values."""
     if relax.global_batch_size is None:
         relax.global_batch_size = relax.rollout_batch_size * relax.n_samples_per_prompt
-    estimator = relax.advantage_estimator
-    clip_low, clip_high = CLIP_DEFAULTS.get(estimator, (DEFAULT_CLIP, DEFAULT_CLIP))
+    algorithm = ALGORITHMS[relax.advantage_estimator]
+    clip_low, clip_high = algorithm.clip_range
     if relax.eps_clip_high is None:  # (a given --eps-clip is the upper side too)
         relax.eps_clip_high = clip_high if relax.eps_clip is None else relax.eps_clip
     if relax.eps_clip is None:
         relax.eps_clip = clip_low
     if relax.loss_aggregation is None:
-        relax.loss_aggregation = AGGREGATION_DEFAULTS.get(estimator, DEFAULT_AGGREGATION)
-    if relax.eps_clip_c is None and estimator != "cispo":  # (likewise below: left unset where giving it is refused)
+        relax.loss_aggregation = algorithm.aggregation.replace("_", "-")
+    if relax.eps_clip_c is None and algorithm.dual_clip:  # (likewise below: left unset where giving it is refused)
         relax.eps_clip_c = DUAL_CLIP
     if relax.use_kl_loss and relax.kl_loss_type is None:
         relax.kl_loss_type = "k3"

@@ -1,6 +1,6 @@
 """Rules that involve more than one flag. Each returns the problem in words naming the flags, or None.
 
-Each rule takes the parsed configuration (Parsed: relax's flags and the Megatron config objects) and the
+Each rule takes the parsed configuration (Parsed: relax's flags, the Megatron config objects, the run mode) and the
 relax.platform record of the run's device. They run before the settings are built (relax.args.settings).
 """
 
@@ -11,6 +11,7 @@ import typing
 from pathlib import Path
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
+from relax.args.settings import RunMode, run_mode
 from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.args.unsupported import unsupported_combinations
 from relax.run.metrics import earlier_record
@@ -18,24 +19,22 @@ from relax.rollout.dump import pattern_problem
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
 from relax.run.state import LATEST
-from relax.train.advantages import STD_NORMALISED
+from relax.train.algorithms import ALGORITHMS, STD_NORMALISED
 
 
 class Parsed(typing.NamedTuple):
     flags: argparse.Namespace  # relax's flags, defaults filled in
     megatron: typing.Any  # relax.args.megatron.MegatronConfig
 
-
-def generates_rollouts(flags) -> bool:
-    """The run samples its rollouts from --prompt-data: it neither replays them (--load-rollout-data, which
-    --debug-train-only needs) nor only evaluates (--eval-only)."""
-    return not (flags.load_rollout_data or flags.debug_train_only or flags.eval_only)
+    @property
+    def mode(self) -> RunMode:
+        return run_mode(self.flags)
 
 
-def scores_samples(flags) -> bool:
+def scores_samples(config: Parsed) -> bool:
     """--reward-fn scores what the engines generate: the rollouts, or an evaluation (--eval-prompt-data), which
     --debug-train-only starts no engines for."""
-    return generates_rollouts(flags) or (flags.eval_prompt_data is not None and not flags.debug_train_only)
+    return config.mode.reads_prompts or (config.flags.eval_prompt_data is not None and config.mode.has_engines)
 
 
 def world_size(flags) -> int:
@@ -54,11 +53,11 @@ def required_flags(config, platform):
     needed = []
     if r.hf_checkpoint is None and not r.dry_run:
         needed.append("--hf-checkpoint (only --dry-run may leave it out)")
-    if generates_rollouts(r) and r.prompt_data is None:
+    if config.mode.reads_prompts and r.prompt_data is None:
         needed.append("--prompt-data")
-    if scores_samples(r) and r.reward_fn is None:
+    if scores_samples(config) and r.reward_fn is None:
         needed.append("--reward-fn")
-    if not (r.debug_rollout_only or r.eval_only) and config.megatron.optimizer.lr is None:
+    if config.mode.has_actor and config.megatron.optimizer.lr is None:
         needed.append("--lr")
     return f"missing {', '.join(needed)}" if needed else None
 
@@ -141,7 +140,10 @@ def engines_within_pipeline_stages(config, platform):
     """Where handles do not cross devices, weights reach an engine rank from the training rank on its device or by
     broadcast, never from a rank on one of its devices by broadcast (relax.sync.broadcast.plan_pushes)."""
     r, pp = config.flags, config.megatron.transformer.pipeline_model_parallel_size
-    if platform.handles_cross_devices or r.debug_rollout_only or r.debug_train_only or world_size(r) % pp:
+    if platform.handles_cross_devices or world_size(r) % pp:
+        return None
+    # (no weights are pushed without an actor or engines; --eval-only checks the training flags as for a run)
+    if config.mode in (RunMode.ROLLOUT_ONLY, RunMode.TRAIN_ONLY):
         return None
     per_stage = world_size(r) // pp
     if per_stage % r.rollout_num_devices_per_engine:
@@ -185,10 +187,10 @@ def dual_clip_applies(config, platform):
     r = config.flags
     if r.eps_clip_c is None:
         return None
-    if r.advantage_estimator == "cispo":
+    if not ALGORITHMS[r.advantage_estimator].dual_clip:
         return (
-            "--eps-clip-c bounds PPO's clipped loss; cispo's loss weighs each token by its capped ratio instead "
-            "(--eps-clip, --eps-clip-high): drop --eps-clip-c"
+            f"--eps-clip-c bounds PPO's clipped loss; {r.advantage_estimator}'s loss weighs each token by its capped "
+            "ratio instead (--eps-clip, --eps-clip-high): drop --eps-clip-c"
         )
     if r.eps_clip_c <= 1:
         return f"--eps-clip-c {r.eps_clip_c} must be > 1 (it bounds the loss of ratios past 1 + --eps-clip-high)"
@@ -214,7 +216,7 @@ def kl_flags_need_kl_loss(config, platform):
 
 def std_normalisation_applies(config, platform):
     r = config.flags
-    if not r.normalize_advantages_by_std and r.advantage_estimator not in STD_NORMALISED:
+    if not r.normalize_advantages_by_std and not ALGORITHMS[r.advantage_estimator].divides_by_group_std:
         return (
             f"--no-normalize-advantages-by-std changes nothing with --advantage-estimator {r.advantage_estimator}, "
             f"which never divides by the group's std (only {', '.join(STD_NORMALISED)} do); drop it"
@@ -225,15 +227,16 @@ def groups_fit_the_estimator(config, platform):
     r = config.flags
     if r.n_samples_per_prompt > 1:
         return None
-    if r.advantage_estimator in STD_NORMALISED and r.normalize_advantages_by_std:
+    algorithm = ALGORITHMS[r.advantage_estimator]
+    if algorithm.divides_by_group_std and r.normalize_advantages_by_std:
         return (
-            f"--advantage-estimator {r.advantage_estimator} divides by the std of each prompt's responses, which "
+            f"--advantage-estimator {algorithm.name} divides by the std of each prompt's responses, which "
             "one response (--n-samples-per-prompt 1) does not have: give --n-samples-per-prompt 2 or more, or "
             "--no-normalize-advantages-by-std"
         )
-    if r.advantage_estimator == "rloo":
+    if algorithm.needs_group_because:
         return (
-            "--advantage-estimator rloo takes each response's baseline from the other responses to its prompt: "
+            f"--advantage-estimator {algorithm.name} {algorithm.needs_group_because}: "
             "give --n-samples-per-prompt 2 or more"
         )
 
@@ -312,9 +315,9 @@ def eval_flags_consistent(config, platform):
     if r.eval_prompt_data is None:
         given = [_flag(dest) for dest in (*EVAL_SAMPLING_FLAGS, "eval_only") if _given(getattr(r, dest))]
         return f"{', '.join(given)} without --eval-prompt-data NAME PATH ...: nothing to evaluate" if given else None
-    if r.debug_train_only:
+    if not config.mode.has_engines:
         return "--eval-prompt-data needs the rollout engines, which --debug-train-only does not start; drop one"
-    if r.eval_only:
+    if config.mode is RunMode.EVAL_ONLY:
         return _unread_flags(
             r, EVAL_ONLY_REFUSED, "--eval-only evaluates --hf-checkpoint once, without training",
             "to evaluate a --save checkpoint, make it an HF directory with `relax convert` and pass that as "
@@ -324,10 +327,10 @@ def eval_flags_consistent(config, platform):
 
 def replay_flags_consistent(config, platform):
     r = config.flags
-    if not r.load_rollout_data or r.eval_only:  # (--eval-only refuses --load-rollout-data itself)
+    if r.load_rollout_data is None or not config.mode.replays_rollouts:  # (--eval-only refuses it itself)
         return None
     replaying = "--load-rollout-data replays saved rollouts, scored, instead of generating them"
-    if scores_samples(r):
+    if scores_samples(config):
         return _unread_flags(r, REPLAY_REFUSED, replaying)
     return _unread_flags(
         r, REPLAY_REFUSED + READ_WITH_PROMPTS, replaying,
@@ -420,7 +423,7 @@ def restarts_resume_from_checkpoints(config, platform):
     r = config.flags
     if r.max_restarts is None:
         return None
-    if r.debug_rollout_only:
+    if config.mode is RunMode.ROLLOUT_ONLY:
         return (
             "--max-restarts resumes the run from the actor's newest checkpoint; --debug-rollout-only has no actor "
             "and saves none: drop one"
@@ -481,7 +484,7 @@ def routing_replay_applies(config, platform):
             "--use-rollout-routing-replay replays the experts a MoE model's routers chose, and this model has none "
             "(a dense model: no --num-experts, nor num_experts in config.json): drop it"
         )
-    if r.debug_rollout_only:
+    if config.mode is RunMode.ROLLOUT_ONLY:
         return "--use-rollout-routing-replay has no actor to replay into with --debug-rollout-only: drop one"
     balancing = tc.moe_router_load_balancing_type
     if "sinkhorn" in ([balancing] if isinstance(balancing, str) else balancing):
@@ -506,7 +509,7 @@ def routing_replay_applies(config, platform):
 def reward_function_loads(config, platform):
     """The reward function imports and has the signature a run calls (where it is read: scores_samples)."""
     r = config.flags
-    if r.reward_fn is None or not scores_samples(r):
+    if r.reward_fn is None or not scores_samples(config):
         return None
     try:
         load_reward_fn(r.reward_fn)

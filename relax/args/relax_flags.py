@@ -10,17 +10,12 @@ import json
 from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
 from relax.platform import DEVICE_CHOICES
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
-from relax.train.advantages import ESTIMATORS
+from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import AGGREGATIONS, DUAL_CLIP, K3_CLAMP, LOG_RATIO_CLAMP
 
 LOSS_AGGREGATIONS = [name.replace("_", "-") for name in AGGREGATIONS]  # verl's loss_agg_mode spelling
 OVERLONG_PENALTY_FACTOR_DEFAULT = 1.0  # DAPO's
-# The clip range and aggregation of each estimator when not given: GSPO's paper (arXiv:2507.18071) clips its
-# sequence ratio at 3e-4 / 4e-4 and averages over sequences; the others clip PPO's token ratio at 0.2.
-CLIP_DEFAULTS = {"gspo": (3e-4, 4e-4)}
-DEFAULT_CLIP = 0.2
-AGGREGATION_DEFAULTS = {"gspo": "seq-mean-token-mean"}
-DEFAULT_AGGREGATION = "token-mean"
+DEFAULT_ESTIMATOR = "grpo"
 TIS_CLIP_DEFAULTS = {"tis_clip": 2.0, "tis_clip_low": 0.0}  # with --use-tis (slime's defaults)
 
 # Switches of the NPU's Megatron adaptation layer (MindSpeed), by dest, spelled as MindSpeed spells them: each given
@@ -59,6 +54,14 @@ SLIME_SPELLINGS = {
 def _spellings(flag: str) -> tuple[str, ...]:
     """The option strings of a relax flag: its own, then slime's where slime spells it differently."""
     return (flag, SLIME_SPELLINGS[flag]) if flag in SLIME_SPELLINGS else (flag,)
+
+
+def _by_estimator(default_of) -> str:
+    """A default that depends on --advantage-estimator, for --help: the default estimator's, then each other's
+    that differs (e.g. "0.2; gspo: 0.0003")."""
+    default = default_of(ALGORITHMS[DEFAULT_ESTIMATOR])
+    others = [f"{a.name}: {default_of(a)}" for a in ALGORITHMS.values() if default_of(a) != default]
+    return "; ".join([str(default), *others])
 
 
 def _positive_int(text: str) -> int:
@@ -298,27 +301,29 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("relax: algorithm")
     g.add_argument(
         "--advantage-estimator",
-        choices=list(ESTIMATORS),
-        default="grpo",
-        help="Advantage estimator; gspo and cispo also switch the loss to GSPO's sequence ratio (with GSPO's "
-        "clip range and sequence-mean aggregation unless given) or CISPO's capped ratio weight; dapo is refused "
-        "with the flags that make DAPO (default: %(default)s).",
+        choices=list(ALGORITHMS),
+        default=DEFAULT_ESTIMATOR,
+        help="The algorithm: its advantages and its policy loss. "
+        + "; ".join(f"{a.name}: {a.summary}" for a in ALGORITHMS.values())
+        + " (default: %(default)s).",
     )
     g.add_argument(
         "--eps-clip",
         type=_non_negative_float,
-        help=f"PPO ratio clip, lower side (default: {DEFAULT_CLIP}; gspo: {CLIP_DEFAULTS['gspo'][0]}).",
+        help=f"PPO ratio clip, lower side (default: {_by_estimator(lambda a: a.clip_range[0])}).",
     )
     g.add_argument(
         "--eps-clip-high",
         type=_non_negative_float,
-        help=f"PPO ratio clip, upper side (default: --eps-clip; gspo without --eps-clip: {CLIP_DEFAULTS['gspo'][1]}).",
+        help="PPO ratio clip, upper side (default: --eps-clip; without --eps-clip: "
+        f"{_by_estimator(lambda a: a.clip_range[1])}).",
     )
     g.add_argument(
         "--eps-clip-c",
         type=_positive_float,
         help="Dual-clip: a token with a negative advantage A loses at most -A x this (> 1), however far its ratio "
-        f"has grown; not with cispo, whose weights are capped already (default: {DUAL_CLIP}).",
+        f"has grown; not with {', '.join(a.name for a in ALGORITHMS.values() if not a.dual_clip)}, whose weights "
+        f"are capped already (default: {DUAL_CLIP}).",
     )
     g.add_argument(
         "--log-ratio-clamp",
@@ -356,7 +361,7 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         choices=LOSS_AGGREGATIONS,
         help="How per-token losses become one: the mean over the batch's tokens, the mean over sequences of "
         "each one's token mean or token sum, or the token sum over (sequences x --rollout-max-response-len) "
-        f"(Dr. GRPO) (default: {DEFAULT_AGGREGATION}; gspo: {AGGREGATION_DEFAULTS['gspo']}).",
+        f"(Dr. GRPO) (default: {_by_estimator(lambda a: a.aggregation.replace('_', '-'))}).",
     )
     g.add_argument(
         "--normalize-advantages-by-std",

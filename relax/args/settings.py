@@ -1,6 +1,6 @@
 """relax's flags as typed, frozen settings, built once at parse time: what the loop and the run state read.
 
-    run        RunSettings: the model, the steps and seed, the devices, the debug mode, the checkpoint to resume
+    run        RunSettings: the model, the steps and seed, the devices, the run mode, the checkpoint to resume
     rollout    RolloutSettings: the prompts, the reward function, sampling, the engines, dynamic sampling, replay
     algorithm  AlgorithmSettings: advantages and how a rollout splits into optimizer steps
     evaluation EvalSettings: the held-out prompt sets, when they are evaluated, their sampling
@@ -14,15 +14,59 @@ top_p outside (0, 1], ...) is reported by the parser, naming the value, before a
 
 import argparse
 import dataclasses
+import enum
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.platform import platform_facts
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import SamplingConfig
+from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import LossSettings
 from relax.train.off_policy import RolloutCorrection
 from relax.train.settings import ActorSettings
+
+
+class RunMode(enum.Enum):
+    """What a run does, resolved once at parse time from --debug-rollout-only, --debug-train-only, --eval-only and
+    --load-rollout-data (run_mode); the loop, the checks and the dry-run ask it."""
+
+    # name, then: has_actor (training actors are created and trained), has_engines (SGLang engines are started: for
+    # rollouts, evaluations, the trained weights), reads_prompts (rollouts are generated from --prompt-data),
+    # replays_rollouts (each step's scored rollout is read from --load-rollout-data), runs_steps (--num-steps steps
+    # run; otherwise only the evaluation at step 0)
+    TRAIN = ("train", True, True, True, False, True)
+    ROLLOUT_ONLY = ("rollout-only", False, True, True, False, True)  # --debug-rollout-only
+    EVAL_ONLY = ("eval-only", False, True, False, False, False)  # --eval-only
+    REPLAY = ("replay", True, True, False, True, True)  # --load-rollout-data
+    TRAIN_ONLY = ("train-only", True, False, False, True, True)  # --debug-train-only --load-rollout-data
+
+    def __init__(self, label, has_actor, has_engines, reads_prompts, replays_rollouts, runs_steps):
+        self.label = label
+        self.has_actor = has_actor
+        self.has_engines = has_engines
+        self.reads_prompts = reads_prompts
+        self.replays_rollouts = replays_rollouts
+        self.runs_steps = runs_steps
+
+    def __repr__(self) -> str:
+        facts = ("has_actor", "has_engines", "reads_prompts", "replays_rollouts", "runs_steps")
+        return f"RunMode.{self.name}({', '.join(f'{fact}={getattr(self, fact)}' for fact in facts)})"
+
+
+def run_mode(flags: argparse.Namespace) -> RunMode:
+    """The mode the four flags give. Where they contradict each other the parse-time checks refuse them; the order
+    here keeps each refusal's message the one about the flag that does not fit (e.g. --eval-prompt-data with
+    --debug-train-only: no engines)."""
+    if flags.debug_train_only:
+        return RunMode.TRAIN_ONLY
+    if flags.eval_only:
+        return RunMode.EVAL_ONLY
+    if flags.load_rollout_data:
+        return RunMode.REPLAY
+    if flags.debug_rollout_only:
+        return RunMode.ROLLOUT_ONLY
+    return RunMode.TRAIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,8 +80,7 @@ class RunSettings:
     colocate: bool  # the actor and the engines time-share the devices
     megatron_features: dict  # MindSpeed switches given (name -> True), for every training rank's repatch
     update_weight_buffer_size: int  # bytes per weight-sync bucket
-    debug_rollout_only: bool  # no training actor
-    debug_train_only: bool  # no engines: rollouts replayed from RolloutSettings.load_data
+    mode: RunMode
     load: str | None  # a --save directory (or one of its steps) to resume from
     max_restarts: int  # times the run resumes from its newest checkpoint after a worker fails
     dry_run: bool  # validate and print; run nothing
@@ -50,7 +93,7 @@ class RunSettings:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:
-    data: PromptDataConfig | None  # None: no --prompt-data (only with --debug-train-only)
+    data: PromptDataConfig | None  # None: no --prompt-data (only where RunMode.reads_prompts is False)
     shuffle: bool  # the prompts, each epoch, seeded by RunSettings.seed
     reward_fn: str | None  # a built-in name or module:function (relax.rollout.rewards)
     reward_timeout: float | None  # seconds per reward function call; None: unbounded
@@ -62,7 +105,7 @@ class RolloutSettings:
     dynamic_sampling_max_rounds: int | None  # rounds before the run stops (dynamic sampling only)
     overlong_buffer_len: int | None  # DAPO's overlong shaping: the last this many tokens before the limit
     overlong_penalty_factor: float | None  # the penalty at the limit
-    load_data: str | None  # replay the scored samples this pattern names instead of generating
+    load_data: str | None  # the scored samples replayed (RunMode.replays_rollouts), a pattern of step files
     save_data: str | None  # write each step's scored samples to this pattern
     routing_replay: bool  # samples carry the experts the engine chose (saved and loaded with them) for the actor
 
@@ -76,12 +119,11 @@ class EvalSettings:
     datasets: dict[str, PromptDataConfig]  # name -> its prompts, as --eval-prompt-data pairs them; empty: no evaluation
     interval: int | None  # every this many steps, besides before the first and after the last; None: only then
     sampling: SamplingConfig  # n responses per prompt; each set's seed is set per set (relax.rollout.evaluation)
-    only: bool  # evaluate --hf-checkpoint once, no training actor, no steps
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSettings:
-    advantage_estimator: str  # relax.train.advantages.ESTIMATORS
+    advantage_estimator: str  # a name in relax.train.algorithms.ALGORITHMS
     normalize_advantages_by_std: bool
     group_size: int  # responses per prompt: the group advantages are normalised over
     global_batch_size: int  # samples per optimizer step
@@ -110,8 +152,7 @@ def run_settings(flags: argparse.Namespace) -> RunSettings:
         colocate=flags.colocate,
         megatron_features={name: True for name in MEGATRON_FEATURE_FLAGS if getattr(flags, name)},
         update_weight_buffer_size=flags.update_weight_buffer_size,
-        debug_rollout_only=flags.debug_rollout_only,
-        debug_train_only=flags.debug_train_only,
+        mode=run_mode(flags),
         load=flags.load,
         max_restarts=flags.max_restarts or 0,
         dry_run=flags.dry_run,
@@ -173,7 +214,7 @@ def eval_settings(flags: argparse.Namespace, rollout_sampling: SamplingConfig) -
     odd number of its values.)"""
     pairs = flags.eval_prompt_data or []
     if not pairs:
-        return EvalSettings(datasets={}, interval=None, sampling=SamplingConfig(), only=flags.eval_only)
+        return EvalSettings(datasets={}, interval=None, sampling=SamplingConfig())
     return EvalSettings(
         datasets={name: prompt_data_config(flags, path) for name, path in zip(pairs[::2], pairs[1::2])},
         interval=flags.eval_interval,
@@ -184,7 +225,6 @@ def eval_settings(flags: argparse.Namespace, rollout_sampling: SamplingConfig) -
             top_p=flags.eval_top_p,
             max_new_tokens=flags.eval_max_response_len,
         ),
-        only=flags.eval_only,
     )
 
 
@@ -209,13 +249,14 @@ def actor_settings(flags: argparse.Namespace, scheduler: argparse.Namespace) -> 
         if uses_reference(flags)
         else {}
     )
+    algorithm = ALGORITHMS[flags.advantage_estimator]
     loss = LossSettings(
-        loss_mode="cispo" if flags.advantage_estimator == "cispo" else "ppo",
+        loss_mode=algorithm.loss_mode,
         clip_low=flags.eps_clip,
         clip_high=flags.eps_clip_high,
         dual_clip=flags.eps_clip_c,
         log_ratio_clamp=flags.log_ratio_clamp,
-        ratio_level="sequence" if flags.advantage_estimator == "gspo" else "token",
+        ratio_level=algorithm.ratio_level,
         aggregation=flags.loss_aggregation.replace("-", "_"),
         # Dr. GRPO's constant: the longest response the engine may give, the same on every rank and step
         norm_length=flags.rollout_max_response_len,

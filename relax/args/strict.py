@@ -12,17 +12,29 @@ import sys
 
 
 class StrictArgumentParser(argparse.ArgumentParser):
-    def __init__(self, *args, redirects: dict[str, str] | None = None, aliases: dict[str, str] | None = None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        redirects: dict[str, str] | None = None,
+        aliases: dict[str, str] | None = None,
+        refused_values: dict[str, str] | None = None,
+        **kwargs,
+    ):
         """redirects: unknown flag -> the sentence to say instead of a guess (e.g. flags relax manages).
-        aliases: flag -> its second spelling (an option string of the same argument), refused together."""
+        aliases: flag -> its second spelling (an option string of the same argument), refused together.
+        refused_values: "--flag value" -> the sentence to say instead of listing the flag's choices."""
         # The full usage line would list every flag (about a thousand); help and errors show a short one.
         kwargs.setdefault("usage", "%(prog)s [flag ...]   (see `%(prog)s --help`)")
         super().__init__(*args, allow_abbrev=False, **kwargs)
         self.redirects = dict(redirects or {})
         self.aliases = dict(aliases or {})
+        self.refused_values = dict(refused_values or {})
 
     def parse_args(self, args=None, namespace=None):
         args = sys.argv[1:] if args is None else list(args)
+        refused = [self.refused_values[given] for given in _flag_values(args) if given in self.refused_values]
+        if refused:
+            self.error("\n".join(refused))
         namespace, extras = self.parse_known_args(args, namespace)
         if extras:
             self.error(self.unknown_message(extras))
@@ -61,6 +73,12 @@ class StrictArgumentParser(argparse.ArgumentParser):
 
 def _given(option: str, args: list[str]) -> bool:
     return any(token == option or token.startswith(option + "=") for token in args)
+
+
+def _flag_values(args: list[str]) -> list[str]:
+    """Each flag with the token after it, and each --flag=value, spelled "--flag value"."""
+    pairs = [token.replace("=", " ", 1) for token in args if token.startswith("--") and "=" in token]
+    return pairs + [f"{token} {value}" for token, value in zip(args, args[1:]) if token.startswith("--")]
 
 
 def _without_namespace(option: str) -> str:

@@ -1,8 +1,9 @@
 """What relax does not support: the one table, enforced when `relax train` parses its flags (so --dry-run accepts
 only what a run carries out).
 
-Three kinds of entry, each with its reason and what to use instead:
+Four kinds of entry, each with its reason and what to use instead:
 - REFUSED_FLAGS: Megatron-LM and MindSpeed flags relax knows and refuses (giving one is a parse error).
+- REFUSED_VALUES: values a relax flag does not offer but a user may expect (e.g. an algorithm other trainers name).
 - MANAGED_BY_RELAX: SGLang ServerArgs fields relax sets itself (--sglang-<field> and --sglang-config keys are
   refused, naming the relax flag to use).
 - UNSUPPORTED_COMBINATIONS: values or combinations of accepted flags that no part of relax carries out.
@@ -11,6 +12,8 @@ those), because relax has no such setting or takes it in another form; giving on
 """
 
 import typing
+
+from relax.args.settings import RunMode
 
 
 class Unsupported(typing.NamedTuple):
@@ -44,6 +47,17 @@ REFUSED_FLAGS = [
         "MindSpeed's argument of that name selects nothing: its SwiGLU feature replaces megatron's SwiGLU functions "
         "in every run (Ascend/MindSpeed core_r0.16.0, features_manager/fusions/fused_bias_swiglu.py)",
         "remove it; on an NPU, --bias-activation-fusion puts megatron's MLP on the SwiGLU function MindSpeed replaces",
+    ),
+]
+
+# Values that are not among a relax flag's choices and are refused with what to give instead, where argparse would
+# only list the choices. Each setting is spelled "--flag value".
+REFUSED_VALUES = [
+    Unsupported(
+        "--advantage-estimator dapo",
+        "it would compute GRPO's advantages and change nothing else",
+        "DAPO is --advantage-estimator grpo with clip-higher (--eps-clip-high, e.g. 0.28), --dynamic-sampling and "
+        "--overlong-buffer-len, and the token-mean loss that is the default; give those instead",
     ),
 ]
 
@@ -92,10 +106,6 @@ def _position_embedding(parsed) -> str | None:
     return f"--position-embedding-type {kind}" if kind != "rope" else None
 
 
-def _dapo_estimator(parsed) -> str | None:
-    return "--advantage-estimator dapo" if parsed.flags.advantage_estimator == "dapo" else None
-
-
 def _not_colocated(parsed) -> str | None:
     return "--no-colocate" if not parsed.flags.colocate else None
 
@@ -103,7 +113,7 @@ def _not_colocated(parsed) -> str | None:
 def _checkpoints_without_actor(parsed) -> str | None:
     f = parsed.flags
     given = [flag for flag, value in (("--save", f.save), ("--load", f.load)) if value is not None]
-    return f"{' and '.join(given)} with --debug-rollout-only" if f.debug_rollout_only and given else None
+    return f"{' and '.join(given)} with --debug-rollout-only" if parsed.mode is RunMode.ROLLOUT_ONLY and given else None
 
 
 def _log_interval(parsed) -> str | None:
@@ -143,13 +153,6 @@ UNSUPPORTED_COMBINATIONS = [
         "the actor builds every model family with rotary position embeddings, as their HF checkpoints do",
         "give rope or drop the flag",
         _position_embedding,
-    ),
-    Unsupported(
-        "--advantage-estimator dapo",
-        "it would compute GRPO's advantages and change nothing else",
-        "DAPO is --advantage-estimator grpo with clip-higher (--eps-clip-high, e.g. 0.28), --dynamic-sampling and "
-        "--overlong-buffer-len, and the token-mean loss that is the default; give those instead",
-        _dapo_estimator,
     ),
 ]
 

@@ -4,7 +4,7 @@ that fixes in Megatron, and the tensors' names and shapes. Read once, into one f
 
     checkpoint = read_hf_checkpoint("/models/Qwen3-4B")   # HFCheckpointError on anything relax cannot train
     checkpoint.text_config          # the language model's config (text_config of a vision-language checkpoint)
-    checkpoint.family               # its model_type, one relax.train.model builds
+    checkpoint.family               # its model_type, a key of architecture.FAMILIES
     checkpoint.transformer_fields   # TransformerConfig fields config.json fixes (architecture.py)
     checkpoint.model_fields         # GPTModel-level settings config.json fixes, by Megatron flag names
     checkpoint.tensor_shapes        # name -> shape from the safetensors headers, fused experts per expert
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from relax.hf_checkpoint.architecture import FAMILY_FIELDS, model_fields, transformer_fields
+from relax.hf_checkpoint.architecture import FAMILIES, model_fields, transformer_fields
 from relax.hf_checkpoint.layout import (
     ExpertView,
     checkpoint_name,
@@ -114,10 +114,10 @@ def hf_checkpoint_of(config: dict, directory: Path) -> HFCheckpoint:
     except ValueError as exc:
         raise HFCheckpointError(f"{path}: {exc}") from None
     family = text_config.get("model_type")
-    if family not in FAMILY_FIELDS:
+    if family not in FAMILIES:
         raise HFCheckpointError(
             f"{path}: model_type {family!r} (architectures {config.get('architectures')}) is not supported by "
-            f"relax's Megatron actor; supported model types: {sorted(FAMILY_FIELDS)}"
+            f"relax's Megatron actor; supported model types: {sorted(FAMILIES)}"
         )
     try:
         fields = transformer_fields(text_config), model_fields(text_config)

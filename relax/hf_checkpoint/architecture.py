@@ -5,8 +5,12 @@ a resumed run compares it with the saved checkpoint's (relax.run.state).
 
 Each function takes the language model's config (text_config for a vision-language checkpoint, layout.py). A
 field the family needs and config.json lacks raises KeyError naming it; a configuration relax cannot build
-raises ValueError (read_hf_checkpoint turns both into HFCheckpointError naming the file).
+raises ValueError (read_hf_checkpoint turns both into HFCheckpointError naming the file). FAMILIES: one record per
+family.
 """
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 # HF layer_types values of the hybrid families (Qwen3.5, Qwen3-Next).
 LINEAR_ATTENTION = "linear_attention"
@@ -128,18 +132,43 @@ def _refuse_dense_layers_among_moe(hf: dict) -> None:
         )
 
 
-# The language model's model_type -> its TransformerConfig fields. relax.train.model has one family module
-# (HF <-> Megatron tensor names) for each of these.
-FAMILY_FIELDS = {
-    "qwen2": qwen2,
-    "qwen3": qwen3,
-    "qwen3_moe": qwen3_moe,
-    "qwen3_5_text": qwen3_5,
-    "qwen3_5_moe_text": qwen3_5,
-    "qwen3_next": qwen3_next,
+@dataclass(frozen=True)
+class Family:
+    """One model family relax trains: what its config.json fixes in Megatron, where its HF <-> Megatron tensor names
+    are, and the facts the actor's model follows. FAMILIES holds one per language-model model_type."""
+
+    model_type: str  # the language model's config.json model_type (text_config's in a vision-language checkpoint)
+    architecture: str  # the HF model class of a text checkpoint (config.json architectures), SGLang's model too
+    fields: Callable[[dict], dict]  # config.json -> the TransformerConfig fields it fixes
+    # The relax.train.model module with its tensor names and layer spec (relax.train.model.FamilyNames), named
+    # rather than imported: the train side builds on this package, not the other way
+    names: str
+    partial_rotary: bool = False  # rotates only the first partial_rotary_factor of each head's dims
+    gated_delta_net: bool = False  # hybrid Gated DeltaNet / full-attention layers (layer_types)
+    # (model_type, HF model class) of the published vision-language checkpoint holding this family as text_config
+    vision_language: tuple[str, str] | None = None
+
+
+FAMILIES = {
+    family.model_type: family
+    for family in (
+        Family("qwen2", "Qwen2ForCausalLM", qwen2, names="qwen2"),
+        Family("qwen3", "Qwen3ForCausalLM", qwen3, names="qwen3"),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", qwen3_moe, names="qwen3_moe"),
+        Family(
+            "qwen3_5_text", "Qwen3_5ForCausalLM", qwen3_5, names="qwen3_5", partial_rotary=True,
+            gated_delta_net=True, vision_language=("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+        ),
+        Family(
+            "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", qwen3_5, names="qwen3_5", partial_rotary=True,
+            gated_delta_net=True, vision_language=("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+        ),
+        Family(
+            "qwen3_next", "Qwen3NextForCausalLM", qwen3_next, names="qwen3_next", partial_rotary=True,
+            gated_delta_net=True,
+        ),
+    )
 }
-# Families that rotate only the first partial_rotary_factor of each head's dims.
-_PARTIAL_ROTARY = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
 
 
 def transformer_fields(hf: dict) -> dict:
@@ -147,7 +176,7 @@ def transformer_fields(hf: dict) -> dict:
     if hf.get("use_sliding_window"):
         raise ValueError("sliding-window attention (use_sliding_window=true) is not supported")
     return {
-        **FAMILY_FIELDS[hf["model_type"]](hf),
+        **FAMILIES[hf["model_type"]].fields(hf),
         "hidden_dropout": 0.0,
         "attention_dropout": float(hf.get("attention_dropout", 0.0)),
     }
@@ -159,7 +188,7 @@ def model_fields(hf: dict) -> dict:
         "vocab_size": hf["vocab_size"],
         "max_position_embeddings": hf["max_position_embeddings"],
         "rotary_base": _rope_theta(hf),
-        "rotary_percent": _rotary_percent(hf) if hf["model_type"] in _PARTIAL_ROTARY else 1.0,
+        "rotary_percent": _rotary_percent(hf) if FAMILIES[hf["model_type"]].partial_rotary else 1.0,
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
     }
 

@@ -29,8 +29,12 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
+from relax.hf_checkpoint.architecture import FAMILIES
+
 # config.json model_type of a vision-language checkpoint -> the text_config model_type relax trains.
-VISION_LANGUAGE_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+VISION_LANGUAGE_MODEL_TYPES = {
+    family.vision_language[0]: family.model_type for family in FAMILIES.values() if family.vision_language
+}
 LANGUAGE_MODEL_PREFIX = "model.language_model."
 FROZEN_PREFIXES = {"model.visual.": "vision tower", "mtp.": "multi-token prediction"}
 # Fields of the whole model that its language model follows (transformers ties lm_head by the top-level value).

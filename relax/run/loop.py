@@ -59,7 +59,7 @@ from relax.rollout.rollout import (
 )
 from relax.rollout.worker import EngineWorker
 from relax.run.state import LATEST, RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
-from relax.train.advantages import compute_advantages
+from relax.train.algorithms import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.worker import TrainWorker
 
@@ -73,7 +73,7 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     often the run restarted before this attempt (run_with_restarts), logged as faults/run_restarts in every row; a
     restart resumes a checkpoint of the last step too (read_checkpoint's finished_ok), which runs no step."""
     settings, rollout, evaluation, outputs = config.run, config.rollout, config.evaluation, config.outputs
-    num_steps = 0 if evaluation.only else settings.num_steps  # --eval-only: the evaluation at step 0 only
+    num_steps = settings.num_steps if settings.mode.runs_steps else 0  # --eval-only: the evaluation at step 0 only
     stop = stop or StopOnSignal()  # not entered: never signalled
     checkpoint = None
     if settings.load:
@@ -367,7 +367,7 @@ def start_workers(workers: Workers, config, platform, placement: Placement, chec
     the first step would otherwise time it as rollout); when resuming, the actor's checkpoint, pushed to them."""
     settings, rollout = config.run, config.rollout
     memory_saver_on = settings.colocate and platform.has_memory_saver
-    if not (settings.debug_rollout_only or config.evaluation.only):
+    if settings.mode.has_actor:
         workers.trainers = trainers = create_training_actors(
             TrainWorker, placement, memory_saver_on=memory_saver_on,
             args=(
@@ -379,7 +379,7 @@ def start_workers(workers: Workers, config, platform, placement: Placement, chec
         workers.data_parallel_ranks = wait_for(
             trainers.call("data_parallel_rank"), placement, settings.train_timeout, group_callees(trainers)
         )
-    if not settings.debug_train_only:
+    if settings.mode.has_engines:
         workers.engines = engines = create_engine_actors(
             EngineWorker, placement,
             devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
@@ -397,20 +397,19 @@ def _read_inputs(settings: RunSettings, rollout: RolloutSettings, evaluation: Ev
     the eval sets and the reward function; the rollout data replayed at `steps` is checked to be there, in the run's
     batch shape (a step's file is read whole at that step). No loader when rollouts are replayed
     (--load-rollout-data) or only evaluated (--eval-only); no reward function when nothing is generated."""
-    if rollout.load_data:
+    if settings.mode.replays_rollouts:
         replayed = check_rollout_data(
             rollout.load_data, steps, rollout.batch_size, rollout.sampling.n, rollout.routing_replay,
             read_samples=False,
         )
         say(f"rollout data: {replayed}")
-    trains_on_prompts = not (rollout.load_data or evaluation.only)
-    if not (trains_on_prompts or evaluation.datasets):
+    if not (settings.mode.reads_prompts or evaluation.datasets):
         return None, [], None
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(settings.hf_checkpoint)
     loader = None
-    if trains_on_prompts:
+    if settings.mode.reads_prompts:
         prompts, report = load_prompts(rollout.data, tokenizer)
         say(f"prompt data: {report.summary()}")
         if checkpoint:

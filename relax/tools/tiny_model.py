@@ -12,6 +12,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from relax.hf_checkpoint.architecture import FAMILIES as FAMILY_RECORDS
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=()<>,.:?! \n")
 
@@ -63,35 +65,25 @@ def qwen3_5_9b_layers(num_layers: int) -> dict:
 
 
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+# Tiny family name -> (the model_type of its relax.hf_checkpoint.architecture.FAMILIES record, which names the
+# transformers class to build, and the config fields the tiny model adds to _COMMON).
 FAMILIES = {
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
-    "qwen3_moe": (
-        transformers.Qwen3MoeConfig,
-        transformers.Qwen3MoeForCausalLM,
-        dict(**_MOE, norm_topk_prob=True),
-    ),
-    "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, _HYBRID_GDN),
-    "qwen3_5_moe": (
-        transformers.Qwen3_5MoeTextConfig,
-        transformers.Qwen3_5MoeForCausalLM,
-        dict(**_HYBRID_GDN, **_MOE, shared_expert_intermediate_size=32),
-    ),
-    "qwen3_next": (
-        transformers.Qwen3NextConfig,
-        transformers.Qwen3NextForCausalLM,
-        dict(**_HYBRID_GDN, **_MOE, shared_expert_intermediate_size=32),
-    ),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", dict(**_MOE, norm_topk_prob=True)),
+    "qwen3_5": ("qwen3_5_text", _HYBRID_GDN),
+    "qwen3_5_moe": ("qwen3_5_moe_text", dict(**_HYBRID_GDN, **_MOE, shared_expert_intermediate_size=32)),
+    "qwen3_next": ("qwen3_next", dict(**_HYBRID_GDN, **_MOE, shared_expert_intermediate_size=32)),
 }
 
 # Vision-language checkpoints laid out as Qwen3.5 is published (Qwen3_5ForConditionalGeneration: config.json with
 # text_config + vision_config, tensors model.language_model.*, model.visual.*, lm_head.weight, mtp.*): the text
 # family's fields under text_config (rope_parameters with an interleaved mrope_section, as the released configs
 # have; an MoE text_config without intermediate_size and each layer's experts fused in two tensors, as
-# Qwen3.5-35B-A3B's) and a one-block vision tower.
+# Qwen3.5-35B-A3B's) and a one-block vision tower. One "<family>_vl" for each family whose record has a
+# vision-language checkpoint.
 VISION_LANGUAGE_FAMILIES = {
-    "qwen3_5_vl": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration, "qwen3_5"),
-    "qwen3_5_moe_vl": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration, "qwen3_5_moe"),
+    f"{name}_vl": name for name, (model_type, _) in FAMILIES.items() if FAMILY_RECORDS[model_type].vision_language
 }
 _TINY_VISION = dict(
     depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, temporal_patch_size=2,
@@ -152,16 +144,18 @@ def build_tiny_model(
         bos_token_id=None,
     )
     if family in VISION_LANGUAGE_FAMILIES:
-        config_cls, model_cls, text_family = VISION_LANGUAGE_FAMILIES[family]
-        text_fields = {**_COMMON, **FAMILIES[text_family][2], "rope_parameters": _MROPE, **config_overrides}
+        model_type, family_fields = FAMILIES[VISION_LANGUAGE_FAMILIES[family]]
+        model_cls = getattr(transformers, FAMILY_RECORDS[model_type].vision_language[1])
+        text_fields = {**_COMMON, **family_fields, "rope_parameters": _MROPE, **config_overrides}
         if "num_experts" in text_fields:
             del text_fields["intermediate_size"]
-        config = config_cls(
+        config = model_cls.config_class(
             text_config={**text_fields, **token_ids}, vision_config=_TINY_VISION, tie_word_embeddings=False
         )
     else:
-        config_cls, model_cls, family_fields = FAMILIES[family]
-        config = config_cls(**{**_COMMON, **family_fields, **config_overrides}, **token_ids)
+        model_type, family_fields = FAMILIES[family]
+        model_cls = getattr(transformers, FAMILY_RECORDS[model_type].architecture)
+        config = model_cls.config_class(**{**_COMMON, **family_fields, **config_overrides}, **token_ids)
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls(config).to(dtype)

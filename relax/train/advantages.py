@@ -4,25 +4,18 @@ Rewards come as a flat [N] tensor in rollout order: the n responses to one promp
 (N = num_prompts * group_size). Each estimator returns per-token advantages [N, T] for the response
 mask [N, T], ready for relax.train.losses.policy_loss.
 
-- "grpo": reward minus its group's mean, divided by the group's std unless normalize_std=False
-  (Dr. GRPO drops the std).
-- "dapo": the same advantages as GRPO. DAPO's differences live elsewhere: token-level loss aggregation
-  ("token_mean"), clip-higher bounds (LossSettings.clip_high > clip_low) and dynamic sampling of groups
-  whose rewards are not all equal (a rollout-side filter).
-- "gspo": GRPO's advantages too; GSPO differs in the loss (LossSettings.ratio_level="sequence").
-- "cispo": GRPO's advantages too; CISPO differs in the loss (LossSettings.loss_mode="cispo").
-- "rloo": leave-one-out baseline, r_i minus the mean of the other responses to the same prompt.
-- "reinforce_plus_plus": REINFORCE++: the return of every token (the outcome reward at the last
-  response token, minus kl_coef * per-token KL to the reference when given, summed to the end with
-  discount gamma), then normalised over all response tokens of the batch (mean 0, std 1). With
-  group_size > 1 the group-mean reward is subtracted first (REINFORCE++-baseline).
+- group-relative (GRPO's, used by gspo and cispo too, whose differences are in the loss): reward minus its
+  group's mean, divided by the group's std unless normalize_std=False (Dr. GRPO drops the std).
+- leave-one-out (RLOO): r_i minus the mean of the other responses to the same prompt.
+- REINFORCE++: the return of every token (the outcome reward at the last response token, minus
+  kl_coef * per-token KL to the reference when given, summed to the end with discount gamma), then normalised
+  over all response tokens of the batch (mean 0, std 1). With group_size > 1 the group-mean reward is
+  subtracted first (REINFORCE++-baseline).
+
+relax.train.algorithms names which of these each --advantage-estimator uses.
 """
 
 import torch
-
-ESTIMATORS = ("grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_plus_plus")
-# The estimators that divide by the group's std when normalize_std is set (the others never do).
-STD_NORMALISED = ("grpo", "dapo", "gspo", "cispo")
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -106,24 +99,3 @@ def reinforce_plus_plus_advantages(
     whitened[valid] = _centred(returns[valid]) / (returns[valid].std() + eps)
     return whitened
 
-
-def compute_advantages(
-    estimator: str,
-    rewards: torch.Tensor,
-    mask: torch.Tensor,
-    group_size: int,
-    normalize_std: bool = True,
-    kl: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    gamma: float = 1.0,
-) -> torch.Tensor:
-    """Per-token advantages [N, T] by estimator name (one of ESTIMATORS)."""
-    if estimator not in ESTIMATORS:
-        raise ValueError(f"advantage estimator {estimator!r} is not supported; choose one of {list(ESTIMATORS)}")
-    if rewards.shape[0] != mask.shape[0]:
-        raise ValueError(f"{rewards.shape[0]} rewards for {mask.shape[0]} responses")
-    if estimator == "reinforce_plus_plus":
-        return reinforce_plus_plus_advantages(rewards, mask, group_size, kl, kl_coef, gamma)
-    if estimator == "rloo":
-        return to_tokens(rloo_sequence_advantages(rewards, group_size), mask)
-    return to_tokens(grpo_sequence_advantages(rewards, group_size, normalize_std), mask)

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from relax.train.advantages import (
-    compute_advantages,
     grpo_sequence_advantages,
     reinforce_plus_plus_advantages,
     rloo_sequence_advantages,
 )
+from relax.train.algorithms import compute_advantages
 
 
 def close(actual, expected, atol=1e-5):
@@ -66,7 +66,7 @@ def test_rloo_leave_one_out():
 
 def test_sequence_advantages_spread_over_response_tokens():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    advantages = compute_advantages("dapo", torch.tensor([1.0, 0.0]), mask, group_size=2)
+    advantages = compute_advantages("gspo", torch.tensor([1.0, 0.0]), mask, group_size=2)
     # mean 0.5, sample std 0.707107 -> +-0.707107, zero on padding
     close(advantages, [[0.707107] * 3, [-0.707107, 0.0, 0.0]])
     torch.testing.assert_close(advantages, compute_advantages("grpo", torch.tensor([1.0, 0.0]), mask, 2))

@@ -19,7 +19,7 @@ import torch
 
 from relax.rollout.data import Prompt
 from relax.rollout.groups import Sample, apply_overlong_penalty, overlong_penalty
-from relax.train.advantages import ESTIMATORS, compute_advantages
+from relax.train.algorithms import ESTIMATORS, compute_advantages
 from relax.train.losses import AGGREGATIONS, LossSettings, aggregation_denominator, kl_divergence, policy_loss
 from relax.train.off_policy import RolloutCorrection, corrected_policy_loss, mismatch_metrics
 
@@ -147,15 +147,15 @@ def reference_reinforce_plus_plus(
 
 
 def reference_advantage_rows(estimator: str, batch: Batch, normalize_std: bool) -> list[list[float]]:
-    """Each response's token advantages by estimator name. dapo, gspo and cispo use GRPO's advantages (their papers
-    change the loss and the sampling, not the advantage); only the GRPO family divides by the std."""
+    """Each response's token advantages by estimator name. gspo and cispo use GRPO's advantages (their papers
+    change the loss, not the advantage); only the GRPO family divides by the std."""
     rewards = batch.rewards.double().tolist()
     if estimator == "reinforce_plus_plus":
         return reference_reinforce_plus_plus(rewards, batch.lengths, batch.group_size)
     if estimator == "rloo":
         sequence = reference_rloo_advantages(rewards, batch.group_size)
     else:
-        assert estimator in ("grpo", "dapo", "gspo", "cispo"), f"no reference for estimator {estimator}"
+        assert estimator in ("grpo", "gspo", "cispo"), f"no reference for estimator {estimator}"
         sequence = reference_group_advantages(rewards, batch.group_size, normalize_std)
     return [[value] * length for value, length in zip(sequence, batch.lengths)]
 

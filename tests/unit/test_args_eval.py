@@ -3,6 +3,7 @@
 import pytest
 
 from relax.args import parse_train_args
+from relax.args.settings import RunMode
 
 SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 RUN = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
@@ -28,7 +29,7 @@ def test_eval_sets_read_as_the_prompt_data_and_sample_as_the_rollout():
     )
     sampling = evaluation.sampling
     assert (sampling.n, sampling.temperature, sampling.top_p, sampling.max_new_tokens) == (1, 0.7, 1.0, 64)
-    assert evaluation.interval is None and not evaluation.only
+    assert evaluation.interval is None and config.run.mode is not RunMode.EVAL_ONLY
 
 
 def test_eval_sampling_flags_override_the_rollouts():
@@ -67,13 +68,13 @@ EVAL_ONLY = ["--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE, *EVAL
 
 def test_eval_only_needs_no_training_data_or_learning_rate():
     config = parse_train_args(EVAL_ONLY)
-    assert config.evaluation.only and config.rollout.data is None
+    assert config.run.mode is RunMode.EVAL_ONLY and config.rollout.data is None
 
 
 def test_eval_only_takes_the_training_flags_that_have_defaults_and_checks_them_as_for_a_run(capsys):
     """(unused: the loop runs no step; the dry-run says so)"""
     config = parse_train_args([*EVAL_ONLY, "--num-steps", "3", "--lr", "1e-6", "--rollout-batch-size", "4"])
-    assert config.evaluation.only and config.run.num_steps == 3
+    assert config.run.mode is RunMode.EVAL_ONLY and config.run.num_steps == 3
     err = parse_error([*EVAL_ONLY, "--rollout-batch-size", "3", "--global-batch-size", "5"], capsys)
     assert "= 24 samples is not a multiple of --global-batch-size 5" in err
 

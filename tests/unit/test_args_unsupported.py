@@ -10,7 +10,7 @@ from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_archite
 from relax.args.settings import (
     actor_settings, algorithm_settings, eval_settings, output_settings, rollout_settings, run_settings,
 )
-from relax.args.unsupported import REFUSED_FLAGS, UNSUPPORTED_COMBINATIONS, unsupported_combinations
+from relax.args.unsupported import REFUSED_FLAGS, REFUSED_VALUES, UNSUPPORTED_COMBINATIONS, unsupported_combinations
 from relax.hf_checkpoint import read_hf_checkpoint
 from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
@@ -45,7 +45,6 @@ COMBINATIONS = {
         "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act",
     ],
     "--position-embedding-type other than rope": ["--position-embedding-type", "learned_absolute"],
-    "--advantage-estimator dapo": ["--advantage-estimator", "dapo"],
 }
 
 
@@ -71,6 +70,15 @@ def test_every_unsupported_combination_found_is_named_at_once(capsys):
 @pytest.mark.parametrize("entry", REFUSED_FLAGS, ids=lambda entry: entry.setting)
 def test_each_refused_flag_is_refused_with_what_to_do(entry, capsys):
     error = parse_error([*RUN, entry.setting, "1"], capsys)
+    assert f"{entry.setting} is not supported: {entry.reason}" in error and entry.instead in error
+
+
+@pytest.mark.parametrize("entry", REFUSED_VALUES, ids=lambda entry: entry.setting)
+@pytest.mark.parametrize("spelling", ["separate", "joined"])
+def test_each_refused_value_is_refused_with_what_to_do(entry, spelling, capsys):
+    flag, value = entry.setting.split(" ")
+    given = [flag, value] if spelling == "separate" else [f"{flag}={value}"]
+    error = parse_error([*RUN, *given], capsys)
     assert f"{entry.setting} is not supported: {entry.reason}" in error and entry.instead in error
 
 

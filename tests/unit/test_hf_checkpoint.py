@@ -2,6 +2,7 @@
 checkpoint, the family and what it fixes in Megatron, tensor names and shapes), the frozen tensors, and the dry
 run of a vision-language checkpoint."""
 
+import importlib
 import json
 
 import pytest
@@ -17,7 +18,7 @@ from relax.hf_checkpoint import (
     read_hf_checkpoint,
     trained_names,
 )
-from relax.hf_checkpoint.architecture import FAMILY_FIELDS
+from relax.hf_checkpoint.architecture import FAMILIES
 from relax.hf_checkpoint.layout import language_model
 from relax.tools.tiny_model import build_tiny_model
 
@@ -93,9 +94,13 @@ def test_what_relax_cannot_train_is_one_error_naming_the_file(tmp_path):
 
 
 def test_every_family_the_reader_accepts_has_a_tensor_mapping():
-    from relax.train.model import FAMILIES
+    from relax.train.model import FamilyNames
 
-    assert FAMILIES.keys() == FAMILY_FIELDS.keys()
+    for family in FAMILIES.values():
+        names = importlib.import_module(f"relax.train.model.{family.names}")
+        for function in FamilyNames.__dict__:
+            if not function.startswith("_"):
+                assert callable(getattr(names, function)), f"{family.model_type}: {names.__name__}.{function}"
 
 
 def test_vision_tower_and_mtp_are_frozen_and_named_in_one_line():

@@ -14,6 +14,7 @@ import torch
 import relax.platform
 import relax.run.loop
 from relax.args import AlgorithmSettings
+from relax.args.settings import RunMode
 from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch, run, run_with_restarts
 from relax.run.metrics import MetricsLog, read_metrics
 from relax.ray.placement import ENGINE, TRAINING_RANK, WorkerFailed
@@ -257,7 +258,7 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
     """The settings run() and run_with_restarts read (relax.args.TrainConfig's)."""
     settings = _record(
         num_steps=num_steps, load=None, device="cpu", seed=1, num_nodes=1, num_devices_per_node=1, colocate=True,
-        hf_checkpoint="model", debug_rollout_only=debug_rollout_only, debug_train_only=False,
+        hf_checkpoint="model", mode=RunMode.ROLLOUT_ONLY if debug_rollout_only else RunMode.TRAIN,
         update_weight_buffer_size=0, megatron_features=None, weight_sync_timeout=None, train_timeout=None,
         engine_start_timeout=None, max_restarts=max_restarts,
     )
@@ -265,7 +266,7 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
     return _record(
         run=settings,
         rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None),
-        evaluation=SimpleNamespace(only=False), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
+        evaluation=SimpleNamespace(), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=outputs,
     )
 

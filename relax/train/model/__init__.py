@@ -3,44 +3,55 @@ from an HF directory, load its safetensors into the (TP/EP/PP-sharded) model, an
 under HF names with the shards gathered.
 
 The checkpoint comes as relax.hf_checkpoint reads it (an HFCheckpoint: config.json, the language model in it, its
-family, the TransformerConfig fields it fixes, the tensors' names and shapes). One module per family (qwen2.py,
-qwen3.py, qwen3_moe.py, ...) holds its tensor-name mapping and nothing else; the rules take the language model's
+family, the TransformerConfig fields it fixes, the tensors' names and shapes). Each family's record
+(relax.hf_checkpoint.architecture.FAMILIES) names its module here (qwen2.py, qwen3.py, qwen3_moe.py, ...), which
+holds its tensor-name mapping and layer spec and nothing else (FamilyNames); the rules take the language model's
 config (HFCheckpoint.text_config):
   top_level_rules(hf)               Megatron name -> Rule for embedding, final norm, output layer
   layer_rules(hf)                   the same for `decoder.layers.{i}.*` ({layer} in HF names)
   expert_rules(hf)                  the same for `mlp.experts.local_experts.{j}.*` ({expert} in HF names); with
                                     --moe-grouped-gemm the same rules map each expert's slice of the grouped
                                     `mlp.experts.linear_fc1.weight` / `linear_fc2.weight` (grouped_experts.py)
-The layout kinds of a Rule (how HF tensors fuse and how TP cuts them) are in layouts.py. A vision-language
-checkpoint's tensor names differ from the family's (HFCheckpoint.checkpoint_name renames them).
+  block_spec(config, hf)            the decoder's layer specs (megatron-core's local spec, or the hybrid GDN one)
+A Rule maps both ways: loading fuses its HF tensors into the Megatron one, exporting unfuses them. Its layout kinds
+(how HF tensors fuse and how TP cuts them) are in layouts.py. A vision-language checkpoint's tensor names differ
+from the family's (HFCheckpoint.checkpoint_name renames them).
 
 megatron.core must be importable when these functions run: on the CPU call
 `relax.platform.get_platform("cpu").prepare_megatron()` before importing megatron.
 """
 
 import dataclasses
+import importlib
 import re
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
 from relax.hf_checkpoint import HFCheckpoint, TensorReader, describe_frozen, is_frozen
-from relax.train.model import qwen2, qwen3, qwen3_5, qwen3_moe, qwen3_next
+from relax.hf_checkpoint.architecture import FAMILIES
 from relax.train.model.core_attention import with_core_attention
 from relax.train.model.gdn_spec import with_gdn_kernel
 from relax.train.model.grouped_experts import with_grouped_experts
 from relax.train.model.layouts import AttentionLayout, Rule, fuse, tp_shard, tp_unshard, unfuse
 
-# The language model's model_type (HFCheckpoint.family, one of relax.hf_checkpoint.architecture.FAMILY_FIELDS)
-# -> its family module.
-FAMILIES = {
-    "qwen2": qwen2,
-    "qwen3": qwen3,
-    "qwen3_moe": qwen3_moe,
-    "qwen3_5_text": qwen3_5,
-    "qwen3_5_moe_text": qwen3_5,
-    "qwen3_next": qwen3_next,
-}
+
+class FamilyNames(Protocol):
+    """What a family module defines (see the module doc); `hf` is the language model's config."""
+
+    def top_level_rules(self, hf: dict) -> dict[str, Rule]: ...
+
+    def layer_rules(self, hf: dict) -> dict[str, Rule]: ...
+
+    def expert_rules(self, hf: dict) -> dict[str, Rule]: ...
+
+    def block_spec(self, config, hf: dict): ...
+
+
+def family_names(checkpoint: HFCheckpoint) -> FamilyNames:
+    """The module its family record (HFCheckpoint.family, a key of FAMILIES) names."""
+    return importlib.import_module(f"{__name__}.{FAMILIES[checkpoint.family].names}")
 
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
@@ -82,7 +93,6 @@ def build_gpt_model(
     layers compute with the training kernel `gdn_kernel` (relax.kernels.gdn_training)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     hf, settings = checkpoint.text_config, checkpoint.model_fields
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -93,13 +103,9 @@ def build_gpt_model(
         )
     if config.num_moe_experts:
         _define_te_general_gemm_without_te()
-    family = FAMILIES[checkpoint.family]
-    if hasattr(family, "block_spec"):  # hybrid families (qwen3_5) build their own per-layer specs
-        spec = with_gdn_kernel(family.block_spec(config, hf), gdn_kernel)
-    else:
-        spec = get_gpt_layer_local_spec(
-            num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
-        )
+    spec = family_names(checkpoint).block_spec(config, hf)
+    if FAMILIES[checkpoint.family].gated_delta_net:
+        spec = with_gdn_kernel(spec, gdn_kernel)
     if config.moe_grouped_gemm:
         spec = with_grouped_experts(spec)
     spec = with_core_attention(spec, attention_kernel)
@@ -173,7 +179,7 @@ class _Mapping:
 
         self.model = unwrap(model)
         self.hf = hf = checkpoint.text_config
-        self.family = FAMILIES[checkpoint.family]
+        self.family = family_names(checkpoint)
         config = self.model.config
         self.attention = AttentionLayout(config.num_attention_heads, config.num_query_groups, config.kv_channels)
         # The family's rules with the checkpoint's tensor names.

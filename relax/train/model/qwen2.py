@@ -49,3 +49,12 @@ def layer_rules(hf: dict) -> dict[str, Rule]:
 
 def expert_rules(hf: dict) -> dict[str, Rule]:
     return {}
+
+
+def block_spec(config, hf: dict):
+    """megatron-core's local layer spec, the same for every layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization=config.normalization
+    )

@@ -4,6 +4,7 @@ from relax.train.model import qwen2
 from relax.train.model.layouts import Rule
 
 top_level_rules = qwen2.top_level_rules
+block_spec = qwen2.block_spec
 expert_rules = qwen2.expert_rules
 
 
