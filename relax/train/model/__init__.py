@@ -53,6 +53,7 @@ def family_names(checkpoint: HFCheckpoint) -> FamilyNames:
     """The module its family record (HFCheckpoint.family, a key of FAMILIES) names."""
     return importlib.import_module(f"{__name__}.{FAMILIES[checkpoint.family].names}")
 
+
 _LAYER_NAME = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _GROUPED_EXPERTS_NAME = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)")  # grouped_experts.py
