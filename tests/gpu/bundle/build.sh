@@ -30,7 +30,7 @@ PACKAGES=(
   ipython==9.18.1 ipython-pygments-lexers==1.1.1 jedi==0.20.1 parso==0.8.7 matplotlib-inline==0.2.2 pexpect==4.9.0
   ptyprocess==0.7.0 prompt-toolkit==3.0.53 wcwidth==0.9.4 stack-data==0.6.3 asttokens==3.0.2 executing==2.3.0
   pure-eval==0.2.4 traitlets==5.16.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
-  rpds-py==2026.9.1
+  rpds-py==2026.9.1 pytest-xdist==3.8.0 execnet==2.1.2
 )
 PLATFORMS=()
 for tag in manylinux_2_17 manylinux_2_24 manylinux_2_27 manylinux_2_28 manylinux_2_31 manylinux_2_34 manylinux_2_35; do

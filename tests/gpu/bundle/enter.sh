@@ -19,6 +19,8 @@ fi
 export PYTHONPATH="$PWD/tests/gpu/bundle/standin:$RELAX_GPU_SITE:$PWD"
 # NVLink multicast stays off on the lent machines (a program that uses it can take the host's GPUs down).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# One GPU: its tests one after another, not in pytest.ini's lanes.
+export PYTEST_ADDOPTS="-n 0"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 PYTHONUNBUFFERED=1
 # The stand-in is not the sglang-kernel version SGLang checks for.
 export SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1

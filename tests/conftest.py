@@ -1,0 +1,36 @@
+"""What every test tier shares: the tier markers and the lanes.
+
+Tiers, marked from the directory a test lives in (pytest.ini declares them): unit (relax's own logic, no
+process started), npu (Ascend start-up code on the CPU under stand-ins), e2e (the real stack: Ray, SGLang's
+engine, megatron-core), gpu (tests/gpu, through the device tool only; not in CI). `-m unit` runs one tier.
+
+Lanes: pytest.ini runs the suite in pytest-xdist workers (`--dist loadgroup`). An e2e module is one group, so
+its module fixtures (an engine, a process group, a cluster) start once, in one lane; the modules sharing the
+session's saved tiny run are one group too. Each lane gets its own Ray temporary directory, so a local
+cluster one lane starts (ray.init() with no address) never finds another lane's through /tmp/ray."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+TIERS = ("unit", "npu", "e2e", "gpu")
+# Modules that read one shared run (tests/e2e/conftest.py: saved_tiny_run) run in one lane, so it starts once.
+SHARED_RUN_MODULES = {"test_loop.py": "saved_tiny_run", "test_loop_resume.py": "saved_tiny_run"}
+
+_lane = os.environ.get("PYTEST_XDIST_WORKER")
+if _lane:
+    # Short: Ray puts unix sockets under it, whose paths are limited to 107 bytes.
+    os.environ["RAY_TMPDIR"] = f"/tmp/relax-{os.getpid()}-{_lane}"
+    os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    tests_dir = Path(__file__).parent
+    for item in items:
+        tier = Path(item.fspath).relative_to(tests_dir).parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+        if tier == "e2e":
+            name = Path(item.fspath).name
+            item.add_marker(pytest.mark.xdist_group(SHARED_RUN_MODULES.get(name, name)))
