@@ -16,7 +16,7 @@ import pytest
 
 TIERS = ("unit", "npu", "e2e", "gpu")
 # Modules that read one shared run (tests/e2e/conftest.py: saved_tiny_run) run in one lane, so it starts once.
-SHARED_RUN_MODULES = {"test_loop.py": "saved_tiny_run", "test_loop_resume.py": "saved_tiny_run"}
+SHARED_RUN_MODULES = {name: "saved_tiny_run" for name in ("test_loop.py", "test_loop_resume.py", "test_loop_faults.py")}
 
 _lane = os.environ.get("PYTEST_XDIST_WORKER")
 if _lane:
