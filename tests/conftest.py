@@ -5,8 +5,8 @@ process started), npu (Ascend start-up code on the CPU under stand-ins), e2e (th
 engine, megatron-core), gpu (tests/gpu, through the device tool only; not in CI). `-m unit` runs one tier.
 
 Lanes: pytest.ini runs the suite in pytest-xdist workers (`--dist loadgroup`). An e2e module is one group, so
-its module fixtures (an engine, a process group, a cluster) start once, in one lane; the modules sharing the
-session's saved tiny run are one group too. Each lane gets its own Ray temporary directory, so a local
+its module fixtures (an engine, a process group, a cluster) start once, in one lane; the modules that read
+the session's saved tiny run are one group too. Each lane gets its own Ray temporary directory, so a local
 cluster one lane starts (ray.init() with no address) never finds another lane's through /tmp/ray."""
 
 import os
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 TIERS = ("unit", "npu", "e2e", "gpu")
-# Modules that read one shared run (tests/e2e/conftest.py: saved_tiny_run) run in one lane, so it starts once.
-SHARED_RUN_MODULES = {name: "saved_tiny_run" for name in ("test_loop.py", "test_loop_resume.py", "test_loop_faults.py")}
+# A session fixture every lane would otherwise start for itself: the modules using it share a lane.
+SHARED_RUN_FIXTURES = ("saved_tiny_run",)  # tests/e2e/conftest.py
 
 _lane = os.environ.get("PYTEST_XDIST_WORKER")
 if _lane:
@@ -27,10 +27,14 @@ if _lane:
 
 def pytest_collection_modifyitems(config, items):
     tests_dir = Path(__file__).parent
+    groups = {}  # e2e module -> its lane group: the shared run it reads, else the module itself
     for item in items:
         tier = Path(item.fspath).relative_to(tests_dir).parts[0]
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
         if tier == "e2e":
-            name = Path(item.fspath).name
-            item.add_marker(pytest.mark.xdist_group(SHARED_RUN_MODULES.get(name, name)))
+            shared = [name for name in SHARED_RUN_FIXTURES if name in item.fixturenames]
+            groups[item.fspath] = shared[0] if shared else groups.get(item.fspath, Path(item.fspath).name)
+    for item in items:
+        if item.fspath in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.fspath]))
