@@ -4,6 +4,7 @@ the table's refusal."""
 
 import pytest
 
+from helpers import DRY_RUN as RUN, parse_error
 from relax.args import build_parser, parse_train_args
 from relax.args.checks import RULES, check_config
 from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_architecture, field_flags
@@ -16,8 +17,6 @@ from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
 from relax.tools.tiny_model import build_tiny_model
 
-SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
 # Every switch that makes a builder read more flags, on at once (a consistent run).
 EVERY_FEATURE = [
     "--use-wandb", "--use-kl-loss", "--kl-coef", "0.1", "--use-tis", "--rollout-rs", "seq_mean_k1",
@@ -46,13 +45,6 @@ COMBINATIONS = {
     ],
     "--position-embedding-type other than rope": ["--position-embedding-type", "learned_absolute"],
 }
-
-
-def parse_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_train_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("entry", UNSUPPORTED_COMBINATIONS, ids=lambda entry: entry.setting)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from helpers import REQUIRED
 from relax.args import format_config, parse_train_args
 from relax.hf_checkpoint import (
     HFCheckpointError,
@@ -22,7 +23,7 @@ from relax.hf_checkpoint.architecture import FAMILIES
 from relax.hf_checkpoint.layout import language_model
 from relax.tools.tiny_model import build_tiny_model
 
-RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
+RUN = [*REQUIRED, "--dry-run"]  # the model's size: the --hf-checkpoint's
 
 
 @pytest.fixture(scope="module")

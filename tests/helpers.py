@@ -1,0 +1,24 @@
+"""What test files of several tiers share: the command line of a `relax train` run that only parses, and the
+check that a command line is refused at parse time.
+
+Test files import it as `helpers`: pytest puts tests/ on sys.path, the folder of tests/conftest.py, in its
+default (prepend) import mode."""
+
+import pytest
+
+from relax.args import parse_train_args
+
+# A tiny model's size as flags, for a run with no --hf-checkpoint to read it from.
+TINY_SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+# The flags every run must give, on the CPU (the prompt file is not read at parse time).
+REQUIRED = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu"]
+# A run that parses with no checkpoint and no data: the base that a test adds the flags it is about to.
+DRY_RUN = [*REQUIRED, "--dry-run", *TINY_SIZE]
+
+
+def parse_error(argv: list[str], capsys) -> str:
+    """What `relax train argv` prints when its parse refuses argv (exit status 2, argparse's usage error)."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_train_args(argv)
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
