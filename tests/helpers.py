@@ -1,8 +1,11 @@
-"""What test files of several tiers share: the command line of a `relax train` run that only parses, and the
-check that a command line is refused at parse time.
+"""What test files of several tiers share: the command line of a `relax train` run that only parses, the check
+that a command line is refused at parse time, and prompt data written as JSON lines.
 
 Test files import it as `helpers`: pytest puts tests/ on sys.path, the folder of tests/conftest.py, in its
 default (prepend) import mode."""
+
+import json
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +25,11 @@ def parse_error(argv: list[str], capsys) -> str:
         parse_train_args(argv)
     assert exit_info.value.code == 2
     return capsys.readouterr().err
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    """Writes each row as one JSON line, and a str row as it is (a line that is not JSON); returns path."""
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+    return path
