@@ -11,16 +11,15 @@ from relax.args import build_parser, parse_train_args
 from relax.args.sglang import MANAGED_BY_RELAX, prepare_import, sglang_actions
 from relax.platform import get_platform
 from relax.rollout.engine import server_defaults
-from relax.tools.tiny_model import build_tiny_model
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
 BASE = [*TINY_SIZE, *REQUIRED]
 
 
 @pytest.fixture
-def checkpoint(tmp_path):
-    """A tiny Qwen3 checkpoint of BASE's size."""
-    return str(build_tiny_model(tmp_path / "model", "qwen3"))
+def checkpoint(tiny_qwen3):
+    """A tiny Qwen3 checkpoint of BASE's size, as a command line names it."""
+    return str(tiny_qwen3)
 
 
 def relax_defaults_as_sglang_flags() -> list[str]:

@@ -15,7 +15,6 @@ from relax.args.unsupported import REFUSED_FLAGS, REFUSED_VALUES, UNSUPPORTED_CO
 from relax.hf_checkpoint import read_hf_checkpoint
 from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
-from relax.tools.tiny_model import build_tiny_model
 
 # Every switch that makes a builder read more flags, on at once (a consistent run).
 EVERY_FEATURE = [
@@ -102,7 +101,7 @@ def _reads(argv) -> tuple[set, set, set]:
     return built.read, checked.read, scheduler.read
 
 
-def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed):
+def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed, tiny_qwen3):
     pretend_wandb_installed(installed=True)  # --use-wandb is among the features read
     record = tmp_path / "record"
     record.mkdir()
@@ -120,7 +119,7 @@ def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed):
 
     forms, _, _ = field_flags()  # megatron-core's dataclass fields: the config objects the actor builds
     # A model flag config.json fixes must agree with it (relax.args.megatron.resolve_architecture).
-    fixed = set(checkpoint_architecture(read_hf_checkpoint(build_tiny_model(tmp_path / "model", "qwen3"))))
+    fixed = set(checkpoint_architecture(read_hf_checkpoint(tiny_qwen3)))
     assert set(MODEL_FLAGS) - fixed - set(OTHER_MODEL_FLAG_READERS) == set()
     assert set(SCHEDULER_FLAGS) - scheduler == set()  # an LR-schedule flag the actor's settings do not take
     refused = {entry.setting.removeprefix("--").replace("-", "_") for entry in REFUSED_FLAGS}

@@ -32,8 +32,8 @@ def vl_dirs(tmp_path_factory):
     return {family: build_tiny_model(tmp_path_factory.mktemp(family), family) for family in families}
 
 
-def test_a_text_checkpoint_is_its_own_language_model(tmp_path):
-    checkpoint = read_hf_checkpoint(build_tiny_model(tmp_path / "m", "qwen3"))
+def test_a_text_checkpoint_is_its_own_language_model(tiny_qwen3):
+    checkpoint = read_hf_checkpoint(tiny_qwen3)
     assert checkpoint.text_config is checkpoint.config and not checkpoint.vision_language
     assert checkpoint.family == "qwen3"
     assert checkpoint.checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
