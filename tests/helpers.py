@@ -1,5 +1,5 @@
-"""What test files of several tiers share: the command line of a `relax train` run that only parses, the check
-that a command line is refused at parse time, and prompt data written as JSON lines.
+"""What test files share: the command line of a `relax train` run that only parses, the check that a command
+line is refused at parse time, and prompt data written as JSON lines.
 
 Test files import it as `helpers`: pytest puts tests/ on sys.path, the folder of tests/conftest.py, in its
 default (prepend) import mode."""
@@ -13,9 +13,9 @@ from relax.args import parse_train_args
 
 # A tiny model's size as flags, for a run with no --hf-checkpoint to read it from.
 TINY_SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-# The flags every run must give, on the CPU (the prompt file is not read at parse time).
+# The flags every run must give, and the CPU as its device (the prompt file is not read at parse time).
 REQUIRED = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu"]
-# A run that parses with no checkpoint and no data: the base that a test adds the flags it is about to.
+# A run that parses without a checkpoint or data; a test adds the flags it is about.
 DRY_RUN = [*REQUIRED, "--dry-run", *TINY_SIZE]
 
 
