@@ -5,17 +5,12 @@ Megatron's parallel state is destroyed after every call, so each call builds the
 """
 
 import datetime
-import socket
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from relax.ports import free_port
 
 
 def _next_task(conn):
@@ -50,7 +45,7 @@ class SpawnedRanks:
     def __init__(self, world_size: int, task_timeout_s: float):
         self.task_timeout_s = task_timeout_s
         context = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = context.Pipe()

@@ -19,9 +19,8 @@ from pathlib import Path
 import psutil
 
 from relax.rollout.dump import load_rollout_data
-from tiny_runs import step_records
+from tiny_runs import step_records, tiny_job
 
-ROOT = Path(__file__).resolve().parents[2]
 ACTORS = ("TrainWorker", "EngineWorker")
 RUN_TIMEOUT_S = 600
 
@@ -31,18 +30,12 @@ def _run_tiny_job(exp_dir: Path, name: str, *flags: str,
     """Run the tiny job with extra flags, its output in exp_dir / (output_name or name); returns its steps' metrics
     records (tiny_runs.step_records) and the Ray actor classes seen among the run's processes. Python modules in
     exp_dir can be imported by the run."""
-    python_path = os.pathsep.join(filter(None, [str(exp_dir), os.environ.get("PYTHONPATH")]))
-    env = {
-        **os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python"),
-        "PYTHONPATH": python_path,
-    }
-    log_path = exp_dir / f"{name}.log"
     output = exp_dir / (output_name or name)
+    python_path = os.pathsep.join(filter(None, [str(exp_dir), os.environ.get("PYTHONPATH")]))
+    command, env = tiny_job(exp_dir, "--output-dir", str(output), *flags, env={"PYTHONPATH": python_path})
+    log_path = exp_dir / f"{name}.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--output-dir", str(output), *flags],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        )
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         seen, deadline = set(), time.monotonic() + RUN_TIMEOUT_S
         while process.poll() is None:
             if time.monotonic() > deadline:

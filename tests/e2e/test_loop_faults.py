@@ -10,7 +10,6 @@ does: tests/e2e/test_worker_watch.py.)
 The bound on the driver's exit is a hang guard (a dead worker must not leave the driver waiting forever),
 not a timing test."""
 
-import os
 import re
 import subprocess
 import time
@@ -20,9 +19,8 @@ import pytest
 
 from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process, wait_for_title
 from relax.run.metrics import read_metrics
-from tiny_runs import step_records
+from tiny_runs import step_records, tiny_job
 
-ROOT = Path(__file__).resolve().parents[2]
 HANG_GUARD_S = 120
 
 
@@ -67,16 +65,15 @@ def test_an_engine_killed_mid_rollout_restarts_in_place_then_a_training_rank_kil
     tmp_path, saved_tiny_run
 ):
     marker = run_marker()
-    env = {**os.environ, **marker, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
     log_path, metrics = tmp_path / "run.log", tmp_path / "output" / "metrics.jsonl"
     with open(log_path, "w") as log:
         # Far more steps than the test waits for: the run is always mid-way when the training rank is killed. The
         # learning rate is constant, so the first steps are the saved run's.
-        run = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", "1000",
-             "--sglang-enable-deterministic-inference", "--max-engine-restarts", "1"],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
+        command, env = tiny_job(
+            tmp_path, "--num-steps", "1000", "--sglang-enable-deterministic-inference", "--max-engine-restarts", "1",
+            env=marker,
         )
+        run = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for_steps(1, metrics, run, log_path)
         _kill_scheduler_mid_generate(marker, run)  # a rollout: the engine restarts, the step completes

@@ -3,7 +3,6 @@ finishes, its state is saved to --save, engines, actors and the local Ray end, t
 and the driver exits 143 with one line saying so."""
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -11,8 +10,7 @@ from pathlib import Path
 
 from relax.run.state import read_checkpoint
 from processes import describe, kill_marked, leftover_processes, run_marker
-
-ROOT = Path(__file__).resolve().parents[2]
+from tiny_runs import tiny_job
 
 
 def wait_for_first_step(metrics: Path, driver: subprocess.Popen, stderr: Path, timeout_s: float = 600.0) -> None:
@@ -27,14 +25,11 @@ def wait_for_first_step(metrics: Path, driver: subprocess.Popen, stderr: Path, t
 def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path):
     marker = run_marker()
     saves = tmp_path / "checkpoints"
-    env = {**os.environ, **marker, "EXP_DIR": str(tmp_path), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    command, env = tiny_job(tmp_path, "--num-steps", "50", "--save", str(saves), env=marker)
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     # run-tiny-cpu.sh execs the driver: the Popen's pid is the driver's.
     with open(stdout, "w") as out, open(stderr, "w") as err:
-        driver = subprocess.Popen(
-            ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), "--num-steps", "50", "--save", str(saves)],
-            env=env, stdout=out, stderr=err,
-        )
+        driver = subprocess.Popen(command, env=env, stdout=out, stderr=err)
     try:
         wait_for_first_step(tmp_path / "output" / "metrics.jsonl", driver, stderr)
         driver.send_signal(signal.SIGTERM)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from relax.ports import free_port
 from relax.tools import patches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -103,14 +104,6 @@ TRAIN_ON_CPU = textwrap.dedent(
 )
 
 
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def test_megatron_core_set_lets_a_gpt_model_train_on_cpu_without_redirections(tmp_path):
     installed = Path(importlib.util.find_spec("megatron.core").origin).parents[1]
     upstream = patches.load_manifest()["megatron-core"]
@@ -125,7 +118,7 @@ def test_megatron_core_set_lets_a_gpt_model_train_on_cpu_without_redirections(tm
         if label == "patched":
             patches.apply(upstream, root)
         results[label] = subprocess.run(
-            [sys.executable, str(script), str(root), _free_port()],
+            [sys.executable, str(script), str(root), str(free_port())],
             capture_output=True,
             text=True,
             timeout=300,

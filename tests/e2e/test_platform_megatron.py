@@ -2,19 +2,14 @@
 optimizer (plain and distributed) and its schedules (no pipelining; 1F1B with PP=2), on gloo, world size 2."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from relax.ports import free_port
+
 VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES, STEPS = 64, 16, 2, 2, 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train(tensor_parallel: int = 1, pipeline_parallel: int = 1, distributed_optimizer: bool = False):
@@ -125,7 +120,7 @@ def _worker(rank: int, world_size: int, port: int, results):
 def results():
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(_worker, args=(2, _free_port(), shared), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), shared), nprocs=2, join=True)
         return dict(shared)
 
 

@@ -9,7 +9,6 @@ losses [6.27503, 5.41162, 4.92249, 4.50326, 4.13409] and grad norm 7.50440 for b
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from relax.ports import free_port
 from relax.tools import patches
 
 pytestmark = [
@@ -76,12 +76,6 @@ TRAIN = textwrap.dedent(
 )
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def test_megatron_core_set_is_bit_identical_on_cuda(tmp_path):
     installed = Path(importlib.util.find_spec("megatron.core").origin).parents[1]
     script = tmp_path / "train.py"
@@ -94,7 +88,8 @@ def test_megatron_core_set_is_bit_identical_on_cuda(tmp_path):
             patches.apply(patches.load_manifest()["megatron-core"], root)
         env = dict(os.environ, PYTHONPATH=str(root))
         done = subprocess.run(
-            [sys.executable, str(script), str(root), _free_port()], capture_output=True, text=True, timeout=600, env=env
+            [sys.executable, str(script), str(root), str(free_port())],
+            capture_output=True, text=True, timeout=600, env=env,
         )
         assert done.returncode == 0, done.stderr[-3000:]
         results[label] = [line for line in done.stdout.splitlines() if line.startswith("RESULT")]

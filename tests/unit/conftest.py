@@ -1,6 +1,8 @@
 """CPU test sessions start on the CPU platform, prepared before any test imports SGLang or Megatron:
 SGLang fixes its device at its first import, so test module order must not matter. (tests/gpu has no
-such conftest: its tests pick the GPU platform themselves.)"""
+such conftest: its tests pick the GPU platform themselves.)
+
+Shared fixtures: tiny_qwen3, a tiny Qwen3 checkpoint for the session; pretend_wandb_installed."""
 
 import os
 
@@ -12,6 +14,14 @@ from relax.platform import get_platform  # noqa: E402
 
 get_platform("cpu").prepare_sglang()
 get_platform("cpu").prepare_megatron()
+
+from relax.tools.tiny_model import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    """A tiny Qwen3 HF checkpoint (relax.tools.tiny_model), built once: the tests that take it only read it."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from helpers import DRY_RUN
 from relax.args import build_parser, parse_train_args
 from relax.run.loop import rollout_batch
 from relax.rollout.data import Prompt
@@ -15,11 +16,7 @@ from relax.train.losses import aggregation_denominator
 from relax.train.off_policy import corrected_policy_loss
 
 GROUPS = ("relax: algorithm", "relax: off-policy correction")
-SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-BASE = [
-    "--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE,
-    "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8",
-]
+BASE = [*DRY_RUN, "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8"]
 KL = ["--use-kl-loss", "--kl-coef", "0.1"]
 TIS = ["--use-tis"]
 GSPO = ["--advantage-estimator", "gspo"]

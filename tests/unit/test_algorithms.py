@@ -3,12 +3,10 @@
 import pytest
 import torch
 
+from helpers import DRY_RUN as RUN
 from relax.args import build_parser, parse_train_args
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import policy_loss
-
-RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run",
-       "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
 
 def test_the_estimator_flag_offers_the_records():

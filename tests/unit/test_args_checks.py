@@ -8,27 +8,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from helpers import DRY_RUN as RUN, REQUIRED, TINY_SIZE as SIZE, parse_error
 from relax.args import parse_train_args
 from relax.args.checks import Parsed, colocation_releases_memory
 from relax.platform import platform_facts
 from relax.ray.watch import Timeout
 from relax.tools.tiny_model import build_tiny_model
 
-SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
-
-
-def parse_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_train_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
-
 
 RULES = {
     "required flags": (["--device", "cpu", "--dry-run", *SIZE], "missing --prompt-data, --reward-fn, --lr"),
     "checkpoint required outside --dry-run": (
-        ["--lr", "1e-6", "--prompt-data", "p", "--reward-fn", "math", "--device", "cpu", *SIZE],
+        [*REQUIRED, *SIZE],
         "missing --hf-checkpoint (only --dry-run may leave it out)",
     ),
     "TP x PP x CP vs devices": (

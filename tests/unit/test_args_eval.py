@@ -2,19 +2,11 @@
 
 import pytest
 
+from helpers import DRY_RUN as RUN, TINY_SIZE as SIZE, parse_error
 from relax.args import parse_train_args
 from relax.args.settings import RunMode
 
-SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-RUN = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
 EVAL = ["--eval-prompt-data", "held_out", "h.jsonl", "aime", "a.parquet"]
-
-
-def parse_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_train_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_eval_sets_read_as_the_prompt_data_and_sample_as_the_rollout():

@@ -15,19 +15,12 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from helpers import REQUIRED, TINY_SIZE as SIZE, parse_error
 from relax.args import build_parser, parse_train_args
 from relax.args.megatron import MegatronValues, field_flags
 from relax.tools.tiny_model import build_tiny_model
 
-RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
-SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-
-
-def parse_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_train_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
+RUN = [*REQUIRED, "--dry-run"]  # the model's size: SIZE or the --hf-checkpoint's
 
 
 def test_config_objects_are_megatron_cores_own():

@@ -6,21 +6,20 @@ import logging
 import msgspec
 import pytest
 
+from helpers import REQUIRED, TINY_SIZE, parse_error
 from relax.args import build_parser, parse_train_args
 from relax.args.sglang import MANAGED_BY_RELAX, prepare_import, sglang_actions
 from relax.platform import get_platform
 from relax.rollout.engine import server_defaults
-from relax.tools.tiny_model import build_tiny_model
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--lr", "1e-6"]
-BASE += ["--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu"]
+BASE = [*TINY_SIZE, *REQUIRED]
 
 
 @pytest.fixture
-def checkpoint(tmp_path):
-    """A tiny Qwen3 checkpoint of BASE's size."""
-    return str(build_tiny_model(tmp_path / "model", "qwen3"))
+def checkpoint(tiny_qwen3):
+    """A tiny Qwen3 checkpoint of BASE's size, as a command line names it."""
+    return str(tiny_qwen3)
 
 
 def relax_defaults_as_sglang_flags() -> list[str]:
@@ -179,13 +178,6 @@ def test_relax_fills_the_fields_it_manages(checkpoint):
     gpu = ["--device", "cuda", "--dry-run", "--num-devices-per-node", "2", "--rollout-num-devices-per-engine", "2"]
     assert parse_train_args([*BASE, *gpu]).sglang.enable_memory_saver is True
     assert parse_train_args([*BASE, *gpu]).sglang.tp_size == 2
-
-
-def parse_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_train_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,12 @@ them, and every other slime flag is still refused (with what to do where relax h
 
 import pytest
 
+from helpers import DRY_RUN as RUN, parse_error
 from relax.args import build_parser, parse_train_args
 from relax.args.relax_flags import SLIME_SPELLINGS
 from relax.args.sglang import sglang_actions
 from relax.args.unsupported import SLIME_FLAGS
 
-SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
 # relax flag -> (a value other than its default, flags that make the value valid)
 GIVEN = {
     "--num-steps": ("7", []),
@@ -21,13 +20,6 @@ GIVEN = {
     "--max-prompt-length": ("16", []),
     "--kl-coef": ("0.1", ["--use-kl-loss"]),
 }
-
-
-def parse_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_train_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_every_slime_spelling_has_a_case():

@@ -4,6 +4,7 @@ the table's refusal."""
 
 import pytest
 
+from helpers import DRY_RUN as RUN, parse_error
 from relax.args import build_parser, parse_train_args
 from relax.args.checks import RULES, check_config
 from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_architecture, field_flags
@@ -14,10 +15,7 @@ from relax.args.unsupported import REFUSED_FLAGS, REFUSED_VALUES, UNSUPPORTED_CO
 from relax.hf_checkpoint import read_hf_checkpoint
 from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
-from relax.tools.tiny_model import build_tiny_model
 
-SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
 # Every switch that makes a builder read more flags, on at once (a consistent run).
 EVERY_FEATURE = [
     "--use-wandb", "--use-kl-loss", "--kl-coef", "0.1", "--use-tis", "--rollout-rs", "seq_mean_k1",
@@ -46,13 +44,6 @@ COMBINATIONS = {
     ],
     "--position-embedding-type other than rope": ["--position-embedding-type", "learned_absolute"],
 }
-
-
-def parse_error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_train_args(argv)
-    assert exit_info.value.code == 2
-    return capsys.readouterr().err
 
 
 @pytest.mark.parametrize("entry", UNSUPPORTED_COMBINATIONS, ids=lambda entry: entry.setting)
@@ -110,7 +101,7 @@ def _reads(argv) -> tuple[set, set, set]:
     return built.read, checked.read, scheduler.read
 
 
-def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed):
+def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed, tiny_qwen3):
     pretend_wandb_installed(installed=True)  # --use-wandb is among the features read
     record = tmp_path / "record"
     record.mkdir()
@@ -128,7 +119,7 @@ def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed):
 
     forms, _, _ = field_flags()  # megatron-core's dataclass fields: the config objects the actor builds
     # A model flag config.json fixes must agree with it (relax.args.megatron.resolve_architecture).
-    fixed = set(checkpoint_architecture(read_hf_checkpoint(build_tiny_model(tmp_path / "model", "qwen3"))))
+    fixed = set(checkpoint_architecture(read_hf_checkpoint(tiny_qwen3)))
     assert set(MODEL_FLAGS) - fixed - set(OTHER_MODEL_FLAG_READERS) == set()
     assert set(SCHEDULER_FLAGS) - scheduler == set()  # an LR-schedule flag the actor's settings do not take
     refused = {entry.setting.removeprefix("--").replace("-", "_") for entry in REFUSED_FLAGS}

@@ -2,10 +2,9 @@
 or a run with one line naming the file and the row, exit status 2, no traceback. The dry run checks the checkpoint
 --load names and every step's file --load-rollout-data names likewise."""
 
-import json
-
 import pytest
 
+from helpers import write_jsonl
 from relax.cli import main
 from relax.rollout.data import Prompt
 from relax.rollout.dump import save_rollout_data
@@ -23,20 +22,15 @@ def train_argv(checkpoint, data, *extra):
             "--reward-fn", "copy_digit", "--lr", "1e-2", "--apply-chat-template", *extra]
 
 
-def write_rows(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
 def test_the_dry_run_reads_rows_of_only_prompt_and_label(tmp_path, checkpoint, capsys):
-    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}, {"prompt": "copy 2:", "label": "2"}])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}, {"prompt": "copy 2:", "label": "2"}])
     assert main(train_argv(checkpoint, data, "--dry-run", "--system-prompt", "be brief.")) == 0
     assert f"prompt data: {data}: 2 rows, 2 prompts kept" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry run", "run"])
 def test_a_bad_row_ends_it_with_one_line(tmp_path, checkpoint, capsys, dry_run):
-    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}, {"question": "copy 2:"}])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}, {"question": "copy 2:"}])
     assert main(train_argv(checkpoint, data, *dry_run, "--output-dir", str(tmp_path / "out"))) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -54,7 +48,7 @@ def test_the_dry_run_says_when_it_could_not_check_the_data(tmp_path, checkpoint,
 
 
 def test_the_dry_run_checks_the_checkpoint_to_resume(tmp_path, checkpoint, capsys):
-    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}])
     assert main(train_argv(checkpoint, data, "--dry-run", "--load", str(tmp_path / "later"))) == 0
     assert f"--load: not checked (--load {tmp_path / 'later'} does not exist)" in capsys.readouterr().out
     (tmp_path / "saves").mkdir()
@@ -66,9 +60,9 @@ def test_the_dry_run_checks_the_checkpoint_to_resume(tmp_path, checkpoint, capsy
 
 
 def test_the_dry_run_reads_every_eval_set_and_names_the_set_file_and_row(tmp_path, checkpoint, capsys):
-    data = write_rows(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}])
-    good = write_rows(tmp_path / "good.jsonl", [{"prompt": "copy 0:", "label": "0"}] * 3)
-    bad = write_rows(tmp_path / "bad.jsonl", [{"prompt": "copy 0:", "label": "0"}, {"prompt": "copy 1:"}])
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "copy 1:", "label": "1"}])
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "copy 0:", "label": "0"}] * 3)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "copy 0:", "label": "0"}, {"prompt": "copy 1:"}])
     eval_sets = ["--eval-prompt-data", "good", str(good), "later", str(tmp_path / "later.jsonl")]
     assert main(train_argv(checkpoint, data, "--dry-run", *eval_sets)) == 0
     out = capsys.readouterr().out
@@ -83,7 +77,7 @@ def test_the_dry_run_reads_every_eval_set_and_names_the_set_file_and_row(tmp_pat
 
 
 def test_the_eval_only_dry_run_reads_the_eval_sets_and_says_the_training_flags_are_unused(tmp_path, checkpoint, capsys):
-    held_out = write_rows(tmp_path / "held_out.jsonl", [{"prompt": "copy 0:", "label": "0"}] * 2)
+    held_out = write_jsonl(tmp_path / "held_out.jsonl", [{"prompt": "copy 0:", "label": "0"}] * 2)
     argv = ["train", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--reward-fn", "copy_digit", "--dry-run",
             "--eval-prompt-data", "held_out", str(held_out), "--eval-only", "--num-steps", "3"]
     assert main(argv) == 0

@@ -4,6 +4,7 @@ import datasets
 import pytest
 import transformers
 
+from helpers import write_jsonl
 from relax.rollout.data import LoaderPosition, PromptDataConfig, PromptDataError, PromptLoader, load_prompts
 from relax.tools.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
@@ -30,13 +31,6 @@ def thinking_tokenizer(tmp_path_factory):
     config_path.write_text(json.dumps(config))
     (directory / "chat_template.jinja").unlink(missing_ok=True)  # where newer transformers keep the template
     return transformers.AutoTokenizer.from_pretrained(directory)
-
-
-def write_jsonl(path, rows):
-    with open(path, "w") as f:
-        for row in rows:
-            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
-    return path
 
 
 def test_jsonl_chat_template_label_metadata(tmp_path, tokenizer):

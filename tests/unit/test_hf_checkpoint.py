@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from helpers import REQUIRED
 from relax.args import format_config, parse_train_args
 from relax.hf_checkpoint import (
     HFCheckpointError,
@@ -22,7 +23,7 @@ from relax.hf_checkpoint.architecture import FAMILIES
 from relax.hf_checkpoint.layout import language_model
 from relax.tools.tiny_model import build_tiny_model
 
-RUN = ["--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
+RUN = [*REQUIRED, "--dry-run"]  # the model's size: the --hf-checkpoint's
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +32,8 @@ def vl_dirs(tmp_path_factory):
     return {family: build_tiny_model(tmp_path_factory.mktemp(family), family) for family in families}
 
 
-def test_a_text_checkpoint_is_its_own_language_model(tmp_path):
-    checkpoint = read_hf_checkpoint(build_tiny_model(tmp_path / "m", "qwen3"))
+def test_a_text_checkpoint_is_its_own_language_model(tiny_qwen3):
+    checkpoint = read_hf_checkpoint(tiny_qwen3)
     assert checkpoint.text_config is checkpoint.config and not checkpoint.vision_language
     assert checkpoint.family == "qwen3"
     assert checkpoint.checkpoint_name("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"

@@ -6,11 +6,9 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from helpers import DRY_RUN as RUN
 from relax.args import parse_train_args
 from relax.run.metrics import MetricsLog, read_metrics
-
-SIZE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-RUN = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run", *SIZE]
 
 
 def log_run(output_dir, steps, reward, first_step=0):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import DRY_RUN as RUN
 from relax.args import parse_train_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,8 +30,6 @@ PACKAGE_OF_MODULE = {"torch.utils.tensorboard": "tensorboard"}
 # Output packages a run uses only when a flag asks for them.
 OPTIONAL = {"wandb": "--use-wandb"}
 STACKS = {"CPU stack": PINS["CPU_STACK"], "CUDA stack": PINS["CUDA_STACK"], "NPU image": PINS["NPU_IMAGE_EXTRAS"]}
-RUN = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--device", "cpu", "--dry-run"]
-RUN += ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 
 
 def imports(path: Path, module_level_only: bool = False) -> set[str]:
