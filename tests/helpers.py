@@ -1,8 +1,7 @@
 """What test files share: the command line of a `relax train` run that only parses, the check that a command
 line is refused at parse time, and prompt data written as JSON lines.
 
-Test files import it as `helpers`: pytest puts tests/ on sys.path, the folder of tests/conftest.py, in its
-default (prepend) import mode."""
+Test files import it as `helpers`: pytest.ini's `pythonpath` puts tests/ on sys.path."""
 
 import json
 from pathlib import Path
