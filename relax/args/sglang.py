@@ -15,7 +15,7 @@ import msgspec
 import yaml
 
 from relax.args.strict import RefusedFlag
-from relax.args.unsupported import MANAGED_BY_RELAX
+from relax.args.unsupported import MANAGED_BY_RELAX, refused_sglang_field
 
 PREFIX = "sglang"
 
@@ -80,6 +80,16 @@ def add_sglang_args(parser: argparse.ArgumentParser) -> None:
                 dest=f"{PREFIX}_{action.dest}",
                 reason=f"is set by relax: {instead}",
                 help=f"Set by relax: {instead}.",
+            )
+            continue
+        refused = refused_sglang_field(action.dest)
+        if refused is not None:
+            group.add_argument(
+                *options,
+                action=RefusedFlag,
+                dest=f"{PREFIX}_{action.dest}",
+                reason=f"is not supported: {refused.reason}; {refused.instead}",
+                help=f"Refused: {refused.reason}; {refused.instead}.",
             )
             continue
         # A copy of SGLang's own action object keeps its class, type, nargs, choices, default, required and
@@ -147,6 +157,9 @@ def _config_keys(path: str, error) -> list[str]:
             error(f"--sglang-config {path}: unknown SGLang flag {key!r}{hint}")
         if action.dest in MANAGED_BY_RELAX:
             error(f"--sglang-config {path}: {key!r} is set by relax: {MANAGED_BY_RELAX[action.dest]}")
+        refused = refused_sglang_field(action.dest)
+        if refused is not None:
+            error(f"--sglang-config {path}: {key!r} is not supported: {refused.reason}; {refused.instead}")
     return list(data)
 
 
@@ -164,7 +177,7 @@ def build_server_args(namespace: argparse.Namespace, argv: list[str], managed: d
 
     values = {}
     for action in sglang_actions():
-        if action.dest in MANAGED_BY_RELAX:
+        if action.dest in MANAGED_BY_RELAX or refused_sglang_field(action.dest):
             values[action.dest] = action.default
         elif action.dest in defaults and not _given(action, argv):
             values[action.dest] = defaults[action.dest]
