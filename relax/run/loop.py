@@ -13,12 +13,12 @@ Debug modes run the same phases without one side: --debug-rollout-only creates n
 score, save); --debug-train-only creates no engines and trains on rollouts replayed by --load-rollout-data.
 --eval-only creates no training actor and runs no step: it evaluates --hf-checkpoint once.
 
-The driver waits on every phase through relax.ray.placement.wait_for, which also watches every actor of the
-run (and an engine's SGLang processes): a worker that dies fails the run within seconds, whichever phase
-the driver is waiting on, and a call that may hang is bounded (--engine-start-timeout, --rollout-timeout,
---weight-sync-timeout, --train-timeout). The exception: an engine that fails during a rollout or an evaluation is
-started again in place, given the actor's weights, and its requests are sent again (relax.rollout.engine_restarts;
---max-engine-restarts).
+The driver waits on every phase through relax.ray.placement.wait_for (ActorGroup.run for a call on every actor of a
+group), which also watches every actor of the run (and an engine's SGLang processes): a worker that dies fails the
+run within seconds, whichever phase the driver is waiting on, and a call that may hang is bounded
+(--engine-start-timeout, --rollout-timeout, --weight-sync-timeout, --train-timeout). The exception: an engine that
+fails during a rollout or an evaluation is started again in place, given the actor's weights, and its requests are
+sent again (relax.rollout.engine_restarts; --max-engine-restarts).
 With --max-restarts, run_with_restarts resumes a run whose training rank or engine failed (an engine outside a
 rollout or an evaluation, or past its in-place restarts) from its newest checkpoint, on workers started anew. A
 checkpoint of the last step is resumed too: what remains is the weight push and the evaluation after the last step.
@@ -137,7 +137,7 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
             log.log_evaluation(num_steps, {**final_eval, **workers.take_faults()})
         if trainers is not None and engines is not None:
             # the broadcast groups to engines on other nodes
-            wait_for(trainers.call("close_weight_sync"), placement, settings.train_timeout, group_callees(trainers))
+            trainers.run("close_weight_sync", timeout=settings.train_timeout)
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
         raise worker_failure(error, [workers.trainers, workers.engines]) from error
     finally:
@@ -226,9 +226,8 @@ def collect_rollout(
 def hand_devices_to_actor(engines, trainers, timeout: Timeout) -> None:
     """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
     if engines is not None:
-        released = engines.call("release_memory_occupation", ENGINE_MEMORY)
-        wait_for(released, engines.placement, timeout, group_callees(engines))
-    wait_for(trainers.call("wake"), trainers.placement, timeout, group_callees(trainers))
+        engines.run("release_memory_occupation", ENGINE_MEMORY, timeout=timeout)
+    trainers.run("wake", timeout=timeout)
 
 
 def train(
@@ -254,20 +253,14 @@ def hand_devices_to_engines(engines, trainers, devices_per_engine: int, timeout:
     resume the engines' KV cache. Each sending rank reaches the engines on its node by handle and the others
     by broadcast: it is told every engine's node. Returns each rank's push report (TrainWorker.push_weights).
     Under --debug-train-only there are no engines: the actor only sleeps."""
-    def on_trainers(method: str, *args) -> list:
-        return wait_for(trainers.call(method, *args), trainers.placement, timeout, group_callees(trainers))
-
     if engines is None:
-        on_trainers("sleep")
+        trainers.run("sleep", timeout=timeout)
         return None
-    wait_for(engines.call("resume_memory_occupation", ["weights"]), engines.placement, timeout, group_callees(engines))
+    engines.run("resume_memory_occupation", ["weights"], timeout=timeout)
     engine_nodes = [bundle.node_id for bundle in engines.bundles]
-    reports = on_trainers("push_weights", engines.actors, devices_per_engine, engine_nodes)
-    on_trainers("sleep")
-    wait_for(
-        engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]), engines.placement, timeout,
-        group_callees(engines),
-    )
+    reports = trainers.run("push_weights", engines.actors, devices_per_engine, engine_nodes, timeout=timeout)
+    trainers.run("sleep", timeout=timeout)
+    engines.run("resume_memory_occupation", ["kv_cache", "cuda_graph"], timeout=timeout)
     return reports
 
 
@@ -275,8 +268,7 @@ def resume_actor(checkpoint, engines, trainers, devices_per_engine: int, setting
     """Load the actor's checkpoint (awake, the engines' memory released) and push its weights to the engines,
     which started from --hf-checkpoint."""
     hand_devices_to_actor(engines, trainers, settings.weight_sync_timeout)
-    loaded = trainers.call("load_checkpoint", str(checkpoint.actor_dir))
-    wait_for(loaded, trainers.placement, settings.train_timeout, group_callees(trainers))
+    trainers.run("load_checkpoint", str(checkpoint.actor_dir), timeout=settings.train_timeout)
     hand_devices_to_engines(engines, trainers, devices_per_engine, settings.weight_sync_timeout)
 
 
@@ -375,18 +367,15 @@ def start_workers(workers: Workers, config, platform, placement: Placement, chec
                 settings.update_weight_buffer_size, settings.megatron_features,
             ),
         )
-        wait_for(trainers.call("sleep"), placement, settings.weight_sync_timeout, group_callees(trainers))
-        workers.data_parallel_ranks = wait_for(
-            trainers.call("data_parallel_rank"), placement, settings.train_timeout, group_callees(trainers)
-        )
+        trainers.run("sleep", timeout=settings.weight_sync_timeout)
+        workers.data_parallel_ranks = trainers.run("data_parallel_rank", timeout=settings.train_timeout)
     if settings.mode.has_engines:
         workers.engines = engines = create_engine_actors(
             EngineWorker, placement,
             devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
             args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
         )
-        started = engines.call("watched_child_pids")
-        wait_for(started, placement, settings.engine_start_timeout, group_callees(engines))
+        engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
         workers.generate = _generate_restarting_engines(engines, workers.trainers, settings, rollout.devices_per_engine)
     if checkpoint is not None:
         resume_actor(checkpoint, workers.engines, workers.trainers, rollout.devices_per_engine, settings)

@@ -172,10 +172,11 @@ def test_a_run_restarts_after_an_engine_failure_but_not_after_a_driver_error_or_
 
 
 class _Group:
-    """An ActorGroup double: a call's refs name the group and the method; kill() is recorded."""
+    """An ActorGroup double: a call's refs name the group and the method; run() waits on them through `wait_for`
+    (the world's); kill() is recorded."""
 
-    def __init__(self, role: str):
-        self.role, self.killed = role, False
+    def __init__(self, role: str, wait_for):
+        self.role, self.killed, self.wait_for = role, False, wait_for
         self.placement, self.actors, self.bundles = None, [role], [SimpleNamespace(node_id="node")]
 
     def __len__(self) -> int:
@@ -183,6 +184,9 @@ class _Group:
 
     def call(self, method: str, *args) -> list:
         return [(self.role, method)]
+
+    def run(self, method: str, *args, timeout=None) -> list:
+        return self.wait_for(self.call(method, *args))
 
     def kill(self) -> None:
         self.killed = True
@@ -201,8 +205,8 @@ class _Generate:
 
 class _World:
     """What run() would create, replaced by doubles in relax.run.loop: the platform, Ray, the placement, the
-    workers' groups, the evaluations and rollouts (recorded by step). `wait_for` answers a call's refs, or raises
-    `fails` for the call named there."""
+    workers' groups, the evaluations and rollouts (recorded by step). `wait_for` (the loop's, and the groups' run)
+    answers a call's refs, or raises `fails` for the call named there."""
 
     def __init__(self, monkeypatch, fails: tuple[tuple[str, str], Exception] | None = None):
         self.groups, self.evaluated, self.ray_shut_down, self.placement_removed = {}, [], False, False
@@ -231,6 +235,7 @@ class _World:
             return [0 for _ in refs]  # data_parallel_rank: 0
 
         monkeypatch.setattr(loop, "wait_for", wait_for)
+        self.wait_for = wait_for
 
         def evaluate_if_due(generate, eval_sets, evaluation, reward_fn, seed, num_steps, step):
             self.evaluated.append(step)
@@ -245,7 +250,7 @@ class _World:
         monkeypatch.setattr(loop, "collect_rollout", collect_rollout)
 
     def _group(self, role: str) -> _Group:
-        self.groups[role] = _Group(role)
+        self.groups[role] = _Group(role, self.wait_for)
         return self.groups[role]
 
 
