@@ -293,12 +293,11 @@ def stop_run(
 
 
 def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> RolloutBatch:
-    """Token sequences, per-token advantages, the engine's logprobs and (routing replay) its routed experts of the
-    samples, for the training ranks."""
+    """Token sequences, loss masks, per-token advantages, the engine's logprobs and (routing replay) its routed
+    experts of the samples, for the training ranks."""
     lengths = [len(s.response_token_ids) for s in samples]
-    mask = torch.zeros(len(samples), max(lengths))
-    for i, length in enumerate(lengths):
-        mask[i, :length] = 1
+    loss_mask = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+    mask = torch.nn.utils.rnn.pad_sequence(loss_mask, batch_first=True)
     advantages = compute_advantages(
         algorithm.advantage_estimator,
         torch.tensor([s.reward for s in samples]),
@@ -309,6 +308,7 @@ def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> Rollou
     return RolloutBatch(
         tokens=[s.prompt.token_ids + s.response_token_ids for s in samples],
         response_lengths=lengths,
+        loss_mask=loss_mask,
         advantages=[advantages[i, :length] for i, length in enumerate(lengths)],
         rollout_logprobs=[torch.tensor(s.response_logprobs) for s in samples],
         routed_experts=[s.routed_experts for s in samples] if samples[0].routed_experts is not None else None,

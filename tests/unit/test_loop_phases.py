@@ -75,6 +75,15 @@ def test_rollout_batch_carries_the_engine_logprobs():
     assert [t.tolist() for t in rollout_batch(samples, GRPO_IN_PAIRS).rollout_logprobs] == [[-0.5, -1.5], [-2.0]]
 
 
+def test_rollout_batch_carries_each_samples_loss_mask_and_an_untrained_token_gets_no_advantage():
+    prompt = Prompt(1, [1, 2], "ab")
+    samples = [Sample(prompt, [5, 6, 7], [-0.5, 0.0, -1.5], "stop", reward=1.0, loss_mask=[1, 0, 1]),
+               Sample(prompt, [7], [-2.0], "stop", reward=0.0)]
+    batch = rollout_batch(samples, GRPO_IN_PAIRS)
+    assert [m.tolist() for m in batch.loss_mask] == [[1.0, 0.0, 1.0], [1.0]]
+    assert batch.advantages[0].tolist() == pytest.approx([0.7071, 0.0, 0.7071], abs=1e-3)
+
+
 def test_rollout_batch_carries_the_engines_routed_experts_when_the_samples_have_them():
     prompt = Prompt(1, [1, 2], "ab")
     experts = [torch.full((3, 2, 2), 1, dtype=torch.int16), torch.full((2, 2, 2), 3, dtype=torch.int16)]

@@ -36,7 +36,7 @@ def _samples():
         # floats that only survive a round trip written as repr
         Sample(a, [5, 6], [0.1 + 0.2, -1e-300], "stop", "7\n", reward=1 / 3, reward_failed=False),
         Sample(a, [8], [float("-inf")], "length", "x", reward=0.0, reward_failed=True),
-        Sample(b, [9, 9, 9], [-0.5, -0.25, -2.0], "abort", "", reward=-1.5),
+        Sample(b, [9, 9, 9], [-0.5, -0.25, -2.0], "abort", "", reward=-1.5, loss_mask=[1, 0, 1]),  # a tool's token
         Sample(b, [7], [-3.0], "stop", "y", reward=2.0),
     ]
 
@@ -67,8 +67,8 @@ def test_the_documented_format(tmp_path):
         "row": 3, "token_ids": [1, 2], "text": "écris 7", "label": {"answer": [7, "7"]}, "metadata": {"source": "t", "k": 1}
     }
     assert groups[1]["samples"][0] == {
-        "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0], "finish_reason": "abort",
-        "response_text": "", "reward": -1.5, "reward_failed": False,
+        "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0], "loss_mask": [1, 0, 1],
+        "finish_reason": "abort", "response_text": "", "reward": -1.5, "reward_failed": False,
     }
 
 
@@ -133,8 +133,9 @@ def test_bad_files_fail_naming_the_path_and_step(tmp_path, make, error):
         (lambda g: g["samples"][0].update(reward="1"), "reward is str"),
         (lambda g: g["prompt"].update(metadata=[]), "metadata is list, expected dict"),
         (lambda g: g["samples"].append(dict(g["samples"][0])), "2 samples, the header says 1"),
+        (lambda g: g["samples"][0].update(loss_mask=[1, 1]), "a loss_mask of 2 values: it must hold a 0 or 1 for each"),
     ],
-    ids=["missing-key", "logprob-count", "token-type", "reward-type", "metadata-type", "group-size"],
+    ids=["missing-key", "logprob-count", "token-type", "reward-type", "metadata-type", "group-size", "loss-mask"],
 )
 def test_malformed_groups_name_their_line(tmp_path, corrupt, error):
     path = tmp_path / "d.jsonl"
@@ -279,3 +280,12 @@ def test_the_check_before_a_run_reads_headers_and_the_dry_runs_check_reads_all(t
     for read_samples in (False, True):
         with pytest.raises(RolloutDataError, match=r"step 1: .*s1\.jsonl: its routed experts .* do not exist"):
             check(read_samples=read_samples)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_files_before_loss_masks_load_with_every_response_token_trained(tmp_path, version):
+    path = tmp_path / "old.jsonl"
+    group = _write(path, {"version": version})
+    assert "loss_mask" not in group["samples"][0]  # as those versions wrote them
+    (sample,) = load_rollout_data(str(path), 0, num_groups=1, samples_per_prompt=1)
+    assert sample.loss_mask == [1]
