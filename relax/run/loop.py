@@ -1,9 +1,9 @@
 """The colocated RL loop. `run` reads top to bottom: set up (start_workers: the training actors, then the engines,
 then the checkpoint resumed from), then one colocated step per iteration, then the evaluation after the last step.
 
-One step: generate and score; release the engines' memory; wake the actor; old-policy (and
-reference) logprobs and advantages; train; push the new weights to the engines and put the actor to
-sleep; resume the engines. The phases are plain functions below `run`.
+One step: the rollout (relax.rollout.api: generate and score, or replay); release the engines' memory; wake the
+actor; old-policy (and reference) logprobs and advantages; train; push the new weights to the engines and put the
+actor to sleep; resume the engines. The phases are plain functions below `run`.
 
 Evaluation (--eval-prompt-data) runs on the engines while the actor sleeps, so it needs no device memory of its
 own: before a step's rollout when one is due (step 0, every --eval-interval steps) and after the last step's weight
@@ -49,14 +49,13 @@ from relax.ray.placement import (
 )
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptLoader, load_prompts
-from relax.rollout.dump import check_rollout_data, load_rollout_data, save_rollout_data
+from relax.rollout.api import DynamicSampling, GenerateAndScore, Replay, Rollout, RolloutRequest
+from relax.rollout.dump import check_rollout_data, save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate, load_eval_sets
 from relax.rollout.groups import Sample, apply_overlong_penalty
 from relax.rollout.engine_restarts import EngineRestarts
 from relax.rollout.rewards import load_reward_fn
-from relax.rollout.rollout import (
-    Generate, generate_and_score, generate_informative_groups, reward_and_length_metrics, take_prompts,
-)
+from relax.rollout.rollout import Generate, reward_and_length_metrics
 from relax.rollout.worker import EngineWorker
 from relax.run.state import LATEST, RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.algorithms import compute_advantages
@@ -104,15 +103,14 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
         if stop.requested:  # a signal came during the setup
             raise RunStopped(stop.signum, None, None)
         evaluate_policy = partial(evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps)
+        step_rollout = rollout_of(rollout, generate, reward_fn)
         for step in range(start_step, num_steps):
             timer, train_metrics, saved = PhaseTimer(), {}, None
             step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
             eval_metrics = evaluate_policy(step)  # the policy this step samples from, while the actor sleeps
             with timer("perf/step_time"):
                 with timer("perf/rollout_time"):
-                    samples, rollout_metrics = collect_rollout(
-                        step, generate, loader, step_sampling, reward_fn, rollout
-                    )
+                    samples, rollout_metrics = collect_rollout(step, step_rollout, loader, step_sampling, rollout)
                 if trainers is not None:  # None under --debug-rollout-only
                     with timer("perf/train_wait_time"):
                         hand_devices_to_actor(engines, trainers, hand_over_timeout)
@@ -195,26 +193,27 @@ def evaluate_if_due(
     return {**metrics, **timer.seconds}
 
 
-def collect_rollout(
-    step, generate: Generate, loader, sampling, reward_fn, rollout: RolloutSettings
-) -> tuple[list[Sample], dict]:
-    """This step's scored samples (prompt by prompt) and their metrics: replayed from --load-rollout-data,
-    else generated (under --dynamic-sampling, refilled with informative groups); saved to --save-rollout-data.
-    The overlong penalty comes last, so saved rewards and reward metrics are the reward function's own."""
-    sampling_metrics, group_size = {}, rollout.sampling.n
+def rollout_of(rollout: RolloutSettings, generate: Generate | None, reward_fn) -> Rollout:
+    """The run's rollout (relax.rollout.api): the saved samples under --load-rollout-data, else the engines'
+    responses scored (with --dynamic-sampling, refilled with informative groups)."""
     if rollout.load_data:
-        samples = load_rollout_data(
-            rollout.load_data, step, rollout.batch_size, group_size, with_routed_experts=rollout.routing_replay
-        )
-    elif rollout.dynamic_sampling:
-        samples, sampling_metrics = generate_informative_groups(
-            generate, loader, sampling, reward_fn, num_groups=rollout.batch_size,
-            prompts_per_round=rollout.over_sampling_batch_size, max_rounds=rollout.dynamic_sampling_max_rounds,
-        )
-    else:
-        samples = generate_and_score(generate, take_prompts(loader, rollout.batch_size), sampling, reward_fn)
+        return Replay(rollout.load_data, with_routed_experts=rollout.routing_replay)
+    dynamic_sampling = (
+        DynamicSampling(rollout.over_sampling_batch_size, rollout.dynamic_sampling_max_rounds)
+        if rollout.dynamic_sampling else None
+    )
+    return GenerateAndScore(generate, reward_fn, dynamic_sampling)
+
+
+def collect_rollout(
+    step, step_rollout: Rollout, loader, sampling, rollout: RolloutSettings
+) -> tuple[list[Sample], dict]:
+    """This step's scored samples (prompt by prompt) from `step_rollout` and their metrics; saved to
+    --save-rollout-data. The overlong penalty comes last, so saved rewards and reward metrics are the reward
+    function's own."""
+    samples, sampling_metrics = step_rollout(RolloutRequest(step, loader, rollout.batch_size, sampling))
     if rollout.save_data:
-        save_rollout_data(rollout.save_data, step, samples, group_size)
+        save_rollout_data(rollout.save_data, step, samples, rollout.sampling.n)
     metrics = {**reward_and_length_metrics(samples), **sampling_metrics}
     if rollout.overlong_buffer_len:
         apply_overlong_penalty(

@@ -279,7 +279,9 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
     outputs = _record(output_dir=str(output_dir), wandb_project=None, save=save, save_interval=None, save_hf=None)
     return _record(
         run=settings,
-        rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None),
+        rollout=SimpleNamespace(
+            sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None, dynamic_sampling=False
+        ),
         evaluation=SimpleNamespace(), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=outputs,
     )

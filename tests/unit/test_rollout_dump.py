@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from relax.args import RolloutSettings
 from relax.args.checks import Parsed, rollout_data_patterns_valid
-from relax.run.loop import collect_rollout
+from relax.run.loop import collect_rollout, rollout_of
 from relax.rollout.data import Prompt
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import (
@@ -236,7 +236,8 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
         load_data=str(tmp_path / "in_{step}.jsonl"), save_data=str(tmp_path / "out_{step}.jsonl"),
         overlong_buffer_len=1,
     )
-    samples, metrics = collect_rollout(1, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
+    replay = rollout_of(rollout, generate=None, reward_fn=None)
+    samples, metrics = collect_rollout(1, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
     # Saved again unchanged: the file holds the reward function's scores, the penalty comes after.
     assert (tmp_path / "out_1.jsonl").read_text() == (tmp_path / "in_1.jsonl").read_text()
     assert metrics["rollout/reward_mean"] == pytest.approx((1 / 3 + 0.0 - 1.5 + 2.0) / 4)
@@ -244,7 +245,7 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
     # 3 tokens of at most 3 with a 1-token buffer: -1; shorter responses keep their reward
     assert [s.reward for s in samples] == [1 / 3, 0.0, -2.5, 2.0]
     with pytest.raises(RolloutDataError, match=r"step 2: .*in_2\.jsonl does not exist"):
-        collect_rollout(2, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
+        collect_rollout(2, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
 
 
 def test_the_loop_replays_and_saves_again_the_routed_experts_under_routing_replay(tmp_path):
@@ -253,7 +254,8 @@ def test_the_loop_replays_and_saves_again_the_routed_experts_under_routing_repla
     rollout = _loop_settings(
         load_data=str(tmp_path / "in_{step}.jsonl"), save_data=str(tmp_path / "out_{step}.jsonl"), routing_replay=True
     )
-    replayed, _ = collect_rollout(0, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
+    replay = rollout_of(rollout, generate=None, reward_fn=None)
+    replayed, _ = collect_rollout(0, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
     assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(replayed, samples))
     saved_again = (tmp_path / "out_0.jsonl.experts.safetensors").read_bytes()
     assert saved_again == (tmp_path / "in_0.jsonl.experts.safetensors").read_bytes()
