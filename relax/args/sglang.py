@@ -15,7 +15,7 @@ import msgspec
 import yaml
 
 from relax.args.strict import RefusedFlag
-from relax.args.unsupported import MANAGED_BY_RELAX
+from relax.args.unsupported import MANAGED_BY_RELAX, refused_sglang_field
 
 PREFIX = "sglang"
 
@@ -72,14 +72,10 @@ def add_sglang_args(parser: argparse.ArgumentParser) -> None:
     )
     for action in sglang_actions():
         options = [prefixed(o) for o in action.option_strings]
-        if action.dest in MANAGED_BY_RELAX:
-            instead = MANAGED_BY_RELAX[action.dest]
+        why = refusal(action.dest)
+        if why is not None:
             group.add_argument(
-                *options,
-                action=RefusedFlag,
-                dest=f"{PREFIX}_{action.dest}",
-                reason=f"is set by relax: {instead}",
-                help=f"Set by relax: {instead}.",
+                *options, action=RefusedFlag, dest=f"{PREFIX}_{action.dest}", reason=why, help=f"Refused: it {why}."
             )
             continue
         # A copy of SGLang's own action object keeps its class, type, nargs, choices, default, required and
@@ -92,6 +88,14 @@ def add_sglang_args(parser: argparse.ArgumentParser) -> None:
         if getattr(clone, "new_flag", None):  # deprecation warnings name the replacement flag
             clone.new_flag = prefixed(clone.new_flag)
         group._add_action(clone)
+
+
+def refusal(field: str) -> str | None:
+    """Why --sglang-<field> is refused, as its error says it after the flag; None where relax takes the field."""
+    if field in MANAGED_BY_RELAX:
+        return f"is set by relax: {MANAGED_BY_RELAX[field]}"
+    refused = refused_sglang_field(field)
+    return None if refused is None else f"is not supported: {refused.reason}; {refused.instead}"
 
 
 def redirects() -> dict[str, str]:
@@ -145,8 +149,9 @@ def _config_keys(path: str, error) -> list[str]:
             guess = difflib.get_close_matches(f"--{key}", list(by_option), n=1, cutoff=0.75)
             hint = f": did you mean {guess[0][2:]!r}?" if guess else " (keys are SGLang flags without the leading --)"
             error(f"--sglang-config {path}: unknown SGLang flag {key!r}{hint}")
-        if action.dest in MANAGED_BY_RELAX:
-            error(f"--sglang-config {path}: {key!r} is set by relax: {MANAGED_BY_RELAX[action.dest]}")
+        why = refusal(action.dest)
+        if why is not None:
+            error(f"--sglang-config {path}: {key!r} {why}")
     return list(data)
 
 
@@ -164,7 +169,7 @@ def build_server_args(namespace: argparse.Namespace, argv: list[str], managed: d
 
     values = {}
     for action in sglang_actions():
-        if action.dest in MANAGED_BY_RELAX:
+        if refusal(action.dest) is not None:  # relax's own value goes in below, or SGLang's default stays
             values[action.dest] = action.default
         elif action.dest in defaults and not _given(action, argv):
             values[action.dest] = defaults[action.dest]

@@ -6,6 +6,8 @@ Four kinds of entry, each with its reason and what to use instead:
 - REFUSED_VALUES: values a relax flag does not offer but a user may expect (e.g. an algorithm other trainers name).
 - MANAGED_BY_RELAX: SGLang ServerArgs fields relax sets itself (--sglang-<field> and --sglang-config keys are
   refused, naming the relax flag to use).
+- REFUSED_SGLANG_FIELDS (and every speculative_* field): SGLang ServerArgs fields the engine relax drives cannot
+  carry out (--sglang-<field> and --sglang-config keys are refused with the reason); refused_sglang_field reads both.
 - UNSUPPORTED_COMBINATIONS: values or combinations of accepted flags that no part of relax carries out.
 And SLIME_FLAGS: slime flags that are not aliases of relax flags (relax.args.relax_flags.SLIME_SPELLINGS lists
 those), because relax has no such setting or takes it in another form; giving one is an error that says what to do.
@@ -77,6 +79,48 @@ MANAGED_BY_RELAX = {
         "use --apply-chat-template-kwargs (relax renders the prompts and sends the engine token ids)"
     ),
 }
+
+# SGLang ServerArgs fields whose setting relax's engines cannot carry out: one in-process engine per
+# --rollout-num-devices-per-engine devices of one node, tensor-parallel over them, its weights pushed by the actor.
+# Their own default (what relax runs with) is kept; giving the flag is an error.
+REFUSED_SGLANG_FIELDS = {
+    "pp_size": Unsupported(
+        "--sglang-pp-size",
+        "relax places an engine on --rollout-num-devices-per-engine devices as its tensor-parallel ranks and pushes "
+        "each weight bucket to those ranks; pipeline stages would run on devices outside the engine's placement",
+        "remove it; --rollout-num-devices-per-engine sets an engine's devices",
+    ),
+    "nnodes": Unsupported(
+        "--sglang-nnodes",
+        "relax starts each engine in one process on one node; an engine spanning nodes would wait for processes "
+        "on other nodes that nothing starts",
+        "remove it; relax places engines over --num-nodes itself, one node per engine",
+    ),
+    "node_rank": Unsupported(
+        "--sglang-node-rank",
+        "relax starts each engine in one process on one node (node rank 0 of its own engine)",
+        "remove it; relax places engines over --num-nodes itself, one node per engine",
+    ),
+    "disaggregation_mode": Unsupported(
+        "--sglang-disaggregation-mode",
+        "relax's engine serves prefill and decode itself; a prefill-only or decode-only engine would wait for a "
+        "peer engine and bootstrap server that nothing starts",
+        "remove it",
+    ),
+}
+SPECULATIVE = Unsupported(
+    "--sglang-speculative-*",
+    "speculative decoding is not carried out: the weight push does not update a draft model, which would keep "
+    "proposing tokens from the initial weights",
+    "remove it",
+)
+
+
+def refused_sglang_field(field: str) -> Unsupported | None:
+    """Why the SGLang ServerArgs field is refused, or None where relax takes it."""
+    if field.startswith("speculative_"):
+        return SPECULATIVE
+    return REFUSED_SGLANG_FIELDS.get(field)
 
 
 # slime flag -> what to do in relax (answered for the unknown flag instead of the closest spelling, which misleads).

@@ -5,7 +5,8 @@
                       tensor-parallel group of bundles), the variables each placed actor gets;
                       worker_failure: which placed actor an error came from, its pid, node and log file;
                       wait_for: ray.get that fails as soon as an actor of the run is gone (or a call
-                      runs past its Timeout); ActorGroup.restart: an actor started again in place
+                      runs past its Timeout); ActorGroup.run: a method called on every actor of a
+                      group, waited for so; ActorGroup.restart: an actor started again in place
     watch.py          the liveness watch wait_for uses: a process watcher per node and actor group;
                       Timeout, the bound on a call that may hang while its processes run
     runtime_env.py    the one rule for which variables reach workers (used by `relax submit` and placement)

@@ -316,6 +316,11 @@ class ActorGroup:
         """Call `method` on every actor; returns the object refs (ray.get them)."""
         return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
 
+    def run(self, method: str, *args, timeout: Timeout | None = None, **kwargs) -> list:
+        """Call `method` on every actor and wait for their answers, in actor order (wait_for): WorkerFailed as soon
+        as an actor of the placement is gone, or naming the first of these actors still silent after `timeout`."""
+        return wait_for(self.call(method, *args, **kwargs), self.placement, timeout, group_callees(self))
+
     def kill(self) -> None:
         self._end_watches()  # first: they would report the actors' deaths
         for actor in self.actors:

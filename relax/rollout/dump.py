@@ -6,13 +6,13 @@ or with a format spec, `dumps/step_{step:04d}.jsonl`).
 A pattern without `{step}` names one file: saving refuses it for runs of more than one step; loading
 replays that same rollout at every step.
 
-Format (version 2): JSON lines, UTF-8. The first line is a header, then one line per prompt group:
+Format (version 3): JSON lines, UTF-8. The first line is a header, then one line per prompt group:
 
-    {"format": "relax.rollout_data", "version": 2, "step": 3, "num_groups": 8, "samples_per_prompt": 8,
+    {"format": "relax.rollout_data", "version": 3, "step": 3, "num_groups": 8, "samples_per_prompt": 8,
      "routed_experts": "step_3.jsonl.experts.safetensors"}
     {"prompt": {"row": 17, "token_ids": [...], "text": "...", "label": ..., "metadata": {...}},
-     "samples": [{"response_token_ids": [...], "response_logprobs": [...], "finish_reason": "stop",
-                  "response_text": "...", "reward": 1.0, "reward_failed": false}, ...]}
+     "samples": [{"response_token_ids": [...], "response_logprobs": [...], "loss_mask": [1, ...],
+                  "finish_reason": "stop", "response_text": "...", "reward": 1.0, "reward_failed": false}, ...]}
 
 Rewards are the reward function's scores, before any overlong penalty (the loop applies that after
 loading, from the response lengths). Floats are written as Python's repr, so they read back bit for bit.
@@ -29,6 +29,7 @@ reads them only for a run that replays them, and refuses a file without them for
 Both files are written to a temporary name and then renamed, the experts first: a run that dies mid-write leaves
 no half file under the step's name, and a step's JSON lines, once there, have their experts complete beside them.
 Version 1 files (before routed experts were kept; no "routed_experts" in the header) load as a step without them.
+Version 1 and 2 files (before loss masks were kept) hold no "loss_mask": every response token was trained then.
 
 Before a replaying run touches a device, check_rollout_data checks every step's file it will read: `relax train
 --dry-run` reads each one whole, the run itself only its header (and that its experts are there), as it reads each
@@ -50,8 +51,8 @@ from relax.rollout.groups import Sample, group_by_prompt
 from relax.train.batch import check_routed_experts
 
 FORMAT = "relax.rollout_data"
-VERSION = 2  # what saving writes
-READABLE_VERSIONS = (1, 2)  # version 1: no routed experts
+VERSION = 3  # what saving writes
+READABLE_VERSIONS = (1, 2, 3)  # version 1: no routed experts; versions 1 and 2: no loss masks
 EXPERTS_SUFFIX = ".experts.safetensors"
 STORED_DTYPES = (torch.uint8, ROUTED_EXPERTS_DTYPE)  # routed experts on disk: the first that holds every id
 
@@ -105,6 +106,7 @@ def save_rollout_data(pattern: str, step: int, samples: list[Sample], samples_pe
                 {
                     "response_token_ids": s.response_token_ids,
                     "response_logprobs": s.response_logprobs,
+                    "loss_mask": s.loss_mask,
                     "finish_reason": s.finish_reason,
                     "response_text": s.response_text,
                     "reward": s.reward,
@@ -320,6 +322,8 @@ def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:
             raise ValueError(f"{len(tokens)} response tokens and {len(logprobs)} logprobs (need as many, at least 1)")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
             raise TypeError("response_logprobs must be numbers")
+        # Files of versions 1 and 2 hold no loss mask: every response token was trained when they were written.
+        loss_mask = _int_list(s, "loss_mask") if "loss_mask" in s else [1] * len(tokens)
         reward = _typed(s, "reward", (int, float))
         if isinstance(reward, bool) or not math.isfinite(reward):
             raise ValueError(f"reward {reward!r} is not a finite number")
@@ -327,6 +331,7 @@ def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:
             Sample(
                 prompt, tokens, [float(v) for v in logprobs], _typed(s, "finish_reason", str),
                 _typed(s, "response_text", str), float(reward), _typed(s, "reward_failed", bool),
+                loss_mask=loss_mask,
             )
         )
     return samples

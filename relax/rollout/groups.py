@@ -25,6 +25,18 @@ class Sample:
     reward_timed_out: bool = False  # its reward call ran past --reward-timeout (reward_failed too)
     # The experts the engine's routers chose (--use-rollout-routing-replay), relax.rollout.engine.Completion's
     routed_experts: torch.Tensor | None = None
+    # Per response token: 1 where the loss trains it, 0 where it does not (a token the policy did not sample, such as
+    # a tool's output spliced into the response). None: every response token is trained.
+    loss_mask: list[int] | None = None
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.response_token_ids)
+        if len(self.loss_mask) != len(self.response_token_ids) or not set(self.loss_mask) <= {0, 1}:
+            raise ValueError(
+                f"a loss_mask of {len(self.loss_mask)} values: it must hold a 0 or 1 for each of the "
+                f"{len(self.response_token_ids)} response tokens"
+            )
 
 
 @dataclass

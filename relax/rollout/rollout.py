@@ -35,7 +35,10 @@ def generate_and_score(
     """sampling.n scored samples per prompt, prompt by prompt (n consecutive samples each) in prompt order."""
     completions = generate([prompt.token_ids for prompt in prompts], sampling)
     samples = [
-        Sample(prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts)
+        Sample(
+            prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts,
+            loss_mask=[1] * len(c.token_ids),  # every token of the response is the policy's own
+        )
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
     ]

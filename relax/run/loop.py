@@ -1,9 +1,9 @@
 """The colocated RL loop. `run` reads top to bottom: set up (start_workers: the training actors, then the engines,
 then the checkpoint resumed from), then one colocated step per iteration, then the evaluation after the last step.
 
-One step: generate and score; release the engines' memory; wake the actor; old-policy (and
-reference) logprobs and advantages; train; push the new weights to the engines and put the actor to
-sleep; resume the engines. The phases are plain functions below `run`.
+One step: the rollout (relax.rollout.api: generate and score, or replay); release the engines' memory; wake the
+actor; old-policy (and reference) logprobs and advantages; train; push the new weights to the engines and put the
+actor to sleep; resume the engines. The phases are plain functions below `run`.
 
 Evaluation (--eval-prompt-data) runs on the engines while the actor sleeps, so it needs no device memory of its
 own: before a step's rollout when one is due (step 0, every --eval-interval steps) and after the last step's weight
@@ -13,12 +13,12 @@ Debug modes run the same phases without one side: --debug-rollout-only creates n
 score, save); --debug-train-only creates no engines and trains on rollouts replayed by --load-rollout-data.
 --eval-only creates no training actor and runs no step: it evaluates --hf-checkpoint once.
 
-The driver waits on every phase through relax.ray.placement.wait_for, which also watches every actor of the
-run (and an engine's SGLang processes): a worker that dies fails the run within seconds, whichever phase
-the driver is waiting on, and a call that may hang is bounded (--engine-start-timeout, --rollout-timeout,
---weight-sync-timeout, --train-timeout). The exception: an engine that fails during a rollout or an evaluation is
-started again in place, given the actor's weights, and its requests are sent again (relax.rollout.engine_restarts;
---max-engine-restarts).
+The driver waits on every phase through relax.ray.placement.wait_for (ActorGroup.run for a call on every actor of a
+group), which also watches every actor of the run (and an engine's SGLang processes): a worker that dies fails the
+run within seconds, whichever phase the driver is waiting on, and a call that may hang is bounded
+(--engine-start-timeout, --rollout-timeout, --weight-sync-timeout, --train-timeout). The exception: an engine that
+fails during a rollout or an evaluation is started again in place, given the actor's weights, and its requests are
+sent again (relax.rollout.engine_restarts; --max-engine-restarts).
 With --max-restarts, run_with_restarts resumes a run whose training rank or engine failed (an engine outside a
 rollout or an evaluation, or past its in-place restarts) from its newest checkpoint, on workers started anew. A
 checkpoint of the last step is resumed too: what remains is the weight push and the evaluation after the last step.
@@ -49,14 +49,13 @@ from relax.ray.placement import (
 )
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptLoader, load_prompts
-from relax.rollout.dump import check_rollout_data, load_rollout_data, save_rollout_data
+from relax.rollout.api import DynamicSampling, GenerateAndScore, Replay, Rollout, RolloutRequest
+from relax.rollout.dump import check_rollout_data, save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate, load_eval_sets
 from relax.rollout.groups import Sample, apply_overlong_penalty
 from relax.rollout.engine_restarts import EngineRestarts
 from relax.rollout.rewards import load_reward_fn
-from relax.rollout.rollout import (
-    Generate, generate_and_score, generate_informative_groups, reward_and_length_metrics, take_prompts,
-)
+from relax.rollout.rollout import Generate, reward_and_length_metrics
 from relax.rollout.worker import EngineWorker
 from relax.run.state import LATEST, RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
 from relax.train.algorithms import compute_advantages
@@ -104,15 +103,14 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
         if stop.requested:  # a signal came during the setup
             raise RunStopped(stop.signum, None, None)
         evaluate_policy = partial(evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps)
+        step_rollout = rollout_of(rollout, generate, reward_fn)
         for step in range(start_step, num_steps):
             timer, train_metrics, saved = PhaseTimer(), {}, None
             step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
             eval_metrics = evaluate_policy(step)  # the policy this step samples from, while the actor sleeps
             with timer("perf/step_time"):
                 with timer("perf/rollout_time"):
-                    samples, rollout_metrics = collect_rollout(
-                        step, generate, loader, step_sampling, reward_fn, rollout
-                    )
+                    samples, rollout_metrics = collect_rollout(step, step_rollout, loader, step_sampling, rollout)
                 if trainers is not None:  # None under --debug-rollout-only
                     with timer("perf/train_wait_time"):
                         hand_devices_to_actor(engines, trainers, hand_over_timeout)
@@ -137,7 +135,7 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
             log.log_evaluation(num_steps, {**final_eval, **workers.take_faults()})
         if trainers is not None and engines is not None:
             # the broadcast groups to engines on other nodes
-            wait_for(trainers.call("close_weight_sync"), placement, settings.train_timeout, group_callees(trainers))
+            trainers.run("close_weight_sync", timeout=settings.train_timeout)
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
         raise worker_failure(error, [workers.trainers, workers.engines]) from error
     finally:
@@ -195,26 +193,27 @@ def evaluate_if_due(
     return {**metrics, **timer.seconds}
 
 
-def collect_rollout(
-    step, generate: Generate, loader, sampling, reward_fn, rollout: RolloutSettings
-) -> tuple[list[Sample], dict]:
-    """This step's scored samples (prompt by prompt) and their metrics: replayed from --load-rollout-data,
-    else generated (under --dynamic-sampling, refilled with informative groups); saved to --save-rollout-data.
-    The overlong penalty comes last, so saved rewards and reward metrics are the reward function's own."""
-    sampling_metrics, group_size = {}, rollout.sampling.n
+def rollout_of(rollout: RolloutSettings, generate: Generate | None, reward_fn) -> Rollout:
+    """The run's rollout (relax.rollout.api): the saved samples under --load-rollout-data, else the engines'
+    responses scored (with --dynamic-sampling, refilled with informative groups)."""
     if rollout.load_data:
-        samples = load_rollout_data(
-            rollout.load_data, step, rollout.batch_size, group_size, with_routed_experts=rollout.routing_replay
-        )
-    elif rollout.dynamic_sampling:
-        samples, sampling_metrics = generate_informative_groups(
-            generate, loader, sampling, reward_fn, num_groups=rollout.batch_size,
-            prompts_per_round=rollout.over_sampling_batch_size, max_rounds=rollout.dynamic_sampling_max_rounds,
-        )
-    else:
-        samples = generate_and_score(generate, take_prompts(loader, rollout.batch_size), sampling, reward_fn)
+        return Replay(rollout.load_data, with_routed_experts=rollout.routing_replay)
+    dynamic_sampling = (
+        DynamicSampling(rollout.over_sampling_batch_size, rollout.dynamic_sampling_max_rounds)
+        if rollout.dynamic_sampling else None
+    )
+    return GenerateAndScore(generate, reward_fn, dynamic_sampling)
+
+
+def collect_rollout(
+    step, step_rollout: Rollout, loader, sampling, rollout: RolloutSettings
+) -> tuple[list[Sample], dict]:
+    """This step's scored samples (prompt by prompt) from `step_rollout` and their metrics; saved to
+    --save-rollout-data. The overlong penalty comes last, so saved rewards and reward metrics are the reward
+    function's own."""
+    samples, sampling_metrics = step_rollout(RolloutRequest(step, loader, rollout.batch_size, sampling))
     if rollout.save_data:
-        save_rollout_data(rollout.save_data, step, samples, group_size)
+        save_rollout_data(rollout.save_data, step, samples, rollout.sampling.n)
     metrics = {**reward_and_length_metrics(samples), **sampling_metrics}
     if rollout.overlong_buffer_len:
         apply_overlong_penalty(
@@ -226,9 +225,8 @@ def collect_rollout(
 def hand_devices_to_actor(engines, trainers, timeout: Timeout) -> None:
     """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
     if engines is not None:
-        released = engines.call("release_memory_occupation", ENGINE_MEMORY)
-        wait_for(released, engines.placement, timeout, group_callees(engines))
-    wait_for(trainers.call("wake"), trainers.placement, timeout, group_callees(trainers))
+        engines.run("release_memory_occupation", ENGINE_MEMORY, timeout=timeout)
+    trainers.run("wake", timeout=timeout)
 
 
 def train(
@@ -254,20 +252,14 @@ def hand_devices_to_engines(engines, trainers, devices_per_engine: int, timeout:
     resume the engines' KV cache. Each sending rank reaches the engines on its node by handle and the others
     by broadcast: it is told every engine's node. Returns each rank's push report (TrainWorker.push_weights).
     Under --debug-train-only there are no engines: the actor only sleeps."""
-    def on_trainers(method: str, *args) -> list:
-        return wait_for(trainers.call(method, *args), trainers.placement, timeout, group_callees(trainers))
-
     if engines is None:
-        on_trainers("sleep")
+        trainers.run("sleep", timeout=timeout)
         return None
-    wait_for(engines.call("resume_memory_occupation", ["weights"]), engines.placement, timeout, group_callees(engines))
+    engines.run("resume_memory_occupation", ["weights"], timeout=timeout)
     engine_nodes = [bundle.node_id for bundle in engines.bundles]
-    reports = on_trainers("push_weights", engines.actors, devices_per_engine, engine_nodes)
-    on_trainers("sleep")
-    wait_for(
-        engines.call("resume_memory_occupation", ["kv_cache", "cuda_graph"]), engines.placement, timeout,
-        group_callees(engines),
-    )
+    reports = trainers.run("push_weights", engines.actors, devices_per_engine, engine_nodes, timeout=timeout)
+    trainers.run("sleep", timeout=timeout)
+    engines.run("resume_memory_occupation", ["kv_cache", "cuda_graph"], timeout=timeout)
     return reports
 
 
@@ -275,8 +267,7 @@ def resume_actor(checkpoint, engines, trainers, devices_per_engine: int, setting
     """Load the actor's checkpoint (awake, the engines' memory released) and push its weights to the engines,
     which started from --hf-checkpoint."""
     hand_devices_to_actor(engines, trainers, settings.weight_sync_timeout)
-    loaded = trainers.call("load_checkpoint", str(checkpoint.actor_dir))
-    wait_for(loaded, trainers.placement, settings.train_timeout, group_callees(trainers))
+    trainers.run("load_checkpoint", str(checkpoint.actor_dir), timeout=settings.train_timeout)
     hand_devices_to_engines(engines, trainers, devices_per_engine, settings.weight_sync_timeout)
 
 
@@ -301,12 +292,11 @@ def stop_run(
 
 
 def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> RolloutBatch:
-    """Token sequences, per-token advantages, the engine's logprobs and (routing replay) its routed experts of the
-    samples, for the training ranks."""
+    """Token sequences, loss masks, per-token advantages, the engine's logprobs and (routing replay) its routed
+    experts of the samples, for the training ranks."""
     lengths = [len(s.response_token_ids) for s in samples]
-    mask = torch.zeros(len(samples), max(lengths))
-    for i, length in enumerate(lengths):
-        mask[i, :length] = 1
+    loss_mask = [torch.tensor(s.loss_mask, dtype=torch.float32) for s in samples]
+    mask = torch.nn.utils.rnn.pad_sequence(loss_mask, batch_first=True)
     advantages = compute_advantages(
         algorithm.advantage_estimator,
         torch.tensor([s.reward for s in samples]),
@@ -317,6 +307,7 @@ def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> Rollou
     return RolloutBatch(
         tokens=[s.prompt.token_ids + s.response_token_ids for s in samples],
         response_lengths=lengths,
+        loss_mask=loss_mask,
         advantages=[advantages[i, :length] for i, length in enumerate(lengths)],
         rollout_logprobs=[torch.tensor(s.response_logprobs) for s in samples],
         routed_experts=[s.routed_experts for s in samples] if samples[0].routed_experts is not None else None,
@@ -375,18 +366,15 @@ def start_workers(workers: Workers, config, platform, placement: Placement, chec
                 settings.update_weight_buffer_size, settings.megatron_features,
             ),
         )
-        wait_for(trainers.call("sleep"), placement, settings.weight_sync_timeout, group_callees(trainers))
-        workers.data_parallel_ranks = wait_for(
-            trainers.call("data_parallel_rank"), placement, settings.train_timeout, group_callees(trainers)
-        )
+        trainers.run("sleep", timeout=settings.weight_sync_timeout)
+        workers.data_parallel_ranks = trainers.run("data_parallel_rank", timeout=settings.train_timeout)
     if settings.mode.has_engines:
         workers.engines = engines = create_engine_actors(
             EngineWorker, placement,
             devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
             args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
         )
-        started = engines.call("watched_child_pids")
-        wait_for(started, placement, settings.engine_start_timeout, group_callees(engines))
+        engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
         workers.generate = _generate_restarting_engines(engines, workers.trainers, settings, rollout.devices_per_engine)
     if checkpoint is not None:
         resume_actor(checkpoint, workers.engines, workers.trainers, rollout.devices_per_engine, settings)

@@ -83,13 +83,8 @@ def save(
     save_hf/step_N; then `latest`. The step counts as saved (for --load and a restart) only once its HF directory
     is written too, so a rank that dies in the export has the step redone, export included. Returns the step
     directory. `timeout` (--train-timeout) bounds each call on the ranks."""
-    from relax.ray.placement import group_callees, wait_for
-
     directory = _fresh_partial(Path(save_dir), step)
-    wait_for(
-        trainers.call("save_checkpoint", str(directory / ACTOR_DIR), step), trainers.placement, timeout,
-        group_callees(trainers),
-    )
+    trainers.run("save_checkpoint", str(directory / ACTOR_DIR), step, timeout=timeout)
     state = {
         "next_step": step + 1, "seed": seed, "loader": loader.state_dict() if loader is not None else None,
         "files": saved_files(directory),
@@ -97,7 +92,7 @@ def save(
     write_text_atomically(directory / RUN_STATE_FILE, json.dumps(state, indent=2) + "\n")
     if save_hf is not None:
         hf_directory = _fresh_partial(Path(save_hf), step)
-        wait_for(trainers.call("save_hf", str(hf_directory)), trainers.placement, timeout, group_callees(trainers))
+        trainers.run("save_hf", str(hf_directory), timeout=timeout)
         _complete(hf_directory)
     directory = _complete(directory)
     write_text_atomically(Path(save_dir) / LATEST, directory.name + "\n")

@@ -421,13 +421,11 @@ class MegatronActor:
 
     # --- train -----------------------------------------------------------------------------------------
     def _batch_denominators(self, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole batch's (over all DP ranks) aggregation denominator and response-token count."""
+        """The whole batch's (over all DP ranks) aggregation denominator and trained response-token count."""
         from megatron.core import parallel_state
 
         loss = self.settings.loss
-        mask = torch.zeros(len(batch), max(batch.response_lengths))
-        for i, length in enumerate(batch.response_lengths):
-            mask[i, :length] = 1
+        mask = torch.nn.utils.rnn.pad_sequence(batch.loss_mask, batch_first=True)
         totals = torch.stack(
             [aggregation_denominator(mask, loss.aggregation, loss.norm_length).float(), mask.sum()]
         )
@@ -461,7 +459,7 @@ class MegatronActor:
             logprobs, entropy = self._token_logprobs(output, micro_batch, True, entropy_grad=entropy_in_loss)
             pick = micro_batch.sample_indices
             logprobs = padded(logprobs)
-            mask = padded([torch.ones(batch.response_lengths[i]) for i in pick])
+            mask = padded([batch.loss_mask[i] for i in pick])
 
             def given(values):  # an optional per-sample field of the batch, padded, or None
                 return padded([values[i] for i in pick]) if values else None

@@ -82,17 +82,22 @@ def reinforce_plus_plus_advantages(
         sequence_rewards = _centred(sequence_rewards)
     sequence_rewards = sequence_rewards.reshape(-1)
     mask = mask.to(rewards.dtype)
-    lengths = mask.sum(-1).long()
-    if (lengths == 0).any():
-        raise ValueError(f"reinforce_plus_plus: responses {torch.nonzero(lengths == 0).flatten().tolist()} are empty")
+    trained = mask.sum(-1) > 0
+    if not trained.all():
+        raise ValueError(
+            f"reinforce_plus_plus: responses {torch.nonzero(~trained).flatten().tolist()} are empty (no trained token)"
+        )
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)  # each response's last trained token: it gets the reward
     token_rewards = torch.zeros_like(mask)
-    token_rewards[torch.arange(mask.shape[0]), lengths - 1] = sequence_rewards
+    token_rewards[torch.arange(mask.shape[0]), last] = sequence_rewards
     if kl is not None:
         token_rewards = token_rewards - kl_coef * kl * mask
+    # Returns run back over untrained tokens too (a tool's output between two turns passes the reward on to the
+    # turn before it); past the last trained token every reward is 0, so the returns there are 0.
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(sequence_rewards)
     for t in reversed(range(mask.shape[1])):
-        running = token_rewards[:, t] + gamma * running * mask[:, t]
+        running = token_rewards[:, t] + gamma * running
         returns[:, t] = running
     valid = mask.bool()
     whitened = torch.zeros_like(returns)

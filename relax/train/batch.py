@@ -1,9 +1,10 @@
 """Rollout samples as the actor consumes them, how they are spread over data-parallel ranks, and how each rank's
 share is cut into Megatron micro-batches.
 
-A sample is one prompt + response token sequence; only response tokens are scored and trained. Per response
-token it may carry an advantage, the old policy's logprob, the reference policy's logprob and the rollout
-engine's logprob (what the engine reported when it sampled the token). With routing replay (MoE models) it also
+A sample is one prompt + response token sequence; only response tokens are scored, and those its loss mask marks
+(1; 0 for a token the policy did not sample, such as a tool's output) are trained. Per response token it may also
+carry an advantage, the old policy's logprob, the reference policy's logprob and the rollout engine's logprob (what
+the engine reported when it sampled the token). With routing replay (MoE models) it also
 carries, per token of prompt + response but the last, the experts the engine's routers chose in each layer: the
 actor's routers take those (relax.train.routing_replay). They are packed like the tokens; the rows a packed
 micro-batch has no record for (each sequence's last token, which the engine never ran forward, and padding) hold
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PER_TOKEN_FIELDS = ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
+PER_TOKEN_FIELDS = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class RolloutBatch:
 
     tokens: list[torch.Tensor]  # prompt + response token ids
     response_lengths: list[int]
+    # 1 where the loss trains the response token, 0 where not (relax.rollout.groups.Sample.loss_mask); None when
+    # built: every response token is trained
+    loss_mask: list[torch.Tensor] | None = None
     advantages: list[torch.Tensor] | None = None
     old_logprobs: list[torch.Tensor] | None = None
     ref_logprobs: list[torch.Tensor] | None = None
@@ -51,6 +55,8 @@ class RolloutBatch:
                     f"sample {i}: response length {length} must be >= 1 and leave at least one prompt token "
                     f"in its {tokens.numel()} tokens"
                 )
+        if self.loss_mask is None:
+            self.loss_mask = [torch.ones(length) for length in self.response_lengths]
         for name in PER_TOKEN_FIELDS:
             values = getattr(self, name)
             if values is None:

@@ -21,7 +21,7 @@ import ray
 
 from relax.platform import platform_facts
 from relax.ray.placement import (
-    WorkerFailed, create_engine_actors, create_placement, create_training_actors, group_callees, wait_for,
+    WorkerFailed, create_engine_actors, create_placement, create_training_actors, wait_for,
 )
 from relax.ray.watch import Timeout
 from relax.rollout.engine import Completion, SamplingConfig
@@ -103,6 +103,7 @@ def _waited_failure(refs, placement) -> tuple[str, float]:
 def test_wait_returns_the_results_and_raises_a_failed_call_as_ray_get_does(placement):
     ranks = create_training_actors(Sleeper, placement)
     assert wait_for(ranks.call("sleep", 0.1), placement) == [0.1, 0.1]
+    assert ranks.run("sleep", 0.1) == [0.1, 0.1]  # the same, through the group
     with pytest.raises(ray.exceptions.RayTaskError, match="this call fails"):
         wait_for(ranks.call("fail"), placement)
 
@@ -158,7 +159,7 @@ def test_a_call_that_does_not_answer_in_time_fails_naming_the_actor_and_the_sett
     pids = wait_for(ranks.call("pid"), placement)
     start = time.monotonic()
     with pytest.raises(WorkerFailed) as failure:
-        wait_for(ranks.call("sleep", SLOW_CALL_S), placement, Timeout(2, "--some-timeout"), group_callees(ranks))
+        ranks.run("sleep", SLOW_CALL_S, timeout=Timeout(2, "--some-timeout"))
     assert time.monotonic() - start < HANG_GUARD_S
     message = str(failure.value)
     assert message.startswith(f"training rank 0 (Sleeper, pid {pids[0]} on "), message

@@ -101,6 +101,15 @@ def test_reinforce_plus_plus_discount():
     )
 
 
+def test_reinforce_plus_plus_rewards_the_last_trained_token_and_returns_run_back_over_untrained_ones():
+    # Response 0: a token of the policy, a tool's token, the policy's last; response 1 as before its padding.
+    spliced = reinforce_plus_plus_advantages(torch.tensor([1.0, 0.0]), torch.tensor([[1, 0, 1], [1, 1, 0]]))
+    plain = reinforce_plus_plus_advantages(torch.tensor([1.0, 0.0]), torch.tensor([[1, 1], [1, 1]]))
+    torch.testing.assert_close(spliced[0, [0, 2]], plain[0])  # the first turn gets the reward of the whole
+    assert spliced[0, 1] == 0.0  # the tool's token gets no advantage
+    torch.testing.assert_close(spliced[1, :2], plain[1])
+
+
 def test_reinforce_plus_plus_baseline_subtracts_group_mean():
     # groups (1, 0), (1, 1) -> 0.5, -0.5, 0, 0; mean 0, sample std sqrt(0.5 / 3) = 0.408248
     close(

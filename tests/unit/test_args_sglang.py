@@ -9,6 +9,7 @@ import pytest
 from helpers import REQUIRED, TINY_SIZE, parse_error
 from relax.args import build_parser, parse_train_args
 from relax.args.sglang import MANAGED_BY_RELAX, prepare_import, sglang_actions
+from relax.args.unsupported import refused_sglang_field
 from relax.platform import get_platform
 from relax.rollout.engine import server_defaults
 
@@ -68,8 +69,8 @@ CASES = {
     "boolean optional, negative": (["--no-enable-tf32-matmul"], ["--no-sglang-enable-tf32-matmul"]),
     "boolean optional, positive": (["--enable-fused-qk-norm-rope"], ["--sglang-enable-fused-qk-norm-rope"]),
     "valued aliases": (
-        ["--pipeline-parallel-size", "2", "--ep", "2", "--data-parallel-size", "2"],
-        ["--sglang-pipeline-parallel-size", "2", "--sglang-ep", "2", "--sglang-data-parallel-size", "2"],
+        ["--moe-data-parallel-size", "2", "--ep", "2", "--data-parallel-size", "2"],
+        ["--sglang-moe-data-parallel-size", "2", "--sglang-ep", "2", "--sglang-data-parallel-size", "2"],
     ),
     "dest differs from flag": (
         ["--fp8-gemm-backend", "triton", "--elastic-ep-join-mode", "scale"],
@@ -209,7 +210,8 @@ def test_every_managed_field_is_refused():
         for a in parser._actions
         if type(a).__name__ == "RefusedFlag" and a.dest.startswith("sglang_")
     }
-    assert refused == set(MANAGED_BY_RELAX)
+    refused_by_table = {a.dest for a in sglang_actions() if refused_sglang_field(a.dest)}
+    assert refused == set(MANAGED_BY_RELAX) | refused_by_table
 
 
 def test_managed_field_in_the_config_file_is_refused(tmp_path, capsys):

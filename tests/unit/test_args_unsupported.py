@@ -11,7 +11,10 @@ from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_archite
 from relax.args.settings import (
     actor_settings, algorithm_settings, eval_settings, output_settings, rollout_settings, run_settings,
 )
-from relax.args.unsupported import REFUSED_FLAGS, REFUSED_VALUES, UNSUPPORTED_COMBINATIONS, unsupported_combinations
+from relax.args.unsupported import (
+    REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SPECULATIVE, UNSUPPORTED_COMBINATIONS, refused_sglang_field,
+    unsupported_combinations,
+)
 from relax.hf_checkpoint import read_hf_checkpoint
 from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
@@ -151,3 +154,53 @@ def test_the_actor_sleeps_through_the_platforms_route_unless_told(capsys, monkey
     assert actor_sleep_route(flags) == "memory-saver"
     error = parse_error([*RUN, "--actor-sleep-route", "memory-saver"], capsys)
     assert "--actor-sleep-route memory-saver: the cpu platform has no memory saver; use host-copies" in error
+
+
+def _refused_sglang_flags() -> list[tuple[str, object]]:
+    """Each refused SGLang flag (every spelling, prefixed) with its table entry."""
+    from relax.args.sglang import prefixed, sglang_actions
+
+    parse_train_args(RUN)  # prepares SGLang's import for the CPU before its parser is read
+    return [
+        (prefixed(option), entry)
+        for action in sglang_actions()
+        if (entry := refused_sglang_field(action.dest))
+        for option in action.option_strings
+    ]
+
+
+def test_every_speculative_and_multi_node_sglang_flag_is_refused():
+    refused = {flag for flag, _ in _refused_sglang_flags()}
+    assert {"--sglang-speculative-algorithm", "--sglang-speculative-draft-model-path", "--sglang-pp-size",
+            "--sglang-pipeline-parallel-size", "--sglang-nnodes", "--sglang-node-rank",
+            "--sglang-disaggregation-mode"} <= refused
+    from relax.args.sglang import sglang_actions
+
+    speculative = {a.dest for a in sglang_actions() if a.dest.startswith("speculative_")}
+    assert len(speculative) > 10 and all(refused_sglang_field(dest) is SPECULATIVE for dest in speculative)
+    assert set(REFUSED_SGLANG_FIELDS) <= {a.dest for a in sglang_actions()}  # each names a field SGLang has
+
+
+def test_each_refused_sglang_flag_is_refused_with_the_reason(capsys):
+    for flag, entry in _refused_sglang_flags():
+        error = parse_error([*RUN, flag, "1"], capsys)
+        assert f"{flag} is not supported: {entry.reason}; {entry.instead}" in error, flag
+    error = parse_error([*RUN, "--sglang-speculative-algorithm", "EAGLE"], capsys)
+    assert "speculative decoding is not carried out: the weight push does not update a draft model" in error
+
+
+def test_a_refused_sglang_field_in_the_config_file_is_refused(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text("speculative-num-steps: 3\n")
+    error = parse_error([*RUN, "--sglang-config", str(config)], capsys)
+    assert f"'speculative-num-steps' is not supported: {SPECULATIVE.reason}" in error
+
+
+def test_a_refused_sglang_field_keeps_sglangs_default():
+    from relax.args.sglang import sglang_actions
+
+    server_args = parse_train_args(RUN).sglang
+    defaults = {a.dest: a.default for a in sglang_actions()}
+    assert (server_args.pp_size, server_args.nnodes, server_args.speculative_algorithm) == (
+        defaults["pp_size"], defaults["nnodes"], defaults["speculative_algorithm"]
+    )

@@ -6,7 +6,7 @@ phase, not SGLang) whose responses are the rewards to give."""
 import pytest
 
 from relax.args import RolloutSettings
-from relax.run.loop import collect_rollout
+from relax.run.loop import collect_rollout, rollout_of
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import DynamicSamplingError
@@ -42,7 +42,7 @@ def scripted_generation():
 
 
 def _collect(generate, loader, rollout):
-    return collect_rollout(0, generate, loader, SamplingConfig(n=2), REWARD_AS_WRITTEN, rollout)
+    return collect_rollout(0, rollout_of(rollout, generate, REWARD_AS_WRITTEN), loader, SamplingConfig(n=2), rollout)
 
 
 def test_groups_with_equal_rewards_are_dropped_and_rounds_refill(scripted_generation):

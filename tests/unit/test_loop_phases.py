@@ -75,6 +75,15 @@ def test_rollout_batch_carries_the_engine_logprobs():
     assert [t.tolist() for t in rollout_batch(samples, GRPO_IN_PAIRS).rollout_logprobs] == [[-0.5, -1.5], [-2.0]]
 
 
+def test_rollout_batch_carries_each_samples_loss_mask_and_an_untrained_token_gets_no_advantage():
+    prompt = Prompt(1, [1, 2], "ab")
+    samples = [Sample(prompt, [5, 6, 7], [-0.5, 0.0, -1.5], "stop", reward=1.0, loss_mask=[1, 0, 1]),
+               Sample(prompt, [7], [-2.0], "stop", reward=0.0)]
+    batch = rollout_batch(samples, GRPO_IN_PAIRS)
+    assert [m.tolist() for m in batch.loss_mask] == [[1.0, 0.0, 1.0], [1.0]]
+    assert batch.advantages[0].tolist() == pytest.approx([0.7071, 0.0, 0.7071], abs=1e-3)
+
+
 def test_rollout_batch_carries_the_engines_routed_experts_when_the_samples_have_them():
     prompt = Prompt(1, [1, 2], "ab")
     experts = [torch.full((3, 2, 2), 1, dtype=torch.int16), torch.full((2, 2, 2), 3, dtype=torch.int16)]
@@ -172,10 +181,11 @@ def test_a_run_restarts_after_an_engine_failure_but_not_after_a_driver_error_or_
 
 
 class _Group:
-    """An ActorGroup double: a call's refs name the group and the method; kill() is recorded."""
+    """An ActorGroup double: a call's refs name the group and the method; run() waits on them through `wait_for`
+    (the world's); kill() is recorded."""
 
-    def __init__(self, role: str):
-        self.role, self.killed = role, False
+    def __init__(self, role: str, wait_for):
+        self.role, self.killed, self.wait_for = role, False, wait_for
         self.placement, self.actors, self.bundles = None, [role], [SimpleNamespace(node_id="node")]
 
     def __len__(self) -> int:
@@ -183,6 +193,9 @@ class _Group:
 
     def call(self, method: str, *args) -> list:
         return [(self.role, method)]
+
+    def run(self, method: str, *args, timeout=None) -> list:
+        return self.wait_for(self.call(method, *args))
 
     def kill(self) -> None:
         self.killed = True
@@ -201,8 +214,8 @@ class _Generate:
 
 class _World:
     """What run() would create, replaced by doubles in relax.run.loop: the platform, Ray, the placement, the
-    workers' groups, the evaluations and rollouts (recorded by step). `wait_for` answers a call's refs, or raises
-    `fails` for the call named there."""
+    workers' groups, the evaluations and rollouts (recorded by step). `wait_for` (the loop's, and the groups' run)
+    answers a call's refs, or raises `fails` for the call named there."""
 
     def __init__(self, monkeypatch, fails: tuple[tuple[str, str], Exception] | None = None):
         self.groups, self.evaluated, self.ray_shut_down, self.placement_removed = {}, [], False, False
@@ -231,6 +244,7 @@ class _World:
             return [0 for _ in refs]  # data_parallel_rank: 0
 
         monkeypatch.setattr(loop, "wait_for", wait_for)
+        self.wait_for = wait_for
 
         def evaluate_if_due(generate, eval_sets, evaluation, reward_fn, seed, num_steps, step):
             self.evaluated.append(step)
@@ -245,7 +259,7 @@ class _World:
         monkeypatch.setattr(loop, "collect_rollout", collect_rollout)
 
     def _group(self, role: str) -> _Group:
-        self.groups[role] = _Group(role)
+        self.groups[role] = _Group(role, self.wait_for)
         return self.groups[role]
 
 
@@ -265,7 +279,9 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
     outputs = _record(output_dir=str(output_dir), wandb_project=None, save=save, save_interval=None, save_hf=None)
     return _record(
         run=settings,
-        rollout=SimpleNamespace(sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None),
+        rollout=SimpleNamespace(
+            sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None, dynamic_sampling=False
+        ),
         evaluation=SimpleNamespace(), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=outputs,
     )

@@ -50,6 +50,7 @@ def test_samples_come_scored_prompt_by_prompt_with_their_metrics():
     assert [g.rewards for g in groups] == [[1.0, 0.0], [1.0, 0.0]]
     assert [s.response_text for s in samples] == ["0", "1", "1", "1x"]
     assert groups[1].samples[1].response_logprobs == [-1.0, -1.0]
+    assert [s.loss_mask for s in samples] == [[1], [1], [1], [1, 1]]  # every response token trained
     metrics = reward_and_length_metrics(samples)
     assert metrics["rollout/reward_mean"] == 0.5 and metrics["rollout/reward_std"] == pytest.approx(0.57735, abs=1e-5)
     assert metrics["rollout/response_length_mean"] == 1.25 and metrics["rollout/response_length_max"] == 2

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from relax.args import RolloutSettings
 from relax.args.checks import Parsed, rollout_data_patterns_valid
-from relax.run.loop import collect_rollout
+from relax.run.loop import collect_rollout, rollout_of
 from relax.rollout.data import Prompt
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.dump import (
@@ -36,7 +36,7 @@ def _samples():
         # floats that only survive a round trip written as repr
         Sample(a, [5, 6], [0.1 + 0.2, -1e-300], "stop", "7\n", reward=1 / 3, reward_failed=False),
         Sample(a, [8], [float("-inf")], "length", "x", reward=0.0, reward_failed=True),
-        Sample(b, [9, 9, 9], [-0.5, -0.25, -2.0], "abort", "", reward=-1.5),
+        Sample(b, [9, 9, 9], [-0.5, -0.25, -2.0], "abort", "", reward=-1.5, loss_mask=[1, 0, 1]),  # a tool's token
         Sample(b, [7], [-3.0], "stop", "y", reward=2.0),
     ]
 
@@ -67,8 +67,8 @@ def test_the_documented_format(tmp_path):
         "row": 3, "token_ids": [1, 2], "text": "écris 7", "label": {"answer": [7, "7"]}, "metadata": {"source": "t", "k": 1}
     }
     assert groups[1]["samples"][0] == {
-        "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0], "finish_reason": "abort",
-        "response_text": "", "reward": -1.5, "reward_failed": False,
+        "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0], "loss_mask": [1, 0, 1],
+        "finish_reason": "abort", "response_text": "", "reward": -1.5, "reward_failed": False,
     }
 
 
@@ -133,8 +133,9 @@ def test_bad_files_fail_naming_the_path_and_step(tmp_path, make, error):
         (lambda g: g["samples"][0].update(reward="1"), "reward is str"),
         (lambda g: g["prompt"].update(metadata=[]), "metadata is list, expected dict"),
         (lambda g: g["samples"].append(dict(g["samples"][0])), "2 samples, the header says 1"),
+        (lambda g: g["samples"][0].update(loss_mask=[1, 1]), "a loss_mask of 2 values: it must hold a 0 or 1 for each"),
     ],
-    ids=["missing-key", "logprob-count", "token-type", "reward-type", "metadata-type", "group-size"],
+    ids=["missing-key", "logprob-count", "token-type", "reward-type", "metadata-type", "group-size", "loss-mask"],
 )
 def test_malformed_groups_name_their_line(tmp_path, corrupt, error):
     path = tmp_path / "d.jsonl"
@@ -235,7 +236,8 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
         load_data=str(tmp_path / "in_{step}.jsonl"), save_data=str(tmp_path / "out_{step}.jsonl"),
         overlong_buffer_len=1,
     )
-    samples, metrics = collect_rollout(1, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
+    replay = rollout_of(rollout, generate=None, reward_fn=None)
+    samples, metrics = collect_rollout(1, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
     # Saved again unchanged: the file holds the reward function's scores, the penalty comes after.
     assert (tmp_path / "out_1.jsonl").read_text() == (tmp_path / "in_1.jsonl").read_text()
     assert metrics["rollout/reward_mean"] == pytest.approx((1 / 3 + 0.0 - 1.5 + 2.0) / 4)
@@ -243,7 +245,7 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
     # 3 tokens of at most 3 with a 1-token buffer: -1; shorter responses keep their reward
     assert [s.reward for s in samples] == [1 / 3, 0.0, -2.5, 2.0]
     with pytest.raises(RolloutDataError, match=r"step 2: .*in_2\.jsonl does not exist"):
-        collect_rollout(2, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
+        collect_rollout(2, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
 
 
 def test_the_loop_replays_and_saves_again_the_routed_experts_under_routing_replay(tmp_path):
@@ -252,7 +254,8 @@ def test_the_loop_replays_and_saves_again_the_routed_experts_under_routing_repla
     rollout = _loop_settings(
         load_data=str(tmp_path / "in_{step}.jsonl"), save_data=str(tmp_path / "out_{step}.jsonl"), routing_replay=True
     )
-    replayed, _ = collect_rollout(0, generate=None, loader=None, sampling=None, reward_fn=None, rollout=rollout)
+    replay = rollout_of(rollout, generate=None, reward_fn=None)
+    replayed, _ = collect_rollout(0, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
     assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(replayed, samples))
     saved_again = (tmp_path / "out_0.jsonl.experts.safetensors").read_bytes()
     assert saved_again == (tmp_path / "in_0.jsonl.experts.safetensors").read_bytes()
@@ -279,3 +282,12 @@ def test_the_check_before_a_run_reads_headers_and_the_dry_runs_check_reads_all(t
     for read_samples in (False, True):
         with pytest.raises(RolloutDataError, match=r"step 1: .*s1\.jsonl: its routed experts .* do not exist"):
             check(read_samples=read_samples)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_files_before_loss_masks_load_with_every_response_token_trained(tmp_path, version):
+    path = tmp_path / "old.jsonl"
+    group = _write(path, {"version": version})
+    assert "loss_mask" not in group["samples"][0]  # as those versions wrote them
+    (sample,) = load_rollout_data(str(path), 0, num_groups=1, samples_per_prompt=1)
+    assert sample.loss_mask == [1]

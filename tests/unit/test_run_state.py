@@ -108,19 +108,14 @@ def test_a_restart_takes_a_checkpoint_after_the_last_step_and_nothing_later(tmp_
 
 
 class ActorSaves:
-    """Stands in for the training actors' group: `call("save_checkpoint", dir, step)` writes what a real save
+    """Stands in for the training actors' group: `run("save_checkpoint", dir, step)` writes what a real save
     writes there (an empty dist-checkpoint metadata, the HF config), or fails like a crash mid-save;
-    `call("save_hf", dir)` writes the HF config there."""
-
-    placement = SimpleNamespace(groups=[])  # no actors for wait_for to watch
+    `run("save_hf", dir)` writes the HF config there."""
 
     def __init__(self, model_dir):
         self.model_dir, self.fail, self.fail_hf = model_dir, False, False
 
-    def __len__(self):  # its calls return no refs: no actor for wait_for to name
-        return 0
-
-    def call(self, method, directory, step=None):
+    def run(self, method, directory, step=None, timeout=None):
         if method == "save_hf":
             if self.fail_hf:
                 raise RuntimeError("a training rank died in the HF export")

@@ -82,6 +82,9 @@ def test_select_keeps_per_token_fields():
     picked = batch.select([1])
     assert picked.tokens[0].tolist() == [4, 5] and picked.advantages[0].tolist() == [1.0]
     assert picked.old_logprobs is None
+    assert picked.loss_mask[0].tolist() == [1.0]  # built: every response token trained
+    masked = RolloutBatch([[1, 2, 3], [4, 5]], [2, 1], loss_mask=[[1, 0], [1]]).select([0])
+    assert masked.loss_mask[0].tolist() == [1.0, 0.0]
 
 
 def test_bad_input_is_named():
@@ -89,6 +92,8 @@ def test_bad_input_is_named():
         RolloutBatch([[1, 2]], [2])
     with pytest.raises(ValueError, match=r"advantages\[0\]"):
         RolloutBatch([[1, 2, 3]], [2], advantages=[[1.0]])
+    with pytest.raises(ValueError, match=r"loss_mask\[0\] has shape \(3,\), expected \(2,\)"):
+        RolloutBatch([[1, 2, 3]], [2], loss_mask=[[1, 1, 1]])
 
 
 def _routed(num_tokens: int, first: int) -> torch.Tensor:
