@@ -552,7 +552,7 @@ def sleep_route_exists(config, platform):
 
 
 def wandb_imports(config, platform):
-    """wandb is the one output package the stacks do not install (relax/tools/pins.py OUTPUT_PACKAGES): the run's driver,
+    """wandb is the one output package the stacks do not install (relax/pins.py OUTPUT_PACKAGES): the run's driver,
     which parses these flags, logs to it."""
     if config.flags.use_wandb and importlib.util.find_spec("wandb") is None:
         return (
