@@ -49,7 +49,7 @@ def _train(argv: list[str]) -> int:
     from relax.rollout.data import PromptDataError
     from relax.rollout.dump import RolloutDataError
 
-    from relax.run.state import CheckpointError
+    from relax.train.saved_steps import CheckpointError
 
     config = parse_train_args(argv)
     if config.run.dry_run:

@@ -18,7 +18,7 @@ from relax.run.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
-from relax.run.state import LATEST
+from relax.train.saved_steps import LATEST
 from relax.train.algorithms import ALGORITHMS, STD_NORMALISED
 
 

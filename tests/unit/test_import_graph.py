@@ -65,7 +65,7 @@ def test_the_graph_is_read_from_the_source():
 
 
 def test_args_rollout_and_run_state_read_the_checkpoint_without_the_model_families():
-    for package in ("relax.args", "relax.rollout", "relax.run.state", "relax.hf_checkpoint"):
+    for package in ("relax.args", "relax.rollout", "relax.run.state", "relax.train.saved_steps", "relax.hf_checkpoint"):
         assert imports_between(package, "relax.train.model") == [], package
 
 

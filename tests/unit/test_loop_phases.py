@@ -18,7 +18,8 @@ from relax.args.settings import RunMode
 from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch, run, run_with_restarts
 from relax.run.metrics import MetricsLog, read_metrics
 from relax.ray.placement import ENGINE, TRAINING_RANK, WorkerFailed
-from relax.run.state import LATEST, Checkpoint, CheckpointError, RunStopped, StopOnSignal
+from relax.run.state import Checkpoint, RunStopped, StopOnSignal
+from relax.train.saved_steps import LATEST, CheckpointError
 from relax.rollout.data import Prompt
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample
