@@ -42,7 +42,8 @@ import torch
 
 from relax.args.settings import AlgorithmSettings, EvalSettings, OutputSettings, RolloutSettings, RunSettings
 from relax.console import say
-from relax.run.metrics import MetricsLog, extreme
+from relax.metric_names import extreme
+from relax.run.metrics import MetricsLog
 from relax.ray.placement import (
     ENGINE, TRAINING_RANK, ActorGroup, Placement, WorkerFailed, create_engine_actors, create_node_placement,
     create_training_actors, group_callees, wait_for, worker_failure,
@@ -435,7 +436,7 @@ def _generate_restarting_engines(engines, trainers, settings: RunSettings, devic
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:
     """One value per metric for the rollout: the mean over its optimizer steps (the max or min for an extreme,
-    relax.run.metrics.extreme), under train/ unless the actor named its group (mismatch/)."""
+    relax.metric_names.extreme), under train/ unless the actor named its group (mismatch/)."""
     combined = {}
     for key in step_metrics[0]:
         values = [float(m[key]) for m in step_metrics]
