@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
+from relax.args.settings import OutputSettings, RolloutSettings, RunSettings
 from relax.rollout.data import Prompt, PromptLoader, load_prompts
 from relax.rollout.dump import check_rollout_data
 from relax.rollout.evaluation import EvalSet, load_eval_sets
@@ -45,7 +46,7 @@ class Inputs:
             return self.checkpoint.loader(self.prompts)
         return PromptLoader(self.prompts, seed=seed, shuffle=shuffle)
 
-    def resumed(self, run) -> "Inputs":
+    def resumed(self, run: RunSettings) -> "Inputs":
         """The inputs of a run restarted from run.load (relax.run.loop.run_with_restarts): a checkpoint of the last
         step is taken too, where what remains is the evaluation after it. The rest was read at the start."""
         if run.load is None:
@@ -114,9 +115,9 @@ def read_inputs(config, dry_run: bool = False) -> Inputs:
     return Inputs(report, checkpoint, prompts, eval_sets, reward_fn)
 
 
-def check_new_record(outputs) -> None:
+def check_new_record(outputs: OutputSettings) -> None:
     """A new run (no --load) never mixes its steps with an earlier run's metrics or checkpoints; a resumed run
-    continues its own record (relax.run.metrics). `outputs`: relax.args.OutputSettings."""
+    continues its own record (relax.run.metrics)."""
     found = earlier_record(outputs.output_dir)
     if found and not outputs.overwrite_output_dir:
         raise InputError(
@@ -136,7 +137,7 @@ def check_new_record(outputs) -> None:
         )
 
 
-def _replayed(rollout, start_step: int | None, num_steps: int, dry_run: bool) -> str:
+def _replayed(rollout: RolloutSettings, start_step: int | None, num_steps: int, dry_run: bool) -> str:
     """The report of the rollout data replayed from `start_step` on, checked in the run's batch shape (read whole
     under a dry run, one file at a time)."""
     if start_step is None:
