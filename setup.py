@@ -1,6 +1,6 @@
 """relax: colocated RL post-training (Megatron-core actor + in-process SGLang engine on shared devices).
 
-Versions live in relax/tools/pins.py only. The CPU stack installs sglang without its dependencies (they pin a
+Versions live in relax/pins.py only. The CPU stack installs sglang without its dependencies (they pin a
 CUDA torch and CUDA-only kernels), which pip's extras cannot express: use scripts/setup.sh for it.
 """
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-pins = runpy.run_path(str(Path(__file__).parent / "relax" / "tools" / "pins.py"))
+pins = runpy.run_path(str(Path(__file__).parent / "relax" / "pins.py"))
 
 setup(
     name="relax",

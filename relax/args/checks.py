@@ -14,11 +14,8 @@ from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.args.settings import RunMode, run_mode
 from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.args.unsupported import unsupported_combinations
-from relax.run.metrics import earlier_record
 from relax.rollout.dump import pattern_problem
-from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import dynamic_sampling_seeds_problem
-from relax.run.state import LATEST
 from relax.train.algorithms import ALGORITHMS, STD_NORMALISED
 
 
@@ -435,31 +432,6 @@ def restarts_resume_from_checkpoints(config, platform):
         )
 
 
-def new_run_starts_its_own_record(config, platform):
-    """A new run (no --load) never mixes its steps with an earlier run's metrics or checkpoints; a resumed run
-    continues its own record (relax.run.metrics)."""
-    r = config.flags
-    if r.load is not None:
-        return None
-    found = earlier_record(r.output_dir)
-    if found and not r.overwrite_output_dir:
-        return (
-            f"--output-dir {r.output_dir} holds an earlier run's record ({', '.join(found)}) and a new run would mix "
-            "its steps into it: pass --overwrite-output-dir to replace that record, choose another --output-dir, or "
-            "resume the earlier run with --load"
-        )
-    if r.save is not None and (Path(r.save) / LATEST).is_file():
-        return (
-            f"--save {r.save} holds an earlier run's checkpoints and a new run would mix its own among them: resume "
-            f"that run with --load {r.save}, or choose another --save (relax does not delete checkpoints)"
-        )
-    if r.save_hf is not None and any(Path(r.save_hf).glob("step_*")):
-        return (
-            f"--save-hf {r.save_hf} holds an earlier run's HF directories and a new run would mix its own among them: "
-            "resume that run with --load, or choose another --save-hf"
-        )
-
-
 def grouped_experts_apply(config, platform):
     tc = config.megatron.transformer
     if not tc.moe_grouped_gemm:
@@ -506,17 +478,6 @@ def routing_replay_applies(config, platform):
         )
 
 
-def reward_function_loads(config, platform):
-    """The reward function imports and has the signature a run calls (where it is read: scores_samples)."""
-    r = config.flags
-    if r.reward_fn is None or not scores_samples(config):
-        return None
-    try:
-        load_reward_fn(r.reward_fn)
-    except ValueError as error:  # its message names --reward-fn and what is wrong
-        return str(error)
-
-
 def gdn_training_kernel_imports(config, platform):
     """Checked where the run's device is this machine's (its workers import the kernel here too)."""
     kernel = config.flags.gdn_training_kernel
@@ -552,7 +513,7 @@ def sleep_route_exists(config, platform):
 
 
 def wandb_imports(config, platform):
-    """wandb is the one output package the stacks do not install (relax/tools/pins.py OUTPUT_PACKAGES): the run's driver,
+    """wandb is the one output package the stacks do not install (relax/pins.py OUTPUT_PACKAGES): the run's driver,
     which parses these flags, logs to it."""
     if config.flags.use_wandb and importlib.util.find_spec("wandb") is None:
         return (
@@ -613,13 +574,11 @@ RULES = [
     chat_template_options_need_the_template,
     checkpoint_flags_consistent,
     restarts_resume_from_checkpoints,
-    new_run_starts_its_own_record,
     grouped_experts_apply,
     routing_replay_applies,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
     gdn_training_kernel_takes_the_dtype,
-    reward_function_loads,
     wandb_imports,
     sleep_route_exists,
 ]

@@ -137,6 +137,7 @@ class OutputSettings:
     save: str | None  # checkpoints (relax.run.state)
     save_interval: int | None  # every this many steps (and after the last)
     save_hf: str | None  # at every save, the actor's weights as an HF directory too
+    overwrite_output_dir: bool = False  # a new run replaces an earlier run's record there (relax.run.inputs)
     verbose: bool = False  # every line on the console, not only relax's and upstream errors (relax.console)
     engine_logs: bool = False  # SGLang logs at info level and the engines' lines are shown on the console
 
@@ -301,6 +302,7 @@ def output_settings(flags: argparse.Namespace) -> OutputSettings:
         save=flags.save,
         save_interval=flags.save_interval,
         save_hf=flags.save_hf,
+        overwrite_output_dir=flags.overwrite_output_dir,
         verbose=flags.verbose,
         engine_logs=flags.engine_logs,
     )

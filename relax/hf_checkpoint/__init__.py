@@ -8,6 +8,7 @@ that fixes in Megatron, and the tensors' names and shapes. Read once, into one f
     checkpoint.transformer_fields   # TransformerConfig fields config.json fixes (architecture.py)
     checkpoint.model_fields         # GPTModel-level settings config.json fixes, by Megatron flag names
     checkpoint.tensor_shapes        # name -> shape from the safetensors headers, fused experts per expert
+    checkpoint.architecture         # model_type and both field sets: what a saved actor checkpoint must match
 
 Where the language model sits and which tensors stay frozen: layout.py. Tensor data: TensorReader.
 """
@@ -92,6 +93,12 @@ class HFCheckpoint:
     @property
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: entry.shape for name, entry in self.tensors.items()}
+
+    @property
+    def architecture(self) -> dict:
+        """What the actor's model depends on: the model_type and every field config.json fixes in Megatron. Two
+        checkpoints with equal architectures hold tensors of the same names and shapes."""
+        return {"model_type": self.config.get("model_type"), **self.model_fields, **self.transformer_fields}
 
 
 def read_hf_checkpoint(directory: str | Path) -> HFCheckpoint:

@@ -1,7 +1,7 @@
 """What a language model's config.json fixes in Megatron: the TransformerConfig fields and the GPTModel-level
 settings, one function per model family. This is the only mapping from config.json to Megatron: the parser
 merges it with the flags (relax.args), the training actor builds its model with it (relax.train.model), and
-a resumed run compares it with the saved checkpoint's (relax.run.state).
+a resumed run and `relax convert` compare it with the saved checkpoint's (relax.train.saved_steps).
 
 Each function takes the language model's config (text_config for a vision-language checkpoint, layout.py). A
 field the family needs and config.json lacks raises KeyError naming it; a configuration relax cannot build

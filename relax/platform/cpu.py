@@ -7,7 +7,7 @@ tests/e2e/test_platform_megatron.py, tests/e2e/test_engine.py and tests/e2e/test
 from contextlib import contextmanager
 from typing import Optional
 
-from relax.tools import pins
+from relax import pins
 from relax.platform.base import Platform, frozen, refuse_feature_args
 
 

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from typing import Optional
 
-from relax.tools import pins
+from relax import pins
 from relax.platform.base import Platform, frozen, refuse_feature_args
 
 

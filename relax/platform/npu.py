@@ -5,7 +5,7 @@ What is tested (tests/unit/test_platform.py) is the selection and environment lo
 with an injected probe, the worker environment as a dict, the refusals, and that the preparation imports
 what it should in the order it should (with stand-in modules for torch_npu and MindSpeed).
 
-Before Megatron: MindSpeed (Ascend/MindSpeed, branch core_r0.16.0, pinned in relax/tools/pins.py) patches
+Before Megatron: MindSpeed (Ascend/MindSpeed, branch core_r0.16.0, pinned in relax/pins.py) patches
 megatron-core when `mindspeed.megatron_adaptor` is imported (its module body runs patch_features(), which
 also imports torch_npu.contrib.transfer_to_npu), so it must come before the first `import megatron`.
 At import it reads its feature flags from sys.argv with parse_known_args; in a Ray actor sys.argv holds
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from relax.tools import pins
+from relax import pins
 from relax.platform.base import Platform, frozen
 
 MINDSPEED_ADAPTOR = "mindspeed.megatron_adaptor"

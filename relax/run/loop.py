@@ -42,45 +42,43 @@ import torch
 
 from relax.args.settings import AlgorithmSettings, EvalSettings, OutputSettings, RolloutSettings, RunSettings
 from relax.console import say
-from relax.run.metrics import MetricsLog, extreme
+from relax.metric_names import extreme
+from relax.run.metrics import MetricsLog
 from relax.ray.placement import (
     ENGINE, TRAINING_RANK, ActorGroup, Placement, WorkerFailed, create_engine_actors, create_node_placement,
     create_training_actors, group_callees, wait_for, worker_failure,
 )
 from relax.ray.watch import Timeout
-from relax.rollout.data import PromptLoader, load_prompts
 from relax.rollout.api import DynamicSampling, GenerateAndScore, Replay, Rollout, RolloutRequest
-from relax.rollout.dump import check_rollout_data, save_rollout_data
-from relax.rollout.evaluation import EvalSet, eval_due, evaluate, load_eval_sets
+from relax.rollout.dump import save_rollout_data
+from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty
 from relax.rollout.engine_restarts import EngineRestarts
-from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import Generate, reward_and_length_metrics
 from relax.rollout.worker import EngineWorker
-from relax.run.state import LATEST, RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
+from relax.run.inputs import Inputs
+from relax.run.state import RunStopped, StopOnSignal, sampling_seed, save, save_due
 from relax.train.algorithms import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
+from relax.train.saved_steps import LATEST
 from relax.train.worker import TrainWorker
 
 ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
 
 
-def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
-    """Train as `config` (relax.args.TrainConfig: settings built and checked at parse time) says; returns the output
-    directory. With `stop` (entered by the `relax train` driver), a signal ends the run after its current step
-    with RunStopped (stop_run), also after the last step: the evaluation after it is then not run. `restarts`: how
-    often the run restarted before this attempt (run_with_restarts), logged as faults/run_restarts in every row; a
-    restart resumes a checkpoint of the last step too (read_checkpoint's finished_ok), which runs no step."""
+def run(config, inputs: Inputs, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
+    """Train as `config` (relax.args.TrainConfig: settings built and checked at parse time) says, on `inputs`
+    (relax.run.inputs: read before any worker starts); returns the output directory. With `stop` (entered by the
+    `relax train` driver), a signal ends the run after its current step with RunStopped (stop_run), also after the
+    last step: the evaluation after it is then not run. `restarts`: how often the run restarted before this attempt
+    (run_with_restarts), logged as faults/run_restarts in every row; a restart resumes a checkpoint of the last step
+    too (Inputs.resumed), which runs no step."""
     settings, rollout, evaluation, outputs = config.run, config.rollout, config.evaluation, config.outputs
     num_steps = settings.num_steps if settings.mode.runs_steps else 0  # --eval-only: the evaluation at step 0 only
     stop = stop or StopOnSignal()  # not entered: never signalled
-    checkpoint = None
-    if settings.load:
-        checkpoint = read_checkpoint(
-            settings.load, settings.hf_checkpoint, settings.seed, settings.num_steps, finished_ok=restarts > 0
-        )
+    checkpoint, eval_sets, reward_fn = inputs.checkpoint, inputs.eval_sets, inputs.reward_fn
     start_step = checkpoint.next_step if checkpoint else 0
-    loader, eval_sets, reward_fn = _read_inputs(settings, rollout, evaluation, checkpoint, range(start_step, num_steps))
+    loader = inputs.loader(settings.seed, rollout.shuffle)
     from relax.platform import get_platform
 
     platform = get_platform(settings.device)
@@ -149,9 +147,9 @@ def run(config, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
     return Path(outputs.output_dir)
 
 
-def run_with_restarts(config, stop: StopOnSignal | None = None) -> Path:
-    """run(config); after a worker fails, again from the newest complete checkpoint in --save (from where the run
-    started while none is saved), at most --max-restarts times in all, then the failure is raised. The workers:
+def run_with_restarts(config, inputs: Inputs, stop: StopOnSignal | None = None) -> Path:
+    """run(config, inputs); after a worker fails, again from the newest complete checkpoint in --save (from where
+    the run started while none is saved), at most --max-restarts times in all, then the failure is raised. The workers:
     a training rank, or an engine (its actor or SGLang processes) that failed where no in-place restart covers it
     (outside a rollout or an evaluation, or with --max-engine-restarts used up: the new attempt's engines have
     their own). run's cleanup has ended the failed attempt's workers (and the local Ray it started) before the
@@ -160,7 +158,7 @@ def run_with_restarts(config, stop: StopOnSignal | None = None) -> Path:
     restarts = 0
     while True:
         try:
-            return run(config, stop, restarts)
+            return run(config, inputs, stop, restarts)
         except WorkerFailed as failure:
             restartable = failure.role in (TRAINING_RANK, ENGINE)
             if not restartable or restarts == config.run.max_restarts or (stop and stop.requested):
@@ -174,6 +172,7 @@ def run_with_restarts(config, stop: StopOnSignal | None = None) -> Path:
                 error=True,
             )
             config = replace(config, run=replace(config.run, load=load))
+            inputs = inputs.resumed(config.run)
 
 
 # --- phases ----------------------------------------------------------------------------------------------
@@ -380,36 +379,6 @@ def start_workers(workers: Workers, config, platform, placement: Placement, chec
         resume_actor(checkpoint, workers.engines, workers.trainers, rollout.devices_per_engine, settings)
 
 
-def _read_inputs(settings: RunSettings, rollout: RolloutSettings, evaluation: EvalSettings, checkpoint, steps: range):
-    """What the run reads before any worker starts: the prompt loader (at the checkpoint's position when resuming),
-    the eval sets and the reward function; the rollout data replayed at `steps` is checked to be there, in the run's
-    batch shape (a step's file is read whole at that step). No loader when rollouts are replayed
-    (--load-rollout-data) or only evaluated (--eval-only); no reward function when nothing is generated."""
-    if settings.mode.replays_rollouts:
-        replayed = check_rollout_data(
-            rollout.load_data, steps, rollout.batch_size, rollout.sampling.n, rollout.routing_replay,
-            read_samples=False,
-        )
-        say(f"rollout data: {replayed}")
-    if not (settings.mode.reads_prompts or evaluation.datasets):
-        return None, [], None
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(settings.hf_checkpoint)
-    loader = None
-    if settings.mode.reads_prompts:
-        prompts, report = load_prompts(rollout.data, tokenizer)
-        say(f"prompt data: {report.summary()}")
-        if checkpoint:
-            loader = checkpoint.loader(prompts)
-        else:
-            loader = PromptLoader(prompts, seed=settings.seed, shuffle=rollout.shuffle)
-    eval_sets, reports = load_eval_sets(evaluation.datasets, tokenizer)
-    for report in reports:
-        say(f"prompt data: {report.summary()}")
-    return loader, eval_sets, load_reward_fn(rollout.reward_fn, rollout.reward_timeout)
-
-
 def _generate_restarting_engines(engines, trainers, settings: RunSettings, devices_per_engine: int) -> EngineRestarts:
     """The rollout's `generate` over the engine actors: an engine that fails mid-rollout is started again in
     place and given the actor's weights (none under --debug-rollout-only: it keeps --hf-checkpoint's)."""
@@ -423,7 +392,7 @@ def _generate_restarting_engines(engines, trainers, settings: RunSettings, devic
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:
     """One value per metric for the rollout: the mean over its optimizer steps (the max or min for an extreme,
-    relax.run.metrics.extreme), under train/ unless the actor named its group (mismatch/)."""
+    relax.metric_names.extreme), under train/ unless the actor named its group (mismatch/)."""
     combined = {}
     for key in step_metrics[0]:
         values = [float(m[key]) for m in step_metrics]

@@ -49,16 +49,6 @@ def earlier_record(output_dir: str | Path) -> list[str]:
     return [name for name in RECORD if (Path(output_dir) / name).exists()]
 
 
-def extreme(key: str) -> str | None:
-    """"max" or "min" for a metric that is an extreme over a batch (its name ends in _max or _min), None for
-    the others. Values of one metric from parts of a batch (micro-batches, data-parallel ranks, optimizer
-    steps) combine by that extreme; the others are shares that add up, or means that average."""
-    for suffix in ("max", "min"):
-        if key.endswith(f"_{suffix}"):
-            return suffix
-    return None
-
-
 class MetricsLog:
     def __init__(
         self,

@@ -1,2 +1,2 @@
-"""Tools around a run, each a `relax` subcommand or a script: doctor, patches, submit, convert, the version pins
-(pins) and the tiny random models the CPU run and the tests build (tiny_model)."""
+"""Tools around a run, each a `relax` subcommand or a script: doctor, patches, submit, convert, and the tiny random
+models the CPU run and the tests build (tiny_model)."""

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def checked_input(load: Path, step: int | None, hf_checkpoint: str | None, out: Path) -> Path:
     """The actor checkpoint directory to convert, after the checks that need no tensors read."""
-    from relax.run.state import ACTOR_DIR, CheckpointError, check_same_architecture, step_directory
+    from relax.train.saved_steps import ACTOR_DIR, CheckpointError, check_same_architecture, step_directory
     from relax.train.checkpoint import HF_FILES_DIR
 
     try:

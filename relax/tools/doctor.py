@@ -1,7 +1,7 @@
 """`relax doctor`: a preflight table for this machine, and the fix for each thing that would stop a run.
 
 It reports the platform and its device count; the versions of the device toolkit (CANN, or the NVIDIA
-driver), torch / torch_npu, sglang, megatron-core and MindSpeed against relax/tools/pins.py; whether the installed
+driver), torch / torch_npu, sglang, megatron-core and MindSpeed against relax/pins.py; whether the installed
 sglang and megatron-core carry relax's patch sets (patches/); environment settings that conflict with a
 colocated run (the platform's own rule from relax.platform, e.g. expandable segments beside a memory saver;
 HCCL port settings shared by the several processes on one device; visible-device variables); and the
@@ -16,17 +16,15 @@ import argparse
 import importlib.metadata
 import os
 import re
-import runpy
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
+from relax import pins
 from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.tools import patches
 from relax.platform import DEVICE_CHOICES, PLATFORMS, Platform, platform_facts, resolve_platform_name
-
-PINS = runpy.run_path(str(Path(__file__).resolve().parent / "pins.py"))
 
 OK, INFO, WARN, BLOCKER = "ok", "info", "warn", "BLOCKER"
 
@@ -35,14 +33,14 @@ PROCESSES_PER_DEVICE = 2
 
 # What every platform runs on; each platform adds its own (Platform.pinned_versions).
 COMMON_VERSIONS = {
-    "sglang": PINS["SGLANG"],
-    "megatron-core": PINS["MEGATRON_CORE"],
-    "ray": PINS["RAY"],
-    "transformers": PINS["TRANSFORMERS"],
+    "sglang": pins.SGLANG,
+    "megatron-core": pins.MEGATRON_CORE,
+    "ray": pins.RAY,
+    "transformers": pins.TRANSFORMERS,
 }
 # How to install what is not on PyPI under its own name.
 INSTALL_HINTS = {
-    "mindspeed": f"pip install -e a checkout of https://github.com/Ascend/MindSpeed at {PINS['MINDSPEED'][:12]} "
+    "mindspeed": f"pip install -e a checkout of https://github.com/Ascend/MindSpeed at {pins.MINDSPEED[:12]} "
     "(branch core_r0.16.0), as docker/Dockerfile.npu does",
 }
 # A different version of these is a blocker: relax's flags, model mappings and patches are made for the pin.
@@ -139,7 +137,7 @@ def check_versions(platform: Platform, versions: Mapping[str, Optional[str]]) ->
             rows.append(Row(name, OK, have, want))
         else:
             status = BLOCKER if name in EXACT else WARN
-            rows.append(Row(name, status, have, want, f"pip install {name}=={want} (relax/tools/pins.py)"))
+            rows.append(Row(name, status, have, want, f"pip install {name}=={want} (relax/pins.py)"))
     return rows
 
 

@@ -24,8 +24,8 @@ from functools import partial
 import torch
 
 from relax.hf_checkpoint import read_hf_checkpoint
+from relax.metric_names import extreme
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
-from relax.run.metrics import extreme
 from relax.train.losses import aggregation_denominator
 from relax.train.model import build_gpt_model, load_hf_weights, transformer_config, unwrap
 from relax.train.off_policy import corrected_policy_loss

@@ -32,7 +32,8 @@ from safetensors.torch import load_file
 
 from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process
 from relax.run.metrics import read_metrics
-from relax.run.state import LATEST, read_checkpoint
+from relax.run.state import read_checkpoint
+from relax.train.saved_steps import LATEST
 from tiny_runs import (
     ROOT, SAVING_RUN_STEPS as STEPS, eval_flags, eval_set_paths, run_tiny_job, step_records, tiny_job,
 )

@@ -27,6 +27,7 @@ from relax.rollout.dump import rollout_data_path
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.synthetic import write_task
 from relax.rollout.worker import EngineWorker
+from relax.run.inputs import read_inputs
 from relax.tools.tiny_model import build_tiny_model
 from tiny_runs import PERF_KEYS
 
@@ -106,7 +107,7 @@ def test_two_engines_and_two_training_ranks_share_every_step_and_take_every_push
     monkeypatch.setattr(relax.run.loop, "EngineWorker", RecordingEngineWorker)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
     try:
-        relax.run.loop.run(config)
+        relax.run.loop.run(config, read_inputs(config))
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 

@@ -7,7 +7,6 @@ TP=1 runs as two data-parallel replicas; TP=2, PP=2 and EP=2 split the model acr
 
 import dataclasses
 import datetime
-import json
 import math
 import os
 import shutil

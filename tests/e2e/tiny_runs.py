@@ -97,8 +97,8 @@ def run_saving_tiny_job(exp_dir: Path) -> SavedTinyRun:
 
 
 def not_relax_lines(console: str) -> list[str]:
-    """The console lines that are not relax's own (blank lines are nobody's). relax's are: the prompt and rollout data
-    reports ("prompt data: ...", "rollout data: ..."), the progress bar and relax's messages (starting "relax", e.g.
+    """The console lines that are not relax's own (blank lines are nobody's). relax's are: the reports of the inputs
+    read ("prompt data: ...", "eval set NAME: ...", "rollout data: ...", "--load: ..."), the progress bar and relax's messages (starting "relax", e.g.
     "relax train: done; ..."), and the rows of the end-of-run summary (indented, after "relax run summary")."""
     others, in_summary = [], False
     for line in console.replace("\r", "\n").split("\n"):  # a progress bar redraws its line after a \r
@@ -108,6 +108,6 @@ def not_relax_lines(console: str) -> list[str]:
             in_summary = True
         elif not (in_summary and line.startswith("  ")):
             in_summary = False
-            if not line.startswith(("relax", "prompt data: ", "rollout data: ")):
+            if not line.startswith(("relax", "prompt data: ", "eval set ", "rollout data: ", "--load: ")):
                 others.append(line)
     return others

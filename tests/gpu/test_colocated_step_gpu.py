@@ -201,6 +201,7 @@ def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_
     import ray
 
     import relax.run.loop
+    from relax.run.inputs import read_inputs
     from relax.args import parse_train_args
     from relax.rollout.synthetic import write_task
     from relax.tools.tiny_model import QWEN3_1_7B_BODY, build_tiny_model
@@ -232,7 +233,7 @@ def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
     start = time.perf_counter()
     try:
-        relax.run.loop.run(config)
+        relax.run.loop.run(config, read_inputs(config))
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     run_seconds = time.perf_counter() - start

@@ -7,7 +7,7 @@ takes the NPU platform's MindSpeed switches. relax's product code has no branch 
 use_mindspeed_on_cpu() gets it from relax.platform.get_platform("cpu").
 
 Which MindSpeed: the contract double in tests/npu/mindspeed_double, or, with RELAX_MINDSPEED_CHECKOUT set to a
-checkout of the pinned commit (relax.tools.pins.MINDSPEED), the real package with stand-ins for the compiled Ascend
+checkout of the pinned commit (relax.pins.MINDSPEED), the real package with stand-ins for the compiled Ascend
 parts it imports (ascend_stand_ins.py). torch_npu is the minimal stand-in in mindspeed_stand_ins with the double, the
 generated one of ascend_stand_ins with the real package. Not tests/npu/stand_ins' torch_npu: it registers "npu" as
 torch's PrivateUse1 device and reports an NPU available, and the training step's torch.compile then fails on this CPU
@@ -58,7 +58,7 @@ def use_mindspeed_on_cpu() -> None:
         if not (Path(checkout) / "mindspeed" / "megatron_adaptor.py").is_file():
             raise FileNotFoundError(
                 f"{CHECKOUT_ENV}={checkout!r} is not a MindSpeed checkout (no mindspeed/megatron_adaptor.py): "
-                "point it at a checkout of Ascend/MindSpeed at relax.tools.pins.MINDSPEED"
+                "point it at a checkout of Ascend/MindSpeed at relax.pins.MINDSPEED"
             )
         from ascend_stand_ins import install_ascend_stand_ins
 

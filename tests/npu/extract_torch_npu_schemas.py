@@ -2,7 +2,7 @@
 calls (or switches on through MindSpeed), as the wheel declares them, each checked by torch's own schema parser.
 
     pip download --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 \
-        torch-npu==$(python relax/tools/pins.py torch-npu) -d /tmp/torch-npu
+        torch-npu==$(python relax/pins.py torch-npu) -d /tmp/torch-npu
     python tests/npu/extract_torch_npu_schemas.py /tmp/torch-npu/torch_npu-*.whl
 
 torch_npu exposes every op of its `torch.ops.npu` namespace as `torch_npu.<name>` (torch_npu/__init__.py and

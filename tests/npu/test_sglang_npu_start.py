@@ -20,7 +20,8 @@ from pathlib import Path
 import sgl_kernel_npu_api
 from npu_import_probe import ARCHITECTURES
 from sglang_npu_imports import lazy_kernel_imports, unguarded_kernel_imports, unresolved
-from relax.tools import patches, pins
+from relax import pins
+from relax.tools import patches
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]

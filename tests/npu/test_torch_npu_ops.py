@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from relax.platform import attention, grouped_linear
-from relax.tools import pins
+from relax import pins
 from tests.npu import extract_torch_npu_schemas, torch_npu_ops
 
 RELAX = Path(__file__).resolve().parents[2] / "relax"

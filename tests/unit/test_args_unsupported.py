@@ -29,7 +29,6 @@ EVERY_FEATURE = [
 ]
 # Flags whose only effect is at parse time, and why that is their whole job.
 READ_AT_PARSE_TIME_ONLY = {
-    "overwrite_output_dir": "permits a new run in a directory holding an earlier run's record",
     "log_interval": "every step is logged: any other value is refused by the table",
 }
 # Model-level Megatron flags that config.json does not fix, and what reads them.

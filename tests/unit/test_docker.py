@@ -1,7 +1,7 @@
 """docker/Dockerfile.npu and docker/Dockerfile: lint (hadolint, shellcheck) and structure.
 
 Structure: every upstream of patches/manifest.toml is cloned at its pinned ref and patched with its
-series before it is installed, every version default equals relax/tools/pins.py, and the SoC name is given once.
+series before it is installed, every version default equals relax/pins.py, and the SoC name is given once.
 """
 
 import re
@@ -17,7 +17,7 @@ import pytest
 from relax.tools import patches
 
 REPO = Path(__file__).resolve().parents[2]
-PINS = runpy.run_path(str(REPO / "relax" / "tools" / "pins.py"))
+PINS = runpy.run_path(str(REPO / "relax" / "pins.py"))
 NPU = REPO / "docker" / "Dockerfile.npu"
 CUDA = REPO / "docker" / "Dockerfile"
 
@@ -67,7 +67,7 @@ def run_lines(instructions: list[Instruction]) -> str:
 def _tool(name: str) -> str:
     found = shutil.which(name) or (Path(sys.executable).parent / name)
     if not Path(found).exists():
-        pytest.fail(f"{name} is not installed: `pip install {' '.join(PINS['DOCKER_LINT_TOOLS'])}` (relax/tools/pins.py)")
+        pytest.fail(f"{name} is not installed: `pip install {' '.join(PINS['DOCKER_LINT_TOOLS'])}` (relax/pins.py)")
     return str(found)
 
 
@@ -194,7 +194,7 @@ def test_npu_install_order(npu):
         r"pip install --no-deps -e /opt/relax",
     ]
     positions = [_command_index(text, pattern) for pattern in order]
-    assert "python3 /opt/relax/relax/tools/pins.py npu-image-extras > /tmp/relax-extras.txt" in text
+    assert "python3 /opt/relax/relax/pins.py npu-image-extras > /tmp/relax-extras.txt" in text
     assert positions == sorted(positions), "install steps out of order"
     assert [i.keyword for i in npu][-2:] == ["ENTRYPOINT", "CMD"]
 
@@ -205,7 +205,7 @@ def test_cuda_image_installs_the_pinned_stack_and_applies_every_installable_set(
     assert defaults["BASE_IMAGE"] == PINS["CUDA_BASE_IMAGE"]
     assert re.fullmatch(r"python:3\.11-\S+", defaults["BASE_IMAGE"])
     text = run_lines(cuda)
-    assert "python3 relax/tools/pins.py cuda-stack > /tmp/cuda-stack.txt" in text
+    assert "python3 relax/pins.py cuda-stack > /tmp/cuda-stack.txt" in text
     assert "pip install --requirement /tmp/cuda-stack.txt" in text
     installable = {name for name, upstream in manifest.items() if upstream.package}
     applied = re.search(r"relax patches apply ([\w\- ]+?) +&&", text)

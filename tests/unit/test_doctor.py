@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from relax import pins
 from relax.tools import doctor
 from relax.tools.doctor import BLOCKER, INFO, OK, WARN, Facts
 from relax.platform import platform_facts
 
 REPO = Path(__file__).resolve().parents[2]
-PINS = doctor.PINS
 
 
 CPU, CUDA, NPU = platform_facts("cpu"), platform_facts("cuda"), platform_facts("npu")
@@ -116,7 +116,7 @@ def test_versions_against_the_pins():
         "sglang": None,
         "megatron-core": "0.15.0",
         "transformers": "5.1.0",
-        "torch": PINS["TORCH_NPU_TORCH"] + "+cpu",
+        "torch": pins.TORCH_NPU_TORCH + "+cpu",
     }
     rows = _by_check(doctor.check_versions(NPU, versions))
     assert rows["sglang"].status == BLOCKER and rows["sglang"].found == "not installed"
@@ -137,7 +137,7 @@ def test_patches_are_required_on_devices_and_optional_on_cpu():
 
 
 def test_toolkit_and_ray_and_platform():
-    cann = PINS["CANN_NPU_IMAGE"].split(":")[1].split("-")[0]
+    cann = pins.CANN_NPU_IMAGE.split(":")[1].split("-")[0]
     assert doctor.check_toolkit(NPU, None)[0].status == BLOCKER
     assert doctor.check_toolkit(NPU, "8.5.0")[0].status == WARN
     assert doctor.check_toolkit(NPU, cann)[0].status == OK

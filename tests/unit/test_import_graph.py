@@ -1,5 +1,5 @@
 """relax's layering, read from its source: every `import` and `from ... import` of every module (function-level
-ones included), parsed with ast, as edges between relax's modules."""
+ones included), parsed with ast, as edges between relax's modules, and between its packages (LAYERS)."""
 
 import ast
 from pathlib import Path
@@ -7,6 +7,27 @@ from pathlib import Path
 import relax
 
 PACKAGE_ROOT = Path(relax.__file__).parent
+
+# relax's packages and top-level modules, lowest first: each imports only those before it (docs/architecture.md).
+LAYERS = [
+    "relax.pins",  # version pins, run on their own by setup.py and the scripts
+    "relax.files",
+    "relax.ports",
+    "relax.console",
+    "relax.metric_names",
+    "relax.kernels",  # GDN kernels: take device facts as values
+    "relax.hf_checkpoint",  # what an HF directory holds and fixes in Megatron
+    "relax.platform",  # every device difference
+    "relax.ray",  # placement, worker watching, runtime environment
+    "relax.sync",  # weight transport to the engines
+    "relax.train",  # the Megatron actor, its checkpoints and the --save directory's steps
+    "relax.rollout",  # the SGLang engines, prompt data, rewards, rollout data (checked in the actor's batch shape)
+    "relax.args",  # flags -> settings: declares and parses
+    "relax.run",  # the loop, what it reads first, its state and record
+    "relax.tools",  # the subcommands besides train: convert, doctor, patches, submit; tiny models
+    "relax.cli",
+]
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE_ROOT.parent).with_suffix("").parts
@@ -65,7 +86,7 @@ def test_the_graph_is_read_from_the_source():
 
 
 def test_args_rollout_and_run_state_read_the_checkpoint_without_the_model_families():
-    for package in ("relax.args", "relax.rollout", "relax.run.state", "relax.hf_checkpoint"):
+    for package in ("relax.args", "relax.rollout", "relax.run.state", "relax.train.saved_steps", "relax.hf_checkpoint"):
         assert imports_between(package, "relax.train.model") == [], package
 
 
@@ -119,3 +140,32 @@ def strongly_connected_components(graph: dict[str, set[str]]) -> list[set[str]]:
 
 def test_no_import_cycle_between_modules():
     assert strongly_connected_components(GRAPH) == []
+
+
+def layer_of(name: str) -> str:
+    """The entry of LAYERS that module `name` belongs to."""
+    return next(layer for layer in LAYERS if in_package(name, layer))
+
+
+def test_every_module_has_a_layer():
+    unplaced = [name for name in MODULES if name != "relax" and not any(in_package(name, layer) for layer in LAYERS)]
+    assert unplaced == [], "add them to LAYERS (and docs/architecture.md)"
+
+
+def test_no_import_runs_up_the_layers():
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        if name != "relax"
+        for target in targets
+        if LAYERS.index(layer_of(target)) > LAYERS.index(layer_of(name))
+    )
+    assert upward == []
+
+
+def test_no_import_cycle_between_packages():
+    packages = {layer: set() for layer in LAYERS}
+    for name, targets in GRAPH.items():
+        if name != "relax":
+            packages[layer_of(name)] |= {layer_of(target) for target in targets} - {layer_of(name)}
+    assert strongly_connected_components(packages) == []

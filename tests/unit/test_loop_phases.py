@@ -12,13 +12,16 @@ import pytest
 import torch
 
 import relax.platform
+import relax.run.inputs
 import relax.run.loop
 from relax.args import AlgorithmSettings
 from relax.args.settings import RunMode
 from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch, run, run_with_restarts
 from relax.run.metrics import MetricsLog, read_metrics
 from relax.ray.placement import ENGINE, TRAINING_RANK, WorkerFailed
-from relax.run.state import LATEST, Checkpoint, CheckpointError, RunStopped, StopOnSignal
+from relax.run.inputs import Inputs
+from relax.run.state import Checkpoint, RunStopped, StopOnSignal
+from relax.train.saved_steps import LATEST, CheckpointError
 from relax.rollout.data import Prompt
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample
@@ -123,12 +126,17 @@ class _Config:
     outputs: _Outputs
 
 
+class _Inputs:  # what run_with_restarts asks of the inputs: those of a restart (relax.run.inputs.Inputs.resumed)
+    def resumed(self, run):
+        return self
+
+
 def test_a_run_restarts_after_training_rank_failures_from_its_newest_save_at_most_max_restarts_times(
     tmp_path, monkeypatch, capsys
 ):
     attempts = []  # (load, restarts) of each run() call
 
-    def run(config, stop, restarts):  # fails twice: before its first save, then after one
+    def run(config, inputs, stop, restarts):  # fails twice: before its first save, then after one
         attempts.append((config.run.load, restarts))
         if len(attempts) == 2:
             (tmp_path / LATEST).write_text("step_000001\n")
@@ -138,7 +146,7 @@ def test_a_run_restarts_after_training_rank_failures_from_its_newest_save_at_mos
 
     monkeypatch.setattr(relax.run.loop, "run", run)
     config = _Config(_Run(load=None, max_restarts=2), _Outputs(save=str(tmp_path)))
-    assert run_with_restarts(config) == tmp_path / "out"
+    assert run_with_restarts(config, _Inputs()) == tmp_path / "out"
     assert attempts == [(None, 0), (None, 1), (str(tmp_path), 2)]
     messages = capsys.readouterr().err.splitlines()
     assert messages[1] == "relax train: restart 1 of at most 2: resuming from the start (nothing saved yet)"
@@ -147,7 +155,7 @@ def test_a_run_restarts_after_training_rank_failures_from_its_newest_save_at_mos
     attempts.clear()
     (tmp_path / LATEST).unlink()
     with pytest.raises(WorkerFailed, match="pid 2"):  # the bound reached: the failure is the run's
-        run_with_restarts(_Config(_Run(load="earlier", max_restarts=1), _Outputs(save=str(tmp_path))))
+        run_with_restarts(_Config(_Run(load="earlier", max_restarts=1), _Outputs(save=str(tmp_path))), _Inputs())
     assert attempts == [("earlier", 0), ("earlier", 1)]  # nothing saved yet: from where the run started
 
 
@@ -160,20 +168,20 @@ def test_a_run_restarts_after_an_engine_failure_but_not_after_a_driver_error_or_
     ]
     attempts = []
 
-    def run(config, stop, restarts):
+    def run(config, inputs, stop, restarts):
         attempts.append(restarts)
         raise failures[restarts]
 
     monkeypatch.setattr(relax.run.loop, "run", run)
     config = _Config(_Run(load=None, max_restarts=3), _Outputs(save=str(tmp_path)))
     with pytest.raises(CheckpointError, match="--seed 1"):
-        run_with_restarts(config)
+        run_with_restarts(config, _Inputs())
     assert attempts == [0, 1]
 
     attempts.clear()
     failures[0] = WorkerFailed("the liveness watch of the engines on one node ended (the node lost?): gone")
     with pytest.raises(WorkerFailed, match="liveness watch"):
-        run_with_restarts(config)
+        run_with_restarts(config, _Inputs())
     assert attempts == [0]
 
 
@@ -224,7 +232,6 @@ class _World:
         loop = relax.run.loop
         platform = SimpleNamespace(name="cpu", has_memory_saver=False)
         monkeypatch.setattr(relax.platform, "get_platform", lambda name: platform)
-        monkeypatch.setattr(loop, "_read_inputs", lambda *args: (None, [], None))
         monkeypatch.setattr(loop, "_init_ray", lambda: True)
         monkeypatch.setattr(loop.ray, "shutdown", lambda: setattr(self, "ray_shut_down", True))
         placement = SimpleNamespace(remove=lambda: setattr(self, "placement_removed", True))
@@ -263,6 +270,9 @@ class _World:
         return self.groups[role]
 
 
+NO_INPUTS = Inputs(report=[], checkpoint=None, prompts=None, eval_sets=[], reward_fn=None)  # what run() reads first
+
+
 def _record(**fields):
     """A frozen dataclass instance of `fields` (run_with_restarts replaces the config's run.load)."""
     return make_dataclass("Record", list(fields), frozen=True)(**fields)
@@ -280,7 +290,8 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
     return _record(
         run=settings,
         rollout=SimpleNamespace(
-            sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None, dynamic_sampling=False
+            sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None, dynamic_sampling=False,
+            shuffle=False,
         ),
         evaluation=SimpleNamespace(), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=outputs,
@@ -290,7 +301,7 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
 def test_the_evaluation_after_the_last_step_logs_the_engines_restarted_during_it(tmp_path, monkeypatch):
     world = _World(monkeypatch)
     world.on_evaluation = lambda step: setattr(world.generate, "untaken", 1 if step == 2 else 0)
-    assert run(_config(tmp_path, num_steps=2, debug_rollout_only=True)) == tmp_path
+    assert run(_config(tmp_path, num_steps=2, debug_rollout_only=True), NO_INPUTS) == tmp_path
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["faults/engine_restarts"]) for r in rows] == [(0, 0), (1, 0), (2, 1)]
     assert "perf/step_time" not in rows[-1] and world.groups["engines"].killed and world.ray_shut_down
@@ -301,7 +312,7 @@ def test_a_signal_during_the_last_step_stops_the_run_after_it_without_the_evalua
     with StopOnSignal() as stop:
         world.on_rollout = lambda step: os.kill(os.getpid(), signal.SIGTERM) if step == 1 else None
         with pytest.raises(RunStopped) as stopped:
-            run(_config(tmp_path, num_steps=2, debug_rollout_only=True), stop)
+            run(_config(tmp_path, num_steps=2, debug_rollout_only=True), NO_INPUTS, stop)
     assert (stopped.value.signum, stopped.value.last_step, stopped.value.saved) == (signal.SIGTERM, 1, None)
     assert world.evaluated == [0, 1]  # not 2, the evaluation after the last step
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
@@ -313,7 +324,7 @@ def test_a_setup_that_fails_half_way_ends_the_workers_it_created(tmp_path, monke
     failure = WorkerFailed("engine 0 (EngineWorker, pid 1) failed: died", role="engine")
     world = _World(monkeypatch, fails=(("engines", "watched_child_pids"), failure))
     with pytest.raises(WorkerFailed, match="engine 0"):
-        run(_config(tmp_path, num_steps=2, debug_rollout_only=False))
+        run(_config(tmp_path, num_steps=2, debug_rollout_only=False), NO_INPUTS)
     assert world.groups["trainers"].killed and world.groups["engines"].killed
     assert world.placement_removed and world.ray_shut_down and world.evaluated == []
     assert "  steps         none finished\n" in capsys.readouterr().out  # the metrics log closed too
@@ -337,9 +348,9 @@ def test_a_training_rank_failing_after_the_final_save_restarts_to_the_evaluation
         return Checkpoint(Path(load) / "step_000001", next_step=2, seed=seed, loader_state=None)
 
     monkeypatch.setattr(loop, "save", save)
-    monkeypatch.setattr(loop, "read_checkpoint", read_checkpoint)
+    monkeypatch.setattr(relax.run.inputs, "read_checkpoint", read_checkpoint)
     config = _config(tmp_path / "out", num_steps=2, debug_rollout_only=False, save=str(saves), max_restarts=1)
-    assert run_with_restarts(config) == tmp_path / "out"
+    assert run_with_restarts(config, NO_INPUTS) == tmp_path / "out"
     assert loaded == [(str(saves), True)]  # the restart takes the checkpoint of the last step
     assert world.evaluated == [0, 1, 2, 2]  # the restart ran no step, only the evaluation after the last one
     assert world.waited[-1] == [("trainers", "close_weight_sync")] and world.groups["trainers"].killed

@@ -8,7 +8,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from helpers import DRY_RUN as RUN
 from relax.args import parse_train_args
+from relax.run.inputs import InputError, read_inputs
 from relax.run.metrics import MetricsLog, read_metrics
+
+
+def read_dry_run_inputs(argv):
+    """What `relax train --dry-run` reads and checks before it prints (relax.run.inputs)."""
+    return read_inputs(parse_train_args(argv), dry_run=True)
 
 
 def log_run(output_dir, steps, reward, first_step=0):
@@ -49,41 +55,39 @@ def test_a_resumed_run_continues_its_record_from_the_checkpoint_step(tmp_path):
     assert tensorboard_rewards(tmp_path) == expected
 
 
-def test_a_new_run_refuses_an_earlier_record_unless_told_to_overwrite(tmp_path, capsys):
+def test_a_new_run_refuses_an_earlier_record_unless_told_to_overwrite(tmp_path):
     output = tmp_path / "out"
     log_run(output, range(2), reward=0.0)
     argv = [*RUN, "--output-dir", str(output)]
-    with pytest.raises(SystemExit):
-        parse_train_args(argv)
+    with pytest.raises(InputError) as refused:
+        read_dry_run_inputs(argv)
     assert (
         f"--output-dir {output} holds an earlier run's record (metrics.jsonl, tensorboard, reward_curve.png) and a "
-        "new run would mix its steps into it: pass --overwrite-output-dir" in capsys.readouterr().err
+        "new run would mix its steps into it: pass --overwrite-output-dir" in str(refused.value)
     )
-    parse_train_args([*argv, "--overwrite-output-dir"])
-    parse_train_args([*argv, "--load", str(tmp_path / "checkpoints")])  # a resumed run continues its record
-    parse_train_args([*RUN, "--output-dir", str(tmp_path / "fresh")])
+    read_dry_run_inputs([*argv, "--overwrite-output-dir"])
+    read_dry_run_inputs([*argv, "--load", str(tmp_path / "checkpoints")])  # a resumed run continues its record
+    read_dry_run_inputs([*RUN, "--output-dir", str(tmp_path / "fresh")])
 
 
-def test_a_new_run_refuses_a_save_directory_with_checkpoints(tmp_path, capsys):
+def test_a_new_run_refuses_a_save_directory_with_checkpoints(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "latest").write_text("step_000003\n")
     argv = [*RUN, "--output-dir", str(tmp_path / "out"), "--save", str(tmp_path / "checkpoints")]
-    with pytest.raises(SystemExit):
-        parse_train_args(argv)
-    assert f"resume that run with --load {tmp_path / 'checkpoints'}, or choose another --save" in (
-        capsys.readouterr().err
-    )
-    parse_train_args([*argv, "--load", str(tmp_path / "checkpoints")])
+    with pytest.raises(InputError) as refused:
+        read_dry_run_inputs(argv)
+    assert f"resume that run with --load {tmp_path / 'checkpoints'}, or choose another --save" in str(refused.value)
+    read_dry_run_inputs([*argv, "--load", str(tmp_path / "checkpoints")])
 
 
-def test_a_new_run_refuses_an_hf_directory_with_earlier_steps(tmp_path, capsys):
+def test_a_new_run_refuses_an_hf_directory_with_earlier_steps(tmp_path):
     (tmp_path / "hf" / "step_000003").mkdir(parents=True)
     argv = [*RUN, "--output-dir", str(tmp_path / "out"), "--save", str(tmp_path / "checkpoints")]
-    with pytest.raises(SystemExit):
-        parse_train_args([*argv, "--save-hf", str(tmp_path / "hf")])
-    assert f"--save-hf {tmp_path / 'hf'} holds an earlier run's HF directories" in capsys.readouterr().err
-    parse_train_args([*argv, "--save-hf", str(tmp_path / "hf"), "--load", str(tmp_path / "checkpoints")])
-    parse_train_args([*argv, "--save-hf", str(tmp_path / "fresh")])
+    with pytest.raises(InputError) as refused:
+        read_dry_run_inputs([*argv, "--save-hf", str(tmp_path / "hf")])
+    assert f"--save-hf {tmp_path / 'hf'} holds an earlier run's HF directories" in str(refused.value)
+    read_dry_run_inputs([*argv, "--save-hf", str(tmp_path / "hf"), "--load", str(tmp_path / "checkpoints")])
+    read_dry_run_inputs([*argv, "--save-hf", str(tmp_path / "fresh")])
 
 
 STEP = {

@@ -3,7 +3,7 @@ missing: a device run must not end on an ImportError while it writes its record 
 is when the curves PNG is drawn).
 
 The imports are read from the modules that write the outputs, so a new import there fails this test until it is
-pinned (relax/tools/pins.py OUTPUT_PACKAGES) or made optional.
+pinned (relax/pins.py OUTPUT_PACKAGES) or made optional.
 """
 
 import ast
@@ -18,7 +18,7 @@ from helpers import DRY_RUN as RUN
 from relax.args import parse_train_args
 
 REPO = Path(__file__).resolve().parents[2]
-PINS = runpy.run_path(str(REPO / "relax" / "tools" / "pins.py"))
+PINS = runpy.run_path(str(REPO / "relax" / "pins.py"))
 
 # The modules that write a run's outputs: metrics.jsonl, TensorBoard, wandb, the PNG and the summary; checkpoints
 # and HF directories (during the run and by `relax convert`).
@@ -62,7 +62,7 @@ def test_every_output_import_is_pinned_or_optional(module):
     needed = {package(name) for name in imports(REPO / module)} - {None}
     unknown = needed - set(PINS["OUTPUT_PACKAGES"]) - set(OPTIONAL)
     assert not unknown, (
-        f"{module} imports {sorted(unknown)}: add them to OUTPUT_PACKAGES in relax/tools/pins.py, which every stack "
+        f"{module} imports {sorted(unknown)}: add them to OUTPUT_PACKAGES in relax/pins.py, which every stack "
         "installs, or make them optional behind a flag that `relax train` checks"
     )
 
@@ -76,7 +76,7 @@ def test_the_scan_sees_the_output_imports():
 @pytest.mark.parametrize("stack", list(STACKS))
 def test_every_stack_installs_the_output_packages(stack):
     missing = set(PINS["OUTPUT_PACKAGES"]) - requirement_names(STACKS[stack])
-    assert not missing, f"the {stack} (relax/tools/pins.py) does not install {sorted(missing)}"
+    assert not missing, f"the {stack} (relax/pins.py) does not install {sorted(missing)}"
 
 
 @pytest.mark.parametrize("module", OUTPUT_MODULES)

@@ -16,7 +16,7 @@ import pytest
 from relax.tools import patches
 
 REPO = Path(__file__).resolve().parents[2]
-PINS = runpy.run_path(str(REPO / "relax" / "tools" / "pins.py"))
+PINS = runpy.run_path(str(REPO / "relax" / "pins.py"))
 
 
 def _site_packages() -> Path:
@@ -45,7 +45,7 @@ def test_manifest_versions_and_refs_agree_with_pins(upstreams):
     # setup.py's extras come from the same pins
     assert f"sglang=={PINS['SGLANG']}" in PINS["CUDA_STACK"]
     assert f"megatron-core=={PINS['MEGATRON_CORE']}" in PINS["CPU_STACK"] + PINS["CUDA_STACK"]
-    assert '"tools" / "pins.py"' in (REPO / "setup.py").read_text()
+    assert '"relax" / "pins.py"' in (REPO / "setup.py").read_text()
 
 
 def test_first_real_sets_exist(upstreams):

@@ -27,22 +27,22 @@ def test_readme_starts_with_the_two_commands_and_ci_runs_the_test_one():
 
 
 def test_pins_file_runs_standalone_and_names_every_stack_version():
-    pins = runpy.run_path(str(ROOT / "relax" / "tools" / "pins.py"))
+    pins = runpy.run_path(str(ROOT / "relax" / "pins.py"))
     for name, version in [("sglang", pins["SGLANG"]), ("megatron-core", pins["MEGATRON_CORE"])]:
         out = subprocess.run(
-            [sys.executable, str(ROOT / "relax" / "tools" / "pins.py"), name], capture_output=True, text=True, check=True
+            [sys.executable, str(ROOT / "relax" / "pins.py"), name], capture_output=True, text=True, check=True
         )
         assert out.stdout.strip() == version
     assert f"torch=={pins['TORCH_CPU']}" in pins["CPU_STACK"]
     assert f"sglang=={pins['SGLANG']}" in pins["CUDA_STACK"]
-    bad = subprocess.run([sys.executable, str(ROOT / "relax" / "tools" / "pins.py"), "nope"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, str(ROOT / "relax" / "pins.py"), "nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and "nope" in bad.stderr
 
 
 def test_installed_stack_matches_the_pins():
     from importlib.metadata import version
 
-    pins = runpy.run_path(str(ROOT / "relax" / "tools" / "pins.py"))
+    pins = runpy.run_path(str(ROOT / "relax" / "pins.py"))
     assert version("torch").split("+")[0] == pins["TORCH_CPU"]
     assert version("sglang") == pins["SGLANG"]
     assert version("megatron-core") == pins["MEGATRON_CORE"]

@@ -1,6 +1,6 @@
-"""relax.run.state without the stack: when saves are due, the sampling seeds, how --load finds (and refuses)
-checkpoints, what `relax convert` refuses before reading tensors, and the driver's signal handling. The
-checkpoints here are directories with the files a save writes, not real actor checkpoints
+"""relax.run.state and relax.train.saved_steps without the stack: when saves are due, the sampling seeds, how
+--load finds (and refuses) checkpoints, what `relax convert` refuses before reading tensors, and the driver's
+signal handling. The checkpoints here are directories with the files a save writes, not real actor checkpoints
 (tests/e2e/test_loop_resume.py saves and loads real ones; tests/e2e/test_train_megatron.py converts one)."""
 
 import json
@@ -14,19 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from relax.args import OutputSettings
-from relax.run.state import (
-    LATEST,
-    PARTIAL_SUFFIX,
-    CheckpointError,
-    RunStopped,
-    StopOnSignal,
-    read_checkpoint,
-    sampling_seed,
-    save,
-    save_due,
-    saved_files,
-    step_dir_name,
-)
+from relax.run.state import RunStopped, StopOnSignal, read_checkpoint, sampling_seed, save, save_due
+from relax.train.saved_steps import LATEST, PARTIAL_SUFFIX, CheckpointError, saved_files, step_dir_name
 from relax.tools.convert import checked_input
 from relax.tools.convert import main as convert_main
 from relax.tools.tiny_model import build_tiny_model

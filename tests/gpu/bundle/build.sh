@@ -13,7 +13,7 @@
 #   bash tests/gpu/bundle/build.sh            # downloads into ~/.cache/relax-gpu-wheels, writes .gpu-bundle/
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
-PIN() { python3 "$ROOT/relax/tools/pins.py" "$1"; }
+PIN() { python3 "$ROOT/relax/pins.py" "$1"; }
 WHEELS=${RELAX_GPU_WHEELS:-$HOME/.cache/relax-gpu-wheels}
 OUT_DIR=$ROOT/.gpu-bundle
 STAGE=$(mktemp -d)

@@ -1,4 +1,4 @@
-"""A contract double of MindSpeed (Ascend/MindSpeed at relax.tools.pins.MINDSPEED, branch core_r0.16.0), for tests only.
+"""A contract double of MindSpeed (Ascend/MindSpeed at relax.pins.MINDSPEED, branch core_r0.16.0), for tests only.
 
 On PYTHONPATH (a subprocess or a Ray actor) it imports as `mindspeed` and does to megatron-core what the real package
 does at that commit where relax meets it, with no NPU and none of MindSpeed's kernels:

@@ -2,7 +2,7 @@
 
 setup.py reads this file (without importing relax), scripts/setup.sh installs from it, the
 Dockerfiles are checked against it by tests, and `relax doctor` compares the installed stack to it.
-Keep it free of imports so it can be executed on its own: `python relax/tools/pins.py sglang` prints a pin.
+Keep it free of imports so it can be executed on its own: `python relax/pins.py sglang` prints a pin.
 """
 
 import sys
@@ -132,7 +132,7 @@ def _lookup(name: str) -> str:
         return value
     if isinstance(value, list):
         return "\n".join(value)
-    raise SystemExit(f"relax/tools/pins.py: no pin or stack named {name!r}")
+    raise SystemExit(f"relax/pins.py: no pin or stack named {name!r}")
 
 
 if __name__ == "__main__":
