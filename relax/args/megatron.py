@@ -40,7 +40,7 @@ import warnings
 
 from relax.args.strict import RefusedFlag
 from relax.args.unsupported import REFUSED_FLAGS
-from relax.hf_checkpoint import HFCheckpoint
+from relax.hf_checkpoint import HFCheckpoint, transformer_config
 
 PREFIX = "megatron"
 
@@ -382,13 +382,11 @@ def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
 
 def family_transformer_config(transformer, given: dict, checkpoint: HFCheckpoint, error):
     """The TransformerConfig the training actor builds: `transformer` with the architecture fields the model
-    family of config.json fixes, built by the actor's own function (relax.train.model.transformer_config, which
+    family of config.json fixes, built by the actor's own function (relax.hf_checkpoint.transformer_config, which
     says why it constructs a TransformerConfig instead of using dataclasses.replace).
 
     A flag given on the command line that the family overrides with another value would be silently
     ignored by the actor: it is an error naming the flag."""
-    from relax.train.model import transformer_config
-
     try:
         family = transformer_config(checkpoint, base=transformer)
     except (ValueError, AssertionError, TypeError) as exc:
