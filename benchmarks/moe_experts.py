@@ -37,8 +37,8 @@ def hf_config(shape: dict, layers: int) -> dict:
 
 
 def moe_layers(hf: dict, dtype: torch.dtype, device, grouped: bool) -> list:
-    from relax.hf_checkpoint import hf_checkpoint_of
-    from relax.train.model import build_gpt_model, transformer_config
+    from relax.hf_checkpoint import hf_checkpoint_of, transformer_config
+    from relax.train.model import build_gpt_model
 
     checkpoint = hf_checkpoint_of(hf, Path("in-memory"))  # no weights: the layers keep their initialisation
 

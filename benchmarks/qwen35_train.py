@@ -67,8 +67,7 @@ def make_actor(hf_dir: str, platform, dtype: torch.dtype, lr: float, micro_batch
     from megatron.core.optimizer import OptimizerConfig
 
     from relax.train.actor import ActorSettings, MegatronActor
-    from relax.hf_checkpoint import read_hf_checkpoint
-    from relax.train.model import transformer_config
+    from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -95,7 +95,7 @@ def megatron_configs(hf):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from relax.train.model import transformer_config
+    from relax.hf_checkpoint import transformer_config
 
     transformer = transformer_config(hf, bf16=True, params_dtype=torch.bfloat16, perform_initialization=False)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-5, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16)

@@ -259,8 +259,7 @@ def _build_actor(hf_dir: str, args, platform):
     from megatron.core.optimizer import OptimizerConfig
 
     from relax.train.actor import ActorSettings, MegatronActor
-    from relax.hf_checkpoint import read_hf_checkpoint
-    from relax.train.model import transformer_config
+    from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 
     dtype = getattr(torch, args.dtype)
     bf16 = dtype == torch.bfloat16

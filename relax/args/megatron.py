@@ -40,7 +40,7 @@ import warnings
 
 from relax.args.strict import RefusedFlag
 from relax.args.unsupported import REFUSED_FLAGS
-from relax.hf_checkpoint import HFCheckpoint
+from relax.hf_checkpoint import HFCheckpoint, transformer_config
 
 PREFIX = "megatron"
 
@@ -382,12 +382,13 @@ def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
 
 def family_transformer_config(transformer, given: dict, checkpoint: HFCheckpoint, error):
     """The TransformerConfig the training actor builds: `transformer` with the architecture fields the model
-    family of config.json fixes (relax.train.model.transformer_config applies the same fields).
+    family of config.json fixes, built by the actor's own function (relax.hf_checkpoint.transformer_config, which
+    says why it constructs a TransformerConfig instead of using dataclasses.replace).
 
     A flag given on the command line that the family overrides with another value would be silently
     ignored by the actor: it is an error naming the flag."""
     try:
-        family = dataclasses.replace(transformer, **checkpoint.transformer_fields)
+        family = transformer_config(checkpoint, base=transformer)
     except (ValueError, AssertionError, TypeError) as exc:
         error(f"--hf-checkpoint: relax's Megatron actor cannot build this {checkpoint.family} model: {exc}")
     for name in sorted(given.keys() & {f.name for f in dataclasses.fields(transformer)}):

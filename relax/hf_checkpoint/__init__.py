@@ -9,10 +9,12 @@ that fixes in Megatron, and the tensors' names and shapes. Read once, into one f
     checkpoint.model_fields         # GPTModel-level settings config.json fixes, by Megatron flag names
     checkpoint.tensor_shapes        # name -> shape from the safetensors headers, fused experts per expert
     checkpoint.architecture         # model_type and both field sets: what a saved actor checkpoint must match
+    transformer_config(checkpoint, base)  # the megatron-core TransformerConfig of the model (imports megatron)
 
 Where the language model sits and which tensors stay frozen: layout.py. Tensor data: TensorReader.
 """
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -38,6 +40,7 @@ __all__ = [
     "is_frozen",
     "read_hf_checkpoint",
     "trained_names",
+    "transformer_config",
 ]
 
 
@@ -136,6 +139,26 @@ def hf_checkpoint_of(config: dict, directory: Path) -> HFCheckpoint:
     except ValueError as exc:
         raise HFCheckpointError(f"{path}: relax cannot build this {family} model: {exc}") from None
     return HFCheckpoint(directory, config, text_config, vision_language, family, *fields)
+
+
+def transformer_config(checkpoint: HFCheckpoint, base=None, **overrides):
+    """A megatron-core TransformerConfig for an HF checkpoint, as the training actor builds it and the parser
+    (relax.args.megatron.family_transformer_config) checks it.
+
+    The architecture (layers, heads, norms, MoE, ...) comes from config.json (checkpoint.transformer_fields);
+    everything else (parallel sizes, dtype, recompute, ...) from `base` (a TransformerConfig, e.g. from
+    relax.args) and then `overrides`.
+
+    Built through megatron's TransformerConfig, not dataclasses.replace: MindSpeed (NPU) turns each config into an
+    instance of a generated subclass whose extra fields are not constructor arguments
+    (core/megatron_basic/arguments_basic.py), and replace() would construct that subclass without them.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    given = {}
+    if base is not None:
+        given = {f.name: getattr(base, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
+    return TransformerConfig(**{**given, **checkpoint.transformer_fields, **overrides})
 
 
 class TensorReader:

@@ -23,11 +23,11 @@ import datetime
 from functools import partial
 import torch
 
-from relax.hf_checkpoint import read_hf_checkpoint
+from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 from relax.metric_names import extreme
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
 from relax.train.losses import aggregation_denominator
-from relax.train.model import build_gpt_model, load_hf_weights, transformer_config, unwrap
+from relax.train.model import build_gpt_model, load_hf_weights, unwrap
 from relax.train.off_policy import corrected_policy_loss
 from relax.train.offload import training_memory
 from relax.train.process_groups import ReloadableGroups

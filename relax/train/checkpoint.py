@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from relax.hf_checkpoint import HFCheckpoint, TensorReader, is_frozen, read_hf_checkpoint
-from relax.train.model import build_gpt_model, export_hf_weights, transformer_config, unwrap
+from relax.hf_checkpoint import HFCheckpoint, TensorReader, is_frozen, read_hf_checkpoint, transformer_config
+from relax.train.model import build_gpt_model, export_hf_weights, unwrap
 
 HF_FILES_DIR = "hf"
 FROZEN_FILE = "frozen.safetensors"  # under HF_FILES_DIR

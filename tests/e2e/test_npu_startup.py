@@ -72,6 +72,19 @@ def preset_args_with_tiny_model(exp_dir: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
+def preset(tmp_path_factory):
+    """The preset's arguments for the tiny model, and their `relax train --dry-run`, started here so that it runs
+    while the cluster starts (the test reads its result)."""
+    args = preset_args_with_tiny_model(tmp_path_factory.mktemp("npu_preset"))
+    dry_run = subprocess.Popen([sys.executable, "-m", "relax.cli", "train", *args, "--dry-run"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    yield args, dry_run
+    if dry_run.poll() is None:  # the test stopped before reading it
+        dry_run.kill()
+        dry_run.communicate()
+
+
+@pytest.fixture(scope="module")
 def cluster():
     """A one-node Ray cluster whose workers can import tests/npu (the platform and the double)."""
     saved = os.environ.get("PYTHONPATH")
@@ -97,11 +110,10 @@ def one_group(vocab_size: int, size: int) -> list[Sample]:
             for i, tokens in enumerate(responses)]
 
 
-def test_the_npu_preset_starts_and_trains_a_step_under_mindspeed(tmp_path, cluster):
-    args = preset_args_with_tiny_model(tmp_path)
-    dry_run = subprocess.run([sys.executable, "-m", "relax.cli", "train", *args, "--dry-run"], capture_output=True,
-                             text=True, timeout=300, cwd=ROOT)
-    assert dry_run.returncode == 0, dry_run.stdout[-2000:] + dry_run.stderr[-3000:]
+def test_the_npu_preset_starts_and_trains_a_step_under_mindspeed(preset, cluster):
+    args, dry_run = preset
+    stdout, stderr = dry_run.communicate(timeout=300)
+    assert dry_run.returncode == 0, stdout[-2000:] + stderr[-3000:]
 
     config = parse_train_args(args)
     settings = config.run

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from relax.tools.tiny_model import build_tiny_model
-from relax.hf_checkpoint import TensorReader, read_hf_checkpoint, trained_names
+from relax.hf_checkpoint import TensorReader, read_hf_checkpoint, trained_names, transformer_config
 
 from spawned_ranks import SpawnedRanks
 
@@ -66,7 +66,7 @@ def _parity(hf_dir: str, tp: int, grouped_experts: bool = False) -> dict:
     import transformers
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region, model_parallel_cuda_manual_seed
-    from relax.train.model import build_gpt_model, export_hf_weights, load_hf_weights, transformer_config
+    from relax.train.model import build_gpt_model, export_hf_weights, load_hf_weights
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(0)
@@ -134,7 +134,7 @@ def _vl_actor_saves_and_converts(hf_dir: str, checkpoint_dir: str, out_dir: str)
 
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.checkpoint import checkpoint_to_hf, save_checkpoint
-    from relax.train.model import export_hf_weights, transformer_config, unwrap
+    from relax.train.model import export_hf_weights, unwrap
 
     transformer = transformer_config(
         read_hf_checkpoint(hf_dir), tensor_model_parallel_size=2, pipeline_dtype=torch.float32,
@@ -201,7 +201,7 @@ def _gradient_parity(hf_dir: str, tp: int, sequence_parallel: bool) -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from relax.train.actor import vocab_parallel_logprobs
-    from relax.train.model import build_gpt_model, export_hf_weights, load_hf_weights, transformer_config
+    from relax.train.model import build_gpt_model, export_hf_weights, load_hf_weights
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(0)
@@ -263,7 +263,7 @@ def _gdn_layer_against_megatrons_own_forward(hf_dir: str) -> dict:
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from relax.train.model import build_gpt_model, load_hf_weights, transformer_config
+    from relax.train.model import build_gpt_model, load_hf_weights
 
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)

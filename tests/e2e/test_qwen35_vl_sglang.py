@@ -20,7 +20,7 @@ import transformers
 
 from relax.platform import get_platform
 from relax.rollout.engine import RolloutEngine, SamplingConfig, WeightUpdateError
-from relax.hf_checkpoint import read_hf_checkpoint, trained_names
+from relax.hf_checkpoint import read_hf_checkpoint, trained_names, transformer_config
 from relax.tools.tiny_model import build_tiny_model
 
 from hf_reference import hf_greedy
@@ -38,7 +38,7 @@ def _export(config_dir: str, weights_dir: str, out_file: str) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from safetensors.torch import save_file
 
-    from relax.train.model import build_gpt_model, export_hf_weights, load_hf_weights, transformer_config
+    from relax.train.model import build_gpt_model, export_hf_weights, load_hf_weights
 
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(0)

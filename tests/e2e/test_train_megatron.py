@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relax.hf_checkpoint import read_hf_checkpoint
+from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 from relax.tools.tiny_model import build_tiny_model
 
 from spawned_ranks import SpawnedRanks
@@ -47,7 +47,7 @@ def _megatron_model(hf_dir: str, tp: int, ep: int = 1, grouped_experts: bool = F
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from relax.train.model import build_gpt_model, load_hf_weights, transformer_config
+    from relax.train.model import build_gpt_model, load_hf_weights
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(0)
@@ -185,7 +185,6 @@ def _actor(
     from relax.platform import get_platform
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.losses import LossSettings
-    from relax.train.model import transformer_config
 
     transformer = transformer_config(
         read_hf_checkpoint(hf_dir),

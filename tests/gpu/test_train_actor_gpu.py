@@ -70,8 +70,7 @@ def _actor(hf_dir, bf16=False, memory_saver=True, distributed_optimizer=False):
     from relax.platform import get_platform
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.losses import LossSettings
-    from relax.hf_checkpoint import read_hf_checkpoint
-    from relax.train.model import transformer_config
+    from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 
     gc.collect()  # the previous test's actor, before this one's groups and memory
     if parallel_state.model_parallel_is_initialized():

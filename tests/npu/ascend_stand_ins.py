@@ -6,11 +6,15 @@ so a CPU run passes only where MindSpeed does not compute with an Ascend operato
 - `torch_npu` sets `torch.npu` to its `npu` module, as the real package registers that module at import (MindSpeed's
   annotations read torch.npu.Stream);
 - `torch_npu.unsupported_dtype` is an empty list (MindSpeed's dist_train module tests dtypes against it at import);
+- the ops of torch_npu_ops.py (`torch_npu.npu_swiglu`, `npu_rms_norm`, ...): bound by the wheel's schemas and
+  computed in torch, as in tests/npu/stand_ins' torch_npu, so MindSpeed's fused functions run;
 - `torch_npu._C._distributed_c10d.ProcessGroupHCCL` is a class (ProcessGroupHCCL below says why);
 - `torch_npu.npu`'s device generator, lazy call and current device, and `torch.cuda.current_device` pointed at the
   latter by the transfer_to_npu stand-in (exec_module says why);
 - calling a torchair name returns a decorator that changes nothing: MindSpeed registers graph-mode converters with
   torchair at import (op_builder/*_builder.py register_op_ir), which a CPU run never reaches.
+MindSpeed's own compiled ops: its op builders (mindspeed/op_builder) compile C++ against CANN and torch_npu when an op
+is first called; the stand-in of that build serves the ops below, computed in torch, and fails for any other, naming it.
 triton: MindSpeed's Triton kernels (ops/triton/cumsum.py) autotune on keys that are not kernel arguments; the Triton
 triton-ascend 3.2 is built on leaves such keys out, the Triton installed here (3.x later) refuses them at decoration.
 install_ascend_stand_ins() drops such keys before Triton's check."""
@@ -21,7 +25,10 @@ import importlib.machinery
 import sys
 import types
 
+from tests.npu import torch_npu_ops
+
 STOOD_IN = ("torch_npu", "torchair")
+ROTATE_HALF, ROTATE_INTERLEAVED = 0, 1  # the modes of MindSpeed's npu_rotary_position_embedding
 
 
 class AscendPart:
@@ -88,6 +95,7 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
             module.npu = torch.npu = importlib.import_module("torch_npu.npu")
             module.unsupported_dtype = []
+            torch_npu_ops.install(module)
         elif module.__name__ == "torch_npu.npu":
             import torch
 
@@ -99,6 +107,53 @@ class StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.current_device = lambda: 0
         elif module.__name__ == "torch_npu._C._distributed_c10d":
             module.ProcessGroupHCCL = ProcessGroupHCCL
+
+
+def npu_rotary_position_embedding(x, cos, sin, mode=ROTATE_HALF):
+    """MindSpeed's fused RoPE (ops/csrc/cann/npu_rotary_position_embedding.cpp, CANN's aclnnRotaryPositionEmbedding):
+    x * cos + rotate(x) * sin, rotating halves (mode 0, GPT-NeoX) or adjacent pairs (mode 1, GPT-J), with the checks of
+    its CheckRopeFroward."""
+    import torch
+
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            raise RuntimeError(f"mindspeed npu_rotary_position_embedding: {message}")
+
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    require(all(t.dtype in floats for t in (x, cos, sin)), "x, cos and sin must be float32, float16 or bfloat16")
+    require(x.dim() == cos.dim() == sin.dim() == 4, "x, cos and sin must be 4-dimensional")
+    require(x.shape[3] % 2 == 0, f"the head dim must be even, got {x.shape[3]}")
+    require(cos.shape == sin.shape, "cos and sin must have one shape")
+    require(mode in (ROTATE_HALF, ROTATE_INTERLEAVED), f"mode must be 0 (rotate half) or 1 (interleaved), got {mode}")
+    if mode == ROTATE_HALF:
+        first, second = x.chunk(2, dim=-1)
+        rotated = torch.cat((-second, first), dim=-1)
+    else:
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * cos + rotated * sin
+
+
+# The op modules MindSpeed's builders would compile, by builder name, with the ops relax's runs reach.
+COMPILED_MINDSPEED_OPS = {
+    "npu_rotary_position_embedding": types.SimpleNamespace(npu_rotary_position_embedding=npu_rotary_position_embedding),
+}
+
+
+def _load_compiled_mindspeed_op(builder, verbose=True):
+    if builder.name not in COMPILED_MINDSPEED_OPS:
+        raise RuntimeError(
+            f"MindSpeed's {builder.name} is an op compiled against CANN (mindspeed/op_builder), stood in on this CPU "
+            "run: it cannot compute here"
+        )
+    return COMPILED_MINDSPEED_OPS[builder.name]
+
+
+def install_mindspeed_op_stand_ins() -> None:
+    """MindSpeed's op builders load the stand-ins above instead of compiling. Once MindSpeed is importable; it imports
+    no megatron."""
+    from mindspeed.op_builder.builder import MindSpeedOpBuilder
+
+    MindSpeedOpBuilder.load = _load_compiled_mindspeed_op
 
 
 def _autotune_keys_of_arguments_only() -> None:

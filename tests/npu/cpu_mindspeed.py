@@ -8,10 +8,10 @@ use_mindspeed_on_cpu() gets it from relax.platform.get_platform("cpu").
 
 Which MindSpeed: the contract double in tests/npu/mindspeed_double, or, with RELAX_MINDSPEED_CHECKOUT set to a
 checkout of the pinned commit (relax.pins.MINDSPEED), the real package with stand-ins for the compiled Ascend
-parts it imports (ascend_stand_ins.py). torch_npu is the minimal stand-in in mindspeed_stand_ins with the double, the
-generated one of ascend_stand_ins with the real package. Not tests/npu/stand_ins' torch_npu: it registers "npu" as
-torch's PrivateUse1 device and reports an NPU available, and the training step's torch.compile then fails on this CPU
-build of torch ("PyTorch is not linked with support for npu devices")."""
+parts it imports (ascend_stand_ins.py). torch_npu is tests/npu/stand_ins' with the double, the generated one of
+ascend_stand_ins with the real package (MindSpeed reaches dozens of torch_npu names at import); both compute the ops
+of torch_npu_ops.py. Neither registers an "npu" device here: the ranks compute on the CPU, and the training step's
+torch.compile fails once torch takes "npu" for its accelerator (stand_ins/torch_npu's stand_in_one_npu says why)."""
 
 import os
 import sys
@@ -60,12 +60,13 @@ def use_mindspeed_on_cpu() -> None:
                 f"{CHECKOUT_ENV}={checkout!r} is not a MindSpeed checkout (no mindspeed/megatron_adaptor.py): "
                 "point it at a checkout of Ascend/MindSpeed at relax.pins.MINDSPEED"
             )
-        from ascend_stand_ins import install_ascend_stand_ins
+        from ascend_stand_ins import install_ascend_stand_ins, install_mindspeed_op_stand_ins
 
         install_ascend_stand_ins()
         sys.path.insert(0, checkout)
+        install_mindspeed_op_stand_ins()
     else:
-        sys.path[:0] = [str(HERE / "mindspeed_double"), str(HERE / "mindspeed_stand_ins")]
+        sys.path[:0] = [str(HERE / "mindspeed_double"), str(HERE / "stand_ins")]
     PLATFORMS["cpu"] = MindSpeedOnCpu()
 
 

@@ -3,7 +3,8 @@
     python tests/npu/npu_import_probe.py API_JSON [--registry]
 
 API_JSON holds {"modules": {...}} as tests/npu/data/sgl_kernel_npu_api.json does. tests/npu/stand_ins must be on
-PYTHONPATH (its torch_npu stand-in reports one available NPU). The sgl_kernel_npu stand-in is built from API_JSON.
+PYTHONPATH (its torch_npu stand-in, made to report one available NPU). The sgl_kernel_npu stand-in is built from
+API_JSON.
 Everything else is the installed SGLang, imported for real. Prints one JSON object: is_npu, per module below either
 "ok" or its import error, and with --registry whether SGLang's model registry (which imports every model module and
 drops those that fail) holds each Qwen3.5 architecture.
@@ -48,7 +49,9 @@ def _load_torchvision_placeholder() -> None:
 def main() -> int:
     _load_torchvision_placeholder()
     kernel_stand_in.install(json.loads(Path(sys.argv[1]).read_text())["modules"])
-    import torch_npu  # noqa: F401  (the stand-in; real torch imports torch_npu through its backend entry point)
+    import torch_npu  # the stand-in; real torch imports torch_npu through its backend entry point
+
+    torch_npu.stand_in_one_npu()  # the NPU host SGLang's is_npu() looks for
     from sglang.srt.utils import is_npu
 
     report = {"is_npu": is_npu(), "modules": {}}

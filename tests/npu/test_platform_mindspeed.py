@@ -44,12 +44,15 @@ def test_fused_rope_switch_builds_the_megatron_config():
 
 def test_family_config_is_built_from_a_mindspeed_config(tmp_path):
     """MindSpeed's configs are instances of a generated subclass whose extra fields are not constructor arguments:
-    the family config (relax.train.model.transformer_config) keeps the base's settings and MindSpeed's fields."""
+    the family config keeps the base's settings and MindSpeed's fields, on the actor's side
+    (relax.hf_checkpoint.transformer_config) and on the driver's (relax.args.megatron.family_transformer_config)."""
     model = build_tiny_model(tmp_path / "model", "qwen3_5")
     result = _run_under_the_double(
         f"""
-        from relax.args.megatron import MegatronValues
-        from relax.hf_checkpoint import read_hf_checkpoint
+        import dataclasses
+
+        from relax.args.megatron import MegatronValues, family_transformer_config
+        from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
         from relax.platform import get_platform
 
         get_platform("cpu").prepare_megatron({{}})
@@ -58,11 +61,19 @@ def test_family_config_is_built_from_a_mindspeed_config(tmp_path):
              "recompute_method": "uniform", "recompute_num_layers": 1}},
             num_steps=1,
         ).build().transformer
-        from relax.train.model import transformer_config
-
-        family = transformer_config(read_hf_checkpoint({str(model)!r}), base)
+        checkpoint = read_hf_checkpoint({str(model)!r})
+        family = transformer_config(checkpoint, base)
         assert family.recompute_granularity == "full" and family.experimental_attention_variant == "gated_delta_net"
         assert family.moe_zero_memory == "disable" and family.position_embedding_type == "rope"
+
+        def refuse(message):
+            raise SystemExit(message)
+
+        driver_family = family_transformer_config(base, {{}}, checkpoint, refuse)
+        # Field by field: each construction under MindSpeed may make its own generated class, so == would differ.
+        assert {{f.name: getattr(driver_family, f.name) for f in dataclasses.fields(family)}} == {{
+            f.name: getattr(family, f.name) for f in dataclasses.fields(family)
+        }}
         print("ok")
         """
     )

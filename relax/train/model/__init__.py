@@ -59,26 +59,6 @@ _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.+)")
 _GROUPED_EXPERTS_NAME = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)")  # grouped_experts.py
 
 
-def transformer_config(checkpoint: HFCheckpoint, base=None, **overrides):
-    """A megatron-core TransformerConfig for an HF checkpoint.
-
-    The architecture (layers, heads, norms, MoE, ...) comes from config.json (checkpoint.transformer_fields);
-    everything else (parallel sizes, dtype, recompute, ...) from `base` (a TransformerConfig, e.g. from
-    relax.args) and then `overrides`.
-
-    Built through megatron's TransformerConfig, not dataclasses.replace: MindSpeed (NPU) turns each config into an
-    instance of a generated subclass whose extra fields are not constructor arguments
-    (core/megatron_basic/arguments_basic.py), and replace() would construct that subclass without them.
-    """
-    from megatron.core.transformer import TransformerConfig
-
-    fields = {**checkpoint.transformer_fields, **overrides}
-    if base is not None:
-        given = {field.name: getattr(base, field.name) for field in dataclasses.fields(TransformerConfig) if field.init}
-        fields = {**given, **fields}
-    return TransformerConfig(**fields)
-
-
 def build_gpt_model(
     checkpoint: HFCheckpoint,
     config,

@@ -1,10 +1,12 @@
-"""A torch_npu stand-in for CPU tests: it makes `torch.npu` exist and report one available NPU.
+"""A torch_npu stand-in for CPU tests: `torch.npu`, the modules SGLang and MindSpeed import, and the ops relax and
+MindSpeed call, computed in torch.
 
 Real torch_npu (Ascend/pytorch) registers `torch.npu` and the "npu" device type when imported (torch imports it
-through the `torch.backends` entry point it ships). This package does the same for the parts SGLang's import path
-reads, so that SGLang takes its NPU branches (`is_npu()`) on a CPU. Nothing here computes on a device: a device
-call that would need one raises StandInError naming the call. Op stand-ins (`torch_npu.npu_*`) are attached by
-tests/npu's op module; without it an `npu_*` attribute raises StandInError when called.
+through the `torch.backends` entry point it ships). This package sets `torch.npu` to a module of the parts SGLang's
+import path reads, reporting no NPU until stand_in_one_npu() makes the process see one (SGLang then takes its NPU
+branches, `is_npu()`). Nothing here computes on a device: a device call that would need one raises StandInError
+naming the call. The ops of tests/npu/torch_npu_ops.py (`torch_npu.npu_swiglu`, ...) are bound by the wheel's
+schemas and compute on the CPU; any other `npu_*` attribute raises StandInError when called.
 """
 
 import sys
@@ -12,7 +14,7 @@ import types
 
 import torch
 
-DEVICE_COUNT = 1
+DEVICE_COUNT = 0  # NPUs this process sees: none, or one after stand_in_one_npu()
 
 
 class StandInError(RuntimeError):
@@ -29,7 +31,7 @@ def _needs_device(name: str):
 
 
 npu = types.ModuleType("torch_npu.npu", "The stand-in of torch_npu.npu, also installed as torch.npu.")
-npu.is_available = lambda: True
+npu.is_available = lambda: DEVICE_COUNT > 0
 npu.device_count = lambda: DEVICE_COUNT
 npu.current_device = lambda: 0
 npu.set_device = lambda device: None
@@ -53,9 +55,6 @@ for _name in ("mem_get_info", "get_device_properties", "Stream", "Event", "curre
     setattr(npu, _name, _needs_device(f"npu.{_name}"))
 del _name
 
-# torch_npu names the PrivateUse1 backend "npu"; torch.device("npu") then parses.
-if torch._C._get_privateuse1_backend_name() != "npu":
-    torch.utils.rename_privateuse1_backend("npu")
 torch.npu = npu
 sys.modules["torch.npu"] = npu
 sys.modules[__name__ + ".npu"] = npu
@@ -65,6 +64,20 @@ from torch_npu import _torchair  # noqa: E402  (needs StandInError above)
 _torchair.install()
 
 from torch_npu import profiler  # noqa: E402,F401  (an attribute of torch_npu, as in the real package)
+from tests.npu import torch_npu_ops  # noqa: E402
+
+torch_npu_ops.install(sys.modules[__name__])
+
+
+def stand_in_one_npu() -> None:
+    """This process sees one NPU: torch_npu's name for the PrivateUse1 device ("npu", so torch.device("npu") parses)
+    and torch.npu reporting one device. Not for a process that torch.compiles: torch then takes "npu" for its
+    accelerator, which has no device hooks in this CPU build, and dynamo's first question to it (the current
+    stream) fails with "PyTorch is not linked with support for npu devices"."""
+    global DEVICE_COUNT
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+    DEVICE_COUNT = 1
 
 
 def _apply_patches(patches) -> None:
