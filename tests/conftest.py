@@ -25,6 +25,8 @@ if _lane:
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 
+# A wrapper, so the marks are there before pytest-xdist's own hook reads the xdist_group marks (loadgroup).
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     tests_dir = Path(__file__).parent
     groups = {}  # e2e module -> its lane group: the shared run it reads, else the module itself
@@ -38,3 +40,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.fspath in groups:
             item.add_marker(pytest.mark.xdist_group(groups[item.fspath]))
+    collected = yield
+    if hasattr(config, "workerinput") and config.getvalue("loadgroup"):  # a lane: pytest-xdist has named the groups
+        ungrouped = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        if ungrouped:
+            raise pytest.UsageError(
+                f"pytest-xdist did not put {ungrouped[0]} in its lane group: each lane would start the shared runs "
+                "and module fixtures again; install the pytest relax/pins.py TEST_TOOLS names (bash scripts/setup.sh)"
+            )
+    return collected
