@@ -1,7 +1,8 @@
-"""A pool of spawned processes that share one gloo process group on the CPU platform, started once per test
-module: `ranks.run(fn, *args)` calls the module-level `fn(*args)` on every rank and returns each rank's result.
+"""A pool of spawned processes on the CPU platform, started once per test module: `ranks.run(fn, *args)` calls the
+module-level `fn(*args)` on every rank, in a gloo process group of that call's, and returns each rank's result.
 
-Megatron's parallel state is destroyed after every call, so each call builds the layout it needs.
+Megatron's parallel state and every process group are destroyed after every call, so each call builds the layout it
+needs.
 """
 
 import datetime
@@ -20,44 +21,47 @@ def _next_task(conn):
         return None
 
 
-def _rank_main(rank: int, world_size: int, port: int, timeout_s: float, conn) -> None:
+def _rank_main(rank: int, world_size: int, timeout_s: float, conn) -> None:
     torch.set_num_threads(1)
     from relax.platform import get_platform
 
     get_platform("cpu").prepare_megatron()
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
     from megatron.core import parallel_state
 
     while (task := _next_task(conn)) is not None:
-        fn, args = task
+        fn, args, port = task
+        # A process group of its own for each task, all of them destroyed after it: megatron's destroy_model_parallel
+        # only drops its groups, whose gloo threads (two per group) would pile up over a module's tests.
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         try:
             conn.send(("ok", fn(*args)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
         finally:
             parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
 
 
 class SpawnedRanks:
     def __init__(self, world_size: int, task_timeout_s: float):
         self.task_timeout_s = task_timeout_s
         context = mp.get_context("spawn")
-        port = free_port()
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = context.Pipe()
             # Not daemonic: megatron's checkpoint writer starts a helper process of its own.
-            proc = context.Process(target=_rank_main, args=(rank, world_size, port, task_timeout_s, child), daemon=False)
+            proc = context.Process(target=_rank_main, args=(rank, world_size, task_timeout_s, child), daemon=False)
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)
 
     def run(self, fn, *args) -> list:
+        port = free_port()  # the task's process group
         for conn in self.conns:
-            conn.send((fn, args))
+            conn.send((fn, args, port))
         results = []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.task_timeout_s):
