@@ -297,6 +297,8 @@ class ActorGroup:
         # processes the liveness watch polls.
         self._whereabouts = [actor.__ray_call__.remote(_whereabouts) for actor in self.actors]
         self._watches: dict = {}  # watch ref -> its ProcessWatcher, one per node (started by watch())
+        # The groups whose actors a wait on this group's calls watches (None: every group of the placement).
+        self.watched: list["ActorGroup"] | None = None
         placement.groups.append(self)
 
     def _start_actor(self, index: int):
@@ -317,9 +319,14 @@ class ActorGroup:
         return [getattr(actor, method).remote(*args, **kwargs) for actor in self.actors]
 
     def run(self, method: str, *args, timeout: Timeout | None = None, **kwargs) -> list:
-        """Call `method` on every actor and wait for their answers, in actor order (wait_for): WorkerFailed as soon
-        as an actor of the placement is gone, or naming the first of these actors still silent after `timeout`."""
-        return wait_for(self.call(method, *args, **kwargs), self.placement, timeout, group_callees(self))
+        """Call `method` on every actor and wait for their answers, in actor order (wait): WorkerFailed as soon
+        as a watched actor is gone, or naming the first of these actors still silent after `timeout`."""
+        return self.wait(self.call(method, *args, **kwargs), timeout)
+
+    def wait(self, refs: list, timeout: Timeout | None = None) -> list:
+        """wait_for(refs), ref i of a call on actor i, watching `self.watched` (every group of the placement
+        when None)."""
+        return wait_for(refs, self.placement, timeout, group_callees(self), self.watched)
 
     def kill(self) -> None:
         self._end_watches()  # first: they would report the actors' deaths
@@ -406,15 +413,15 @@ def _whereabouts(actor) -> dict:
 
 
 def wait_for(refs: list, placement: Placement, timeout: Timeout | None = None,
-             callees: list[tuple["ActorGroup", int]] | None = None) -> list:
-    """ray.get(refs), while watching the actors of every group on `placement` (ActorGroup.watch): raises
-    WorkerFailed as soon as one of them is gone, instead of waiting on refs that may never complete, or
-    complete only for the driver to meet the dead worker at its next call, a phase later. A ref that
-    fails raises as ray.get raises it, at once.
+             callees: list[tuple["ActorGroup", int]] | None = None, watched: list["ActorGroup"] | None = None) -> list:
+    """ray.get(refs), while watching the actors of the groups `watched` (every group on `placement` when None;
+    ActorGroup.watch): raises WorkerFailed as soon as one of them is gone, instead of waiting on refs that may
+    never complete, or complete only for the driver to meet the dead worker at its next call, a phase later. A
+    ref that fails raises as ray.get raises it, at once.
 
     With a `timeout`, a ref still pending after timeout.seconds raises WorkerFailed naming the actor it
     was called on (`callees`: (group, index) per ref; group_callees(group) for refs from group.call)."""
-    watches = {ref: group for group in placement.groups for ref in group.watch()}
+    watches = {ref: group for group in (placement.groups if watched is None else watched) for ref in group.watch()}
     pending = list(refs)
     deadline = None if timeout is None or timeout.seconds is None else time.monotonic() + timeout.seconds
     while pending:
@@ -428,6 +435,18 @@ def wait_for(refs: list, placement: Placement, timeout: Timeout | None = None,
             ray.get(ref)
             pending.remove(ref)
     return ray.get(refs)
+
+
+def settled(refs: list) -> list[ray.exceptions.RayError]:
+    """Wait until every ref is done; the errors of those that failed, in ref order (where ray.get(refs) would
+    raise at the first and leave the others running)."""
+    failures = []
+    for ref in refs:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayError as error:
+            failures.append(error)
+    return failures
 
 
 def group_callees(group: "ActorGroup") -> list[tuple["ActorGroup", int]]:

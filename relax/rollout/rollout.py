@@ -3,7 +3,7 @@ with DAPO dynamic sampling and the rollout metrics.
 
 `generate(token_id_prompts, sampling)` is any callable returning sampling.n Completions per prompt, in prompt
 order, request i of the call sampled with seed sampling.seed + i: an in-process RolloutEngine.generate, or the
-loop's spread of the prompts over the Ray engine actors (relax.rollout.engine_restarts.EngineRestarts, through
+loop's spread of the prompts over the Ray engine actors (relax.run.colocation.Colocation.generate, through
 split_over_engines and completions_in_prompt_order below: each request keeps the seed it would get from one
 engine, however many engines there are).
 

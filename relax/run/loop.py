@@ -14,14 +14,13 @@ score, save); --debug-train-only creates no engines and trains on rollouts repla
 --eval-only creates no training actor and runs no step: it evaluates --hf-checkpoint once.
 
 The driver waits on every phase through relax.ray.placement.wait_for (ActorGroup.run for a call on every actor of a
-group), which also watches every actor of the run (and an engine's SGLang processes): a worker that dies fails the
-run within seconds, whichever phase the driver is waiting on, and a call that may hang is bounded
+group), which also watches the run's actors (and an engine's SGLang processes): a worker that dies fails the run
+within seconds, whichever phase the driver is waiting on, and a call that may hang is bounded
 (--engine-start-timeout, --rollout-timeout, --weight-sync-timeout, --train-timeout). The exception: an engine that
-fails during a rollout or an evaluation is started again in place, given the actor's weights, and its requests are
-sent again (relax.rollout.engine_restarts; --max-engine-restarts).
-With --max-restarts, run_with_restarts resumes a run whose training rank or engine failed (an engine outside a
-rollout or an evaluation, or past its in-place restarts) from its newest checkpoint, on workers started anew. A
-checkpoint of the last step is resumed too: what remains is the weight push and the evaluation after the last step.
+dies in any phase is started again in place and the phase goes on (relax.run.colocation; --max-engine-restarts).
+With --max-restarts, run_with_restarts resumes a run whose training rank or engine failed (an engine past its
+in-place restarts) from its newest checkpoint, on workers started anew. A checkpoint of the last step is resumed
+too: what remains is the weight push and the evaluation after the last step.
 
 A signal to the driver (SIGINT / SIGTERM, StopOnSignal) ends the run after the step it came in, that step saved
 with --save (stop_run); the evaluations still due are not run, the one after the last step included.
@@ -44,18 +43,19 @@ from relax.args.settings import AlgorithmSettings, EvalSettings, OutputSettings,
 from relax.console import say
 from relax.metric_names import extreme
 from relax.run.metrics import MetricsLog
+from relax.ray.faults import FaultPlan
 from relax.ray.placement import (
     ENGINE, TRAINING_RANK, ActorGroup, Placement, WorkerFailed, create_engine_actors, create_node_placement,
-    create_training_actors, group_callees, wait_for, worker_failure,
+    create_training_actors, worker_failure,
 )
 from relax.ray.watch import Timeout
 from relax.rollout.api import DynamicSampling, GenerateAndScore, Replay, Rollout, RolloutRequest
 from relax.rollout.dump import save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty
-from relax.rollout.engine_restarts import EngineRestarts
 from relax.rollout.rollout import Generate, reward_and_length_metrics
 from relax.rollout.worker import EngineWorker
+from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
 from relax.run.state import RunStopped, StopOnSignal, sampling_seed, save, save_due
 from relax.train.algorithms import compute_advantages
@@ -63,16 +63,17 @@ from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.saved_steps import LATEST
 from relax.train.worker import TrainWorker
 
-ENGINE_MEMORY = ("kv_cache", "weights", "cuda_graph")
 
-
-def run(config, inputs: Inputs, stop: StopOnSignal | None = None, restarts: int = 0) -> Path:
+def run(
+    config, inputs: Inputs, stop: StopOnSignal | None = None, restarts: int = 0, faults: FaultPlan | None = None
+) -> Path:
     """Train as `config` (relax.args.TrainConfig: settings built and checked at parse time) says, on `inputs`
     (relax.run.inputs: read before any worker starts); returns the output directory. With `stop` (entered by the
     `relax train` driver), a signal ends the run after its current step with RunStopped (stop_run), also after the
     last step: the evaluation after it is then not run. `restarts`: how often the run restarted before this attempt
     (run_with_restarts), logged as faults/run_restarts in every row; a restart resumes a checkpoint of the last step
-    too (Inputs.resumed), which runs no step."""
+    too (Inputs.resumed), which runs no step. `faults`: the tests' injected faults (relax.ray.faults; by default
+    RELAX_INJECT_FAULTS')."""
     settings, rollout, evaluation, outputs = config.run, config.rollout, config.evaluation, config.outputs
     num_steps = settings.num_steps if settings.mode.runs_steps else 0  # --eval-only: the evaluation at step 0 only
     stop = stop or StopOnSignal()  # not entered: never signalled
@@ -87,7 +88,7 @@ def run(config, inputs: Inputs, stop: StopOnSignal | None = None, restarts: int 
     stop.take_back()  # ray.init set its own SIGTERM handler
     placement = create_node_placement(platform, settings.num_nodes, settings.num_devices_per_node)
     workers = Workers()  # filled as each group is created, so that the cleanup ends those a failed setup created
-    hand_over_timeout = settings.weight_sync_timeout
+    faults = faults or FaultPlan.from_environ()
     log = MetricsLog(
         Path(outputs.output_dir), num_steps, first_step=start_step, wandb_project=outputs.wandb_project,
         other_outputs={
@@ -96,42 +97,50 @@ def run(config, inputs: Inputs, stop: StopOnSignal | None = None, restarts: int 
         restarts=restarts,
     )
     try:
-        start_workers(workers, config, platform, placement, checkpoint)
-        trainers, engines, generate = workers.trainers, workers.engines, workers.generate
+        start_workers(workers, config, platform, placement, checkpoint, faults)
+        trainers, colocation = workers.trainers, workers.colocation
         if stop.requested:  # a signal came during the setup
             raise RunStopped(stop.signum, None, None)
-        evaluate_policy = partial(evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps)
+        generate = colocation.generate if workers.engines is not None else None
+        evaluate_policy = partial(
+            evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps,
+            partial(faults.inject, "eval", workers.engines, trainers),
+        )
         step_rollout = rollout_of(rollout, generate, reward_fn)
         for step in range(start_step, num_steps):
             timer, train_metrics, saved = PhaseTimer(), {}, None
+            faults.at(step)
             step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
             eval_metrics = evaluate_policy(step)  # the policy this step samples from, while the actor sleeps
             with timer("perf/step_time"):
                 with timer("perf/rollout_time"):
+                    faults.inject("rollout", workers.engines, trainers)
                     samples, rollout_metrics = collect_rollout(step, step_rollout, loader, step_sampling, rollout)
                 if trainers is not None:  # None under --debug-rollout-only
                     with timer("perf/train_wait_time"):
-                        hand_devices_to_actor(engines, trainers, hand_over_timeout)
+                        colocation.to_actor()
                     with timer("perf/train_time"):
                         train_metrics = train(
                             trainers, workers.data_parallel_ranks, samples, config.algorithm, settings.train_timeout
                         )
                     if save_due(outputs, num_steps, step):  # while the actor is awake
                         with timer("perf/save_time"):
+                            faults.inject("save", workers.engines, trainers)
                             saved = save(
                                 outputs.save, step, trainers, loader, settings.seed, outputs.save_hf,
                                 settings.train_timeout,
                             )
                     with timer("perf/weight_sync_time"):
-                        hand_devices_to_engines(engines, trainers, rollout.devices_per_engine, hand_over_timeout)
-            faults = workers.take_faults()
-            log.log(step, {**eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds, **faults})
+                        colocation.to_engines()
+            log.log(step, {**eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds,
+                           **colocation.take_faults()})
             if stop.requested:  # a signal came during this step, which has ended (the last: no evaluation after it)
-                raise stop_run(stop.signum, step, saved, engines, trainers, loader, settings, outputs)
+                raise stop_run(stop.signum, step, saved, colocation, trainers, loader, settings, outputs)
+        faults.at(num_steps)
         final_eval = evaluate_policy(num_steps)  # the last step's weights pushed, the actor asleep
         if final_eval:
-            log.log_evaluation(num_steps, {**final_eval, **workers.take_faults()})
-        if trainers is not None and engines is not None:
+            log.log_evaluation(num_steps, {**final_eval, **colocation.take_faults()})
+        if trainers is not None and workers.engines is not None:
             # the broadcast groups to engines on other nodes
             trainers.run("close_weight_sync", timeout=settings.train_timeout)
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
@@ -156,9 +165,10 @@ def run_with_restarts(config, inputs: Inputs, stop: StopOnSignal | None = None) 
     next one starts them anew. The driver's own errors (bad input included) and a failure naming no worker (the
     liveness watch of a lost node) are raised at once, as is any failure after a stop signal."""
     restarts = 0
+    faults = FaultPlan.from_environ()  # one plan over the attempts: a resumed run does not meet its faults again
     while True:
         try:
-            return run(config, inputs, stop, restarts)
+            return run(config, inputs, stop, restarts, faults)
         except WorkerFailed as failure:
             restartable = failure.role in (TRAINING_RANK, ENGINE)
             if not restartable or restarts == config.run.max_restarts or (stop and stop.requested):
@@ -180,14 +190,15 @@ def run_with_restarts(config, inputs: Inputs, stop: StopOnSignal | None = None) 
 
 def evaluate_if_due(
     generate: Generate, eval_sets: list[EvalSet], evaluation: EvalSettings, reward_fn, seed: int, num_steps: int,
-    step: int,
+    inject_fault, step: int,
 ) -> dict:
     """The eval/ metrics of the engines' policy after `step` steps, and perf/eval_time, when an evaluation is due
-    then (relax.rollout.evaluation.eval_due); else none."""
+    then (relax.rollout.evaluation.eval_due); else none. `inject_fault()`: the tests' fault due as it begins."""
     if not eval_sets or not eval_due(step, num_steps, evaluation.interval):
         return {}
     timer = PhaseTimer()
     with timer("perf/eval_time"):
+        inject_fault()
         metrics = evaluate(generate, eval_sets, evaluation.sampling, reward_fn, seed)
     return {**metrics, **timer.seconds}
 
@@ -221,13 +232,6 @@ def collect_rollout(
     return samples, metrics
 
 
-def hand_devices_to_actor(engines, trainers, timeout: Timeout) -> None:
-    """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
-    if engines is not None:
-        engines.run("release_memory_occupation", ENGINE_MEMORY, timeout=timeout)
-    trainers.run("wake", timeout=timeout)
-
-
 def train(
     trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings, timeout: Timeout
 ) -> dict:
@@ -242,48 +246,18 @@ def train(
         actor.train.remote(share_refs[rank], shares[rank].step_sizes, algorithm.uses_reference)
         for actor, rank in zip(trainers.actors, data_parallel_ranks)
     ]
-    metrics = wait_for(calls, trainers.placement, timeout, group_callees(trainers))
+    metrics = trainers.wait(calls, timeout)
     return {**_mean_over_steps(metrics[0]), "perf/data_parallel_token_imbalance": imbalance}
 
 
-def hand_devices_to_engines(engines, trainers, devices_per_engine: int, timeout: Timeout) -> list[dict] | None:
-    """Push the new weights (the engines' weights resumed, their KV cache not yet), put the actor to sleep,
-    resume the engines' KV cache. Each sending rank reaches the engines on its node by handle and the others
-    by broadcast: it is told every engine's node. Returns each rank's push report (TrainWorker.push_weights).
-    Under --debug-train-only there are no engines: the actor only sleeps."""
-    if engines is None:
-        trainers.run("sleep", timeout=timeout)
-        return None
-    engines.run("resume_memory_occupation", ["weights"], timeout=timeout)
-    engine_nodes = [bundle.node_id for bundle in engines.bundles]
-    reports = trainers.run("push_weights", engines.actors, devices_per_engine, engine_nodes, timeout=timeout)
-    trainers.run("sleep", timeout=timeout)
-    engines.run("resume_memory_occupation", ["kv_cache", "cuda_graph"], timeout=timeout)
-    return reports
-
-
-def resume_actor(checkpoint, engines, trainers, devices_per_engine: int, settings: RunSettings) -> None:
-    """Load the actor's checkpoint (awake, the engines' memory released) and push its weights to the engines,
-    which started from --hf-checkpoint."""
-    hand_devices_to_actor(engines, trainers, settings.weight_sync_timeout)
-    trainers.run("load_checkpoint", str(checkpoint.actor_dir), timeout=settings.train_timeout)
-    hand_devices_to_engines(engines, trainers, devices_per_engine, settings.weight_sync_timeout)
-
-
-def refresh_engine_weights(engines, trainers, devices_per_engine: int, timeout: Timeout) -> None:
-    """Give every engine the actor's current weights through the step's own hand-over and push (after an
-    engine was restarted in place mid-rollout, relax.rollout.engine_restarts); the actor sleeps again after."""
-    hand_devices_to_actor(engines, trainers, timeout)
-    hand_devices_to_engines(engines, trainers, devices_per_engine, timeout)
-
-
 def stop_run(
-    signum: int, last_step: int, saved, engines, trainers, loader, settings: RunSettings, outputs: OutputSettings
+    signum: int, last_step: int, saved, colocation: Colocation, trainers, loader, settings: RunSettings,
+    outputs: OutputSettings,
 ) -> RunStopped:
     """The run ends after `last_step` on a signal. With --save, that step's state is saved unless it just was (the
     actor woken for it: the engines are not needed any more)."""
     if outputs.save and saved is None:
-        hand_devices_to_actor(engines, trainers, settings.weight_sync_timeout)
+        colocation.to_actor()
         saved = save(
             outputs.save, last_step, trainers, loader, settings.seed, outputs.save_hf, settings.train_timeout
         )
@@ -339,11 +313,7 @@ class Workers:
     trainers: ActorGroup | None = None  # the training actors; none under --debug-rollout-only and --eval-only
     data_parallel_ranks: list[int] | None = None  # each training actor's
     engines: ActorGroup | None = None  # the rollout engines; none under --debug-train-only
-    generate: EngineRestarts | None = None  # the rollout's `generate` over the engines, restarting one that fails
-
-    def take_faults(self) -> dict:
-        """faults/engine_restarts: the engines restarted in place since the last call (none without engines)."""
-        return {"faults/engine_restarts": self.generate.take_count()} if self.generate is not None else {}
+    colocation: Colocation | None = None  # the hand-overs between the two, and the engines' restarts
 
     def kill(self) -> None:
         for group in (self.engines, self.trainers):
@@ -351,10 +321,11 @@ class Workers:
                 group.kill()
 
 
-def start_workers(workers: Workers, config, platform, placement: Placement, checkpoint) -> None:
+def start_workers(workers: Workers, config, platform, placement: Placement, checkpoint, faults: FaultPlan) -> None:
     """Create the run's workers into `workers`: the training actors, put to sleep so that the engines start with
     the device memory to themselves; then the engines, waited on until started (weights loaded, graphs captured:
-    the first step would otherwise time it as rollout); when resuming, the actor's checkpoint, pushed to them."""
+    the first step would otherwise time it as rollout); when resuming, the actor's checkpoint (loaded awake, the
+    engines' memory released), pushed to them."""
     settings, rollout = config.run, config.rollout
     memory_saver_on = settings.colocate and platform.has_memory_saver
     if settings.mode.has_actor:
@@ -374,20 +345,13 @@ def start_workers(workers: Workers, config, platform, placement: Placement, chec
             args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
         )
         engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
-        workers.generate = _generate_restarting_engines(engines, workers.trainers, settings, rollout.devices_per_engine)
+    workers.colocation = colocation = Colocation(
+        workers.trainers, workers.engines, rollout.devices_per_engine, settings, faults
+    )
     if checkpoint is not None:
-        resume_actor(checkpoint, workers.engines, workers.trainers, rollout.devices_per_engine, settings)
-
-
-def _generate_restarting_engines(engines, trainers, settings: RunSettings, devices_per_engine: int) -> EngineRestarts:
-    """The rollout's `generate` over the engine actors: an engine that fails mid-rollout is started again in
-    place and given the actor's weights (none under --debug-rollout-only: it keeps --hf-checkpoint's)."""
-    refresh_weights = None if trainers is None else partial(
-        refresh_engine_weights, engines, trainers, devices_per_engine, settings.weight_sync_timeout
-    )
-    return EngineRestarts(
-        engines, settings.max_engine_restarts, settings.engine_start_timeout, settings.rollout_timeout, refresh_weights
-    )
+        colocation.to_actor()
+        workers.trainers.run("load_checkpoint", str(checkpoint.actor_dir), timeout=settings.train_timeout)
+        colocation.to_engines()
 
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:

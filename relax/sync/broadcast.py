@@ -49,7 +49,7 @@ import ray
 import torch
 
 from relax.ports import free_port
-from relax.ray.placement import engine_positions
+from relax.ray.placement import engine_positions, settled
 from relax.sync.bucket import bucket_dtypes, bucket_specs, flatten_bucket, serialize_flattened
 
 SAME_NODE = "same_node"
@@ -213,7 +213,7 @@ class WeightRoutes:
 
     def follow(self, engines: list) -> None:
         """Send to `engines` from now on: the same engines as planned, but where one was restarted in place
-        (relax.rollout.engine_restarts) the new actor on its devices. A broadcast group that held a replaced
+        (relax.run.colocation) the new actor on its devices. A broadcast group that held a replaced
         engine is destroyed (on its surviving engines and here) and built again at the next send."""
         if len(engines) != len(self.engines):
             raise ValueError(f"{len(engines)} engines, but the weight routes were planned for {len(self.engines)}")
@@ -222,9 +222,10 @@ class WeightRoutes:
             self.broadcast.rebuild([engines[self.engines.index(engine)] for engine in self.broadcast.engines])
         self.engines = list(engines)
 
-    def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def send(self, named_tensors: list[tuple[str, torch.Tensor]]) -> list[Exception]:
         """Push one bucket of (HF name, tensor) on this rank's routes; returns once every engine it serves has
-        loaded it (the bucket's memory may then be reused). The engines' weight update must be open."""
+        loaded it or failed (the bucket's memory may then be reused), with the failures (settled). The engines'
+        weight update must be open."""
         if self.broadcast is not None:
             self.broadcast.open()
         bucket = flatten_bucket(named_tensors)
@@ -240,12 +241,12 @@ class WeightRoutes:
             pending += receives
         if self.same_device is not None:
             pending += self._give_own_device_payload(bucket)
-        # A refused bucket or a dead engine raises here, rather than leaving the broadcast waiting for it.
-        ray.get(pending)
+        failures = settled(pending)  # a refused bucket, a dead engine: the other engines still get theirs
         if work is not None:
             work.wait()
         if self.same_device is not None:  # every rank keeps its bucket until the engine has copied them all
             torch.distributed.barrier(group=self.device_group)
+        return failures
 
     def _give_own_device_payload(self, bucket) -> list:
         """This rank's payload for the engine rank on its device, gathered by the rank on the engine's first

@@ -10,7 +10,7 @@ it). The Megatron settings arrive as plain values and become megatron-core confi
 
 import torch
 
-from relax.ray.placement import local_device_index
+from relax.ray.placement import local_device_index, settled
 from relax.train.batch import RolloutBatch
 
 
@@ -88,7 +88,9 @@ class TrainWorker:
 
         return load_checkpoint(self.actor, directory)
 
-    def push_weights(self, engines: list, engine_tp_size: int, engine_nodes: list[str]) -> dict:
+    def push_weights(
+        self, engines: list, engine_tp_size: int, engine_nodes: list[str], kill_after_first_bucket: int | None = None
+    ) -> dict:
         """Send the weights under HF names, bucket by bucket, to `engines` (Ray handles of
         relax.rollout.worker.EngineWorker, engine e on the devices of training ranks e*k .. (e+1)*k - 1 with
         k = engine_tp_size) on the nodes `engine_nodes` (Ray node ids, one per engine). Collective over ranks
@@ -97,8 +99,15 @@ class TrainWorker:
         engine's devices, or the first rank of each stage by handle or by broadcast, through groups kept until
         close_weight_sync(). Every engine has copied a bucket before the next is packed. The engines refuse an
         update that misses a tensor. Returns the bytes of the buckets this rank sent and, per engine, the route
-        it sent them on ("same_node", "same_device" or "broadcast"; None where this rank sends nothing)."""
-        import ray
+        it sent them on ("same_node", "same_device" or "broadcast"; None where this rank sends nothing).
+
+        A call to an engine that fails (a dead engine) does not stop the push: every bucket is still exported
+        and sent to the other engines, whose updates end complete, and every rank takes part in every
+        collective; then the first failure is raised (relax.run.colocation restarts the engine and pushes
+        again). `kill_after_first_bucket`: a pid this rank SIGKILLs once its first bucket is sent
+        (relax.ray.faults: the tests' fault in the middle of a push)."""
+        import os
+        import signal
 
         from relax.train.weight_export import weight_buckets
 
@@ -108,17 +117,23 @@ class TrainWorker:
             self.weight_routes.follow(engines)
         routes = self.weight_routes
         self.actor.free_cached_blocks()
+        failures = []  # the engine calls that failed, first first
         if self.rank == 0:
-            ray.get([engine.begin_weight_update.remote() for engine in engines])
+            failures += settled([engine.begin_weight_update.remote() for engine in engines])
         torch.distributed.barrier()
         sent = 0
         for named_tensors in weight_buckets(self.actor.model, self.actor.hf_checkpoint, self.bucket_bytes):
             if routes.sends:
-                routes.send(named_tensors)
+                failures += routes.send(named_tensors)
                 sent += sum(tensor.numel() * tensor.element_size() for _, tensor in named_tensors)
+            if kill_after_first_bucket is not None:
+                os.kill(kill_after_first_bucket, signal.SIGKILL)
+                kill_after_first_bucket = None
         torch.distributed.barrier()
         if self.rank == 0:
-            ray.get([engine.end_weight_update.remote() for engine in engines])
+            failures += settled([engine.end_weight_update.remote() for engine in engines])
+        if failures:
+            raise failures[0]
         return {"bytes": sent, "routes": list(routes.routes)}
 
     def _plan_weight_routes(self, engines: list, engine_tp_size: int, engine_nodes: list[str]):

@@ -1,7 +1,13 @@
-"""Workers of the tiny colocated run (scripts/run-tiny-cpu.sh) killed with SIGKILL mid-run, in one run.
+"""Workers of the tiny colocated run (scripts/run-tiny-cpu.sh) killed with SIGKILL mid-run.
 
-First the engine's SGLang scheduler, mid-rollout: the engine is started again in place, given the actor's weights,
-and its requests sent again with their seeds (relax.rollout.engine_restarts); the step completes with the rewards
+An engine killed in every other phase, in one run (RELAX_INJECT_FAULTS, relax.ray.faults): the device hand-over
+to the actor, the actor's checkpoint save (the engine is restarted at its next call, not while the actor holds the
+devices), the weight push (after its first bucket), the KV cache's resume after the push. Each time the engine is started again in place and the phase goes
+on (relax.run.colocation); the run ends with the rollouts, evaluations and saved weights of the same run without
+faults (saved_tiny_run).
+
+Then, in another run, the engine's SGLang scheduler, mid-rollout: the engine is started again in place, given the actor's weights,
+and its requests sent again with their seeds (relax.run.colocation); the step completes with the rewards
 of a run without the fault (saved_tiny_run: deterministic inference, the same learning rate). Then a training rank:
 the driver fails soon, with a message naming the worker that died and where its log is, and no process of the run
 is left. (An engine failing once its --max-engine-restarts are used up fails the run as a training rank's death
@@ -16,10 +22,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process, wait_for_title
 from relax.run.metrics import read_metrics
-from tiny_runs import step_records, tiny_job
+from tiny_runs import SAVING_RUN_STEPS, eval_flags, run_tiny_job, step_records, tiny_job
 
 HANG_GUARD_S = 120
 
@@ -106,3 +114,43 @@ def test_an_engine_killed_mid_rollout_restarts_in_place_then_a_training_rank_kil
     _failure_line(output, "training rank 0", rank.pid)
     leftover = leftover_processes(marker)
     assert not leftover, f"processes of the run left behind: {describe(leftover)}"
+
+
+# Engine 0's scheduler or actor process, killed as each phase of each step begins (push: after its first bucket).
+# The evaluation restarts an engine as the rollout does (the same generate call): the second test kills one there.
+INJECTED = {"release@0": "scheduler", "save@1": "scheduler", "push@2": "engine", "resume@3": "scheduler"}
+BUCKET_BYTES = 8 << 20  # the tiny model's weights in several buckets: the push is killed mid-way
+
+
+@pytest.mark.timeout(900)
+def test_an_engine_killed_in_each_phase_restarts_in_place_and_the_run_ends_as_one_without_faults(
+    tmp_path, saved_tiny_run
+):
+    marker = run_marker()
+    faults = ",".join(f"{point}={victim}" for point, victim in INJECTED.items())
+    saves, hf_saves = tmp_path / "checkpoints", tmp_path / "hf"
+    started = time.monotonic()
+    records = run_tiny_job(
+        tmp_path, "--num-steps", str(SAVING_RUN_STEPS), "--sglang-enable-deterministic-inference",
+        "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves), *eval_flags(tmp_path),
+        "--max-engine-restarts", str(len(INJECTED)), "--update-weight-buffer-size", str(BUCKET_BYTES),
+        env={**marker, "RELAX_INJECT_FAULTS": faults},
+    )
+    print(f"the run with {len(INJECTED)} engine restarts took {time.monotonic() - started:.0f} s")
+    leftover = leftover_processes(marker)
+    assert not leftover, f"processes of the run left behind: {describe(leftover)}"
+    # Each restart is counted in the row of the step (or of the evaluation after the last step) it happened in.
+    restarts = {row["step"]: row["faults/engine_restarts"] for row in records}
+    assert restarts == {0: 1, 1: 1, 2: 1, 3: 1, 4: 0}, restarts
+    seconds = {row["step"]: row["faults/engine_restart_seconds"] for row in records}
+    assert all((seconds[step] > 0) == (count > 0) for step, count in restarts.items()), seconds
+    print("restart seconds per row:", {step: round(s, 1) for step, s in seconds.items()})
+    # The same rollouts and evaluations as the run without faults: the restarted engines had the actor's weights.
+    for faulted, clean in zip(records, saved_tiny_run.records, strict=True):
+        compared = [key for key in clean if key.startswith(("rollout/", "eval/"))]
+        assert compared and {k: faulted[k] for k in compared} == {k: clean[k] for k in compared}, faulted["step"]
+    # The same trained weights, bit for bit.
+    for step in ("step_000001", "step_000003"):
+        faulted, clean = (load_file(d / step / "model.safetensors") for d in (hf_saves, saved_tiny_run.hf_saves))
+        assert faulted.keys() == clean.keys()
+        assert all(torch.equal(faulted[name], clean[name]) for name in clean), step

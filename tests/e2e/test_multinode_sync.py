@@ -14,7 +14,9 @@ import ray
 
 from generations import assert_same_generations, largest_logprob_change
 from relax.args import parse_train_args
-from relax.run.loop import hand_devices_to_actor, hand_devices_to_engines, train
+from relax.ray.faults import FaultPlan
+from relax.run.colocation import Colocation
+from relax.run.loop import train
 from relax.platform import get_platform
 from relax.ray.placement import create_engine_actors, create_node_placement, create_training_actors
 from relax.rollout.data import Prompt
@@ -79,13 +81,12 @@ def test_engine_on_the_other_node_takes_the_update_by_broadcast(two_node_cluster
         before = greedy_outputs(engines)
         assert_same_generations(before[0], before[1])  # both loaded the same checkpoint
 
+        colocation = Colocation(trainers, engines, 1, config.run, FaultPlan())
         for step in range(2):  # the second push reuses the groups made by the first
             samples = one_group(PROMPTS[step], [before[0][step][0][:4], before[0][step][0][4:]], rewards=[1.0, 0.0])
-            hand_devices_to_actor(engines, trainers, config.run.weight_sync_timeout)
+            colocation.to_actor()
             train(trainers, data_parallel_ranks, samples, config.algorithm, config.run.train_timeout)
-            reports = hand_devices_to_engines(
-                engines, trainers, config.rollout.devices_per_engine, config.run.weight_sync_timeout
-            )
+            reports = colocation.to_engines()
             assert reports[0]["routes"] == [SAME_DEVICE, BROADCAST] and reports[0]["bytes"] > 0
             assert reports[1]["routes"] == [BROADCAST, SAME_DEVICE] and reports[1]["bytes"] > 0
 

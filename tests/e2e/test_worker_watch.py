@@ -3,7 +3,7 @@ machine (two_node_cluster, tests/e2e/conftest.py): while the driver waits on one
 of another group (one with no call pending, so only the watch can notice) or a child process an actor
 depends on is killed, and the wait fails at once, naming the actor, its pid, node and log. A call that does not
 answer within its Timeout fails naming the actor it was called on. Engines restarted in place
-(relax.rollout.engine_restarts) on these actors: a share whose engine's child dies is answered by the new actor.
+(relax.run.colocation) on these actors: a share whose engine's child dies is answered by the new actor.
 
 The bound on each wait is a hang guard (the slow calls take 60 s; a wait that ends well before them ended
 because of the death), not a timing test."""
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -25,7 +26,8 @@ from relax.ray.placement import (
 )
 from relax.ray.watch import Timeout
 from relax.rollout.engine import Completion, SamplingConfig
-from relax.rollout.engine_restarts import EngineRestarts
+from relax.ray.faults import FaultPlan
+from relax.run.colocation import Colocation
 
 SLOW_CALL_S = 60
 HANG_GUARD_S = 30
@@ -167,17 +169,23 @@ def test_a_call_that_does_not_answer_in_time_fails_naming_the_actor_and_the_sett
     assert (failure.value.group, failure.value.index) == (ranks, 0)
 
 
-def _restarting(engines, max_restarts: int, refreshed: list) -> EngineRestarts:
-    return EngineRestarts(engines, max_restarts, Timeout(HANG_GUARD_S, "--engine-start-timeout"),
-                          Timeout(HANG_GUARD_S, "--rollout-timeout"), refresh_weights=lambda: refreshed.append(1))
+def _restarting(engines, max_restarts: int) -> Colocation:
+    """The engines without a training actor (as under --debug-rollout-only)."""
+    settings = SimpleNamespace(
+        max_engine_restarts=max_restarts,
+        engine_start_timeout=Timeout(HANG_GUARD_S, "--engine-start-timeout"),
+        rollout_timeout=Timeout(HANG_GUARD_S, "--rollout-timeout"),
+        weight_sync_timeout=Timeout(HANG_GUARD_S, "--weight-sync-timeout"),
+    )
+    return Colocation(None, engines, 1, settings, FaultPlan())
 
 
 def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_share_sent_again(placement):
     engines = create_engine_actors(SlowEngine, placement, devices_per_engine=1)
     old_pids = wait_for(engines.call("pid"), placement)
     (child_pid,) = ray.get(engines.actors[1].watched_child_pids.remote())
-    refreshed = []
-    generate = _restarting(engines, max_restarts=1, refreshed=refreshed)
+    colocation = _restarting(engines, max_restarts=1)
+    generate = colocation.generate
     _kill_soon(child_pid, delay_s=1.0)  # engine 1's, while both engines generate
     sampling = SamplingConfig(n=2, seed=100)
     completions = generate([[1], [2], [3], [4]], sampling)
@@ -188,7 +196,10 @@ def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_s
     new_pid = ray.get(engines.actors[1].pid.remote())
     assert answered_by == [old_pids[0], old_pids[0], new_pid, new_pid] and new_pid != old_pids[1]
     assert engines.bundles[1].node_id == placement.bundles[1].node_id  # the same bundle
-    assert (generate.take_count(), generate.take_count(), refreshed) == (1, 0, [1])
+    first, second = colocation.take_faults(), colocation.take_faults()
+    assert (first["faults/engine_restarts"], second["faults/engine_restarts"]) == (1, 0)
+    assert first["faults/engine_restart_seconds"] > 0 and second["faults/engine_restart_seconds"] == 0
+    assert colocation.stale == {1}  # the new engine has --hf-checkpoint's weights: no actor to give it others
 
     # The run's one restart is used: the next death fails as before, naming the engine.
     (child_pid,) = ray.get(engines.actors[1].watched_child_pids.remote())

@@ -136,7 +136,7 @@ def test_a_run_restarts_after_training_rank_failures_from_its_newest_save_at_mos
 ):
     attempts = []  # (load, restarts) of each run() call
 
-    def run(config, inputs, stop, restarts):  # fails twice: before its first save, then after one
+    def run(config, inputs, stop, restarts, faults):  # fails twice: before its first save, then after one
         attempts.append((config.run.load, restarts))
         if len(attempts) == 2:
             (tmp_path / LATEST).write_text("step_000001\n")
@@ -168,7 +168,7 @@ def test_a_run_restarts_after_an_engine_failure_but_not_after_a_driver_error_or_
     ]
     attempts = []
 
-    def run(config, inputs, stop, restarts):
+    def run(config, inputs, stop, restarts, faults):
         attempts.append(restarts)
         raise failures[restarts]
 
@@ -189,8 +189,8 @@ def test_a_run_restarts_after_an_engine_failure_but_not_after_a_driver_error_or_
 
 
 class _Group:
-    """An ActorGroup double: a call's refs name the group and the method; run() waits on them through `wait_for`
-    (the world's); kill() is recorded."""
+    """An ActorGroup double: a call's refs name the group and the method; run() and wait() wait on them through
+    `wait_for` (the world's); kill() is recorded."""
 
     def __init__(self, role: str, wait_for):
         self.role, self.killed, self.wait_for = role, False, wait_for
@@ -203,31 +203,43 @@ class _Group:
         return [(self.role, method)]
 
     def run(self, method: str, *args, timeout=None) -> list:
-        return self.wait_for(self.call(method, *args))
+        return self.wait(self.call(method, *args))
+
+    def wait(self, refs: list, timeout=None) -> list:
+        return self.wait_for(refs)
 
     def kill(self) -> None:
         self.killed = True
 
 
-class _Generate:
-    """EngineRestarts' restart count: `untaken` restarts since the last take_count()."""
+class _Colocation:
+    """Colocation's double: `untaken` engine restarts since the last take_faults(); the hand-overs recorded."""
 
     def __init__(self):
-        self.untaken = 0
+        self.untaken, self.hand_overs = 0, []
 
-    def take_count(self) -> int:
+    def to_actor(self) -> None:
+        self.hand_overs.append("to_actor")
+
+    def to_engines(self) -> None:
+        self.hand_overs.append("to_engines")
+
+    def generate(self, prompts, sampling):
+        raise AssertionError("the rollouts and evaluations are replaced")
+
+    def take_faults(self) -> dict:
         count, self.untaken = self.untaken, 0
-        return count
+        return {"faults/engine_restarts": count}
 
 
 class _World:
     """What run() would create, replaced by doubles in relax.run.loop: the platform, Ray, the placement, the
-    workers' groups, the evaluations and rollouts (recorded by step). `wait_for` (the loop's, and the groups' run)
+    workers' groups, the evaluations and rollouts (recorded by step). `wait_for` (the groups' run and wait)
     answers a call's refs, or raises `fails` for the call named there."""
 
     def __init__(self, monkeypatch, fails: tuple[tuple[str, str], Exception] | None = None):
         self.groups, self.evaluated, self.ray_shut_down, self.placement_removed = {}, [], False, False
-        self.generate = _Generate()
+        self.colocation = _Colocation()
         self.on_rollout = self.on_evaluation = lambda step: None
         loop = relax.run.loop
         platform = SimpleNamespace(name="cpu", has_memory_saver=False)
@@ -238,7 +250,7 @@ class _World:
         monkeypatch.setattr(loop, "create_node_placement", lambda *args: placement)
         monkeypatch.setattr(loop, "create_training_actors", lambda *args, **kwargs: self._group("trainers"))
         monkeypatch.setattr(loop, "create_engine_actors", lambda *args, **kwargs: self._group("engines"))
-        monkeypatch.setattr(loop, "_generate_restarting_engines", lambda *args: self.generate)
+        monkeypatch.setattr(loop, "Colocation", lambda *args: self.colocation)
 
         self.waited = []  # the refs of every wait_for call
 
@@ -250,10 +262,9 @@ class _World:
                 raise failure
             return [0 for _ in refs]  # data_parallel_rank: 0
 
-        monkeypatch.setattr(loop, "wait_for", wait_for)
         self.wait_for = wait_for
 
-        def evaluate_if_due(generate, eval_sets, evaluation, reward_fn, seed, num_steps, step):
+        def evaluate_if_due(generate, eval_sets, evaluation, reward_fn, seed, num_steps, inject_fault, step):
             self.evaluated.append(step)
             self.on_evaluation(step)
             return {"eval/held_out/pass@1": 0.5, "perf/eval_time": 0.1}
@@ -284,7 +295,7 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
         num_steps=num_steps, load=None, device="cpu", seed=1, num_nodes=1, num_devices_per_node=1, colocate=True,
         hf_checkpoint="model", mode=RunMode.ROLLOUT_ONLY if debug_rollout_only else RunMode.TRAIN,
         update_weight_buffer_size=0, megatron_features=None, weight_sync_timeout=None, train_timeout=None,
-        engine_start_timeout=None, max_restarts=max_restarts,
+        engine_start_timeout=None, max_restarts=max_restarts, max_engine_restarts=0,
     )
     outputs = _record(output_dir=str(output_dir), wandb_project=None, save=save, save_interval=None, save_hf=None)
     return _record(
@@ -300,7 +311,7 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
 
 def test_the_evaluation_after_the_last_step_logs_the_engines_restarted_during_it(tmp_path, monkeypatch):
     world = _World(monkeypatch)
-    world.on_evaluation = lambda step: setattr(world.generate, "untaken", 1 if step == 2 else 0)
+    world.on_evaluation = lambda step: setattr(world.colocation, "untaken", 1 if step == 2 else 0)
     assert run(_config(tmp_path, num_steps=2, debug_rollout_only=True), NO_INPUTS) == tmp_path
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["faults/engine_restarts"]) for r in rows] == [(0, 0), (1, 0), (2, 1)]

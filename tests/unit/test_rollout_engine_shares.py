@@ -1,5 +1,5 @@
 """How one generate call is spread over several engines (relax.rollout.rollout.split_over_engines and
-completions_in_prompt_order, which relax.rollout.engine_restarts.EngineRestarts runs over the Ray engine actors), with a
+completions_in_prompt_order, which relax.run.colocation.Colocation.generate runs over the Ray engine actors), with a
 test double of the engine; the real engines: tests/e2e/test_loop_two_engines.py."""
 
 import pytest
@@ -30,7 +30,7 @@ class EngineDouble:
 
 
 def generate_on(engines):
-    """relax.rollout.engine_restarts.EngineRestarts (no engine failing) with direct calls in place of Ray's."""
+    """relax.run.colocation.Colocation.generate (no engine failing) with direct calls in place of Ray's."""
 
     def generate(prompts, sampling):
         shares = split_over_engines(prompts, sampling, len(engines))

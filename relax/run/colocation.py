@@ -1,0 +1,239 @@
+"""The devices the training actor and the engines share, handed between them phase by phase, and the engines
+restarted in place when one dies in any phase.
+
+Each step hands the devices over twice: to the actor (the engines release their memory, the actor wakes) and back
+to the engines (their weights resumed, the actor's pushed, the actor asleep, their KV cache resumed). In between
+the engines generate: the rollout and the evaluation (generate).
+
+An engine holds nothing the run needs that the actor does not hold too, so an engine that dies (its actor, its
+SGLang scheduler or detokenizer: EngineDeadError, a dead actor, the liveness watch of relax.ray.watch) or does not
+answer in time is started again on its devices, whichever process met its death first (the driver, a training
+rank's push, the evaluation):
+- the actor is put to sleep while the new engine starts (the memory is the engines' at start), then woken
+  again if it was awake;
+- the new engine releases what the others have released, so it is in their state;
+- the call it missed is made again: a memory call on it alone, a weight push to every engine (the survivors
+  have closed theirs complete), a rollout's or an evaluation's requests with their own seeds;
+- it loaded --hf-checkpoint: before it generates, every engine gets the actor's weights (the step's own two
+  hand-overs), unless a push comes first anyway.
+At most --max-engine-restarts over the run; past them, an engine's death fails the run, naming the engine and its
+log, as does an error an engine raises while alive (a bug or a bad input: a restart would not help), or a failed
+restart. Restarts and their seconds are counted (faults/engine_restarts, faults/engine_restart_seconds).
+
+While restarts are left, the actor's own calls (wake, train, save, sleep) watch only the training ranks: an
+engine that dies while the actor trains is restarted at the next engine call, not while the actor holds the
+devices.
+"""
+
+import time
+
+import ray
+
+from relax.console import say
+from relax.ray.faults import FaultPlan
+from relax.ray.placement import ActorGroup, WorkerFailed, wait_for, worker_failure
+from relax.ray.watch import Timeout
+from relax.rollout.engine import MEMORY_TAGS, Completion, EngineDeadError, SamplingConfig
+from relax.rollout.rollout import EngineShare, completions_in_prompt_order, split_over_engines
+
+KV_CACHE = ("kv_cache", "cuda_graph")  # what the engines resume after a push
+
+
+class Colocation:
+    def __init__(self, trainers: ActorGroup | None, engines: ActorGroup | None, devices_per_engine: int, settings,
+                 faults: FaultPlan):
+        """`trainers` None: --debug-rollout-only and --eval-only (the engines keep --hf-checkpoint's weights);
+        `engines` None: --debug-train-only. `settings`: relax.args.settings.RunSettings' max_engine_restarts,
+        engine_start_timeout, rollout_timeout and weight_sync_timeout. The actor starts asleep and the engines with
+        all their memory (relax.run.loop.start_workers)."""
+        self.trainers, self.engines = trainers, engines
+        self.devices_per_engine = devices_per_engine
+        self.max_restarts: int = settings.max_engine_restarts
+        self.start_timeout: Timeout = settings.engine_start_timeout
+        self.rollout_timeout: Timeout = settings.rollout_timeout
+        self.sync_timeout: Timeout = settings.weight_sync_timeout
+        self.faults = faults
+        self.actor_awake = False
+        self.engine_memory = set(MEMORY_TAGS)  # what every engine holds on its devices now
+        self.stale: set[int] = set()  # engines restarted since the last push: they hold --hf-checkpoint's weights
+        self.used = 0  # restarts over the run
+        self._untaken, self._untaken_seconds = 0, 0.0
+        if trainers is not None and engines is not None and self.max_restarts > 0:
+            trainers.watched = [trainers]
+
+    # --- the hand-overs -----------------------------------------------------------------------------------
+
+    def to_actor(self) -> None:
+        """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
+        if self.engines is not None:
+            self.faults.inject("release", self.engines, self.trainers)
+            self._release_engines()
+        self._actor("wake")
+
+    def to_engines(self) -> list[dict] | None:
+        """Push the actor's weights (the engines' weights resumed, their KV cache not yet), put the actor to
+        sleep, resume the engines' KV cache. Returns each rank's push report (TrainWorker.push_weights). Under
+        --debug-train-only there are no engines: the actor only sleeps."""
+        if self.engines is None:
+            self._actor("sleep")
+            return None
+        reports = self._push_and_sleep(inject_fault=True)
+        self.faults.inject("resume", self.engines, self.trainers)
+        self._on_engines("resume_memory_occupation", list(KV_CACHE))
+        self.engine_memory = set(MEMORY_TAGS)
+        return reports
+
+    def _release_engines(self) -> None:
+        self._on_engines("release_memory_occupation", list(MEMORY_TAGS))
+        self.engine_memory = set()
+
+    def _push_and_sleep(self, inject_fault: bool) -> list[dict]:
+        self._on_engines("resume_memory_occupation", ["weights"])
+        self.engine_memory = {"weights"}
+        victim_pid = self.faults.victim_at("push", self.engines, self.trainers) if inject_fault else None
+        reports = self._push(victim_pid)
+        self._actor("sleep")
+        return reports
+
+    def _actor(self, method: str) -> None:
+        self.trainers.run(method, timeout=self.sync_timeout)
+        self.actor_awake = method == "wake"
+
+    # --- generation ---------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """A relax.rollout.rollout.Generate over the engines: consecutive shares of the prompts, one per engine
+        that gets any, each request seeded as one engine would seed it (split_over_engines); completions in
+        prompt order. A share whose engine dies is sent again to the engine started in its place, once every
+        engine has the actor's weights."""
+        shares = split_over_engines(prompts, sampling, len(self.engines))
+        answers: list = [None] * len(shares)
+        while unanswered := [k for k, answer in enumerate(answers) if answer is None]:
+            if self.stale and self.trainers is not None:
+                self._to_actor_and_back()
+            self._collect(shares, unanswered, answers)
+        return completions_in_prompt_order(shares, answers)
+
+    def _to_actor_and_back(self) -> None:
+        """Every engine gets the actor's current weights through the step's own two hand-overs."""
+        self._release_engines()
+        self._actor("wake")
+        self._push_and_sleep(inject_fault=False)
+        self._on_engines("resume_memory_occupation", list(KV_CACHE))
+        self.engine_memory = set(MEMORY_TAGS)
+
+    def _collect(self, shares: list[EngineShare], to_send: list[int], answers: list) -> None:
+        """Send shares `to_send` and fill in their answers; the shares of an engine that dies meanwhile (it is
+        restarted at once) stay unanswered."""
+        calls = {
+            k: self.engines.actors[shares[k].engine].generate.remote(shares[k].prompts, shares[k].sampling)
+            for k in to_send
+        }
+        while calls:
+            k = next(iter(calls))
+            engine = shares[k].engine
+            try:
+                (answers[k],) = wait_for(
+                    [calls[k]], self.engines.placement, self.rollout_timeout, [(self.engines, engine)]
+                )
+                del calls[k]
+            except (ray.exceptions.RayError, WorkerFailed) as error:  # this engine's or another one's
+                restarted = self._restart(self._engine_death(error))
+                calls = {j: ref for j, ref in calls.items() if shares[j].engine != restarted}
+
+    # --- engine calls and restarts ------------------------------------------------------------------------
+
+    def _on_engines(self, method: str, *args) -> None:
+        """`method` on every engine, waited on; an engine that dies meanwhile is restarted (in the state the
+        engines had before the call) and called again."""
+        calls = {index: getattr(actor, method).remote(*args) for index, actor in enumerate(self.engines.actors)}
+        while calls:
+            index, ref = next(iter(calls.items()))
+            try:
+                wait_for([ref], self.engines.placement, self.sync_timeout, [(self.engines, index)])
+                del calls[index]
+            except (ray.exceptions.RayError, WorkerFailed) as error:
+                restarted = self._restart(self._engine_death(error))
+                calls[restarted] = getattr(self.engines.actors[restarted], method).remote(*args)
+
+    def _push(self, victim_pid: int | None) -> list[dict]:
+        """The actor's weights to every engine (awake, the engines' weights resumed); a push that met a dead
+        engine is made again once the engine is restarted. `victim_pid`: RELAX_INJECT_FAULTS' push victim,
+        killed by training rank 0 once its first bucket is sent."""
+        engine_nodes = [bundle.node_id for bundle in self.engines.bundles]
+        while True:
+            refs = self.trainers.call(
+                "push_weights", self.engines.actors, self.devices_per_engine, engine_nodes, victim_pid
+            )
+            victim_pid = None
+            try:
+                reports = self.trainers.wait(refs, self.sync_timeout)
+                self.stale.clear()
+                return reports
+            except (ray.exceptions.RayError, WorkerFailed) as error:
+                failure = self._engine_death(error)
+                # Every rank finishes its push (the buckets are collective) before the actor may sleep.
+                ray.wait(refs, num_returns=len(refs), timeout=self.sync_timeout.seconds)
+                self._restart(failure)
+
+    def _engine_death(self, error: Exception) -> WorkerFailed:
+        """The engine's death `error` reports; raises the run's failure instead when it reports something else
+        (a training rank's failure, an engine's error while alive) or no restart is left."""
+        failure = error if isinstance(error, WorkerFailed) else worker_failure(error, [self.engines, self.trainers])
+        if not isinstance(failure, WorkerFailed) or failure.group is not self.engines or not _is_death(error):
+            raise failure from (None if failure is error else error)
+        if self.used >= self.max_restarts:
+            raise WorkerFailed(
+                f"{failure} (no engine restart left: --max-engine-restarts {self.max_restarts})",
+                failure.group, failure.index,
+            ) from error
+        return failure
+
+    def _restart(self, failure: WorkerFailed) -> int:
+        """Start engine `failure.index` again on its devices, in the other engines' memory state; its index."""
+        index = failure.index
+        self.used += 1
+        say(
+            f"relax: {failure}; starting it again on its devices (engine restart {self.used} of at most "
+            f"{self.max_restarts}, --max-engine-restarts)", error=True,
+        )
+        start = time.perf_counter()
+        awake = self.actor_awake
+        if awake:  # the new engine allocates its memory as at the run's start, with the devices to itself
+            self._actor("sleep")
+        self.engines.restart(index)
+        new_engine = self.engines.actors[index]
+        wait_for([new_engine.watched_child_pids.remote()], self.engines.placement, self.start_timeout,
+                 [(self.engines, index)])
+        released = [tag for tag in MEMORY_TAGS if tag not in self.engine_memory]
+        if released:
+            wait_for([new_engine.release_memory_occupation.remote(released)], self.engines.placement,
+                     self.sync_timeout, [(self.engines, index)])
+        if awake:
+            self._actor("wake")
+        self.stale.add(index)
+        if self.used == self.max_restarts and self.trainers is not None:
+            self.trainers.watched = None  # no restart left: an engine's death fails the run in any phase, at once
+        self._untaken += 1
+        self._untaken_seconds += time.perf_counter() - start
+        return index
+
+    def take_faults(self) -> dict:
+        """faults/engine_restarts and faults/engine_restart_seconds since the last call (none without engines)."""
+        if self.engines is None:
+            return {}
+        faults = {"faults/engine_restarts": self._untaken, "faults/engine_restart_seconds": self._untaken_seconds}
+        self._untaken, self._untaken_seconds = 0, 0.0
+        return faults
+
+
+def _is_death(error: Exception) -> bool:
+    """Whether `error`, which names an engine, is its death (or silence: a timeout), not an error it raised while
+    alive. A call through a training rank (the push) carries the engine's error as its cause."""
+    if isinstance(error, WorkerFailed):  # the liveness watch, or no answer in time
+        return True
+    origin = error
+    while isinstance(getattr(origin, "cause", None), ray.exceptions.RayError):
+        origin = origin.cause
+    return isinstance(origin, ray.exceptions.RayActorError) or isinstance(getattr(origin, "cause", None),
+                                                                            EngineDeadError)
