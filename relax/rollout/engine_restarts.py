@@ -14,6 +14,9 @@ engines resumed). Before the actor's first push the push is redundant but harmle
 --hf-checkpoint weights the new engine loaded.
 
 At most `max_restarts` restarts per run; the next failure fails the run as before, naming the engine and its log.
+An error the engine actor raised while alive (is_engine_death: not EngineDeadError) is not restarted: it fails the
+run at once, naming the engine and the error, since a restarted engine would meet the same bug or input. (A
+request SGLang refuses is no such error: RolloutEngine.generate returns it as a failed Completion.)
 
     generate = EngineRestarts(engines, max_restarts=3, start_timeout=..., rollout_timeout=..., refresh_weights=...)
     completions = generate(prompts, sampling)      # a relax.rollout.rollout.Generate
@@ -27,7 +30,7 @@ import ray
 from relax.console import say
 from relax.ray.placement import ActorGroup, WorkerFailed, wait_for, worker_failure
 from relax.ray.watch import Timeout
-from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.engine import Completion, EngineDeadError, SamplingConfig
 from relax.rollout.rollout import EngineShare, completions_in_prompt_order, split_over_engines
 
 
@@ -87,6 +90,10 @@ class EngineRestarts:
         failure = error if isinstance(error, WorkerFailed) else worker_failure(error, [self.engines])
         if not isinstance(failure, WorkerFailed) or failure.group is not self.engines:
             raise failure from (None if failure is error else error)
+        if not is_engine_death(error):  # a RuntimeError, not WorkerFailed: a run restart would not help either
+            raise RuntimeError(
+                f"{failure}; the engine is alive, so restarting it would not help: a bug, or bad input"
+            ) from error
         if self.used >= self.max_restarts:
             raise WorkerFailed(
                 f"{failure} (no engine restart left: --max-engine-restarts {self.max_restarts})",
@@ -110,3 +117,12 @@ class EngineRestarts:
         )
         if self.refresh_weights is not None:
             self.refresh_weights()
+
+
+def is_engine_death(error: Exception) -> bool:
+    """Whether a failed engine call is the engine's death or hang, which a restart may cure: the liveness watch's or a
+    timeout's WorkerFailed, the actor's death, or EngineDeadError (its SGLang processes are gone) raised in the actor.
+    Another error the actor raised (a RayTaskError with another cause) comes from a live engine."""
+    if isinstance(error, ray.exceptions.RayTaskError):
+        return isinstance(error.cause, (EngineDeadError, ray.exceptions.RayError))
+    return True

@@ -1,14 +1,20 @@
 """How one generate call is spread over several engines (relax.rollout.rollout.split_over_engines and
 completions_in_prompt_order, which relax.rollout.engine_restarts.EngineRestarts runs over the Ray engine actors), with a
-test double of the engine; the real engines: tests/e2e/test_loop_two_engines.py."""
+test double of the engine; the real engines: tests/e2e/test_loop_two_engines.py. Which engine errors EngineRestarts
+restarts, with a double of the engines' group."""
+
+from types import SimpleNamespace
 
 import pytest
+from ray.exceptions import RayActorError, RayTaskError
 
+from relax.ray.placement import WorkerFailed
 from relax.rollout.data import Prompt, PromptLoader
-from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.engine import Completion, EngineDeadError, SamplingConfig
+from relax.rollout.engine_restarts import EngineRestarts, is_engine_death
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import (
-    ROUND_SEED_STRIDE, completions_in_prompt_order, generate_and_score, generate_informative_groups, split_over_engines,
+    ROUND_SEED_STRIDE, completions_in_prompt_order, generate_and_score, generate_groups, split_over_engines,
 )
 
 
@@ -100,9 +106,55 @@ def test_dynamic_sampling_refuses_rounds_that_would_reuse_seeds():
 
     reward = load_reward_fn("exact_match")
     with pytest.raises(ValueError, match=r"4097 prompts x 16 samples .* lower --over-sampling-batch-size"):
-        generate_informative_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
+        generate_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
                                     num_groups=1, prompts_per_round=4097, max_rounds=10)
     with pytest.raises(ValueError, match=r"--dynamic-sampling-max-rounds 257 .* give at most 256"):
-        generate_informative_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
+        generate_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
                                     num_groups=1, prompts_per_round=4096, max_rounds=257)
     assert 4096 * 16 == ROUND_SEED_STRIDE  # the largest round that fits
+
+
+class RestartableEngines:
+    """Stands in for the engines' ActorGroup in EngineRestarts: its actors' ids, how it names them, its restarts."""
+
+    role = "engine"
+
+    def __init__(self, actor_ids: list[str]):
+        self.actors = [SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda value=value: value)) for value in actor_ids]
+        self.restarted = []
+
+    def describe(self, index: int) -> str:
+        return f"engine {index} (pid 4{index})"
+
+    def restart(self, index: int) -> None:
+        self.restarted.append(index)
+
+
+def engine_raised(actor_id: str, cause: Exception):
+    """What ray.get raises when the engine actor's method raised `cause`."""
+    return RayTaskError(
+        "generate", f"Traceback (most recent call last):\n{cause!r}", cause, proctitle="ray::EngineWorker", pid=40,
+        ip="10.0.0.1", actor_repr="<EngineWorker>", actor_id=actor_id,
+    ).as_instanceof_cause()
+
+
+def test_only_the_engines_death_is_an_engine_death():
+    assert is_engine_death(engine_raised("e0" * 16, EngineDeadError("its scheduler is gone")))
+    assert is_engine_death(RayActorError("e0" * 16, "The actor died unexpectedly."))
+    assert is_engine_death(WorkerFailed("engine 0 did not answer within --rollout-timeout 60 s"))
+    assert not is_engine_death(engine_raised("e0" * 16, ValueError("a bug in the engine worker")))
+
+
+def test_an_error_of_a_live_engine_fails_the_run_without_a_restart():
+    engines = RestartableEngines(["e0" * 16, "e1" * 16])
+    restarts = EngineRestarts(engines, max_restarts=3, start_timeout=None, rollout_timeout=None, refresh_weights=None)
+    with pytest.raises(RuntimeError) as info:
+        restarts._restart(engine_raised("e1" * 16, ValueError("a bug in the engine worker")))
+    assert not isinstance(info.value, WorkerFailed)  # not a worker's death: a run restart would not help either
+    assert str(info.value) == (
+        "engine 1 (pid 41) failed: ValueError: a bug in the engine worker; the engine is alive, so restarting it "
+        "would not help: a bug, or bad input"
+    )
+    assert engines.restarted == [] and restarts.used == 0
+    assert restarts._restart(engine_raised("e1" * 16, EngineDeadError("its scheduler is gone"))) == 1
+    assert engines.restarted == [1] and restarts.used == 1
