@@ -11,7 +11,8 @@ What the loop does around every rollout stays there: saving the samples (--save-
 length metrics, the overlong penalty.
 
     GenerateAndScore  the default: sampling.n responses per prompt from the engines, scored by the reward function;
-                      with --dynamic-sampling, rounds of new prompts until enough groups teach something
+                      with --dynamic-sampling, rounds of new prompts until enough groups teach something; a group
+                      with a sample the engine refused is replaced by a group of a new prompt
     Replay            --load-rollout-data: the samples a run saved for the step
 """
 
@@ -21,9 +22,9 @@ from typing import NamedTuple, Protocol
 from relax.rollout.data import PromptLoader
 from relax.rollout.dump import load_rollout_data
 from relax.rollout.engine import SamplingConfig
-from relax.rollout.groups import Sample
+from relax.rollout.groups import DEFAULT_MAX_ROUNDS, Sample
 from relax.rollout.rewards import RewardFn
-from relax.rollout.rollout import Generate, generate_and_score, generate_informative_groups, take_prompts
+from relax.rollout.rollout import Generate, generate_groups
 
 
 class RolloutRequest(NamedTuple):
@@ -44,7 +45,7 @@ class Rollout(Protocol):
 
 @dataclass(frozen=True)
 class DynamicSampling:
-    """DAPO's dynamic sampling (relax.rollout.rollout.generate_informative_groups)."""
+    """DAPO's dynamic sampling (relax.rollout.rollout.generate_groups)."""
 
     prompts_per_round: int  # --over-sampling-batch-size
     max_rounds: int  # --dynamic-sampling-max-rounds
@@ -54,19 +55,20 @@ class DynamicSampling:
 class GenerateAndScore:
     """The default rollout: `generate` (the engines) answers each prompt sampling.n times and `reward_fn` scores every
     response; with `dynamic_sampling`, whole rounds of new prompts until num_groups groups with unequal rewards are
-    kept."""
+    kept. A group with a sample the engine refused is dropped and generated anew from new prompts, in rounds
+    (without dynamic sampling at most DEFAULT_MAX_ROUNDS): the step trains on a full batch, as the training
+    batch's shape needs (whole optimizer steps of --global-batch-size samples)."""
 
     generate: Generate
     reward_fn: RewardFn
     dynamic_sampling: DynamicSampling | None = None
 
     def __call__(self, request: RolloutRequest) -> RolloutResult:
-        if self.dynamic_sampling is None:
-            prompts = take_prompts(request.prompts, request.num_groups)
-            return RolloutResult(generate_and_score(self.generate, prompts, request.sampling, self.reward_fn), {})
-        return RolloutResult(*generate_informative_groups(
+        dynamic = self.dynamic_sampling
+        return RolloutResult(*generate_groups(
             self.generate, request.prompts, request.sampling, self.reward_fn, num_groups=request.num_groups,
-            prompts_per_round=self.dynamic_sampling.prompts_per_round, max_rounds=self.dynamic_sampling.max_rounds,
+            prompts_per_round=None if dynamic is None else dynamic.prompts_per_round,
+            max_rounds=DEFAULT_MAX_ROUNDS if dynamic is None else dynamic.max_rounds,
         ))
 
 

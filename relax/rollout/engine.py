@@ -6,7 +6,10 @@ Configuration comes in three layers, later ones winning: the platform's ServerAr
 manages itself (model path, tp size, base device id, ports, memory saver), which the user may not set
 to anything else.
 
-Two things differ from calling sglang.Engine directly:
+Three things differ from calling sglang.Engine directly:
+- A request SGLang refuses (it raises for that request alone: a prompt too long for the context, a sampling
+  setting it rejects) is a failed Completion carrying the error; the call's other requests complete. SGLang
+  raises for a whole batch call, so each request is its own call, all of them submitted at once.
 - Every call waits on the engine while watching its scheduler and detokenizer processes; if one has
   died, the call raises EngineDeadError within about a second and the engine's processes are cleaned up,
   instead of hanging (a SIGKILLed scheduler never answers) or killing the caller (SGLang's own SIGQUIT
@@ -104,11 +107,18 @@ class Completion:
     # Log-probability of each response token under the engine's weights at the sampling temperature:
     # SGLang's log_softmax(logits / temperature), before top-k/top-p truncation (raw logits when greedy).
     logprobs: list[float]
-    finish_reason: str  # "stop", "length" or "abort"
+    finish_reason: str  # "stop", "length", "abort", or "error" (refused: see error)
     text: str  # the response decoded without special tokens
     # With routed experts on (--use-rollout-routing-replay): the experts each layer's router chose for every token
     # of prompt + response but the last, which the engine never ran forward, int16 [tokens - 1, layers, top-k].
     routed_experts: torch.Tensor | None = None
+    # Why the engine refused this request (SGLang raised for it alone; the engine lives on), or None. A refused
+    # request has no tokens: token_ids, logprobs and text are empty and finish_reason is "error".
+    error: str | None = None
+
+    @classmethod
+    def refused(cls, error: str) -> "Completion":
+        return cls(token_ids=[], logprobs=[], finish_reason="error", text="", error=error)
 
 
 def server_defaults(platform, engine_logs: bool = False) -> dict:
@@ -308,25 +318,43 @@ class RolloutEngine:
         return result
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
-        """sampling.n completions for each token-id prompt, all submitted at once so the engine batches
-        them continuously. Returns one list of n completions per prompt, in prompt order."""
+        """sampling.n completions for each token-id prompt, all submitted at once, one request each: the
+        scheduler takes requests as they arrive and batches them continuously. A request SGLang refuses (it
+        raises for that request alone while the engine lives: an over-long prompt, bad sampling settings)
+        comes back as a failed Completion carrying the error, not as an exception; a dead engine raises
+        EngineDeadError (_run). Returns one list of n completions per prompt, in prompt order."""
         if not prompts:
             return []
         requests = [list(prompt) for prompt in prompts for _ in range(sampling.n)]
-        params = sampling.sglang_params()
-        if sampling.seed is not None:
-            params = [{**params, "sampling_seed": sampling.seed + i} for i in range(len(requests))]
-        outputs = self._run(
-            self._live().async_generate(
-                input_ids=requests,
-                sampling_params=params,
-                return_logprob=True,
-                return_routed_experts=self._routed_experts_row is not None,  # of the whole sequence: prompt too
-            )
-        )
-        completions = [
-            _completion(output, prompt, self._routed_experts_row) for output, prompt in zip(outputs, requests)
+        params = [
+            {**sampling.sglang_params(), **({} if sampling.seed is None else {"sampling_seed": sampling.seed + i})}
+            for i in range(len(requests))
         ]
+        engine = self._live()
+
+        async def each_request():  # gather wraps the coroutines in tasks of the running (the engine's) loop
+            return await asyncio.gather(
+                *(
+                    engine.async_generate(
+                        input_ids=request,
+                        sampling_params=request_params,
+                        return_logprob=True,
+                        return_routed_experts=self._routed_experts_row is not None,  # of prompt and response
+                    )
+                    for request, request_params in zip(requests, params)
+                ),
+                return_exceptions=True,
+            )
+
+        outputs = self._run(each_request())  # raises EngineDeadError if the engine died meanwhile
+        completions = []
+        for output, prompt in zip(outputs, requests):
+            if isinstance(output, Exception):
+                completions.append(Completion.refused(f"{type(output).__name__}: {output}"))
+            elif isinstance(output, BaseException):  # a cancellation: not the request's own failure
+                raise output
+            else:
+                completions.append(_completion(output, prompt, self._routed_experts_row))
         return [completions[i : i + sampling.n] for i in range(0, len(completions), sampling.n)]
 
     def flush_cache(self):

@@ -11,6 +11,10 @@ scored by the run's reward function; the metrics of set NAME are, under eval/NAM
     truncated_fraction     responses that reached the eval's max response length
     reward_failures        samples whose reward call raised or timed out (scored 0.0, as in a rollout)
     reward_timeouts        of those, the ones past --reward-timeout
+    failed_samples         samples whose request the engine refused (relax.rollout.engine.Completion.error)
+    failed_prompts         prompts with a failed sample: left out of every other metric, whose pass@k needs all K
+                           samples of a prompt (the first reasons are printed); a set whose every prompt failed
+                           logs these two only
 
 A sample passes when it earns the full reward, PASSING_REWARD (the built-in rewards give 1.0 to a right answer
 and less otherwise).
@@ -25,9 +29,10 @@ import math
 import random
 from dataclasses import dataclass, replace
 
+from relax.console import say
 from relax.rollout.data import LoadReport, Prompt, PromptDataConfig, PromptDataError, load_prompts
 from relax.rollout.engine import SamplingConfig
-from relax.rollout.groups import Sample, group_by_prompt
+from relax.rollout.groups import Sample, failure_reasons, group_by_prompt
 from relax.rollout.rewards import RewardFn
 from relax.rollout.rollout import Generate, generate_and_score
 
@@ -73,12 +78,20 @@ def pass_ks(samples_per_prompt: int) -> list[int]:
 
 def eval_metrics(name: str, samples: list[Sample], samples_per_prompt: int) -> dict[str, float]:
     """The eval/<name>/ metrics (module docstring) of samples listed prompt by prompt, samples_per_prompt each."""
-    groups = group_by_prompt(samples, samples_per_prompt)
-    passing = [sum(s.reward >= PASSING_REWARD for s in group.samples) for group in groups]
     prefix = f"{METRIC_PREFIX}{name}/"
-    metrics = {f"{prefix}reward_mean": sum(s.reward for s in samples) / len(samples)}
+    groups = group_by_prompt(samples, samples_per_prompt)
+    scored = [group for group in groups if not group.failed]
+    metrics = {
+        f"{prefix}failed_samples": float(sum(s.failure is not None for s in samples)),
+        f"{prefix}failed_prompts": float(len(groups) - len(scored)),
+    }
+    if not scored:
+        return metrics
+    samples = [sample for group in scored for sample in group.samples]
+    passing = [sum(s.reward >= PASSING_REWARD for s in group.samples) for group in scored]
+    metrics[f"{prefix}reward_mean"] = sum(s.reward for s in samples) / len(samples)
     for k in pass_ks(samples_per_prompt):
-        metrics[f"{prefix}pass@{k}"] = sum(pass_at_k(samples_per_prompt, c, k) for c in passing) / len(groups)
+        metrics[f"{prefix}pass@{k}"] = sum(pass_at_k(samples_per_prompt, c, k) for c in passing) / len(scored)
     metrics[f"{prefix}response_length_mean"] = sum(len(s.response_token_ids) for s in samples) / len(samples)
     metrics[f"{prefix}truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
     metrics[f"{prefix}reward_failures"] = float(sum(s.reward_failed for s in samples))
@@ -105,4 +118,12 @@ def evaluate(generate: Generate, eval_sets: list[EvalSet], sampling: SamplingCon
         set_sampling = replace(sampling, seed=eval_seed(seed, eval_set.name))
         samples = generate_and_score(generate, eval_set.prompts, set_sampling, reward_fn)
         metrics.update(eval_metrics(eval_set.name, samples, sampling.n))
+        reasons = failure_reasons(samples)
+        if reasons:
+            say(
+                f"relax: evaluation {eval_set.name!r}: the engine refused "
+                f"{sum(s.failure is not None for s in samples)} of {len(samples)} samples; their prompts are left "
+                f"out of its metrics (eval/{eval_set.name}/failed_prompts); first reasons: {' | '.join(reasons)}",
+                error=True,
+            )
     return metrics

@@ -20,39 +20,42 @@ import torch
 from relax.console import say
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
-from relax.rollout.groups import Sample, fill_with_informative_groups, group_by_prompt
+from relax.rollout.groups import Sample, fill_groups, group_by_prompt
 from relax.rollout.rewards import RewardFn, RewardInput, score
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
 
 STEP_SEED_SPAN = 2**24  # sampling seeds per step (run_state.sampling_seed)
-ROUND_SEED_STRIDE = 2**16  # sampling seeds per dynamic-sampling round: its requests must fit
+ROUND_SEED_STRIDE = 2**16  # sampling seeds per round of a step (generate_groups): its requests must fit
 
 
 def generate_and_score(
     generate: Generate, prompts: list[Prompt], sampling: SamplingConfig, reward_fn: RewardFn
 ) -> list[Sample]:
-    """sampling.n scored samples per prompt, prompt by prompt (n consecutive samples each) in prompt order."""
+    """sampling.n samples per prompt, prompt by prompt (n consecutive samples each) in prompt order; each scored, but
+    the failed ones (the engine refused their request: Sample.failure, no response), which the caller handles."""
     completions = generate([prompt.token_ids for prompt in prompts], sampling)
     samples = [
         Sample(
             prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts,
             loss_mask=[1] * len(c.token_ids),  # every token of the response is the policy's own
+            failure=c.error,
         )
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
     ]
-    scores, failed, report = score(
-        reward_fn,
-        [RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason) for s in samples],
-    )
-    for sample, value, was_failure in zip(samples, scores, failed):
+    responses = [s for s in samples if s.failure is None]
+    scores, failed, report = score(reward_fn, [
+        RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason)
+        for s in responses
+    ])
+    for sample, value, was_failure in zip(responses, scores, failed):
         sample.reward, sample.reward_failed = value, was_failure
     for index in report.timed_out:
-        samples[index].reward_timed_out = True
+        responses[index].reward_timed_out = True
     if report.failures:  # scored 0 and counted in the metrics; the reasons must reach the user too
         say(
-            f"relax: reward function {reward_fn.name!r} failed on {report.failures} of {len(samples)} samples "
+            f"relax: reward function {reward_fn.name!r} failed on {report.failures} of {len(responses)} samples "
             f"({len(report.timed_out)} by timing out; each scored 0.0); first: {'; '.join(report.errors[:3])}",
             error=True,
         )
@@ -84,26 +87,36 @@ def dynamic_sampling_seeds_problem(prompts_per_round: int, n: int, max_rounds: i
     return None
 
 
-def generate_informative_groups(
+def generate_groups(
     generate: Generate, loader: PromptLoader, sampling: SamplingConfig, reward_fn: RewardFn,
-    num_groups: int, prompts_per_round: int, max_rounds: int,
+    num_groups: int, prompts_per_round: int | None, max_rounds: int,
 ) -> tuple[list[Sample], dict[str, float]]:
-    """DAPO dynamic sampling: rounds of `prompts_per_round` new prompts, each round with its own sampling seeds,
-    until `num_groups` groups whose rewards differ are kept (relax.rollout.groups.fill_with_informative_groups:
-    it fails with the counts after `max_rounds` rounds). Returns their samples and the round statistics.
-    Each round's requests take seeds of their own (ROUND_SEED_STRIDE apart), within the step's."""
-    problem = dynamic_sampling_seeds_problem(prompts_per_round, sampling.n, max_rounds)
-    if problem:
-        raise ValueError(problem)
+    """`num_groups` scored groups of new prompts, in rounds (relax.rollout.groups.fill_groups: it fails with the
+    counts after `max_rounds` rounds, or at once when every sample failed): a group with a failed sample is
+    dropped and replaced by the next round. With `prompts_per_round`, DAPO dynamic sampling: every round takes that
+    many prompts and keeps only groups whose rewards differ; without, the first round takes num_groups prompts
+    and each later one the groups still missing. Returns their samples and the rollout metrics; the engine's
+    failure reasons are printed once. Each round's requests take seeds of their own, a round's stride apart (the
+    first round's are those of one generate call of the step's sampling)."""
+    if prompts_per_round is not None:
+        problem = dynamic_sampling_seeds_problem(prompts_per_round, sampling.n, max_rounds)
+        if problem:
+            raise ValueError(problem)
+    round_seed_stride = max(ROUND_SEED_STRIDE, (prompts_per_round or num_groups) * sampling.n)
     rounds = itertools.count()
 
-    def one_round(_groups_still_needed: int):  # a whole round each time: most groups may be dropped again
-        round_sampling = offset_seed(sampling, next(rounds) * ROUND_SEED_STRIDE)
-        samples = generate_and_score(generate, loader.take(prompts_per_round), round_sampling, reward_fn)
-        return group_by_prompt(samples, sampling.n)
+    def one_round(groups_still_needed: int):  # dynamic sampling: a whole round each time, most may be dropped
+        round_sampling = offset_seed(sampling, next(rounds) * round_seed_stride)
+        prompts = (
+            take_prompts(loader, groups_still_needed) if prompts_per_round is None else loader.take(prompts_per_round)
+        )
+        return group_by_prompt(generate_and_score(generate, prompts, round_sampling, reward_fn), sampling.n)
 
-    groups, stats = fill_with_informative_groups(one_round, num_groups, max_rounds)
-    return [sample for group in groups for sample in group.samples], stats.metrics()
+    groups, stats = fill_groups(one_round, num_groups, max_rounds, informative_only=prompts_per_round is not None)
+    if stats.groups_failed:
+        say(f"relax: {stats.failures_text()}; their groups were dropped and generated anew from other prompts",
+            error=True)
+    return [sample for group in groups for sample in group.samples], stats.metrics(prompts_per_round is not None)
 
 
 def offset_seed(sampling: SamplingConfig, offset: int) -> SamplingConfig:

@@ -17,8 +17,8 @@ rank's push, the evaluation):
 - it loaded --hf-checkpoint: before it generates, every engine gets the actor's weights (the step's own two
   hand-overs), unless a push comes first anyway.
 At most --max-engine-restarts over the run; past them, an engine's death fails the run, naming the engine and its
-log, as does an error an engine raises while alive (a bug or a bad input: a restart would not help), or a failed
-restart. Restarts and their seconds are counted (faults/engine_restarts, faults/engine_restart_seconds).
+log, as does a failed restart. An error an engine raises while alive (a bug or a bad input) fails the run at once,
+without a restart of the engine or of the run (--max-restarts): neither would help. Restarts and their seconds are counted (faults/engine_restarts, faults/engine_restart_seconds).
 
 While restarts are left, the actor's own calls (wake, train, save, sleep) watch only the training ranks: an
 engine that dies while the actor trains is restarted at the next engine call, not while the actor holds the
@@ -180,8 +180,12 @@ class Colocation:
         """The engine's death `error` reports; raises the run's failure instead when it reports something else
         (a training rank's failure, an engine's error while alive) or no restart is left."""
         failure = error if isinstance(error, WorkerFailed) else worker_failure(error, [self.engines, self.trainers])
-        if not isinstance(failure, WorkerFailed) or failure.group is not self.engines or not _is_death(error):
+        if not isinstance(failure, WorkerFailed) or failure.group is not self.engines:
             raise failure from (None if failure is error else error)
+        if not is_engine_death(error):  # a RuntimeError, not WorkerFailed: a run restart would not help either
+            raise RuntimeError(
+                f"{failure}; the engine is alive, so restarting it would not help: a bug, or bad input"
+            ) from error
         if self.used >= self.max_restarts:
             raise WorkerFailed(
                 f"{failure} (no engine restart left: --max-engine-restarts {self.max_restarts})",
@@ -227,9 +231,11 @@ class Colocation:
         return faults
 
 
-def _is_death(error: Exception) -> bool:
-    """Whether `error`, which names an engine, is its death (or silence: a timeout), not an error it raised while
-    alive. A call through a training rank (the push) carries the engine's error as its cause."""
+def is_engine_death(error: Exception) -> bool:
+    """Whether `error`, which names an engine, is its death (or silence: a timeout), which a restart may cure, not
+    an error it raised while alive (a bug or a bad input; a request SGLang refuses is neither: RolloutEngine.generate
+    returns it as a failed Completion). A call through a training rank (the push) carries the engine's error as
+    its cause."""
     if isinstance(error, WorkerFailed):  # the liveness watch, or no answer in time
         return True
     origin = error

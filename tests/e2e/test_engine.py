@@ -153,6 +153,21 @@ def sglang_processes_of_this_test_process():
     return [p for p in psutil.Process().children(recursive=True) if p.name().startswith("sglang::")]
 
 
+def test_a_request_the_engine_refuses_fails_alone_and_the_engine_serves_on(engine):
+    context = engine._engine.tokenizer_manager.context_len
+    too_long = [(3 * i) % 50 + 3 for i in range(context - 4)]  # with 8 new tokens: more than the context
+    sampling = SamplingConfig(n=2, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    answered = engine.generate([PROMPTS[0], too_long, PROMPTS[1]], sampling)
+    for refused in answered[1]:
+        assert (refused.token_ids, refused.logprobs, refused.finish_reason, refused.text) == ([], [], "error", "")
+        assert refused.error.startswith("ValueError: Requested token count exceeds the model's maximum context length")
+    # the other requests of the call completed, and the engine answers the next call as before
+    again = engine.generate([PROMPTS[0], PROMPTS[1]], sampling)
+    for completions, reference in zip([answered[0], answered[2]], again):
+        assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
+        assert all(c.error is None and c.finish_reason == "length" and len(c.token_ids) == 8 for c in completions)
+
+
 @pytest.mark.timeout(300)
 def test_a_dead_engine_raises_and_is_stopped_sparing_the_other_engine(engine, models):
     """A second engine beside the module's: its scheduler dies, the call raises, and the engine is stopped as

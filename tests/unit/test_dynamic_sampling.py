@@ -9,7 +9,7 @@ from relax.args import RolloutSettings
 from relax.run.loop import collect_rollout, rollout_of
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
-from relax.rollout.groups import DynamicSamplingError
+from relax.rollout.groups import FillError
 from relax.rollout.rewards import RewardFn
 
 REWARD_AS_WRITTEN = RewardFn(lambda sample: float(sample.response), "reward as written", False, False)
@@ -69,7 +69,7 @@ def test_over_sampling_batch_size_sets_the_prompts_per_round(scripted_generation
 
 def test_the_round_bound_stops_the_run_with_counts_instead_of_a_short_batch(scripted_generation):
     generate, loader, rounds = scripted_generation([(0, 1), (1, 1), (1, 1), (0, 0), (1, 1), (1, 1)] * 2)
-    with pytest.raises(DynamicSamplingError) as info:
+    with pytest.raises(FillError) as info:
         _collect(generate, loader, _settings(dynamic_sampling_max_rounds=2))
     assert len(rounds) == 2
     message = str(info.value)
@@ -82,6 +82,19 @@ def test_without_dynamic_sampling_every_group_is_kept(scripted_generation):
     samples, metrics = _collect(generate, loader, _settings(dynamic_sampling=False))
     assert rounds == [[0, 1, 2]] and len(samples) == 6
     assert "rollout/kept_groups" not in metrics
+
+
+def test_without_dynamic_sampling_a_group_the_engine_failed_is_replaced_by_a_new_prompt(scripted_generation):
+    generate, loader, rounds = scripted_generation([(1, 1), (0, 0), (0, 1), (1, 0)])
+
+    def refusing_row_1(prompts, sampling):
+        return [[Completion.refused("ValueError: too long")] * 2 if prompt[0] == 1 else group
+                for prompt, group in zip(prompts, generate(prompts, sampling))]
+
+    samples, metrics = _collect(refusing_row_1, loader, _settings(dynamic_sampling=False))
+    assert rounds == [[0, 1, 2], [3]] and [s.prompt.row for s in samples] == [0, 0, 2, 2, 3, 3]
+    assert metrics["rollout/failed_samples"] == 2 and metrics["rollout/failed_groups"] == 1
+    assert metrics["rollout/reward_mean"] == pytest.approx(4 / 6)  # of the samples trained on
 
 
 def test_overlong_penalty_comes_after_the_reward_metrics():

@@ -29,7 +29,7 @@ def test_the_default_rollout_takes_the_steps_prompts_and_answers_as_generate_and
     reward = load_reward_fn("exact_match")
     result = GenerateAndScore(_generate, reward)(RolloutRequest(0, _loader(), 2, SAMPLING))
     expected = generate_and_score(_generate, _loader().take(2), SAMPLING, reward)
-    assert result == RolloutResult(expected, {})
+    assert result == RolloutResult(expected, {"rollout/failed_samples": 0, "rollout/failed_groups": 0})
     assert [s.loss_mask for s in result.samples] == [[1, 1]] * 4
 
 

@@ -7,19 +7,20 @@ import pytest
 
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
-from relax.rollout.groups import group_by_prompt
+from relax.rollout.groups import AllSamplesFailed, group_by_prompt
 from relax.rollout.rewards import RewardFn, load_reward_fn
 from relax.rollout.rollout import (
     ROUND_SEED_STRIDE,
     generate_and_score,
-    generate_informative_groups,
+    generate_groups,
     reward_and_length_metrics,
     take_prompts,
 )
 
 
 class ScriptedGenerate:
-    """Answers prompt [i] with the texts script[i] (one per sample); records each call's prompts and seed."""
+    """Answers prompt [i] with the texts script[i] (one per sample; a text "refused: why" is a request the engine
+    refused with that error); records each call's prompts and seed."""
 
     def __init__(self, script):
         self.script = script
@@ -29,6 +30,7 @@ class ScriptedGenerate:
         self.calls.append(([prompt[0] for prompt in prompts], sampling.seed))
         return [
             [
+                Completion.refused(text.removeprefix("refused: ")) if text.startswith("refused: ") else
                 Completion(token_ids=list(range(len(text))), logprobs=[-1.0] * len(text),
                            finish_reason="length" if len(text) >= sampling.max_new_tokens else "stop", text=text)
                 for text in self.script[prompt[0]]
@@ -70,13 +72,59 @@ def test_dynamic_sampling_refills_from_the_loader_with_new_seeds_each_round():
     # prompts 0 and 2 give all-equal rewards and are dropped; 1 and 3 are kept
     generate = ScriptedGenerate({0: ["0", "0"], 1: ["1", "2"], 2: ["5", "6"], 3: ["3", "x"]})
     loader = PromptLoader(prompts(4), shuffle=False)
-    samples, metrics = generate_informative_groups(
+    samples, metrics = generate_groups(
         generate, loader, SamplingConfig(n=2, seed=5), load_reward_fn("exact_match"),
         num_groups=2, prompts_per_round=2, max_rounds=10,
     )
     assert [s.prompt.label for s in samples] == ["1", "1", "3", "3"]
     assert generate.calls == [([0, 1], 5), ([2, 3], 5 + ROUND_SEED_STRIDE)]  # whole rounds, every sample scored
     assert metrics["rollout/dropped_groups"] == 2 and metrics["rollout/generation_rounds"] == 2
+
+
+def test_a_refused_request_is_a_failed_sample_that_is_not_scored():
+    scored = []
+
+    def reward(sample):
+        scored.append(sample.response)
+        return 1.0
+
+    samples = generate_and_score(ScriptedGenerate({0: ["0", "refused: ValueError: too long"]}), prompts(1),
+                                 SamplingConfig(n=2), RewardFn(reward, "r", False, False))
+    assert scored == ["0"]
+    assert [s.failure for s in samples] == [None, "ValueError: too long"]
+    assert (samples[1].response_token_ids, samples[1].finish_reason, samples[1].reward) == ([], "error", 0.0)
+
+
+@pytest.mark.parametrize("prompts_per_round", [None, 3])
+def test_a_failed_sample_fails_its_group_which_new_prompts_replace(prompts_per_round, capsys):
+    # prompt 1 has a refused sample; without dynamic sampling one new prompt replaces it, with it a whole round
+    script = {0: ["0", "1"], 1: ["1", "refused: E1"], 2: ["2", "x"], 3: ["refused: E2", "3"], 4: ["4", "x"],
+              5: ["5", "x"]}
+    generate = ScriptedGenerate(script)
+    samples, metrics = generate_groups(
+        generate, PromptLoader(prompts(6), shuffle=False), SamplingConfig(n=2, seed=5), load_reward_fn("exact_match"),
+        num_groups=3, prompts_per_round=prompts_per_round, max_rounds=10,
+    )
+    assert all(s.failure is None for s in samples) and len(samples) == 6
+    if prompts_per_round is None:
+        assert generate.calls == [([0, 1, 2], 5), ([3], 5 + ROUND_SEED_STRIDE), ([4], 5 + 2 * ROUND_SEED_STRIDE)]
+        assert [s.prompt.label for s in samples[::2]] == ["0", "2", "4"]
+        assert "rollout/generation_rounds" not in metrics
+    else:
+        assert generate.calls == [([0, 1, 2], 5), ([3, 4, 5], 5 + ROUND_SEED_STRIDE)]
+        assert [s.prompt.label for s in samples[::2]] == ["0", "2", "4"]
+        assert metrics["rollout/surplus_groups"] == 1 and metrics["rollout/dropped_groups"] == 0
+    assert (metrics["rollout/failed_samples"], metrics["rollout/failed_groups"]) == (2, 2)
+    printed = capsys.readouterr().err
+    assert printed.count("failed in the engine") == 1  # once for the step, not per round
+    assert "2 samples in 2 groups failed in the engine (first reasons: E1 | E2); their groups were dropped" in printed
+
+
+def test_a_step_whose_every_sample_fails_fails_naming_the_reason():
+    generate = ScriptedGenerate({i: ["refused: ValueError: The input (9 tokens) is longer"] * 2 for i in range(4)})
+    with pytest.raises(AllSamplesFailed, match=r"every one of the 4 samples of this step; first: ValueError: The inp"):
+        generate_groups(generate, PromptLoader(prompts(4), shuffle=False), SamplingConfig(n=2),
+                        load_reward_fn("exact_match"), num_groups=2, prompts_per_round=None, max_rounds=10)
 
 
 def test_reward_failures_are_counted_and_their_reasons_printed(capsys):

@@ -8,7 +8,7 @@ from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import (
-    ROUND_SEED_STRIDE, completions_in_prompt_order, generate_and_score, generate_informative_groups, split_over_engines,
+    ROUND_SEED_STRIDE, completions_in_prompt_order, generate_and_score, generate_groups, split_over_engines,
 )
 
 
@@ -100,9 +100,9 @@ def test_dynamic_sampling_refuses_rounds_that_would_reuse_seeds():
 
     reward = load_reward_fn("exact_match")
     with pytest.raises(ValueError, match=r"4097 prompts x 16 samples .* lower --over-sampling-batch-size"):
-        generate_informative_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
+        generate_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
                                     num_groups=1, prompts_per_round=4097, max_rounds=10)
     with pytest.raises(ValueError, match=r"--dynamic-sampling-max-rounds 257 .* give at most 256"):
-        generate_informative_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
+        generate_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
                                     num_groups=1, prompts_per_round=4096, max_rounds=257)
     assert 4096 * 16 == ROUND_SEED_STRIDE  # the largest round that fits

@@ -64,7 +64,38 @@ def test_eval_metrics_by_hand():
         "eval/held_out/truncated_fraction": 0.5,
         "eval/held_out/reward_failures": 0.0,
         "eval/held_out/reward_timeouts": 0.0,
+        "eval/held_out/failed_samples": 0.0,
+        "eval/held_out/failed_prompts": 0.0,
     })
+
+
+def test_a_prompt_with_a_failed_sample_is_counted_and_left_out_of_the_eval_metrics():
+    samples = _samples({"a": [1.0, 0.0], "b": [0.0, 0.0]})
+    samples[3].failure = "ValueError: too long"  # prompt b's second sample: the engine refused it
+    metrics = eval_metrics("held_out", samples, 2)
+    assert (metrics["eval/held_out/failed_samples"], metrics["eval/held_out/failed_prompts"]) == (1.0, 1.0)
+    assert metrics["eval/held_out/reward_mean"] == 0.5 and metrics["eval/held_out/pass@2"] == 1.0  # prompt a's only
+    for sample in samples:
+        sample.failure = "ValueError: too long"
+    assert eval_metrics("held_out", samples, 2) == {  # nothing to score: the counts alone, no reward of 0
+        "eval/held_out/failed_samples": 4.0, "eval/held_out/failed_prompts": 2.0,
+    }
+
+
+def test_evaluate_reports_the_engine_refusing_samples_and_goes_on(capsys):
+    def generate(prompts, sampling):  # refuses prompt [9]
+        return [
+            [Completion.refused("ValueError: too long") if p[0] == 9 else Completion([7], [0.0], "stop", str(p[0]))]
+            * sampling.n
+            for p in prompts
+        ]
+
+    sets = [EvalSet("mixed", [Prompt(1, [0], "copy 0:", label="0"), Prompt(2, [9], "copy 9:", label="9")])]
+    metrics = evaluate(generate, sets, SamplingConfig(n=2), load_reward_fn("exact_match"), seed=3)
+    assert metrics["eval/mixed/failed_samples"] == 2 and metrics["eval/mixed/failed_prompts"] == 1
+    assert metrics["eval/mixed/reward_mean"] == 1.0
+    assert ("evaluation 'mixed': the engine refused 2 of 4 samples; their prompts are left out of its metrics "
+            "(eval/mixed/failed_prompts); first reasons: ValueError: too long") in capsys.readouterr().err
 
 
 def test_eval_is_due_at_the_start_every_interval_and_after_the_last_step():

@@ -1,0 +1,185 @@
+"""relax.run.colocation's logic on doubles of the worker groups (no Ray): which engine errors restart an engine, and
+what a restart in each phase does, in order. The real engines and actor: tests/e2e/test_loop_faults.py."""
+
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import RayActorError, RayTaskError
+
+import relax.run.colocation
+from relax.ray.faults import FaultPlan
+from relax.ray.placement import WorkerFailed
+from relax.ray.watch import Timeout
+from relax.rollout.engine import EngineDeadError, SamplingConfig
+from relax.run.colocation import Colocation, is_engine_death
+
+SETTINGS = SimpleNamespace(
+    max_engine_restarts=3, engine_start_timeout=Timeout(60, "--engine-start-timeout"),
+    rollout_timeout=Timeout(60, "--rollout-timeout"), weight_sync_timeout=Timeout(60, "--weight-sync-timeout"),
+)
+
+
+def engine_raised(actor_id: str, cause: Exception, method: str = "generate"):
+    """What ray.get raises when the engine actor's method raised `cause`."""
+    return RayTaskError(
+        method, f"Traceback (most recent call last):\n{cause!r}", cause, proctitle="ray::EngineWorker", pid=40,
+        ip="10.0.0.1", actor_repr="<EngineWorker>", actor_id=actor_id,
+    ).as_instanceof_cause()
+
+
+class _Ref:
+    def __init__(self, actor: "_Actor", method: str, args: tuple):
+        self.actor, self.method, self.args = actor, method, args
+
+
+class _Actor:
+    """An actor double: `actor.method.remote(*args)` is logged and returns a ref; its calls named in `fails`
+    (method -> error) fail once, when waited on."""
+
+    def __init__(self, name: str, log: list, actor_id: str):
+        self.name, self.log, self.fails = name, log, {}
+        self._actor_id = SimpleNamespace(hex=lambda: actor_id)
+
+    def __getattr__(self, method: str):
+        def remote(*args):
+            self.log.append((self.name, method, *args))
+            return _Ref(self, method, args)
+
+        return SimpleNamespace(remote=remote)
+
+
+class _Group:
+    """An ActorGroup double of `size` actors named `role` 0.., restart() starting `role` i' in place of actor i."""
+
+    def __init__(self, role: str, size: int, log: list):
+        self.role, self.log, self.watched, self.placement = role, log, None, None
+        self.actors = [_Actor(f"{role} {i}", log, f"{role[0]}{i}" * 16) for i in range(size)]
+        self.bundles = [SimpleNamespace(node_id="node")] * size
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def describe(self, index: int) -> str:
+        return f"{self.role} {index} (pid 4{index})"
+
+    def restart(self, index: int) -> None:
+        self.log.append(("restart", f"{self.role} {index}"))
+        old = self.actors[index]
+        self.actors[index] = _Actor(old.name + "'", self.log, old._actor_id.hex()[::-1])
+
+    def call(self, method: str, *args) -> list:
+        return [getattr(actor, method).remote(*args) for actor in self.actors]
+
+    def run(self, method: str, *args, timeout=None) -> list:
+        return self.wait(self.call(method, *args))
+
+    def wait(self, refs: list, timeout=None) -> list:
+        return _wait_for(refs)
+
+
+def _wait_for(refs, *args) -> list:
+    """The answers: a push report, or for generate(prompts, sampling) one completion per sample."""
+    for ref in refs:
+        error = ref.actor.fails.pop(ref.method, None)
+        if error is not None:
+            raise error
+    return [[["completion"] * ref.args[1].n for _ in ref.args[0]] if ref.method == "generate" else {"bytes": 1}
+            for ref in refs]
+
+
+@pytest.fixture
+def world(monkeypatch):
+    monkeypatch.setattr(relax.run.colocation, "wait_for", _wait_for)
+    monkeypatch.setattr(relax.run.colocation.ray, "wait", lambda refs, **kwargs: (refs, []))
+    log = []
+    trainers, engines = _Group("training rank", 1, log), _Group("engine", 2, log)
+    return SimpleNamespace(log=log, trainers=trainers, engines=engines,
+                           colocation=Colocation(trainers, engines, 1, SETTINGS, FaultPlan()))
+
+
+def test_only_the_engines_death_is_an_engine_death():
+    assert is_engine_death(engine_raised("e0" * 16, EngineDeadError("its scheduler is gone")))
+    assert is_engine_death(RayActorError("e0" * 16, "The actor died unexpectedly."))
+    assert is_engine_death(WorkerFailed("engine 0 did not answer within --rollout-timeout 60 s"))
+    assert not is_engine_death(engine_raised("e0" * 16, ValueError("a bug in the engine worker")))
+    # Through a training rank's push: the engine's error is the cause of the rank's.
+    pushed = RayTaskError(
+        "push_weights", "Traceback", engine_raised("e0" * 16, EngineDeadError("gone"), "update_weights"),
+        proctitle="ray::TrainWorker", pid=30, ip="10.0.0.1", actor_repr="<TrainWorker>", actor_id="t0" * 16,
+    ).as_instanceof_cause()
+    assert is_engine_death(pushed)
+
+
+def test_an_error_of_a_live_engine_fails_the_run_without_a_restart(world):
+    with pytest.raises(RuntimeError) as info:
+        world.colocation._engine_death(engine_raised("e1" * 16, ValueError("a bug in the engine worker")))
+    assert not isinstance(info.value, WorkerFailed)  # not a worker's death: a run restart would not help either
+    assert str(info.value) == (
+        "engine 1 (pid 41) failed: ValueError: a bug in the engine worker; the engine is alive, so restarting it "
+        "would not help: a bug, or bad input"
+    )
+    death = world.colocation._engine_death(engine_raised("e1" * 16, EngineDeadError("its scheduler is gone")))
+    assert (death.group, death.index) == (world.engines, 1)
+
+
+def test_a_training_ranks_failure_is_raised_as_it_is(world):
+    failure = WorkerFailed("training rank 0 failed: died", world.trainers, 0)
+    with pytest.raises(WorkerFailed) as info:
+        world.colocation._engine_death(failure)
+    assert info.value is failure
+
+
+def test_an_engine_dead_in_the_push_is_restarted_with_the_actor_asleep_and_the_push_made_again(world):
+    world.colocation.to_actor()
+    world.log.clear()
+    world.trainers.actors[0].fails["push_weights"] = RayTaskError(
+        "push_weights", "Traceback", engine_raised("e1" * 16, EngineDeadError("gone"), "update_weights"),
+        proctitle="ray::TrainWorker", pid=30, ip="10.0.0.1", actor_repr="<TrainWorker>", actor_id="t0" * 16,
+    ).as_instanceof_cause()
+    world.colocation.to_engines()
+    engines = [world.engines.actors[0], world.engines.actors[1]]
+    assert [entry[:2] for entry in world.log] == [
+        ("engine 0", "resume_memory_occupation"), ("engine 1", "resume_memory_occupation"),  # the weights
+        ("training rank 0", "push_weights"),  # meets engine 1 dead
+        ("training rank 0", "sleep"),  # the new engine starts with the devices to itself
+        ("restart", "engine 1"),
+        ("engine 1'", "watched_child_pids"),
+        ("engine 1'", "release_memory_occupation"),  # into the others' state: only the weights held
+        ("training rank 0", "wake"),
+        ("training rank 0", "push_weights"),  # again, to the new engine too
+        ("training rank 0", "sleep"),
+        ("engine 0", "resume_memory_occupation"), ("engine 1'", "resume_memory_occupation"),  # the KV cache
+    ]
+    assert world.log[6][2] == ["kv_cache", "cuda_graph"] and world.log[8][2] == engines
+    assert world.colocation.stale == set() and not world.colocation.actor_awake
+    faults = world.colocation.take_faults()
+    assert faults["faults/engine_restarts"] == 1 and faults["faults/engine_restart_seconds"] >= 0
+
+
+def test_an_engine_dead_in_a_memory_call_is_called_again_once_restarted_and_given_the_weights_before_it_generates(
+    world
+):
+    world.colocation.engine_memory = {"weights"}  # as after a push, resuming the KV cache (the actor asleep)
+    world.engines.actors[1].fails["resume_memory_occupation"] = RayActorError("e1" * 16, "The actor died.")
+    world.colocation._on_engines("resume_memory_occupation", ["kv_cache", "cuda_graph"])
+    assert [entry[:2] for entry in world.log] == [
+        ("engine 0", "resume_memory_occupation"), ("engine 1", "resume_memory_occupation"),  # dies
+        ("restart", "engine 1"),  # the actor already sleeps
+        ("engine 1'", "watched_child_pids"),
+        ("engine 1'", "release_memory_occupation"),  # into the others' state
+        ("engine 1'", "resume_memory_occupation"),  # the call it missed
+    ]
+    assert world.colocation.stale == {1}  # it holds --hf-checkpoint's weights
+    world.log.clear()
+    world.colocation.engine_memory = {"weights", "kv_cache", "cuda_graph"}
+    completions = world.colocation.generate([[1], [2]], SamplingConfig(n=2, seed=5))
+    assert [entry[:2] for entry in world.log] == [  # the actor's weights to every engine first: two hand-overs
+        ("engine 0", "release_memory_occupation"), ("engine 1'", "release_memory_occupation"),
+        ("training rank 0", "wake"),
+        ("engine 0", "resume_memory_occupation"), ("engine 1'", "resume_memory_occupation"),
+        ("training rank 0", "push_weights"),
+        ("training rank 0", "sleep"),
+        ("engine 0", "resume_memory_occupation"), ("engine 1'", "resume_memory_occupation"),
+        ("engine 0", "generate"), ("engine 1'", "generate"),  # then the requests
+    ]
+    assert completions == [["completion"] * 2] * 2 and world.colocation.stale == set()
