@@ -503,11 +503,12 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=3,
         metavar="N",
-        help="An engine (or its SGLang scheduler or detokenizer) that dies or stops answering during a rollout is "
-        "started again on its devices, given the actor's current weights, and its requests are sent again with "
-        "their seeds; the step goes on. At most this many restarts per run, then the run fails naming the "
-        "engine (or, with --max-restarts, restarts from its newest checkpoint); 0: fail at the first (default: "
-        "%(default)s). Counted in faults/engine_restarts.",
+        help="An engine (or its SGLang scheduler or detokenizer) that dies or stops answering in any phase (rollout, "
+        "device hand-over, weight push, evaluation) is started again on its devices, in the other engines' state, "
+        "given the actor's current weights before it generates, and the call it missed is made again; the step "
+        "goes on. At most this many restarts per run, then the run fails naming the engine (or, with "
+        "--max-restarts, restarts from its newest checkpoint); 0: fail at the first (default: %(default)s). "
+        "Counted in faults/engine_restarts and faults/engine_restart_seconds.",
     )
     g.add_argument(
         "--engine-start-timeout",

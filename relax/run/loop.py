@@ -159,9 +159,8 @@ def run(
 def run_with_restarts(config, inputs: Inputs, stop: StopOnSignal | None = None) -> Path:
     """run(config, inputs); after a worker fails, again from the newest complete checkpoint in --save (from where
     the run started while none is saved), at most --max-restarts times in all, then the failure is raised. The workers:
-    a training rank, or an engine (its actor or SGLang processes) that failed where no in-place restart covers it
-    (outside a rollout or an evaluation, or with --max-engine-restarts used up: the new attempt's engines have
-    their own). run's cleanup has ended the failed attempt's workers (and the local Ray it started) before the
+    a training rank, or an engine (its actor or SGLang processes) that died with --max-engine-restarts used up (the
+    new attempt's engines have their own) or whose restart failed. run's cleanup has ended the failed attempt's workers (and the local Ray it started) before the
     next one starts them anew. The driver's own errors (bad input included) and a failure naming no worker (the
     liveness watch of a lost node) are raised at once, as is any failure after a stop signal."""
     restarts = 0
