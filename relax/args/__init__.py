@@ -42,6 +42,7 @@ from relax.args.settings import (
     RunSettings,
     actor_settings,
     algorithm_settings,
+    context_length,
     eval_settings,
     output_settings,
     rollout_settings,
@@ -165,7 +166,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     if problems:
         parser.error("\n".join(problems))
     try:
-        rollout = rollout_settings(relax)
+        rollout = rollout_settings(relax, context_length(hf, sglang.context_length))
         return TrainConfig(
             flags=relax,
             run=run_settings(relax),

@@ -266,8 +266,9 @@ def test_a_replaying_run_needs_no_prompt_data(argv):
         ([*REPLAY, *EVAL_SET, "--reward-fn", "math", "--prompt-data", "p.jsonl"], ": --prompt-data would do nothing; "
          "drop them\n"),  # (the reward function is read: no hint about it)
         ([*REPLAY, *EVAL_SET], "missing --reward-fn"),  # the evaluation scores its samples
+        ([*TRAIN_ONLY, "--rollout-clip-response-to-context"], ": --rollout-clip-response-to-context would do nothing"),
     ],
-    ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward"],
+    ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward", "no engine"],
 )
 def test_a_replaying_run_refuses_what_it_does_not_read(argv, message, capsys):
     assert message in parse_error(argv, capsys)
