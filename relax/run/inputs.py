@@ -157,10 +157,10 @@ def check_new_record(outputs: OutputSettings) -> None:
 def _within_context(
     prompts: list[Prompt], data: str, budget_flag: str, sampling: SamplingConfig, context: ContextLength | None
 ) -> list[str]:
-    """Refuses (InputError) prompts whose request would not fit the engines' context length, SGLang's refusal of
-    each such request mid-run: the longest prompt with sampling.max_new_tokens (`budget_flag`), unless
-    sampling.clip_to_context gives such prompts the budget the context leaves them; a prompt that fills the context
-    alone, always. Returns the report's lines: the clipped prompts, or why nothing was checked."""
+    """Refuses (InputError) now what SGLang would refuse request by request mid-run: a prompt that with
+    sampling.max_new_tokens (`budget_flag`) does not fit the engines' context length, unless sampling.clip_to_context
+    gives it the budget the context leaves; a prompt that fills the context alone, always. Only the longest prompt
+    needs checking. Returns the report's lines: the clipped prompts, or why nothing was checked."""
     if context is None:
         return [
             "not checked against the model's context length (config.json has no max_position_embeddings and "
