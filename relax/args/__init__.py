@@ -42,6 +42,7 @@ from relax.args.settings import (
     RunSettings,
     actor_settings,
     algorithm_settings,
+    context_length,
     eval_settings,
     output_settings,
     rollout_settings,
@@ -133,15 +134,17 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     _fill_relax_defaults(relax)
 
     checkpoint = relax.hf_checkpoint
-    has_config = checkpoint is not None and (Path(checkpoint) / "config.json").is_file()
-    if checkpoint is not None and not relax.dry_run and not has_config:
-        parser.error(f"--hf-checkpoint {checkpoint}: no config.json there (expected an HF model directory)")
+    unreadable = checkpoint_problem(checkpoint)
+    # A dry run may check a preset whose model is not there yet (its size given by flags, or refused below naming
+    # the path); a path that is there must be an HF model directory.
+    if unreadable and not (relax.dry_run and not Path(checkpoint).exists()):
+        parser.error(unreadable)
     try:
-        hf = read_hf_checkpoint(checkpoint) if has_config else None
+        hf = read_hf_checkpoint(checkpoint) if checkpoint is not None and not unreadable else None
     except HFCheckpointError as exc:
         parser.error(f"--hf-checkpoint: {exc}")
     given = given_values(namespace)
-    values = resolve_architecture(given, hf, parser.error)
+    values = resolve_architecture(given, hf, parser.error, absent_checkpoint=unreadable)
     if relax.use_rollout_routing_replay:  # the actor's routers take the engine's choices (relax.train.routing_replay)
         values["moe_enable_routing_replay"] = True
     megatron = build_megatron_config(MegatronValues(values, relax.num_steps), parser.error)
@@ -163,7 +166,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
     if problems:
         parser.error("\n".join(problems))
     try:
-        rollout = rollout_settings(relax)
+        rollout = rollout_settings(relax, context_length(hf, sglang.context_length))
         return TrainConfig(
             flags=relax,
             run=run_settings(relax),
@@ -177,6 +180,21 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
         )
     except ValueError as exc:  # a setting's own check (SamplingConfig, LossSettings, ...)
         parser.error(f"relax's settings reject these flags: {exc}")
+
+
+def checkpoint_problem(checkpoint: str | None) -> str | None:
+    """Why --hf-checkpoint names no directory with a config.json, naming the path; None when it does (or is not
+    given)."""
+    if checkpoint is None:
+        return None
+    path = Path(checkpoint)
+    if not path.exists():
+        return f"--hf-checkpoint {checkpoint} does not exist"
+    if not path.is_dir():
+        return f"--hf-checkpoint {checkpoint} is not a directory (expected an HF model directory)"
+    if not (path / "config.json").is_file():
+        return f"--hf-checkpoint {checkpoint}: no config.json there (expected an HF model directory)"
+    return None
 
 
 def _fill_relax_defaults(relax: argparse.Namespace) -> None:

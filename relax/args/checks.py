@@ -281,7 +281,7 @@ EVAL_ONLY_REFUSED = (
 REPLAY_REFUSED = ("prompt_data", "rollout_shuffle", "dynamic_sampling", "debug_rollout_only")
 READ_WITH_PROMPTS = (
     "reward_fn", "apply_chat_template", "apply_chat_template_kwargs", "system_prompt", "max_prompt_length",
-    "skip_bad_rows",
+    "skip_bad_rows", "rollout_clip_response_to_context",
 )
 
 

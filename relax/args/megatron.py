@@ -300,8 +300,9 @@ def checkpoint_architecture(checkpoint: HFCheckpoint) -> dict:
     return found
 
 
-def resolve_architecture(given: dict, checkpoint: HFCheckpoint | None, error) -> dict:
+def resolve_architecture(given: dict, checkpoint: HFCheckpoint | None, error, absent_checkpoint: str | None) -> dict:
     """Flags merged with the checkpoint's architecture; every architecture flag must agree with it.
+    `absent_checkpoint`: why --hf-checkpoint was not read (a dry run's path not there yet), or None.
 
     The training actor (relax.train.model) builds the model from config.json alone, so a flag that says
     otherwise (even a setting such as --norm-epsilon or --rotary-base) would be silently ignored there:
@@ -318,6 +319,11 @@ def resolve_architecture(given: dict, checkpoint: HFCheckpoint | None, error) ->
                 "builds the model from the checkpoint's config: drop the flag, or edit config.json"
             )
     missing = [_flag(name) for name in REQUIRED_MODEL_FIELDS if not merged.get(name)]
+    if missing and absent_checkpoint:
+        error(
+            f"{absent_checkpoint}: relax reads the Megatron model size from its config.json; fix the path, or give "
+            f"{', '.join(missing)} to dry-run without the model"
+        )
     if missing:
         error(
             f"the Megatron model size is unknown: give {', '.join(missing)} "

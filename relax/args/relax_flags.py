@@ -194,6 +194,15 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="Max new tokens per response (default: %(default)s).",
     )
     g.add_argument(
+        "--rollout-clip-response-to-context",
+        action="store_true",
+        help="Give a prompt whose prompt + --rollout-max-response-len (or --eval-max-response-len) tokens would not "
+        "fit the model's context length (the smaller of config.json's max_position_embeddings and "
+        "--sglang-context-length) the response budget that does fit, instead of refusing the data before the run; "
+        "the start says how many prompts are clipped and the smallest budget. A prompt that fills the context alone "
+        "is refused either way.",
+    )
+    g.add_argument(
         "--rollout-temperature", type=float, default=1.0, help="Sampling temperature (default: %(default)s)."
     )
     g.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling p (default: %(default)s).")

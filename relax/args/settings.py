@@ -17,6 +17,7 @@ import dataclasses
 import enum
 
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
+from relax.hf_checkpoint import HFCheckpoint
 from relax.platform import platform_facts
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptDataConfig
@@ -92,6 +93,28 @@ class RunSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ContextLength:
+    """The most tokens an engine request may take, prompt and response together (SGLang refuses a request past it):
+    the smaller of the language model's max_position_embeddings and --sglang-context-length."""
+
+    tokens: int
+    source: str  # where it comes from, in words: "--sglang-context-length" or the config.json field
+
+
+def context_length(checkpoint: HFCheckpoint | None, sglang_context_length: int | None) -> ContextLength | None:
+    """The engines' context length, from --hf-checkpoint's config.json (None: not read, a dry run without it) and
+    --sglang-context-length (None: not given); None when neither gives one."""
+    found = []
+    positions = None if checkpoint is None else checkpoint.text_config.get("max_position_embeddings")
+    if positions is not None:
+        field = "text_config.max_position_embeddings" if checkpoint.vision_language else "max_position_embeddings"
+        found.append(ContextLength(positions, f"{checkpoint.directory / 'config.json'} {field}"))
+    if sglang_context_length is not None:
+        found.append(ContextLength(sglang_context_length, "--sglang-context-length"))
+    return min(found, key=lambda length: length.tokens, default=None)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSettings:
     data: PromptDataConfig | None  # None: no --prompt-data (only where RunMode.reads_prompts is False)
     shuffle: bool  # the prompts, each epoch, seeded by RunSettings.seed
@@ -108,6 +131,7 @@ class RolloutSettings:
     load_data: str | None  # the scored samples replayed (RunMode.replays_rollouts), a pattern of step files
     save_data: str | None  # write each step's scored samples to this pattern
     routing_replay: bool  # samples carry the experts the engine chose (saved and loaded with them) for the actor
+    context: ContextLength | None  # the engines' context length; None: unknown (a dry run without the checkpoint)
 
     @property
     def max_response_len(self) -> int:
@@ -182,7 +206,9 @@ def prompt_data_config(flags: argparse.Namespace, path: str | None) -> PromptDat
     )
 
 
-def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
+def rollout_settings(flags: argparse.Namespace, context: ContextLength | None) -> RolloutSettings:
+    """`context`: the engines' context length (context_length)."""
+    clip = flags.rollout_clip_response_to_context and context is not None
     return RolloutSettings(
         data=prompt_data_config(flags, flags.prompt_data),
         shuffle=flags.rollout_shuffle,
@@ -195,6 +221,7 @@ def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
             top_k=flags.rollout_top_k,
             max_new_tokens=flags.rollout_max_response_len,
             stop_token_ids=tuple(flags.rollout_stop_token_ids or ()),
+            clip_to_context=context.tokens if clip else None,
         ),
         batch_size=flags.rollout_batch_size,
         devices_per_engine=flags.rollout_num_devices_per_engine,
@@ -206,6 +233,7 @@ def rollout_settings(flags: argparse.Namespace) -> RolloutSettings:
         load_data=flags.load_rollout_data,
         save_data=flags.save_rollout_data,
         routing_replay=flags.use_rollout_routing_replay,
+        context=context,
     )
 
 

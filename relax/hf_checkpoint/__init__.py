@@ -111,8 +111,14 @@ def read_hf_checkpoint(directory: str | Path) -> HFCheckpoint:
         raise HFCheckpointError(f"{path} does not exist: pass an HF model directory (config.json + *.safetensors)")
     try:
         config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise HFCheckpointError(f"{path} cannot be read ({exc.strerror})") from None
+    except ValueError as exc:  # not JSON, or not UTF-8 text
         raise HFCheckpointError(f"{path} is not valid JSON ({exc}): pass an HF model directory") from None
+    if not isinstance(config, dict):
+        raise HFCheckpointError(
+            f"{path} holds a JSON {type(config).__name__}, not an object: pass an HF model directory"
+        )
     return hf_checkpoint_of(config, Path(directory))
 
 

@@ -73,6 +73,10 @@ class SamplingConfig:
     # stream). SGLang 0.5.23 honours it only with enable_deterministic_inference (--sglang-enable-deterministic-
     # inference); then a request's tokens depend on its seed and logits alone, not on what ran before.
     seed: int | None = None
+    # --rollout-clip-response-to-context: the model's context length (relax.args.settings.ContextLength); each
+    # request's max_new_tokens is clipped to what its prompt leaves of it, which SGLang refuses to exceed. None: not
+    # clipped (relax.run.inputs then refused any prompt whose max_new_tokens would not fit).
+    clip_to_context: int | None = None
 
     def __post_init__(self):
         problems = []
@@ -88,6 +92,12 @@ class SamplingConfig:
             problems.append(f"max_new_tokens={self.max_new_tokens} (must be >= 1)")
         if problems:
             raise ValueError("invalid sampling settings: " + ", ".join(problems))
+
+    def max_new_tokens_for(self, prompt_length: int) -> int:
+        """The response budget of a request whose prompt has `prompt_length` tokens."""
+        if self.clip_to_context is None:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.clip_to_context - prompt_length)
 
     def sglang_params(self) -> dict:
         return {
@@ -119,6 +129,20 @@ class Completion:
     @classmethod
     def refused(cls, error: str) -> "Completion":
         return cls(token_ids=[], logprobs=[], finish_reason="error", text="", error=error)
+
+
+def request_params(requests: list[list[int]], sampling: SamplingConfig) -> list[dict]:
+    """SGLang's sampling params of each request of a generate call: request i seeded sampling.seed + i (when
+    given), its max_new_tokens what its prompt leaves of the context under sampling.clip_to_context."""
+    params = sampling.sglang_params()
+    return [
+        {
+            **params,
+            "max_new_tokens": sampling.max_new_tokens_for(len(request)),
+            **({} if sampling.seed is None else {"sampling_seed": sampling.seed + i}),
+        }
+        for i, request in enumerate(requests)
+    ]
 
 
 def server_defaults(platform, engine_logs: bool = False) -> dict:
@@ -326,10 +350,7 @@ class RolloutEngine:
         if not prompts:
             return []
         requests = [list(prompt) for prompt in prompts for _ in range(sampling.n)]
-        params = [
-            {**sampling.sglang_params(), **({} if sampling.seed is None else {"sampling_seed": sampling.seed + i})}
-            for i in range(len(requests))
-        ]
+        params = request_params(requests, sampling)
         engine = self._live()
 
         async def each_request():  # gather wraps the coroutines in tasks of the running (the engine's) loop

@@ -1,24 +1,27 @@
 """What a run reads before any worker starts, each read once: whether its output directories hold an earlier run's
 record, the reward function, the checkpoint --load names, the rollout data --load-rollout-data replays, and the
-prompt data and eval sets (every row checked and tokenized). A restart after a worker failed reads only the
-checkpoint it resumes from (Inputs.resumed).
+prompt data and eval sets (every row checked and tokenized; the longest prompt with its response budget checked
+against the model's context length). A restart after a worker failed reads only the checkpoint it resumes from
+(Inputs.resumed).
 
 `relax train --dry-run` reads them and prints the report; `relax train` reads them before its console opens (so an
 output directory it refuses is left as it was) and runs on what was read. Bad input raises InputError or the
 reader's own error (PromptDataError, CheckpointError, RolloutDataError), each naming the input and the fix.
 
 A dry run may name inputs that are not there yet (a preset checked on a machine without its data or model): they
-are reported as not checked. A run checks that every step's rollout data file is there and reads each whole at
-its step; a dry run reads them all now, which alone finds a malformed group before the run.
+are reported as not checked (a missing --hf-checkpoint only where flags give the model's size: relax.args). A run
+checks that every step's rollout data file is there and reads each whole at its step; a dry run reads them all now,
+which alone finds a malformed group before the run.
 """
 
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-from relax.args.settings import OutputSettings, RolloutSettings, RunSettings
+from relax.args.settings import ContextLength, OutputSettings, RolloutSettings, RunSettings
 from relax.rollout.data import Prompt, PromptLoader, load_prompts
 from relax.rollout.dump import check_rollout_data
+from relax.rollout.engine import SamplingConfig
 from relax.rollout.evaluation import EvalSet, load_eval_sets
 from relax.rollout.rewards import RewardFn, load_reward_fn
 from relax.run.metrics import earlier_record
@@ -102,6 +105,13 @@ def read_inputs(config, dry_run: bool = False) -> Inputs:
         else:
             prompts, loaded = load_prompts(rollout.data, tokenizer())
             report.append(f"prompt data: {loaded.summary()}")
+            report += [
+                f"prompt data: {line}"
+                for line in _within_context(
+                    prompts, f"--prompt-data {loaded.path}", "--rollout-max-response-len", rollout.sampling,
+                    rollout.context,
+                )
+            ]
     eval_sets = []
     for name, data in evaluation.datasets.items():
         flag = f"--eval-prompt-data {name}"
@@ -112,6 +122,13 @@ def read_inputs(config, dry_run: bool = False) -> Inputs:
         (eval_set,), (loaded,) = load_eval_sets({name: data}, tokenizer())
         eval_sets.append(eval_set)
         report.append(f"eval set {name}: {loaded.summary()}")
+        report += [
+            f"eval set {name}: {line}"
+            for line in _within_context(
+                eval_set.prompts, f"{flag} {loaded.path}", "--eval-max-response-len", evaluation.sampling,
+                rollout.context,
+            )
+        ]
     return Inputs(report, checkpoint, prompts, eval_sets, reward_fn)
 
 
@@ -135,6 +152,48 @@ def check_new_record(outputs: OutputSettings) -> None:
             f"--save-hf {outputs.save_hf} holds an earlier run's HF directories and a new run would mix its own among "
             "them: resume that run with --load, or choose another --save-hf"
         )
+
+
+def _within_context(
+    prompts: list[Prompt], data: str, budget_flag: str, sampling: SamplingConfig, context: ContextLength | None
+) -> list[str]:
+    """Refuses (InputError) now what SGLang would refuse request by request mid-run: a prompt that with
+    sampling.max_new_tokens (`budget_flag`) does not fit the engines' context length, unless sampling.clip_to_context
+    gives it the budget the context leaves; a prompt that fills the context alone, always. Only the longest prompt
+    needs checking. Returns the report's lines: the clipped prompts, or why nothing was checked."""
+    if context is None:
+        return [
+            "not checked against the model's context length (config.json has no max_position_embeddings and "
+            "--sglang-context-length is not given)"
+        ]
+    longest = max(prompts, key=lambda prompt: len(prompt.token_ids))
+    length, max_new_tokens = len(longest.token_ids), sampling.max_new_tokens
+    found = f"{data}: the longest prompt (row {longest.row}) has {length} tokens"
+    limit = f"the model's context length of {context.tokens} tokens ({context.source})"
+    if length >= context.tokens:
+        raise InputError(
+            f"{found}, which leaves no room for a response within {limit}: shorten such prompts, or drop them with "
+            f"--max-prompt-length {context.tokens - 1} or less"
+        )
+    if length + max_new_tokens <= context.tokens:
+        return []
+    if sampling.clip_to_context is None:
+        drop = (
+            f"shorten the prompts (--max-prompt-length {context.tokens - max_new_tokens} drops longer ones), "
+            if max_new_tokens < context.tokens
+            else ""
+        )
+        raise InputError(
+            f"{found}; with {budget_flag} {max_new_tokens} its requests need {length + max_new_tokens} tokens, more "
+            f"than {limit}: {drop}lower {budget_flag} to {context.tokens - length}, or pass "
+            "--rollout-clip-response-to-context to give such prompts the response budget the context leaves them"
+        )
+    clipped = sum(len(prompt.token_ids) + max_new_tokens > context.tokens for prompt in prompts)
+    return [
+        f"{clipped} of {len(prompts)} prompts respond in fewer than {budget_flag} {max_new_tokens} tokens, clipped "
+        f"to {limit} (--rollout-clip-response-to-context); the smallest budget {context.tokens - length} tokens "
+        f"(row {longest.row})"
+    ]
 
 
 def _replayed(rollout: RolloutSettings, start_step: int | None, num_steps: int, dry_run: bool) -> str:

@@ -93,6 +93,16 @@ def test_sampling_settings_reach_the_engine(engine, models):
     assert all(c.logprobs and max(c.logprobs) <= 0 for group in sampled for c in group)
 
 
+def test_a_clipped_budget_is_what_the_engine_asks_sglang_for(engine):
+    """--rollout-clip-response-to-context: the 40-token prompt asks for what it leaves of the tiny model's 512-token
+    context (SGLang refuses a request past it; its scheduler may stop a request a token or two short of the context,
+    as "length"); the 2-token prompt keeps the whole budget."""
+    sampling = SamplingConfig(temperature=0.0, max_new_tokens=480, ignore_eos=True, clip_to_context=512)
+    (short,), (long,) = engine.generate([PROMPTS[0], PROMPTS[2]], sampling)
+    assert len(short.token_ids) == 480 and 470 <= len(long.token_ids) <= 512 - 40
+    assert short.finish_reason == long.finish_reason == "length"
+
+
 def weights(model_dir):
     return sorted(load_file(str(model_dir / "model.safetensors")).items())
 

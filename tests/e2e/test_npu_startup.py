@@ -53,7 +53,8 @@ def _printed_args(command: list[str], env: dict) -> list[str]:
 
 def preset_args_with_tiny_model(exp_dir: Path) -> list[str]:
     """The 9B preset's `relax train` arguments without its model's architecture flags (scripts/models/qwen3.5-9B.sh,
-    which describe the 9B model) for a tiny Qwen3.5 model and prompts under exp_dir, on two devices."""
+    which describe the 9B model) for a tiny Qwen3.5 model and prompts under exp_dir, on two devices, with responses
+    that fit the tiny model's context."""
     model = build_tiny_model(exp_dir / "model", "qwen3_5")
     prompts = write_task("copy_digit", 8, exp_dir / "prompts.jsonl")
     env = {**os.environ, "EXP_DIR": str(exp_dir), "MODEL_DIR": str(model), "DATA_DIR": str(exp_dir)}
@@ -68,6 +69,7 @@ def preset_args_with_tiny_model(exp_dir: Path) -> list[str]:
     args[args.index("--prompt-data") + 1] = str(prompts)
     for flag, value in ON_TWO_DEVICES.items():
         args[args.index(flag) + 1] = value
+    args[args.index("--rollout-max-response-len") + 1] = "64"  # the preset's 8192 is past the tiny model's context
     return [*args, *CPU_KERNELS]
 
 

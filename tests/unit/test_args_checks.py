@@ -266,8 +266,9 @@ def test_a_replaying_run_needs_no_prompt_data(argv):
         ([*REPLAY, *EVAL_SET, "--reward-fn", "math", "--prompt-data", "p.jsonl"], ": --prompt-data would do nothing; "
          "drop them\n"),  # (the reward function is read: no hint about it)
         ([*REPLAY, *EVAL_SET], "missing --reward-fn"),  # the evaluation scores its samples
+        ([*TRAIN_ONLY, "--rollout-clip-response-to-context"], ": --rollout-clip-response-to-context would do nothing"),
     ],
-    ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward"],
+    ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward", "no engine"],
 )
 def test_a_replaying_run_refuses_what_it_does_not_read(argv, message, capsys):
     assert message in parse_error(argv, capsys)
@@ -309,6 +310,57 @@ def test_the_tiny_scripts_flags_pass_the_checks_in_each_mode(tiny_exp_dir, mode)
     replays = "--load-rollout-data" in mode
     assert (config.rollout.data is None) == (replays or "--eval-only" in mode)
     assert (config.rollout.reward_fn is None) == ("--debug-train-only" in mode)
+
+
+def test_a_dry_run_names_a_checkpoint_not_there_yet_when_it_needs_the_models_size(tmp_path, capsys):
+    absent = tmp_path / "no_such_dir"
+    err = parse_error([*REQUIRED, "--dry-run", "--hf-checkpoint", str(absent)], capsys)
+    assert f"--hf-checkpoint {absent} does not exist: relax reads the Megatron model size from its config.json; " in err
+    assert "fix the path, or give --num-layers, --hidden-size, --num-attention-heads to dry-run without the model" in (
+        err
+    )
+    # A preset checked before its model is there: the flags give the size, the inputs are reported as not checked.
+    assert parse_train_args([*RUN, "--hf-checkpoint", str(absent)]).run.hf_checkpoint == str(absent)
+    # A run needs it there whatever the flags give.
+    run_error = parse_error([*REQUIRED, *SIZE, "--hf-checkpoint", str(absent)], capsys)
+    assert f"--hf-checkpoint {absent} does not exist" in run_error
+
+
+def _not_a_directory(tmp_path: Path) -> Path:
+    (tmp_path / "model.safetensors").write_text("")
+    return tmp_path / "model.safetensors"
+
+
+def _no_config(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+def _config_not_json(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text("{model_type: qwen3")
+    return tmp_path
+
+
+def _config_not_an_object(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text("[]")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (_not_a_directory, "--hf-checkpoint {path} is not a directory (expected an HF model directory)"),
+        (_no_config, "--hf-checkpoint {path}: no config.json there (expected an HF model directory)"),
+        (_config_not_json, "--hf-checkpoint: {path}/config.json is not valid JSON ("),
+        (_config_not_an_object, "--hf-checkpoint: {path}/config.json holds a JSON list, not an object"),
+    ],
+    ids=["not a directory", "no config.json", "not JSON", "not an object"],
+)
+@pytest.mark.parametrize("given_size", [[], SIZE], ids=["size unknown", "size given"])
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry run", "run"])
+def test_a_checkpoint_that_is_there_but_unreadable_is_named_first(tmp_path, capsys, make, message, given_size, dry_run):
+    path = make(tmp_path)
+    err = parse_error([*REQUIRED, *dry_run, *given_size, "--hf-checkpoint", str(path)], capsys)
+    assert message.format(path=path) in err and "model size is unknown" not in err
 
 
 def test_resolved_defaults():

@@ -97,7 +97,7 @@ def _reads(argv) -> tuple[set, set, set]:
                                  ReadRecorder(config.megatron.scheduler))
     for build in (run_settings, algorithm_settings, output_settings):
         build(built)
-    eval_settings(built, rollout_settings(built).sampling)
+    eval_settings(built, rollout_settings(built, config.rollout.context).sampling)
     actor_settings(built, scheduler)
     assert check_config(checked, config.megatron, platform_facts("cpu")) == []
     return built.read, checked.read, scheduler.read

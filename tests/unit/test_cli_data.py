@@ -18,8 +18,10 @@ def checkpoint(tmp_path_factory):
 
 
 def train_argv(checkpoint, data, *extra):
+    """A run of the tiny model, whose 512-token context holds these prompts with 8-token responses."""
     return ["train", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--prompt-data", str(data),
-            "--reward-fn", "copy_digit", "--lr", "1e-2", "--apply-chat-template", *extra]
+            "--reward-fn", "copy_digit", "--lr", "1e-2", "--apply-chat-template", "--rollout-max-response-len", "8",
+            *extra]
 
 
 def test_the_dry_run_reads_rows_of_only_prompt_and_label(tmp_path, checkpoint, capsys):
@@ -79,7 +81,8 @@ def test_the_dry_run_reads_every_eval_set_and_names_the_set_file_and_row(tmp_pat
 def test_the_eval_only_dry_run_reads_the_eval_sets_and_says_the_training_flags_are_unused(tmp_path, checkpoint, capsys):
     held_out = write_jsonl(tmp_path / "held_out.jsonl", [{"prompt": "copy 0:", "label": "0"}] * 2)
     argv = ["train", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--reward-fn", "copy_digit", "--dry-run",
-            "--eval-prompt-data", "held_out", str(held_out), "--eval-only", "--num-steps", "3"]
+            "--eval-prompt-data", "held_out", str(held_out), "--eval-only", "--num-steps", "3",
+            "--eval-max-response-len", "8"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"eval set held_out: {held_out}: 2 rows, 2 prompts kept" in out

@@ -21,6 +21,7 @@ def _settings(**changes) -> RolloutSettings:
         sampling=SamplingConfig(n=2, max_new_tokens=4), batch_size=3,
         devices_per_engine=1, dynamic_sampling=True, over_sampling_batch_size=3, dynamic_sampling_max_rounds=10,
         overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None, routing_replay=False,
+        context=None,
     )
     return RolloutSettings(**{**base, **changes})
 

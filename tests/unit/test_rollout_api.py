@@ -54,7 +54,7 @@ def test_the_loop_trains_on_any_rollout_and_saves_its_loss_masks(tmp_path):
         data=None, shuffle=False, reward_fn=None, reward_timeout=None, sampling=SAMPLING, batch_size=2,
         devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, dynamic_sampling_max_rounds=None,
         overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None,
-        save_data=str(tmp_path / "step_{step}.jsonl"), routing_replay=False,
+        save_data=str(tmp_path / "step_{step}.jsonl"), routing_replay=False, context=None,
     )
     tool_rollout, loader = ToolRollout(), _loader()
     samples, metrics = collect_rollout(3, tool_rollout, loader, SAMPLING, rollout)

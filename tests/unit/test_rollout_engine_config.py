@@ -13,6 +13,7 @@ from relax.rollout.engine import (
     _completion,
     _chosen_fields,
     decode_routed_experts,
+    request_params,
 )
 
 
@@ -23,6 +24,14 @@ def test_sampling_config_checks_and_sglang_params():
     params = sampling.sglang_params()
     assert params == {"temperature": 0.7, "top_p": 1.0, "top_k": 5, "max_new_tokens": 9, "stop_token_ids": [2],
                       "stop": ["\n"], "ignore_eos": False}
+
+
+def test_each_request_gets_its_seed_and_the_budget_its_prompt_leaves_of_the_context():
+    clipped = SamplingConfig(n=2, max_new_tokens=9, seed=100, clip_to_context=12)
+    params = request_params([[1, 2], [1, 2], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]], clipped)
+    assert [(p["sampling_seed"], p["max_new_tokens"]) for p in params] == [(100, 9), (101, 9), (102, 7), (103, 7)]
+    (unseeded,) = request_params([[1, 2, 3, 4, 5]], SamplingConfig(max_new_tokens=9))
+    assert unseeded == SamplingConfig(max_new_tokens=9).sglang_params()  # no seed, not clipped
 
 
 def test_managed_fields_are_refused_from_the_sglang_namespace(tmp_path):
