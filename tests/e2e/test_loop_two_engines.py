@@ -40,7 +40,7 @@ NUM_STEPS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 2, 3, 4
 class RecordingEngineWorker(EngineWorker):
     """EngineWorker writing to $RELAX_TEST_ENGINE_RECORDS/engine-<rank>.jsonl: each generate call (prompts,
     first seed, response tokens), and a probe (greedy tokens and logprobs of PROBE_PROMPTS) once started and
-    whenever its KV cache is resumed, which ends each weight push (relax.run.loop.hand_devices_to_engines)."""
+    whenever its KV cache is resumed, which ends each weight push (relax.run.colocation.Colocation.to_engines)."""
 
     def __init__(self, *args):
         super().__init__(*args)

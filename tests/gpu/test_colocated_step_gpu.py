@@ -96,7 +96,7 @@ def _measured_workers():
 
         def resume_memory_occupation(self, tags):
             timed("engine", "resume", lambda: super(MeasuredEngineWorker, self).resume_memory_occupation(tags), tags=list(tags))
-            if "kv_cache" in tags:  # the end of a weight push (relax.run.loop.hand_devices_to_engines)
+            if "kv_cache" in tags:  # the end of a weight push (relax.run.colocation.Colocation.to_engines)
                 self._probe()
 
         def _probe(self):
@@ -121,12 +121,12 @@ def _measured_workers():
                         tokens=sum(len(t) for t in batch.tokens))
             return metrics
 
-        def push_weights(self, engines, engine_tp_size, engine_nodes):
+        def push_weights(self, engines, engine_tp_size, engine_nodes, kill_after_first_bucket=None):
             if self.pushes == 0:  # the training state is whole (Adam's moments exist after the first step)
                 self._time_host_copies()
             torch.cuda.reset_peak_memory_stats()
             report = timed("actor", "push", lambda: super(MeasuredTrainWorker, self).push_weights(
-                engines, engine_tp_size, engine_nodes))
+                engines, engine_tp_size, engine_nodes, kill_after_first_bucket))
             write_event("actor", "pushed", bytes=report["bytes"], routes=report["routes"],
                         peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
                         copy_seconds=self._device_copy_seconds(report["bytes"]))
@@ -196,21 +196,15 @@ def gaps_to(scored, outputs) -> list[float]:
     return [abs(hf - engine) for (hf_lp, _, _), (_, engine_lp) in zip(scored, outputs) for hf, engine in zip(hf_lp, engine_lp)]
 
 
-@pytest.mark.parametrize("sleep_route", ["memory-saver", "host-copies"])
-def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_route, tmp_path, monkeypatch):
-    import ray
-
-    import relax.run.loop
-    from relax.run.inputs import read_inputs
+def _config(tmp_path: Path, sleep_route: str, *flags: str):
+    """The run's settings, on a Qwen3-1.7B-shaped model and copy_digit prompts written under tmp_path."""
     from relax.args import parse_train_args
     from relax.rollout.synthetic import write_task
     from relax.tools.tiny_model import QWEN3_1_7B_BODY, build_tiny_model
 
-    records = tmp_path / "records"
-    records.mkdir()
     model = build_tiny_model(tmp_path / "model", "qwen3", device="cuda", dtype=torch.bfloat16, **QWEN3_1_7B_BODY)
     data = write_task("copy_digit", 200, tmp_path / "copy_digit.jsonl")
-    config = parse_train_args([
+    return model, parse_train_args([
         "--device", "cuda", "--hf-checkpoint", str(model),
         "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",
         "--reward-fn", f"{__name__}:alternating_reward",
@@ -223,8 +217,20 @@ def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_
         "--num-nodes", "1", "--num-devices-per-node", "1", "--rollout-num-devices-per-engine", "1",
         "--sglang-attention-backend", "triton", "--sglang-sampling-backend", "pytorch",
         "--sglang-mem-fraction-static", "0.6", "--sglang-disable-prefill-cuda-graph",
-        "--actor-sleep-route", sleep_route, "--output-dir", str(tmp_path / "output"),
+        "--actor-sleep-route", sleep_route, "--output-dir", str(tmp_path / "output"), *flags,
     ])
+
+
+@pytest.mark.parametrize("sleep_route", ["memory-saver", "host-copies"])
+def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_route, tmp_path, monkeypatch):
+    import ray
+
+    import relax.run.loop
+    from relax.run.inputs import read_inputs
+
+    records = tmp_path / "records"
+    records.mkdir()
+    model, config = _config(tmp_path, sleep_route)
     engine_class, trainer_class = _measured_workers()
     monkeypatch.setenv(RECORDS_ENV, str(records))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -273,3 +279,38 @@ def test_colocated_steps_on_one_gpu_push_weights_that_generate_as_hf_does(sleep_
     report_dir = Path(os.environ.get("RELAX_GPU_REPORT_DIR", "."))
     (report_dir / f"colocated_step_{sleep_route}.json").write_text(json.dumps(report, indent=1))
     print(json.dumps({"checks": checks, "run_seconds": run_seconds}))
+
+
+# The engine's scheduler SIGKILLed after the first bucket of step 0's weight push and as step 2's rollout begins
+# (relax.ray.faults).
+INJECTED_FAULTS = "push@0=scheduler,rollout@2=scheduler"
+
+
+def test_an_engine_killed_mid_push_and_at_a_rollout_restarts_in_place_on_one_gpu(tmp_path, monkeypatch):
+    """relax.run.colocation on the GPU: each time, the new engine starts with the device to itself (the actor
+    asleep), is brought to its phase's memory state, gets the actor's weights, and the step goes on. Its seconds are
+    written to $RELAX_GPU_REPORT_DIR/colocated_step_faults.json (docs/benchmarks.md)."""
+    import relax.run.loop
+    from relax.run.inputs import read_inputs
+
+    _, config = _config(tmp_path, "memory-saver", "--max-engine-restarts", "2")
+    monkeypatch.setenv("RELAX_INJECT_FAULTS", INJECTED_FAULTS)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    start = time.perf_counter()
+    relax.run.loop.run(config, read_inputs(config))
+    run_seconds = time.perf_counter() - start
+
+    metrics = [json.loads(line) for line in (tmp_path / "output" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(NUM_STEPS))
+    assert [m["faults/engine_restarts"] for m in metrics] == [1, 0, 1]
+    assert all(m["train/update_successful"] == 1.0 for m in metrics)
+    assert all(m["rollout/response_tokens"] > 0 for m in metrics)
+    report = {
+        "faults": INJECTED_FAULTS, "run_seconds": run_seconds,
+        "steps": [{k: m[k] for k in ("step", "faults/engine_restarts", "faults/engine_restart_seconds",
+                                      "perf/step_time", "perf/rollout_time", "perf/weight_sync_time")}
+                  for m in metrics],
+    }
+    report_dir = Path(os.environ.get("RELAX_GPU_REPORT_DIR", "."))
+    (report_dir / "colocated_step_faults.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
