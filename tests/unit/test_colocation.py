@@ -183,3 +183,16 @@ def test_an_engine_dead_in_a_memory_call_is_called_again_once_restarted_and_give
         ("engine 0", "generate"), ("engine 1'", "generate"),  # then the requests
     ]
     assert completions == [["completion"] * 2] * 2 and world.colocation.stale == set()
+
+
+def test_the_injected_faults_are_read_from_the_environment_and_each_is_done_once():
+    plan = FaultPlan.from_environ({"RELAX_INJECT_FAULTS": "push@1=engine, release@0=scheduler,save@1=rank"})
+    assert plan.take("release") == "scheduler" and plan.take("release") is None  # step 0's, once
+    assert plan.take("push") is None  # step 1's
+    plan.at(1)
+    assert (plan.take("save"), plan.take("push"), plan.take("push")) == ("rank", "engine", None)
+    assert FaultPlan.from_environ({}).due == set()
+    with pytest.raises(ValueError, match=r"RELAX_INJECT_FAULTS: 'push@one=engine' is not phase@step=victim"):
+        FaultPlan.from_environ({"RELAX_INJECT_FAULTS": "push@one=engine"})
+    with pytest.raises(ValueError, match="'train@1=rank'"):
+        FaultPlan.from_environ({"RELAX_INJECT_FAULTS": "train@1=rank"})
