@@ -3,7 +3,9 @@ then the checkpoint resumed from), then one colocated step per iteration, then t
 
 One step: the rollout (relax.rollout.api: generate and score, or replay); release the engines' memory; wake the
 actor; old-policy (and reference) logprobs and advantages; train; push the new weights to the engines and put the
-actor to sleep; resume the engines. The phases are plain functions below `run`.
+actor to sleep; resume the engines. The device hand-overs (and an engine's restart in any phase) are
+relax.run.colocation's; the other phases are plain functions below `run`. The `faults.inject` lines are the tests'
+named fault points (relax.ray.faults): nothing is due in a real run.
 
 Evaluation (--eval-prompt-data) runs on the engines while the actor sleeps, so it needs no device memory of its
 own: before a step's rollout when one is due (step 0, every --eval-interval steps) and after the last step's weight
