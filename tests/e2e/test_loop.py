@@ -54,7 +54,8 @@ def test_the_console_shows_relax_lines_and_run_log_keeps_the_upstream_ones(saved
 def test_the_engines_evaluate_each_set_at_the_start_every_interval_and_after_the_last_step(saved_tiny_run):
     evaluated = {r["step"]: r for r in saved_tiny_run.records if "perf/eval_time" in r}
     assert list(evaluated) == [0, EVAL_INTERVAL, SAVING_RUN_STEPS]
-    assert set(evaluated[SAVING_RUN_STEPS]) == {"step", "perf/eval_time", "faults/engine_restarts", RUN_RESTARTS} | {
+    faults = {"faults/engine_restarts", "faults/engine_restart_seconds", RUN_RESTARTS}
+    assert set(evaluated[SAVING_RUN_STEPS]) == {"step", "perf/eval_time", *faults} | {
         key for key in evaluated[0] if key.startswith("eval/")
     }  # the last evaluation is a row of its own
     assert evaluated[SAVING_RUN_STEPS]["faults/engine_restarts"] == 0
