@@ -203,7 +203,8 @@ def run_summary(rows: list[dict], wall_seconds: float, outputs: dict[str, object
         if len(steps) < len(restarted):
             where.append("the evaluation after the last step")
         count = sum(int(r["faults/engine_restarts"]) for r in restarted)
-        lines.append(f"  faults        {count} engine restart(s), in {' and '.join(where)}")
+        seconds = sum(r.get("faults/engine_restart_seconds", 0.0) for r in restarted)
+        lines.append(f"  faults        {count} engine restart(s) ({seconds:.0f} s), in {' and '.join(where)}")
     restarts = max([restarts, *(r.get(RUN_RESTARTS, 0) for r in rows)])
     if restarts:
         lines.append(

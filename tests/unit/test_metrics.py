@@ -132,9 +132,10 @@ def test_the_run_ends_with_a_summary_of_its_record(tmp_path, capsys):
 def test_the_summary_counts_engine_restarts_and_their_steps(tmp_path, capsys):
     log = MetricsLog(tmp_path, num_steps=4)
     for step, restarts in enumerate([0, 2, 0, 1]):
-        log.log(step, {**STEP, "rollout/reward_mean": 0.5, "faults/engine_restarts": restarts})
+        log.log(step, {**STEP, "rollout/reward_mean": 0.5, "faults/engine_restarts": restarts,
+                       "faults/engine_restart_seconds": 20.0 * restarts})
     log.close()
-    assert "  faults        3 engine restart(s), in step(s) 1, 3\n" in capsys.readouterr().out
+    assert "  faults        3 engine restart(s) (60 s), in step(s) 1, 3\n" in capsys.readouterr().out
 
 
 def test_engine_restarts_in_the_evaluation_after_the_last_step_reach_its_row_and_the_summary(tmp_path, capsys):
@@ -144,7 +145,7 @@ def test_engine_restarts_in_the_evaluation_after_the_last_step_reach_its_row_and
     log.log_evaluation(2, {"eval/held_out/pass@1": 0.5, "perf/eval_time": 1.0, "faults/engine_restarts": 2})
     log.close()
     assert read_metrics(tmp_path / "metrics.jsonl")[-1]["faults/engine_restarts"] == 2
-    assert "  faults        3 engine restart(s), in step(s) 0 and the evaluation after the last step\n" in (
+    assert "  faults        3 engine restart(s) (0 s), in step(s) 0 and the evaluation after the last step\n" in (
         capsys.readouterr().out
     )
 
