@@ -385,7 +385,8 @@ def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
     )
     for name in ("cpu", "cuda", "npu"):  # the real records all allow colocation
         assert colocation_releases_memory(config, platform_facts(name)) is None
-    not_colocated = Parsed(argparse.Namespace(**{**vars(config.flags), "colocate": False}), config.megatron)
+    not_colocated = Parsed(argparse.Namespace(**{**vars(config.flags), "colocate": False}), config.megatron,
+                           config.sglang)
     assert colocation_releases_memory(not_colocated, without_saver) is None
 
 
