@@ -186,9 +186,9 @@ def _checkpoints_without_actor(parsed) -> str | None:
 
 
 def _engine_copies(parsed) -> str | None:
+    # With --sglang-enable-dp-attention (deprecated) SGLang reads --sglang-dp-size as --sglang-attn-dp-size.
     sglang = parsed.sglang
-    copies = sglang.dp_size > 1 and not sglang.enable_dp_attention
-    return f"--sglang-dp-size {sglang.dp_size} without --sglang-enable-dp-attention" if copies else None
+    return f"--sglang-dp-size {sglang.dp_size}" if sglang.dp_size > 1 and not sglang.enable_dp_attention else None
 
 
 def _log_interval(parsed) -> str | None:
@@ -211,12 +211,12 @@ UNSUPPORTED_COMBINATIONS = [
     ),
     Unsupported("--log-interval other than 1", "every step is logged", "drop it", _log_interval),
     Unsupported(
-        "--sglang-dp-size above 1 without --sglang-enable-dp-attention",
-        "SGLang would start that many copies of the engine, each on --rollout-num-devices-per-engine devices of its "
-        "own, while relax places an engine on those devices only: the copies would land on other engines' devices "
-        "or on none",
+        "--sglang-dp-size above 1",
+        "SGLang would start that many copies of the engine (its data-parallel attention is --sglang-attn-dp-size), "
+        "each on --rollout-num-devices-per-engine devices of its own, while relax places an engine on those devices "
+        "only: the copies would land on other engines' devices or on none",
         "drop it: relax already runs one engine per --rollout-num-devices-per-engine devices and spreads the "
-        "rollouts over them (or add --sglang-enable-dp-attention for data-parallel attention inside one engine)",
+        "rollouts over them; for data-parallel attention inside one engine, give --sglang-attn-dp-size",
         _engine_copies,
     ),
     Unsupported(

@@ -6,7 +6,7 @@ import pytest
 
 from helpers import DRY_RUN as RUN, parse_error
 from relax.args import build_parser, parse_train_args
-from relax.args.checks import RULES, Parsed, check_config
+from relax.args.checks import RULES, check_config
 from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_architecture, field_flags
 from relax.args.settings import (
     actor_settings, algorithm_settings, eval_settings, output_settings, rollout_settings, run_settings,
@@ -45,7 +45,7 @@ COMBINATIONS = {
         "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act",
     ],
     "--position-embedding-type other than rope": ["--position-embedding-type", "learned_absolute"],
-    "--sglang-dp-size above 1 without --sglang-enable-dp-attention": ["--sglang-dp-size", "2"],
+    "--sglang-dp-size above 1": ["--sglang-dp-size", "2"],
 }
 
 
@@ -197,10 +197,10 @@ def test_every_lora_and_server_only_sglang_flag_is_refused():
 def test_data_parallel_sglang_copies_are_refused_but_data_parallel_attention_is_not(capsys):
     (entry,) = [e for e in UNSUPPORTED_COMBINATIONS if e.setting.startswith("--sglang-dp-size")]
     error = parse_error([*RUN, "--sglang-data-parallel-size", "2"], capsys)
-    assert f"--sglang-dp-size 2 without --sglang-enable-dp-attention is not supported: {entry.reason}" in error
-    config = parse_train_args(RUN)
-    config.sglang.dp_size, config.sglang.enable_dp_attention = 2, True
-    assert entry.given(Parsed(config.flags, config.megatron, config.sglang)) is None
+    assert f"--sglang-dp-size 2 is not supported: {entry.reason}" in error
+    # Data-parallel attention, and its deprecated spelling (SGLang turns it into --sglang-attn-dp-size 2).
+    assert parse_train_args([*RUN, "--sglang-attn-dp-size", "2"]).sglang.attn_dp_size == 2
+    assert parse_train_args([*RUN, "--sglang-dp-size", "2", "--sglang-enable-dp-attention"]).sglang.dp_size == 2
 
 
 def test_each_refused_sglang_flag_is_refused_with_the_reason(capsys):
