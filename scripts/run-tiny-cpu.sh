@@ -5,6 +5,8 @@
 #   EXP_DIR         where the model, data and run outputs go (default: runs/tiny-cpu in the repository)
 #   --tiny-model F  (or TINY_MODEL=F) the tiny model's family from relax.tools.tiny_model (default qwen3; qwen3_5
 #                   is the hybrid Gated DeltaNet Qwen3.5, qwen3_5_moe its MoE variant)
+#   TINY_MODEL_DIR  a tiny model that relax.tools.tiny_model built for that family, run instead of building one
+#                   into $EXP_DIR/model (the e2e tests build each family once and start many runs)
 #   RELAX_DRY_RUN=1 stop after `relax train --dry-run` (CI checks every run-*.sh this way)
 # Extra arguments are passed to `relax train` and override the flags below.
 # Each run of this script is a new run that replaces the previous one's record in $EXP_DIR/output
@@ -27,11 +29,20 @@ while (($#)); do
     esac
 done
 
-model_dir="$EXP_DIR/model"
+model_dir="${TINY_MODEL_DIR:-$EXP_DIR/model}"
 data="$EXP_DIR/data/copy_digit.jsonl"
 held_out="$EXP_DIR/data/copy_digit_held_out.jsonl"  # the eval set: rows drawn with another seed
-# All are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files.
-"$python" -m relax.tools.tiny_model --family "$family" --out "$model_dir" >/dev/null
+# All are rebuilt every run (seconds, deterministic), so an upgraded task or model never meets stale files; a
+# TINY_MODEL_DIR is the caller's to keep current, and must be of the family asked for.
+if [[ -n "${TINY_MODEL_DIR:-}" ]]; then
+    grep -qs "\"family\": \"$family\"" "$model_dir/relax_tiny_model.json" || {
+        echo "run-tiny-cpu.sh: TINY_MODEL_DIR=$model_dir holds no tiny $family model (its relax_tiny_model.json):" \
+             "build one with python -m relax.tools.tiny_model --family $family --out DIR, or unset TINY_MODEL_DIR" >&2
+        exit 2
+    }
+else
+    "$python" -m relax.tools.tiny_model --family "$family" --out "$model_dir" >/dev/null
+fi
 "$python" -m relax.rollout.synthetic --task copy_digit --num-rows 2000 --out "$data" >/dev/null
 "$python" -m relax.rollout.synthetic --task copy_digit --num-rows 16 --seed 1 --out "$held_out" >/dev/null
 

@@ -162,7 +162,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
         ),
         defaults=server_defaults(platform, engine_logs=relax.engine_logs),
     )
-    problems = check_config(relax, megatron, platform)
+    problems = check_config(relax, megatron, sglang, platform)
     if problems:
         parser.error("\n".join(problems))
     try:

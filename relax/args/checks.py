@@ -1,7 +1,8 @@
 """Rules that involve more than one flag. Each returns the problem in words naming the flags, or None.
 
-Each rule takes the parsed configuration (Parsed: relax's flags, the Megatron config objects, the run mode) and the
-relax.platform record of the run's device. They run before the settings are built (relax.args.settings).
+Each rule takes the parsed configuration (Parsed: relax's flags, the Megatron config objects, the engines'
+ServerArgs, the run mode) and the relax.platform record of the run's device. They run before the settings are built
+(relax.args.settings).
 """
 
 import argparse
@@ -22,6 +23,7 @@ from relax.train.algorithms import ALGORITHMS, STD_NORMALISED
 class Parsed(typing.NamedTuple):
     flags: argparse.Namespace  # relax's flags, defaults filled in
     megatron: typing.Any  # relax.args.megatron.MegatronConfig
+    sglang: typing.Any  # the engines' sglang.srt.server_args.ServerArgs (relax.args.sglang.build_server_args)
 
     @property
     def mode(self) -> RunMode:
@@ -584,7 +586,7 @@ RULES = [
 ]
 
 
-def check_config(flags, megatron, platform) -> list[str]:
+def check_config(flags, megatron, sglang, platform) -> list[str]:
     """Every rule's problem, in order; empty when the configuration is consistent."""
-    parsed = Parsed(flags, megatron)
+    parsed = Parsed(flags, megatron, sglang)
     return [problem for rule in RULES if (problem := rule(parsed, platform))]

@@ -6,8 +6,9 @@ Four kinds of entry, each with its reason and what to use instead:
 - REFUSED_VALUES: values a relax flag does not offer but a user may expect (e.g. an algorithm other trainers name).
 - MANAGED_BY_RELAX: SGLang ServerArgs fields relax sets itself (--sglang-<field> and --sglang-config keys are
   refused, naming the relax flag to use).
-- REFUSED_SGLANG_FIELDS (and every speculative_* field): SGLang ServerArgs fields the engine relax drives cannot
-  carry out (--sglang-<field> and --sglang-config keys are refused with the reason); refused_sglang_field reads both.
+- REFUSED_SGLANG_FIELDS (and every speculative_* field, every LoRA field, SERVER_ONLY_FIELDS): SGLang ServerArgs
+  fields the engine relax drives cannot carry out or never reads (--sglang-<field> and --sglang-config keys are
+  refused with the reason); refused_sglang_field reads them all.
 - UNSUPPORTED_COMBINATIONS: values or combinations of accepted flags that no part of relax carries out.
 And SLIME_FLAGS: slime flags that are not aliases of relax flags (relax.args.relax_flags.SLIME_SPELLINGS lists
 those), because relax has no such setting or takes it in another form; giving one is an error that says what to do.
@@ -114,12 +115,36 @@ SPECULATIVE = Unsupported(
     "proposing tokens from the initial weights",
     "remove it",
 )
+LORA = Unsupported(
+    "--sglang-*lora*",
+    "LoRA adapters are not carried out: the weight push updates the base model's weights only, so an adapter would "
+    "keep its initial weights while the policy trains",
+    "remove it; the actor trains every weight of the model",
+)
+# Read only by SGLang's HTTP and gRPC servers (sglang serve), which relax does not start: its engines run in the
+# engine actor's process (sglang.Engine), called directly.
+SERVER_ONLY = Unsupported(
+    "--sglang-<HTTP or gRPC server field>",
+    "only SGLang's HTTP or gRPC server reads it, and relax starts none: each engine runs inside its Ray actor "
+    "(sglang.Engine), called directly",
+    "remove it",
+)
+SERVER_ONLY_FIELDS = {
+    "api_key", "admin_api_key", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_keyfile_password",
+    "enable_ssl_refresh", "enable_http2", "http2_max_concurrent_streams", "http2_initial_connection_window_size",
+    "enable_http_worker_reuseport", "log_level_http", "uvicorn_access_log_exclude_prefixes", "skip_server_warmup",
+    "tool_server", "grpc_mode", "smg_grpc_mode", "grpc_port", "smg_http_sidecar_port", "grpc_response_timeout_secs",
+}
 
 
 def refused_sglang_field(field: str) -> Unsupported | None:
     """Why the SGLang ServerArgs field is refused, or None where relax takes it."""
     if field.startswith("speculative_"):
         return SPECULATIVE
+    if "lora" in field:
+        return LORA
+    if field in SERVER_ONLY_FIELDS:
+        return SERVER_ONLY
     return REFUSED_SGLANG_FIELDS.get(field)
 
 
@@ -160,6 +185,12 @@ def _checkpoints_without_actor(parsed) -> str | None:
     return f"{' and '.join(given)} with --debug-rollout-only" if parsed.mode is RunMode.ROLLOUT_ONLY and given else None
 
 
+def _engine_copies(parsed) -> str | None:
+    # With --sglang-enable-dp-attention (deprecated) SGLang reads --sglang-dp-size as --sglang-attn-dp-size.
+    sglang = parsed.sglang
+    return f"--sglang-dp-size {sglang.dp_size}" if sglang.dp_size > 1 and not sglang.enable_dp_attention else None
+
+
 def _log_interval(parsed) -> str | None:
     interval = parsed.flags.log_interval
     return f"--log-interval {interval}" if interval != 1 else None
@@ -179,6 +210,15 @@ UNSUPPORTED_COMBINATIONS = [
         _checkpoints_without_actor,
     ),
     Unsupported("--log-interval other than 1", "every step is logged", "drop it", _log_interval),
+    Unsupported(
+        "--sglang-dp-size above 1",
+        "SGLang would start that many copies of the engine (its data-parallel attention is --sglang-attn-dp-size), "
+        "each on --rollout-num-devices-per-engine devices of its own, while relax places an engine on those devices "
+        "only: the copies would land on other engines' devices or on none",
+        "drop it: relax already runs one engine per --rollout-num-devices-per-engine devices and spreads the "
+        "rollouts over them; for data-parallel attention inside one engine, give --sglang-attn-dp-size",
+        _engine_copies,
+    ),
     Unsupported(
         "--context-parallel-size other than 1",
         "the actor builds megatron-core's local layers, whose attention has no context parallelism without "

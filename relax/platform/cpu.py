@@ -35,7 +35,10 @@ SGLANG_SERVER_DEFAULTS = {
     "device": "cpu",
     "attention_backend": "torch_native",  # the only attention backend with a CPU path without sgl-kernel
     "disable_cuda_graph": True,
-    "skip_server_warmup": True,
+    # Without it the scheduler's loop spins a core whenever it has no batch (while the actor trains, between the
+    # tests of a module that keeps an engine), on cores the training ranks and other engines share; with it, the
+    # loop waits on its input sockets, and a request wakes it.
+    "sleep_on_idle": True,
     # SGLang sizes its pools from the host's free memory, measured before and after loading the weights: the
     # pools get what is left of mem_fraction_static x (free memory before), and a start fails ("Loaded weights
     # leave no GPU memory", "Not enough GPU memory for hybrid ... state cache") when other processes took more

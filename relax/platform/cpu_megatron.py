@@ -28,6 +28,12 @@ only for megatron-core's own code:
    relax.kernels.gdn_reference's torch functions (same signatures; backward by autograd) and HAVE_FLA set.
    causal_conv1d_fn stays None: the module then runs its own nn.Conv1d path.
 
+5. megatron-core's fused elementwise functions (`@jit_fuser`: the norms, gated attention's and GatedDeltaNet's
+   output gates, the experts' activations, the router's expert bias) are torch.compile'd upstream. On the CPU that
+   means Dynamo tracing and an Inductor C++ build in every process at each function's first call, for nothing a
+   test or a tiny run needs: megatron.core.jit's switch is turned off as the module is executed, before any
+   megatron module decorates with it, so they run as plain torch.
+
 Applied only by the CPU platform, in the process that calls `prepare_megatron()`; idempotent.
 """
 
@@ -43,6 +49,7 @@ from relax.platform.post_import import PostImportHook
 _MEGATRON_PACKAGE = "megatron.core"
 _RNG_MODULE = "megatron.core.tensor_parallel.random"
 _GDN_MODULE = "megatron.core.ssm.gated_delta_net"
+_JIT_MODULE = "megatron.core.jit"
 _RNG_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
 _FACTORIES = (
     "arange",
@@ -133,6 +140,8 @@ def _redirect_module(module: types.ModuleType) -> None:
     if module.__name__ == _RNG_MODULE:
         module._get_cuda_rng_state = _cpu_rng_state
         module._set_cuda_rng_state = _set_cpu_rng_state
+    if module.__name__ == _JIT_MODULE:
+        module.disable_jit_fuser()
     if module.__name__ == _GDN_MODULE and not module.HAVE_FLA:
         from relax.kernels import gdn_reference
 

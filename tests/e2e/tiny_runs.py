@@ -2,13 +2,17 @@
 by the e2e tests. Each run starts the whole stack, which costs far more than its few steps: tests share a run
 where they can (tests/e2e/conftest.py, saved_tiny_run)."""
 
+import functools
 import os
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from processes import describe, leftover_processes, run_marker
 from relax.run.metrics import read_metrics
+from relax.tools.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 # The time of each phase, logged at every step of a run that trains.
@@ -21,11 +25,36 @@ def step_records(records: list[dict]) -> list[dict]:
     return [r for r in records if "perf/step_time" in r]
 
 
+# This process's builds of the tiny models, removed when it exits.
+_BUILDS = tempfile.TemporaryDirectory(prefix="relax-tiny-models-")
+
+
+@functools.cache
+def _built_tiny_model(family: str) -> Path:
+    """The tiny model of `family` as the script builds it (relax.tools.tiny_model, seed 0), built once per test
+    process: a build in the script costs a process importing torch and transformers, about 5 CPU-seconds."""
+    return build_tiny_model(Path(_BUILDS.name) / family, family)
+
+
+def _tiny_family(args: tuple[str, ...], env: dict[str, str]) -> str:
+    """The family the script runs: its --tiny-model among `args`, else its TINY_MODEL variable, else qwen3."""
+    for i, arg in enumerate(args):
+        if arg == "--tiny-model":
+            return args[i + 1]
+        if arg.startswith("--tiny-model="):
+            return arg.partition("=")[2]
+    return env.get("TINY_MODEL", "qwen3")
+
+
 def tiny_job(exp_dir: Path, *args: str, env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
     """The command and environment of the tiny job with EXP_DIR=exp_dir, `args` passed on to `relax train` and
-    `env` added to this process's environment."""
+    `env` added to this process's environment. The model is this process's build, copied to where the script would
+    build it (exp_dir / "model") and given as TINY_MODEL_DIR; the script's own build runs in test_run_scripts and
+    test_submit_tiny_run."""
+    model_dir = exp_dir / "model"
     run_env = {**os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(ROOT / ".venv" / "bin" / "python"),
-               **(env or {})}
+               "TINY_MODEL_DIR": str(model_dir), **(env or {})}
+    shutil.copytree(_built_tiny_model(_tiny_family(args, run_env)), model_dir, dirs_exist_ok=True)
     return ["bash", str(ROOT / "scripts" / "run-tiny-cpu.sh"), *args], run_env
 
 

@@ -363,6 +363,19 @@ def test_a_checkpoint_that_is_there_but_unreadable_is_named_first(tmp_path, caps
     assert message.format(path=path) in err and "model size is unknown" not in err
 
 
+def test_the_tiny_script_runs_a_given_model_of_its_family_and_refuses_one_of_another(tiny_exp_dir):
+    env = {**os.environ, "EXP_DIR": str(tiny_exp_dir / "elsewhere"), "RELAX_PYTHON": str(tiny_exp_dir / "python"),
+           "TINY_MODEL_DIR": str(tiny_exp_dir / "model")}
+    env.pop("RELAX_DRY_RUN", None)
+    printed = subprocess.run(["bash", str(TINY_SCRIPT)], env=env, capture_output=True, text=True, check=True).stdout
+    assert "relax.tools.tiny_model" not in printed  # not built again
+    assert f"--hf-checkpoint\n{tiny_exp_dir / 'model'}\n" in printed
+    refused = subprocess.run(["bash", str(TINY_SCRIPT), "--tiny-model", "qwen3_5"], env=env, capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and not refused.stdout
+    assert f"TINY_MODEL_DIR={tiny_exp_dir / 'model'} holds no tiny qwen3_5 model" in refused.stderr
+
+
 def test_resolved_defaults():
     config = parse_train_args(RUN)
     assert config.algorithm.global_batch_size == 32 * 8  # one optimizer step per rollout
@@ -437,7 +450,8 @@ def test_colocation_needs_a_memory_saver_where_memory_must_be_released():
     )
     for name in ("cpu", "cuda", "npu"):  # the real records all allow colocation
         assert colocation_releases_memory(config, platform_facts(name)) is None
-    not_colocated = Parsed(argparse.Namespace(**{**vars(config.flags), "colocate": False}), config.megatron)
+    not_colocated = Parsed(argparse.Namespace(**{**vars(config.flags), "colocate": False}), config.megatron,
+                           config.sglang)
     assert colocation_releases_memory(not_colocated, without_saver) is None
 
 

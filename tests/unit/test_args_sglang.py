@@ -69,8 +69,8 @@ CASES = {
     "boolean optional, negative": (["--no-enable-tf32-matmul"], ["--no-sglang-enable-tf32-matmul"]),
     "boolean optional, positive": (["--enable-fused-qk-norm-rope"], ["--sglang-enable-fused-qk-norm-rope"]),
     "valued aliases": (
-        ["--moe-data-parallel-size", "2", "--ep", "2", "--data-parallel-size", "2"],
-        ["--sglang-moe-data-parallel-size", "2", "--sglang-ep", "2", "--sglang-data-parallel-size", "2"],
+        ["--moe-data-parallel-size", "2", "--ep", "2", "--attention-data-parallel-size", "2"],
+        ["--sglang-moe-data-parallel-size", "2", "--sglang-ep", "2", "--sglang-attention-data-parallel-size", "2"],
     ),
     "dest differs from flag": (
         ["--fp8-gemm-backend", "triton", "--elastic-ep-join-mode", "scale"],
@@ -82,14 +82,14 @@ CASES = {
             "1",
             "2",
             "4",
-            "--lora-target-modules",
-            "q_proj",
-            "v_proj",
+            "--log-requests-target",
+            "stdout",
+            "stderr",
             "--gc-threshold",
             "10",
             "5",
         ],
-        ["--sglang-cuda-graph-bs-decode", "1", "2", "4", "--sglang-lora-target-modules", "q_proj", "v_proj"]
+        ["--sglang-cuda-graph-bs-decode", "1", "2", "4", "--sglang-log-requests-target", "stdout", "stderr"]
         + ["--sglang-gc-threshold", "10", "5"],
     ),
     "choices and types": (

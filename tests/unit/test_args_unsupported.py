@@ -12,8 +12,8 @@ from relax.args.settings import (
     actor_settings, algorithm_settings, eval_settings, output_settings, rollout_settings, run_settings,
 )
 from relax.args.unsupported import (
-    REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SPECULATIVE, UNSUPPORTED_COMBINATIONS, refused_sglang_field,
-    unsupported_combinations,
+    LORA, REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SERVER_ONLY, SERVER_ONLY_FIELDS, SPECULATIVE,
+    UNSUPPORTED_COMBINATIONS, refused_sglang_field, unsupported_combinations,
 )
 from relax.hf_checkpoint import read_hf_checkpoint
 from relax.run.metrics import METRICS_FILE
@@ -45,6 +45,7 @@ COMBINATIONS = {
         "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act",
     ],
     "--position-embedding-type other than rope": ["--position-embedding-type", "learned_absolute"],
+    "--sglang-dp-size above 1": ["--sglang-dp-size", "2"],
 }
 
 
@@ -99,7 +100,7 @@ def _reads(argv) -> tuple[set, set, set]:
         build(built)
     eval_settings(built, rollout_settings(built, config.rollout.context).sampling)
     actor_settings(built, scheduler)
-    assert check_config(checked, config.megatron, platform_facts("cpu")) == []
+    assert check_config(checked, config.megatron, config.sglang, platform_facts("cpu")) == []
     return built.read, checked.read, scheduler.read
 
 
@@ -178,6 +179,28 @@ def test_every_speculative_and_multi_node_sglang_flag_is_refused():
     speculative = {a.dest for a in sglang_actions() if a.dest.startswith("speculative_")}
     assert len(speculative) > 10 and all(refused_sglang_field(dest) is SPECULATIVE for dest in speculative)
     assert set(REFUSED_SGLANG_FIELDS) <= {a.dest for a in sglang_actions()}  # each names a field SGLang has
+
+
+def test_every_lora_and_server_only_sglang_flag_is_refused():
+    from relax.args.sglang import sglang_actions
+
+    refused = {flag: entry for flag, entry in _refused_sglang_flags()}
+    for flag in ("--sglang-enable-lora", "--sglang-lora-paths", "--sglang-max-lora-rank"):
+        assert refused[flag] is LORA, flag
+    for flag in ("--sglang-api-key", "--sglang-grpc-port", "--sglang-grpc-mode", "--sglang-ssl-keyfile"):
+        assert refused[flag] is SERVER_ONLY, flag
+    dests = {a.dest for a in sglang_actions()}
+    assert SERVER_ONLY_FIELDS <= dests  # each names a field SGLang has
+    assert refused_sglang_field("host") is None  # the engine's bootstrap and data-parallel servers bind it
+
+
+def test_data_parallel_sglang_copies_are_refused_but_data_parallel_attention_is_not(capsys):
+    (entry,) = [e for e in UNSUPPORTED_COMBINATIONS if e.setting.startswith("--sglang-dp-size")]
+    error = parse_error([*RUN, "--sglang-data-parallel-size", "2"], capsys)
+    assert f"--sglang-dp-size 2 is not supported: {entry.reason}" in error
+    # Data-parallel attention, and its deprecated spelling (SGLang turns it into --sglang-attn-dp-size 2).
+    assert parse_train_args([*RUN, "--sglang-attn-dp-size", "2"]).sglang.attn_dp_size == 2
+    assert parse_train_args([*RUN, "--sglang-dp-size", "2", "--sglang-enable-dp-attention"]).sglang.dp_size == 2
 
 
 def test_each_refused_sglang_flag_is_refused_with_the_reason(capsys):

@@ -208,6 +208,13 @@ def test_megatron_redirections_stay_inside_megatron_core():
         assert torch.equal(torch.get_rng_state(), outside)
         torch.manual_seed(7)
         assert torch.equal(forked, torch.rand(3))
+        # megatron's @jit_fuser functions stay plain functions: no torch.compile (a C++ build per process).
+        from megatron.core import jit
+        from megatron.core.transformer.moe import router
+        from megatron.core.transformer.torch_norm import L2Norm
+
+        assert jit.jit_fuser is jit.noop_decorator
+        assert type(L2Norm._norm) is type(router.TopKRouter._apply_expert_bias) is type(lambda: 0)
         print("ok")
         """
     )

@@ -84,7 +84,7 @@ def test_path_patterns(tmp_path):
 
     def problem(**flags):
         r = argparse.Namespace(**{"save_rollout_data": None, "load_rollout_data": None, "num_steps": 5, **flags})
-        return rollout_data_patterns_valid(Parsed(flags=r, megatron=None), platform=None)
+        return rollout_data_patterns_valid(Parsed(flags=r, megatron=None, sglang=None), platform=None)
 
     assert problem() is None and problem(save_rollout_data="x_{step}") is None
     assert problem(save_rollout_data="x").startswith("--save-rollout-data 'x' has no {step}")
