@@ -708,9 +708,12 @@ def test_routing_replay_routes_every_token_as_the_engine_did(ranks, hf_dirs, tmp
 
     hf_dir = _near_tied_routers(hf_dirs[family], tmp_path / "near_tied")
     prompts = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46], [(7 * i) % 50 + 3 for i in range(11)]]
-    server_args = {"max_total_tokens": 4096, "enable_return_routed_experts": True}
+    # Batch-invariant numerics: each request's logprobs are its own, however its requests were batched (they are
+    # sent one by one), so with replay the only gap left to the actor's is float noise.
+    server_args = {"max_total_tokens": 4096, "enable_return_routed_experts": True, "enable_deterministic_inference": True}
+    sampling = SamplingConfig(n=2, max_new_tokens=10, seed=7)
     with RolloutEngine(server_args, model_path=hf_dir, platform=get_platform("cpu")) as engine:
-        completions = [c for group in engine.generate(prompts, SamplingConfig(n=2, max_new_tokens=10)) for c in group]
+        completions = [c for group in engine.generate(prompts, sampling) for c in group]
     batch = RolloutBatch(
         tokens=[prompt + c.token_ids for prompt, c in zip([p for p in prompts for _ in range(2)], completions)],
         response_lengths=[len(c.token_ids) for c in completions],
