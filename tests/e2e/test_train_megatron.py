@@ -710,7 +710,9 @@ def test_routing_replay_routes_every_token_as_the_engine_did(ranks, hf_dirs, tmp
     prompts = [[5, 17, 3], [40, 41, 42, 43, 44, 45, 46], [(7 * i) % 50 + 3 for i in range(11)]]
     # Batch-invariant numerics: each request's logprobs are its own, however its requests were batched (they are
     # sent one by one), so with replay the only gap left to the actor's is float noise.
-    server_args = {"max_total_tokens": 4096, "enable_return_routed_experts": True, "enable_deterministic_inference": True}
+    server_args = {
+        "max_total_tokens": 4096, "enable_return_routed_experts": True, "enable_deterministic_inference": True
+    }
     sampling = SamplingConfig(n=2, max_new_tokens=10, seed=7)
     with RolloutEngine(server_args, model_path=hf_dir, platform=get_platform("cpu")) as engine:
         completions = [c for group in engine.generate(prompts, sampling) for c in group]
