@@ -45,15 +45,23 @@ from relax.args.settings import (
     context_length,
     eval_settings,
     output_settings,
+    rollout_requests_per_engine,
     rollout_settings,
     run_settings,
 )
-from relax.args.sglang import add_sglang_args, build_server_args, expand_sglang_config, prepare_import, redirects
+from relax.args.sglang import (
+    add_sglang_args,
+    build_server_args,
+    expand_sglang_config,
+    prepare_import,
+    redirects,
+    server_args_fields,
+)
 from relax.args.strict import StrictArgumentParser
 from relax.args.unsupported import REFUSED_VALUES, SLIME_FLAGS
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 from relax.platform import platform_facts, resolve_platform_name
-from relax.rollout.engine import server_defaults
+from relax.rollout.engine import rollout_decode_graph_fields, server_defaults
 from relax.rollout.groups import DEFAULT_MAX_ROUNDS
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import DUAL_CLIP, K3_CLAMP
@@ -162,6 +170,10 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
         ),
         defaults=server_defaults(platform, engine_logs=relax.engine_logs),
     )
+    # Decode graphs up to the most requests an engine runs at once in the rollout (the rule and why:
+    # relax.rollout.engine.rollout_decode_graph_fields); the user's own sizes win.
+    graphs = rollout_decode_graph_fields(server_args_fields(sglang), rollout_requests_per_engine(relax))
+    sglang = msgspec.structs.replace(sglang, **graphs)
     problems = check_config(relax, megatron, sglang, platform)
     if problems:
         parser.error("\n".join(problems))

@@ -22,6 +22,7 @@ from relax.platform import platform_facts
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import SamplingConfig
+from relax.rollout.rollout import most_requests_per_engine
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import LossSettings
 from relax.train.off_policy import RolloutCorrection
@@ -255,6 +256,16 @@ def eval_settings(flags: argparse.Namespace, rollout_sampling: SamplingConfig) -
             max_new_tokens=flags.eval_max_response_len,
         ),
     )
+
+
+def rollout_requests_per_engine(flags: argparse.Namespace) -> int:
+    """The most requests one engine runs at once in a rollout: a generate call's prompts (a round of
+    --over-sampling-batch-size with --dynamic-sampling, else --rollout-batch-size) split over the engines, x
+    --n-samples-per-prompt. (Devices that no whole engine fits are refused by the checks, after this is read.)"""
+    prompts = flags.over_sampling_batch_size if flags.dynamic_sampling else flags.rollout_batch_size
+    devices = flags.num_nodes * flags.num_devices_per_node
+    num_engines = max(1, devices // flags.rollout_num_devices_per_engine)
+    return most_requests_per_engine(prompts, flags.n_samples_per_prompt, num_engines)
 
 
 def uses_reference(flags: argparse.Namespace) -> bool:

@@ -151,6 +151,64 @@ def server_defaults(platform, engine_logs: bool = False) -> dict:
     return {**RELAX_SERVER_DEFAULTS, **(ENGINE_LOGS_DEFAULTS if engine_logs else {}), **platform.sglang_server_defaults}
 
 
+def decode_graph_max(fields: Mapping) -> int | None:
+    """The largest decode batch SGLang captures a graph for under these ServerArgs fields, where they name one: a
+    list of sizes (its largest) wins over a maximum, and --cuda-graph-config's decode sizes over the
+    --cuda-graph-*-decode flags, as SGLang resolves them. None: SGLang's default, which it sets from the device's
+    memory at the engine's start."""
+    decode = _decode_graph_config(fields)
+    sizes = decode.get("bs") or fields.get("cuda_graph_bs_decode")
+    if sizes:
+        return max(sizes)
+    return decode["max_bs"] if "max_bs" in decode else fields.get("cuda_graph_max_bs_decode")
+
+
+def decode_graphs_off(fields: Mapping) -> bool:
+    """Whether these ServerArgs fields turn SGLang's decode graphs off (the CPU's defaults do)."""
+    backends = (fields.get("cuda_graph_backend_decode"), _decode_graph_config(fields).get("backend"))
+    return bool(fields.get("disable_cuda_graph") or fields.get("disable_decode_cuda_graph")) or "disabled" in backends
+
+
+def rollout_decode_graph_fields(fields: Mapping, requests_per_engine: int) -> dict:
+    """The decode graph size relax adds to an engine's ServerArgs `fields`: graphs up to the most requests the engine
+    decodes at once in a rollout (_most_running).
+
+    Why: SGLang sizes its largest decode graph by the device's memory (256 on an H100 or H200 below TP 4; 64 on a
+    64 GB Ascend NPU below TP 4, 256 from TP 4), while one engine may run 1,024 sequences of a rollout at once, and
+    a decode step of a batch above the largest graph runs without one: in a rollout, every step until enough
+    sequences have finished. SGLang captures no size above its request pool. Nothing is added where the fields name
+    their own sizes (the user's win) or turn decode graphs off (the CPU runs none)."""
+    if decode_graphs_off(fields) or decode_graph_max(fields) is not None:
+        return {}
+    return {"cuda_graph_max_bs_decode": _most_running(fields, requests_per_engine)}
+
+
+def decode_graph_shortfall(fields: Mapping, requests_per_engine: int) -> str | None:
+    """Where the decode graphs that `fields` name stop below the most requests the engine decodes at once in a
+    rollout (_most_running), says so; None otherwise."""
+    largest, most = decode_graph_max(fields), _most_running(fields, requests_per_engine)
+    if decode_graphs_off(fields) or largest is None or largest >= most:
+        return None
+    return (
+        f"the sizes given (--sglang-cuda-graph-max-bs-decode, --sglang-cuda-graph-bs-decode or "
+        f"--sglang-cuda-graph-config) stop at {largest} requests, while an engine runs up to {most} at once in a "
+        "rollout: decode steps of larger batches run without a graph (without those flags relax sizes the graphs "
+        "to the rollout)"
+    )
+
+
+def _most_running(fields: Mapping, requests_per_engine: int) -> int:
+    """The most requests one engine decodes at once in a rollout: those it gets from a generate call
+    (`requests_per_engine`), or fewer where the fields' max_running_requests holds the rest back."""
+    cap = fields.get("max_running_requests")
+    return requests_per_engine if cap is None else min(requests_per_engine, cap)
+
+
+def _decode_graph_config(fields: Mapping) -> dict:
+    """The decode phase of --cuda-graph-config (SGLang parses its JSON into a dict of phases)."""
+    return (fields.get("cuda_graph_config") or {}).get("decode", {})
+
+
 def _chosen_fields(server_args, platform) -> dict:
     """The fields to start from: a dict over relax's defaults for the platform, or a ServerArgs as it is
     (relax.args.build_server_args has applied those defaults to the fields the user did not give): its

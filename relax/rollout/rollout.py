@@ -149,6 +149,12 @@ def split_over_engines(prompts: list[list[int]], sampling: SamplingConfig, num_e
     return shares
 
 
+def most_requests_per_engine(num_prompts: int, n: int, num_engines: int) -> int:
+    """The most requests one engine gets from a generate call of `num_prompts` prompts x `n` samples over
+    `num_engines` engines (split_over_engines: the larger shares hold ceil(num_prompts / num_engines) prompts)."""
+    return -(-num_prompts // num_engines) * n
+
+
 def completions_in_prompt_order(
     shares: list[EngineShare], answers: list[list[list[Completion]]]
 ) -> list[list[Completion]]:

@@ -18,10 +18,17 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-from relax.args.settings import ContextLength, OutputSettings, RolloutSettings, RunSettings
+from relax.args.settings import (
+    ContextLength,
+    OutputSettings,
+    RolloutSettings,
+    RunSettings,
+    rollout_requests_per_engine,
+)
+from relax.args.sglang import server_args_fields
 from relax.rollout.data import Prompt, PromptLoader, load_prompts
 from relax.rollout.dump import check_rollout_data
-from relax.rollout.engine import SamplingConfig
+from relax.rollout.engine import SamplingConfig, decode_graph_shortfall
 from relax.rollout.evaluation import EvalSet, load_eval_sets
 from relax.rollout.rewards import RewardFn, load_reward_fn
 from relax.run.metrics import earlier_record
@@ -112,6 +119,8 @@ def read_inputs(config, dry_run: bool = False) -> Inputs:
                     rollout.context,
                 )
             ]
+        shortfall = decode_graph_shortfall(server_args_fields(config.sglang), rollout_requests_per_engine(config.flags))
+        report += [f"decode graphs: {shortfall}"] if shortfall else []
     eval_sets = []
     for name, data in evaluation.datasets.items():
         flag = f"--eval-prompt-data {name}"

@@ -277,3 +277,59 @@ def test_parsing_prepares_sglang_before_importing_it():
     parse_train_args([*BASE, "--dry-run"])
     assert "sglang" in sys.modules and os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
     get_platform("cpu").prepare_sglang()  # raises if sglang had been imported unprepared
+
+
+# A run on a device with decode graphs (CUDA, Ascend NPU graph mode), parsed without its device (--dry-run).
+GRAPH_RUN = [*TINY_SIZE, "--lr", "1e-6", "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--dry-run"]
+
+
+def decode_graph_sizes(device: str, *flags: str) -> tuple:
+    """The engines' ServerArgs (cuda_graph_max_bs_decode, cuda_graph_bs_decode) for a --dry-run on `device`."""
+    sglang = parse_train_args([*GRAPH_RUN, "--device", device, *flags]).sglang
+    return sglang.cuda_graph_max_bs_decode, sglang.cuda_graph_bs_decode
+
+
+@pytest.mark.parametrize("device", ["cuda", "npu"])
+@pytest.mark.parametrize(
+    "flags, largest",
+    [
+        (["--rollout-batch-size", "64", "--n-samples-per-prompt", "8", "--num-devices-per-node", "2"], 256),
+        (["--rollout-batch-size", "128", "--n-samples-per-prompt", "8"], 1024),
+        # 5 prompts over 2 engines: 3 and 2
+        (["--rollout-batch-size", "5", "--n-samples-per-prompt", "8", "--num-devices-per-node", "2"], 24),
+        # a dynamic-sampling round takes --over-sampling-batch-size prompts
+        (["--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-devices-per-node", "2",
+          "--dynamic-sampling", "--over-sampling-batch-size", "64"], 256),
+        # 4 engines of 8 devices on 2 nodes of 16, as the 35B NPU preset places them
+        (["--rollout-batch-size", "64", "--n-samples-per-prompt", "8", "--num-nodes", "2",
+          "--num-devices-per-node", "16", "--rollout-num-devices-per-engine", "8"], 128),
+    ],
+    ids=["64x8 over 2 engines", "128x8 over 1", "uneven split", "dynamic sampling round", "35B NPU placement"],
+)
+def test_decode_graphs_cover_the_most_requests_an_engine_runs_at_once(device, flags, largest):
+    assert decode_graph_sizes(device, *flags) == (largest, None)
+
+
+def test_decode_graphs_stop_at_the_engines_max_running_requests():
+    batch = ["--rollout-batch-size", "128", "--n-samples-per-prompt", "8"]
+    assert decode_graph_sizes("cuda", *batch, "--sglang-max-running-requests", "300") == (300, None)
+    assert decode_graph_sizes("cuda", *batch, "--sglang-max-running-requests", "2048") == (1024, None)
+
+
+@pytest.mark.parametrize(
+    "given, sizes",
+    [
+        (["--sglang-cuda-graph-max-bs-decode", "64"], (64, None)),
+        (["--sglang-cuda-graph-bs-decode", "1", "2", "4"], (None, [1, 2, 4])),  # SGLang's largest is then 4
+        (["--sglang-cuda-graph-config", '{"decode": {"max_bs": 48}}'], (None, None)),  # SGLang's JSON wins
+    ],
+)
+def test_the_users_decode_graph_sizes_are_kept(given, sizes):
+    batch = ["--rollout-batch-size", "128", "--n-samples-per-prompt", "8"]
+    assert decode_graph_sizes("cuda", *batch, *given) == sizes
+
+
+def test_the_cpu_runs_no_decode_graphs_and_gets_no_graph_sizes():
+    sglang = parse_train_args([*BASE, "--dry-run", "--rollout-batch-size", "128", "--n-samples-per-prompt", "8"]).sglang
+    assert sglang.disable_cuda_graph
+    assert (sglang.cuda_graph_max_bs_decode, sglang.cuda_graph_bs_decode) == (None, None)

@@ -14,6 +14,8 @@ from relax.rollout.engine import (
     _chosen_fields,
     decode_routed_experts,
     request_params,
+    rollout_decode_graph_fields,
+    server_defaults,
 )
 
 
@@ -87,3 +89,14 @@ def test_routed_experts_cover_every_token_but_the_last_as_layers_by_top_k():
 def test_routed_experts_of_the_wrong_length_are_refused():
     with pytest.raises(RuntimeError, match=r"returned 12 routed-expert ids for a sequence of 5 tokens; expected 16"):
         decode_routed_experts(_encoded(np.zeros(12)), 5, (2, 2))
+
+
+def test_decode_graph_sizes_for_engine_fields_given_as_a_dict():
+    """As benchmarks/rollout_throughput_gpu.py passes its engines' fields (relax.args passes a ServerArgs' fields:
+    tests/unit/test_args_sglang.py)."""
+    gpu = {"attention_backend": "triton", "disable_prefill_cuda_graph": True}
+    assert rollout_decode_graph_fields(gpu, 1024) == {"cuda_graph_max_bs_decode": 1024}
+    assert rollout_decode_graph_fields({**gpu, "max_running_requests": 300}, 1024) == {"cuda_graph_max_bs_decode": 300}
+    assert rollout_decode_graph_fields({**gpu, "cuda_graph_bs_decode": [1, 8]}, 1024) == {}
+    assert rollout_decode_graph_fields({**gpu, "cuda_graph_backend_decode": "disabled"}, 1024) == {}
+    assert rollout_decode_graph_fields(server_defaults(get_platform("cpu")), 1024) == {}

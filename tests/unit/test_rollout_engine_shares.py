@@ -8,7 +8,8 @@ from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.rewards import load_reward_fn
 from relax.rollout.rollout import (
-    ROUND_SEED_STRIDE, completions_in_prompt_order, generate_and_score, generate_groups, split_over_engines,
+    ROUND_SEED_STRIDE, completions_in_prompt_order, generate_and_score, generate_groups, most_requests_per_engine,
+    split_over_engines,
 )
 
 
@@ -106,3 +107,10 @@ def test_dynamic_sampling_refuses_rounds_that_would_reuse_seeds():
         generate_groups(never_called, loader, SamplingConfig(n=16, seed=0), reward,
                                     num_groups=1, prompts_per_round=4096, max_rounds=257)
     assert 4096 * 16 == ROUND_SEED_STRIDE  # the largest round that fits
+
+
+@pytest.mark.parametrize("num_prompts, num_engines", [(64, 2), (5, 2), (3, 4), (128, 1), (10, 3)])
+def test_most_requests_per_engine_is_the_largest_share_of_a_split(num_prompts, num_engines):
+    """What relax sizes the engines' decode graphs by (relax.args.settings.rollout_requests_per_engine)."""
+    shares = split_over_engines([[p] for p in range(num_prompts)], SamplingConfig(n=8), num_engines)
+    assert most_requests_per_engine(num_prompts, 8, num_engines) == max(len(s.prompts) for s in shares) * 8

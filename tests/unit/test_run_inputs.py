@@ -106,3 +106,26 @@ def test_each_eval_set_is_checked_with_its_own_response_budget(tmp_path, tiny_qw
     (eval_set,) = inputs.eval_sets
     params = request_params([eval_set.prompts[0].token_ids], config.evaluation.sampling)
     assert params[0]["max_new_tokens"] == 412
+
+
+def test_the_report_says_where_the_users_decode_graphs_stop_below_an_engines_batch(tmp_path):
+    """64 prompts x 8 samples on one GPU engine: 512 requests at once."""
+    run = ["--lr", "1e-6", "--device", "cuda", "--dry-run", *SIZE, "--prompt-data", "prompts.jsonl",
+           "--reward-fn", "math", "--output-dir", str(tmp_path), "--rollout-batch-size", "64",
+           "--n-samples-per-prompt", "8"]
+
+    def graph_lines(*flags):
+        report = read_inputs(parse_train_args([*run, *flags]), dry_run=True).report
+        return [line for line in report if line.startswith("decode graphs:")]
+
+    assert graph_lines("--sglang-cuda-graph-max-bs-decode", "256") == [
+        "decode graphs: the sizes given (--sglang-cuda-graph-max-bs-decode, --sglang-cuda-graph-bs-decode or "
+        "--sglang-cuda-graph-config) stop at 256 requests, while an engine runs up to 512 at once in a rollout: "
+        "decode steps of larger batches run without a graph (without those flags relax sizes the graphs to the "
+        "rollout)"
+    ]
+    assert graph_lines() == []  # relax's own sizes cover the batch
+    assert graph_lines("--sglang-cuda-graph-bs-decode", "8", "512") == []
+    # the engine never runs more than 256 at once
+    assert graph_lines("--sglang-cuda-graph-max-bs-decode", "256", "--sglang-max-running-requests", "256") == []
+    assert graph_lines("--sglang-cuda-graph-max-bs-decode", "256", "--sglang-disable-decode-cuda-graph") == []
