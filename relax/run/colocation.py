@@ -63,36 +63,31 @@ class Colocation:
 
     # --- the hand-overs -----------------------------------------------------------------------------------
 
-    def to_actor(self) -> None:
-        """The engines release their memory (there are none under --debug-train-only); the actor wakes."""
+    def to_actor(self, inject_faults: bool = True) -> None:
+        """The engines release their memory (there are none under --debug-train-only); the actor wakes.
+        `inject_faults`: the tests' fault due at this phase (relax.ray.faults); not in generate's weight refresh."""
         if self.engines is not None:
-            self.faults.inject("release", self.engines, self.trainers)
-            self._release_engines()
+            if inject_faults:
+                self.faults.inject("release", self.engines, self.trainers)
+            self._on_engines("release_memory_occupation", list(MEMORY_TAGS))
+            self.engine_memory = set()
         self._actor("wake")
 
-    def to_engines(self) -> list[dict] | None:
+    def to_engines(self, inject_faults: bool = True) -> list[dict] | None:
         """Push the actor's weights (the engines' weights resumed, their KV cache not yet), put the actor to
         sleep, resume the engines' KV cache. Returns each rank's push report (TrainWorker.push_weights). Under
-        --debug-train-only there are no engines: the actor only sleeps."""
+        --debug-train-only there are no engines: the actor only sleeps. `inject_faults`: as to_actor's."""
         if self.engines is None:
             self._actor("sleep")
             return None
-        reports = self._push_and_sleep(inject_fault=True)
-        self.faults.inject("resume", self.engines, self.trainers)
-        self._on_engines("resume_memory_occupation", list(KV_CACHE))
-        self.engine_memory = set(MEMORY_TAGS)
-        return reports
-
-    def _release_engines(self) -> None:
-        self._on_engines("release_memory_occupation", list(MEMORY_TAGS))
-        self.engine_memory = set()
-
-    def _push_and_sleep(self, inject_fault: bool) -> list[dict]:
         self._on_engines("resume_memory_occupation", ["weights"])
         self.engine_memory = {"weights"}
-        victim_pid = self.faults.victim_at("push", self.engines, self.trainers) if inject_fault else None
-        reports = self._push(victim_pid)
+        reports = self._push(self.faults.victim_at("push", self.engines, self.trainers) if inject_faults else None)
         self._actor("sleep")
+        if inject_faults:
+            self.faults.inject("resume", self.engines, self.trainers)
+        self._on_engines("resume_memory_occupation", list(KV_CACHE))
+        self.engine_memory = set(MEMORY_TAGS)
         return reports
 
     def _actor(self, method: str) -> None:
@@ -109,18 +104,11 @@ class Colocation:
         shares = split_over_engines(prompts, sampling, len(self.engines))
         answers: list = [None] * len(shares)
         while unanswered := [k for k, answer in enumerate(answers) if answer is None]:
-            if self.stale and self.trainers is not None:
-                self._to_actor_and_back()
+            if self.stale and self.trainers is not None:  # the actor's weights, through the step's two hand-overs
+                self.to_actor(inject_faults=False)
+                self.to_engines(inject_faults=False)
             self._collect(shares, unanswered, answers)
         return completions_in_prompt_order(shares, answers)
-
-    def _to_actor_and_back(self) -> None:
-        """Every engine gets the actor's current weights through the step's own two hand-overs."""
-        self._release_engines()
-        self._actor("wake")
-        self._push_and_sleep(inject_fault=False)
-        self._on_engines("resume_memory_occupation", list(KV_CACHE))
-        self.engine_memory = set(MEMORY_TAGS)
 
     def _collect(self, shares: list[EngineShare], to_send: list[int], answers: list) -> None:
         """Send shares `to_send` and fill in their answers; the shares of an engine that dies meanwhile (it is
