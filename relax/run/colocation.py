@@ -18,7 +18,8 @@ rank's push, the evaluation):
   hand-overs), unless a push comes first anyway.
 At most --max-engine-restarts over the run; past them, an engine's death fails the run, naming the engine and its
 log, as does a failed restart. An error an engine raises while alive (a bug or a bad input) fails the run at once,
-without a restart of the engine or of the run (--max-restarts): neither would help. Restarts and their seconds are counted (faults/engine_restarts, faults/engine_restart_seconds).
+without a restart of the engine or of the run (--max-restarts): neither would help. Restarts and their seconds
+are counted (faults/engine_restarts, faults/engine_restart_seconds).
 
 While restarts are left, the actor's own calls (wake, train, save, sleep) watch only the training ranks: an
 engine that dies while the actor trains is restarted at the next engine call, not while the actor holds the
