@@ -468,7 +468,10 @@ def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:
     A worker whose call on another one failed (a rank pushing weights to an engine that died or raised)
     raises that one's error, which Ray relays as the cause of its own: the innermost is where it started.
     A task error comes back from ray.get as Ray's own exception type, which carries the failed actor's id
-    only in its text; an actor's death carries it as actor_id."""
+    only in its text, in a header per actor the error passed through ("ray::Class.method() (pid=...,
+    actor_id=...)"), outermost first; a worker that re-raises another's task error keeps only the innermost
+    exception as the cause, so the last header names where it started. An actor's death carries its id as
+    actor_id."""
     origin = error
     while isinstance(getattr(origin, "cause", None), ray.exceptions.RayError):
         origin = origin.cause
@@ -479,8 +482,8 @@ def worker_failure(error: ray.exceptions.RayError, groups: list) -> Exception:
         reason = str(origin)
     else:
         text = str(origin)
-        mentioned = [(text.find(actor_id), group, index) for group, index, actor_id in actors if actor_id in text]
-        named = [min(mentioned, key=lambda found: found[0])[1:]] if mentioned else []
+        headers = [(text.rfind(f"actor_id={actor_id}"), group, index) for group, index, actor_id in actors]
+        named = [max(headers, key=lambda found: found[0])[1:]] if any(at >= 0 for at, _, _ in headers) else []
         cause = getattr(origin, "cause", None)
         reason = f"{type(cause).__name__}: {cause}" if cause is not None else text
     if not named:

@@ -118,7 +118,9 @@ def test_an_engine_killed_mid_rollout_restarts_in_place_then_a_training_rank_kil
 
 # Engine 0's scheduler or actor process, killed as each phase of each step begins (push: after its first bucket).
 # The evaluation restarts an engine as the rollout does (the same generate call): the second test kills one there.
-INJECTED = {"release@0": "scheduler", "save@1": "scheduler", "push@2": "engine", "resume@3": "scheduler"}
+# A scheduler killed mid-push fails the training rank's next call on it: the rank raises the engine's error, which
+# must still be taken as the engine's death (relax.ray.placement.worker_failure).
+INJECTED = {"release@0": "scheduler", "save@1": "scheduler", "push@2": "scheduler", "resume@3": "engine"}
 BUCKET_BYTES = 8 << 20  # the tiny model's weights in several buckets: the push is killed mid-way
 
 

@@ -160,6 +160,13 @@ def test_worker_failure_names_the_actor_an_error_came_from():
     engine_raised = _task_error("e0" * 16, RuntimeError("its scheduler is gone"))
     relayed = worker_failure(_task_error("a0" * 16, engine_raised), [trainers, engines])
     assert str(relayed) == "engine 0 (pid 40) failed: RuntimeError: its scheduler is gone"
+    # A rank that re-raises the engine's error after its other calls (the push): Ray keeps only the engine's
+    # exception as the cause; the engine's header comes last in the traceback.
+    engine_header = f"ray::EngineWorker.end_weight_update() (pid=42, ip=10.0.0.1, actor_id={'e0' * 16})\n"
+    reraised = _task_error("a0" * 16, RuntimeError("its scheduler is gone"), traceback_tail=engine_header)
+    assert str(worker_failure(reraised, [trainers, engines])) == (
+        "engine 0 (pid 40) failed: RuntimeError: its scheduler is gone"
+    )
 
     unknown = RayActorError("ff" * 16, "someone else's actor")
     assert worker_failure(unknown, [trainers, engines]) is unknown
