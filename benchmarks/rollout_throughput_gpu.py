@@ -1,31 +1,33 @@
 """Rollout throughput on one CUDA GPU, in one run (benchmarks/rollout_throughput.py is the CPU one): relax's
-engine (relax.rollout.engine.RolloutEngine, what the loop's engine workers call) against bare SGLang (sglang.Engine with the same server arguments and the same
-requests) and HF transformers' generate, on a Qwen3-1.7B-shaped model (relax.tools.tiny_model.QWEN3_1_7B_BODY; random
-bf16 weights, relax's 64-token tokenizer) built on the device.
+engine (relax.rollout.engine.RolloutEngine, what the loop's engine workers call) against bare SGLang (sglang.Engine
+with the same server arguments and the same requests) and HF transformers' generate, on a Qwen3-1.7B-shaped model
+(relax.tools.tiny_model.QWEN3_1_7B_BODY; random bf16 weights, relax's 64-token tokenizer) built on the device.
 
 The batch is an RL rollout's: --prompts prompts of --prompt-len random tokens, --samples completions each at
 temperature 1, exactly --new-tokens new tokens each (ignore_eos), logprobs returned; decode CUDA graphs on, up to
 the batch's --prompts x --samples requests as a run sizes them for one engine (--graphs-sglang-default: SGLang's
 own largest graph, set by the GPU's memory).
-HF generate runs a smaller batch (--hf-prompts prompts x --samples, the same new tokens): its padded batch
-would take minutes at the full size; its tokens/s is per the batch it ran.
 
-Prints one JSON line per side and the ratios relax / bare SGLang and relax / HF. Needs the GPU verification
-bundle on the lent H200 (docs/gpu-verification.md):
+relax's engine and bare SGLang are both started, side by side, each with --mem-fraction of the device, and take
+turns over --rounds rounds (the first side alternates: relax first in even rounds), so that neither gains from
+the machine's state; the ratio is of their tokens/s summed over the rounds, with each round's ratio beside it.
+HF generate runs after them, alone, a smaller batch (--hf-prompts prompts x --samples, the same new tokens): its
+padded batch would take minutes at the full size; its tokens/s is per the batch it ran.
+
+Prints one JSON line per side and round and the ratios relax / bare SGLang and relax / HF. Needs the GPU
+verification bundle (docs/gpu-verification.md):
     source tests/gpu/bundle/enter.sh && python3 benchmarks/rollout_throughput_gpu.py
 """
 
 import argparse
 import json
 import tempfile
-from functools import partial
 import time
 
 import torch
 
 SERVER_FIELDS = dict(
-    attention_backend="triton", sampling_backend="pytorch", disable_prefill_cuda_graph=True,
-    mem_fraction_static=0.85, log_level="warning",
+    attention_backend="triton", sampling_backend="pytorch", disable_prefill_cuda_graph=True, log_level="warning",
 )
 
 
@@ -34,37 +36,66 @@ def random_prompts(count: int, length: int, vocab_size: int) -> list[list[int]]:
     return torch.randint(3, vocab_size, (count, length), generator=generator).tolist()
 
 
-def relax_side(model_dir: str, prompts, args, server_fields: dict) -> dict:
-    from relax.platform import get_platform
-    from relax.rollout.engine import RolloutEngine, SamplingConfig
+class RelaxSide:
+    name = "relax"
 
-    sampling = SamplingConfig(n=args.samples, temperature=1.0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    with RolloutEngine(dict(server_fields), model_path=model_dir, platform=get_platform("cuda")) as engine:
-        engine.generate(prompts[:8], SamplingConfig(n=2, max_new_tokens=16))  # warm-up
-        start = time.perf_counter()
-        completions = engine.generate(prompts, sampling)
-        seconds = time.perf_counter() - start
-    new_tokens = sum(len(c.token_ids) for group in completions for c in group)
-    return {"side": "relax", "seconds": seconds, "new_tokens": new_tokens, "tokens_per_s": new_tokens / seconds}
+    def __init__(self, model_dir: str, server_fields: dict):
+        from relax.platform import get_platform
+        from relax.rollout.engine import RolloutEngine
+
+        self.engine = RolloutEngine(dict(server_fields), model_path=model_dir, platform=get_platform("cuda"))
+
+    def generate(self, prompts, samples: int, new_tokens: int) -> int:
+        """The new tokens of prompts x samples completions of exactly new_tokens tokens each."""
+        from relax.rollout.engine import SamplingConfig
+
+        sampling = SamplingConfig(n=samples, temperature=1.0, max_new_tokens=new_tokens, ignore_eos=True)
+        return sum(len(c.token_ids) for group in self.engine.generate(prompts, sampling) for c in group)
+
+    def shutdown(self):
+        self.engine.shutdown()
 
 
-def bare_sglang_side(model_dir: str, prompts, args, server_fields: dict) -> dict:
-    import sglang
+class BareSGLangSide:
+    name = "sglang"
 
-    from relax.ports import free_port
+    def __init__(self, model_dir: str, server_fields: dict):
+        import sglang
 
-    engine = sglang.Engine(model_path=model_dir, port=free_port(), **server_fields)
-    params = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-    requests = [list(p) for p in prompts for _ in range(args.samples)]
+        from relax.ports import free_port
+
+        self.engine = sglang.Engine(model_path=model_dir, port=free_port(), **server_fields)
+
+    def generate(self, prompts, samples: int, new_tokens: int) -> int:
+        params = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+        requests = [list(p) for p in prompts for _ in range(samples)]
+        outputs = self.engine.generate(input_ids=requests, sampling_params=params, return_logprob=True)
+        return sum(len(o["output_ids"]) for o in outputs)
+
+    def shutdown(self):
+        self.engine.shutdown()
+
+
+def engine_rounds(model_dir: str, prompts, args, server_fields: dict) -> dict[str, list[dict]]:
+    """Each engine side's timed generations, round by round, the two engines resident side by side."""
+    sides = [RelaxSide(model_dir, server_fields), BareSGLangSide(model_dir, server_fields)]
+    results = {side.name: [] for side in sides}
     try:
-        engine.generate(input_ids=requests[:16], sampling_params={**params, "max_new_tokens": 16})  # warm-up
-        start = time.perf_counter()
-        outputs = engine.generate(input_ids=requests, sampling_params=params, return_logprob=True)
-        seconds = time.perf_counter() - start
+        for side in sides:
+            side.generate(prompts[:8], 2, 16)  # warm-up
+        for round_index in range(args.rounds):
+            for side in sides if round_index % 2 == 0 else sides[::-1]:
+                start = time.perf_counter()
+                new_tokens = side.generate(prompts, args.samples, args.new_tokens)
+                seconds = time.perf_counter() - start
+                result = {"side": side.name, "round": round_index, "seconds": seconds, "new_tokens": new_tokens,
+                          "tokens_per_s": new_tokens / seconds}
+                results[side.name].append(result)
+                print(json.dumps(result), flush=True)
     finally:
-        engine.shutdown()
-    new_tokens = sum(len(o["output_ids"]) for o in outputs)
-    return {"side": "sglang", "seconds": seconds, "new_tokens": new_tokens, "tokens_per_s": new_tokens / seconds}
+        for side in sides:
+            side.shutdown()
+    return results
 
 
 def hf_side(model_dir: str, prompts, args) -> dict:
@@ -94,6 +125,8 @@ def main():
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--hf-prompts", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=4, help="turns of each engine side")
+    parser.add_argument("--mem-fraction", type=float, default=0.42, help="of the device, for each engine side")
     parser.add_argument(
         "--graphs-sglang-default", action="store_true",
         help="leave the largest decode graph at SGLang's default (to measure what relax's sizing changes)",
@@ -106,26 +139,30 @@ def main():
     # the decode graphs a run's engine gets for this batch (relax.args applies the same rule to --sglang-* flags)
     requests = args.prompts * args.samples
     graphs = {} if args.graphs_sglang_default else rollout_decode_graph_fields(SERVER_FIELDS, requests)
-    server_fields = {**SERVER_FIELDS, **graphs}
-    sides = (partial(relax_side, server_fields=server_fields), partial(bare_sglang_side, server_fields=server_fields),
-             hf_side)
+    server_fields = {**SERVER_FIELDS, "mem_fraction_static": args.mem_fraction, **graphs}
 
     with tempfile.TemporaryDirectory() as directory:
         model_dir = str(build_tiny_model(directory, "qwen3", device="cuda", dtype=torch.bfloat16, **QWEN3_1_7B_BODY))
         torch.cuda.empty_cache()
         vocab_size = json.load(open(f"{model_dir}/config.json"))["vocab_size"]
         prompts = random_prompts(args.prompts, args.prompt_len, vocab_size)
-        results = {}
-        for side in sides:
-            result = side(model_dir, prompts, args)
-            results[result["side"]] = result
-            print(json.dumps(result), flush=True)
+        rounds = engine_rounds(model_dir, prompts, args, server_fields)
+        hf = hf_side(model_dir, prompts, args)
+        print(json.dumps(hf), flush=True)
+
+    def tokens_per_s(side: str) -> float:
+        return sum(r["new_tokens"] for r in rounds[side]) / sum(r["seconds"] for r in rounds[side])
+
     print(json.dumps({
-        "relax_over_sglang": results["relax"]["tokens_per_s"] / results["sglang"]["tokens_per_s"],
-        "relax_over_hf_generate": results["relax"]["tokens_per_s"] / results["hf_generate"]["tokens_per_s"],
+        "relax_over_sglang": tokens_per_s("relax") / tokens_per_s("sglang"),
+        "relax_over_sglang_per_round": [
+            r["tokens_per_s"] / s["tokens_per_s"] for r, s in zip(rounds["relax"], rounds["sglang"])
+        ],
+        "relax_over_hf_generate": tokens_per_s("relax") / hf["tokens_per_s"],
         "batch": f"{args.prompts} prompts x {args.samples} samples, {args.prompt_len} prompt tokens, "
                  f"{args.new_tokens} new tokens",
         "decode_graph_max_bs": server_fields.get("cuda_graph_max_bs_decode", "SGLang's default"),
+        "mem_fraction_per_engine": args.mem_fraction,
     }))
 
 
