@@ -18,8 +18,10 @@ import torch
 from torch.distributed import ReduceOp
 
 # float32 bytes of one [positions, local vocab] temporary: the piece of positions is CHUNK_BYTES / (4 * local vocab),
-# 441 positions at a vocabulary of 151,936. A piece still spans about 67M elements, enough for each kernel to run at
-# full memory bandwidth, so larger pieces would cost memory (a few temporaries of this size) and buy no speed.
+# 441 positions at a vocabulary of 151,936. A piece still spans about 67M elements, so each of its dozen kernels has
+# far more work than its launch costs; larger pieces would cost memory (a few temporaries of this size) and save
+# only launches. A budget in bytes, not a count of positions, keeps the temporaries the same size at any vocabulary
+# and tensor-parallel split.
 CHUNK_BYTES = 256 * 2**20
 
 AllReduce = Callable[..., object]  # all_reduce(tensor, op=ReduceOp.X): in place, over the ranks sharing the vocab
