@@ -11,10 +11,11 @@ with respect to the logits is computed):
 - chunked_logprobs: the same function, the entropy detached (computed for the metrics only);
 - megatron_cross_entropy: megatron-core's vocab_parallel_cross_entropy, logprobs only;
 - log_softmax: torch.log_softmax of the float32 logits, logprobs and entropy.
-The logits are a fresh [tokens, vocab] tensor of --dtype at every step (not counted in the time). Printed per side:
+The logits are a fresh [tokens, vocab] tensor of --dtype at every step, made before the step. Printed per side:
 milliseconds per forward + backward, the peak device memory allocated during it beyond what was allocated before
-it (the step's copy of the logits included), and max |difference| of the logprobs, entropies and gradient (of the
-same objective) against log_softmax.
+it (the logits were: relax's gradient takes their place, the other sides' is a tensor of its own); then, with
+log_softmax among the sides, max |difference| of each other side's logprobs, entropies and gradient (of the same
+objective) against it.
 """
 
 import argparse
@@ -52,9 +53,13 @@ SIDES = {
 }
 
 
-def step(side, base, labels, weights, temperature):
-    """One forward and backward of `side` on a fresh copy of the logits: (logprobs, entropy, gradient)."""
-    logits = base.clone().requires_grad_()
+def fresh(base):
+    """A copy of the logits to hand to one step (relax's backward writes the gradient into them)."""
+    return base.clone().requires_grad_()
+
+
+def step(side, logits, labels, weights, temperature):
+    """One forward and backward of `side`: (logprobs, entropy, gradient)."""
     logprobs, entropy = SIDES[side](logits, labels, temperature)
     objective = (weights[0] * logprobs).sum()
     if entropy is not None and entropy.requires_grad:
@@ -64,23 +69,26 @@ def step(side, base, labels, weights, temperature):
 
 
 def measure(side, base, labels, weights, temperature, platform, warmup: int, steps: int) -> tuple[float, int | None]:
-    """(seconds per step, peak bytes allocated during a step beyond those allocated before it; None off a device)."""
+    """(seconds per step, peak bytes allocated during a step beyond those allocated before it, the step's logits
+    already among the latter; None off a device)."""
     device = platform.device_module if platform.device_type != "cpu" else None
     for _ in range(warmup):
-        step(side, base, labels, weights, temperature)
+        step(side, fresh(base), labels, weights, temperature)
     seconds = 0.0
     peak = None
     for _ in range(steps):
+        logits = fresh(base)
         if device is not None:
             device.synchronize()
             device.reset_peak_memory_stats()
             before = device.memory_allocated()
         start = time.perf_counter()
-        step(side, base, labels, weights, temperature)
+        step(side, logits, labels, weights, temperature)
         if device is not None:
             device.synchronize()
             peak = max(peak or 0, device.max_memory_allocated() - before)
         seconds += time.perf_counter() - start
+        del logits
     return seconds / steps, peak
 
 
@@ -108,29 +116,31 @@ def main(argv=None) -> None:
 
     print(f"{args.tokens} tokens x vocab {args.vocab}, {args.dtype} logits "
           f"({base.numel() * base.element_size() / 2**30:.2f} GiB), temperature {args.temperature}, {platform.name}")
-    # log_softmax's values, and its gradients of the objective with and without the entropy term
-    reference = step("log_softmax", base, labels, weights, args.temperature)
-    logprobs_only = weights.clone()
-    logprobs_only[1] = 0.0
-    reference_gradients = {
-        True: reference[2], False: step("log_softmax", base, labels, logprobs_only, args.temperature)[2]
-    }
     for side in args.sides:
         seconds, peak = measure(side, base, labels, weights, args.temperature, platform, args.warmup, args.steps)
         line = f"{side:>22}: {seconds * 1e3:9.2f} ms per forward+backward"
-        line += f", peak {peak / 2**30:7.2f} GiB (the step's logits copy included)" if peak is not None else ""
-        if side != "log_softmax":
-            logprobs, entropy, gradient = step(side, base, labels, weights, args.temperature)
-            expected_gradient = reference_gradients[side == "chunked"]
-            differences = {
-                "logprobs": (logprobs - reference[0]).abs().max().item(),
-                "entropy": None if entropy is None else (entropy - reference[1]).abs().max().item(),
-                "gradient": (gradient.float() - expected_gradient.float()).abs().max().item(),
-            }
-            line += ", max |diff| vs log_softmax: " + ", ".join(
-                f"{name} {'-' if value is None else f'{value:.2e}'}" for name, value in differences.items()
-            )
-        print(line)
+        print(line + (f", peak {peak / 2**30:7.2f} GiB beyond the logits" if peak is not None else ""))
+    if "log_softmax" not in args.sides:
+        return
+    # After the measurements, so that no reference tensor is held while a side is measured; one side at a time.
+    logprobs_only = weights.clone()
+    logprobs_only[1] = 0.0  # the objective of the sides without an entropy term
+    for side in args.sides:
+        if side == "log_softmax":
+            continue
+        logprobs, entropy, gradient = step(side, fresh(base), labels, weights, args.temperature)
+        objective_weights = weights if side == "chunked" else logprobs_only
+        expected = step("log_softmax", fresh(base), labels, objective_weights, args.temperature)
+        differences = {
+            "logprobs": (logprobs - expected[0]).abs().max().item(),
+            "entropy": None if entropy is None else (entropy - expected[1]).abs().max().item(),
+            "gradient": (gradient.float() - expected[2].float()).abs().max().item(),
+        }
+        del logprobs, entropy, gradient, expected
+        print(f"{side:>22}: max |diff| vs log_softmax: " + ", ".join(
+            f"{name} {'-' if value is None else f'{value:.2e}'}" for name, value in differences.items()
+        ))
+
 
 if __name__ == "__main__":
     main()
