@@ -439,8 +439,9 @@ def _one_step_counting_forwards(hf_dir: str, recompute: dict) -> dict:
     batch.ref_logprobs = actor.compute_logprobs(batch, reference=True)  # the loss's KL term; before the counting
     forwards = Counter()
     for layer in unwrap(actor.model).decoder.layers:
-        kinds = {"layer": layer, "core_attention": layer.self_attention.core_attention, "mlp": layer.mlp,
-                 "input_layernorm": layer.input_layernorm}
+        kinds = {"layer": layer, "mlp": layer.mlp, "input_layernorm": layer.input_layernorm}
+        if hasattr(layer.self_attention, "core_attention"):  # softmax attention (a GDN layer has none)
+            kinds["core_attention"] = layer.self_attention.core_attention
         if hasattr(layer.mlp, "router"):  # a MoE layer, whose recompute runs its parts, not the layer module again
             kinds["router"] = layer.mlp.router
         for kind, module in kinds.items():
@@ -464,8 +465,13 @@ WHOLE_LAYERS = {"layer", "core_attention", "mlp", "input_layernorm", "router"}
         ("qwen3", dict(recompute_granularity="selective", recompute_modules=["mlp", "core_attn"]),
          {"mlp", "core_attention"}),
         ("qwen3_moe", dict(recompute_granularity="selective", recompute_modules=["moe"]), {"router"}),
+        ("qwen3_5", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+         WHOLE_LAYERS),
+        ("qwen3_5", dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+         {"core_attention", "mlp"}),
     ],
-    ids=["full-uniform", "full-block", "moe-full-uniform", "selective-core-attn", "selective-mlp", "selective-moe"],
+    ids=["full-uniform", "full-block", "moe-full-uniform", "selective-core-attn", "selective-mlp", "selective-moe",
+         "gdn-full-uniform", "gdn-selective"],
 )
 def test_recomputed_activations_give_the_same_step(ranks, hf_dirs, model, recompute, recomputed):
     """The --recompute-* flags reach megatron-core: the submodules they name run forward again in the backward (and
