@@ -361,7 +361,7 @@ def relax_actor(hf_dir: str, hf, args, platform) -> dict:
         actor._micro_batches = clock.timed("host: micro-batches (tokens, positions, boundaries)", actor._micro_batches)
         micro_batch = batch_module.MicroBatch
         micro_batch.to = clock.timed("host-to-device copy of micro-batch inputs", micro_batch.to)
-        actor._token_logprobs = clock.timed("logprobs (cross entropy over the vocabulary)", actor._token_logprobs)
+        actor._token_logprobs = clock.timed("logprobs and entropy over the vocabulary", actor._token_logprobs)
         run = actor._run
 
         def run_with_timed_loss(micro_batches, loss_func, forward_only):

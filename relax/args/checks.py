@@ -442,6 +442,52 @@ def grouped_experts_apply(config, platform):
         return "--moe-grouped-gemm applies to MoE models only (no --num-experts, nor num_experts in config.json)"
 
 
+def recompute_flags_apply(config, platform):
+    """--recompute-granularity full | selective (--recompute-activations: selective) and the flags that shape it, as
+    megatron-core 0.16 carries them out in relax's layers (megatron-core's own rules refused the rest already)."""
+    tc, given = config.megatron.transformer, config.megatron.values.resolved
+    shaping = [name for name in ("recompute_method", "recompute_num_layers", "recompute_modules") if name in given]
+    if tc.recompute_granularity is None:
+        if shaping:
+            return (
+                f"{', '.join(_flag(name) for name in shaping)} would do nothing without --recompute-granularity: give "
+                "--recompute-granularity full (whole layers, with --recompute-method and --recompute-num-layers) or "
+                "selective (the --recompute-modules; --recompute-activations), or drop them"
+            )
+        return None
+    if tc.recompute_granularity == "full":
+        if "recompute_modules" in given:
+            return (
+                "--recompute-modules picks the submodules of --recompute-granularity selective; full recomputes whole "
+                "layers and would ignore it: drop --recompute-modules or use --recompute-granularity selective"
+            )
+        return None
+    if "recompute_method" in given:
+        return (
+            "--recompute-method picks the layers of --recompute-granularity full; selective recomputes the "
+            "--recompute-modules of every layer and would ignore it: drop --recompute-method or use full"
+        )
+    modules = set(tc.recompute_modules)
+    if "layernorm" in modules:
+        return (
+            "--recompute-modules layernorm: megatron-core 0.16's layernorm recompute (CheckpointWithoutOutput) calls "
+            "TransformerEngine's FP8 state even without FP8, and relax builds its layers without TransformerEngine "
+            "(the training would stop with a NameError): drop layernorm"
+        )
+    freq = tc.moe_layer_freq
+    every_layer_moe = bool(tc.num_moe_experts) and (freq == 1 if isinstance(freq, int) else all(f == 1 for f in freq))
+    idle = sorted(modules & {"moe", "shared_experts"}) if not tc.num_moe_experts else []
+    if tc.num_moe_experts and "shared_experts" in modules and not tc.moe_shared_expert_intermediate_size:
+        idle.append("shared_experts")
+    if every_layer_moe and "mlp" in modules:
+        idle.append("mlp")
+    if idle:
+        return (
+            f"--recompute-modules {' '.join(idle)}: this model has nothing of that kind to recompute (mlp: dense "
+            "MLP layers; moe: MoE layers; shared_experts: a MoE layer's shared experts): drop it"
+        )
+
+
 def routing_replay_applies(config, platform):
     """--use-rollout-routing-replay: the engine returns each token's experts and the actor's routers replay them
     (relax.train.routing_replay), in every forward of a step, forward and backward alike."""
@@ -577,6 +623,7 @@ RULES = [
     checkpoint_flags_consistent,
     restarts_resume_from_checkpoints,
     grouped_experts_apply,
+    recompute_flags_apply,
     routing_replay_applies,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,

@@ -26,6 +26,7 @@ import torch
 from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 from relax.metric_names import extreme
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
+from relax.train.logprobs import logprobs_and_entropy
 from relax.train.losses import aggregation_denominator
 from relax.train.model import build_gpt_model, load_hf_weights, unwrap
 from relax.train.off_policy import corrected_policy_loss
@@ -33,10 +34,6 @@ from relax.train.offload import training_memory
 from relax.train.process_groups import ReloadableGroups
 from relax.train.routing_replay import RoutingReplay
 from relax.train.settings import ActorSettings
-
-# Positions per piece when the entropy is computed for the metrics only (vocab_parallel_logprobs): at a
-# vocabulary of 151936 one piece's float32 [positions, vocab] temporary is 0.6 GB.
-ENTROPY_CHUNK = 1024
 
 
 def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_group) -> dict[str, float]:
@@ -56,73 +53,20 @@ def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_g
     return dict(zip(shares + extremes, torch.cat(values).tolist()))
 
 
-def vocab_parallel_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, with_entropy: bool, entropy_grad: bool = False
-):
-    """log p(label) and (optionally) the entropy per position, from logits [..., vocab / TP] whose vocab is
-    split across the tensor-parallel ranks. The logprobs are differentiable, the entropy only with entropy_grad
-    (an entropy term in the loss; without it the entropy is a detached value for the metrics). Sums over the
-    vocab all-reduce across TP."""
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
+    """log p(label) and the entropy per position, both differentiable, from logits [..., vocab / TP] whose vocab is
+    split across megatron's tensor-parallel ranks (relax.train.logprobs; the backward overwrites `logits`)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
-    group = parallel_state.get_tensor_model_parallel_group()
-
-    def max_over_shards(values):
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=group)
-        return values
-
-    def sharded(logits, labels):
-        return sharded_logprobs_and_entropy(
-            logits,
-            labels,
-            vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
-            sum_over_shards=reduce_from_tensor_model_parallel_region,
-            max_over_shards=max_over_shards,
-        )
-
-    if with_entropy and entropy_grad:
-        return sharded(logits, labels)
-    entropy = None
-    if with_entropy:
-        # A metric only: under no_grad, ENTROPY_CHUNK positions at a time, so the [positions, vocab] float32
-        # temporaries stay small and none is kept for backward. Before the cross entropy, which overwrites the
-        # logits in place.
-        with torch.no_grad():
-            chunks = zip(logits.split(ENTROPY_CHUNK, dim=-2), labels.split(ENTROPY_CHUNK, dim=-1))
-            entropy = torch.cat([sharded(chunk, chunk_labels)[1] for chunk, chunk_labels in chunks], dim=-1)
-    # Megatron's cross entropy (one autograd function, in place) keeps a single float32 softmax for backward;
-    # sharded_logprobs_and_entropy keeps several [tokens, vocab] float32 tensors. On an H200 (1.7B Qwen3,
-    # vocabulary 151936, 4 x 2048 tokens a micro-batch) that was 139 GB of peak memory against 93 GB
-    # (docs/benchmarks.md).
-    return -vocab_parallel_cross_entropy(logits, labels), entropy
-
-
-def sharded_logprobs_and_entropy(logits, labels, vocab_start: int, sum_over_shards, max_over_shards):
-    """log p(label) and the entropy per position, on one rank that holds the vocabulary shard of `logits`
-    [..., local vocab] starting at token `vocab_start`.
-
-    sum_over_shards(t) is every rank's t summed, differentiable, its backward passing the gradient of the sum
-    to this rank's t as it is (Megatron's reduce_from_tensor_model_parallel_region); max_over_shards(t) is the
-    elementwise maximum over the ranks, not differentiated.
-    """
-    logits = logits.float()
-    local_vocab = logits.shape[-1]
-    logits_max = max_over_shards(logits.detach().max(dim=-1).values)
-    shifted = logits - logits_max.unsqueeze(-1)
-    exp_shifted = shifted.exp()
-    partition = sum_over_shards(exp_shifted.sum(-1))
-    log_z = partition.log()
-    local_labels = labels - vocab_start
-    in_shard = (local_labels >= 0) & (local_labels < local_vocab)
-    label_logit = shifted.gather(-1, local_labels.clamp(0, local_vocab - 1).unsqueeze(-1)).squeeze(-1)
-    logprobs = sum_over_shards(label_logit * in_shard) - log_z
-    # entropy = log Z - sum_v p_v s_v, with sum_v p_v s_v as (sum_v e^s_v s_v) / Z: each rank's share of a sum
-    # meets Z only after the all-reduce, so the gradient through Z holds every rank's terms. (With p_v = e^s_v / Z
-    # inside a rank's share, that rank's backward through Z would see its own terms only.)
-    weighted_sum = sum_over_shards((exp_shifted * shifted).sum(-1))
-    entropy = log_z - weighted_sum / partition
-    return logprobs, entropy
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return logprobs_and_entropy(logits, labels, temperature)
+    return logprobs_and_entropy(
+        logits,
+        labels,
+        temperature,
+        vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
+        all_reduce=partial(torch.distributed.all_reduce, group=parallel_state.get_tensor_model_parallel_group()),
+    )
 
 
 class MegatronActor:
@@ -323,20 +267,14 @@ class MegatronActor:
             uniform_shape=uniform_shape,
         )
 
-    def _token_logprobs(
-        self, output: torch.Tensor, micro_batch: MicroBatch, with_entropy: bool, entropy_grad: bool = False
-    ):
-        """Per sample: response-token logprobs (and entropies, differentiable with entropy_grad) from the model
-        output [1, t, vocab/TP]."""
+    def _token_logprobs(self, output: torch.Tensor, micro_batch: MicroBatch, entropy_grad: bool = False):
+        """Per sample: response-token logprobs and entropies (the entropies differentiable with entropy_grad) from
+        the model output [1, t, vocab/TP], which the backward overwrites with its gradient."""
         labels = torch.roll(micro_batch.tokens, shifts=-1, dims=1)  # the last position's label is never read
-        temperature = self.settings.temperature
-        # At temperature 1 the output itself goes in (read by nothing else): no [t, vocab] fp32 copy.
-        logits = output if temperature == 1.0 else output / temperature
-        logprobs, entropy = vocab_parallel_logprobs(logits, labels, with_entropy, entropy_grad)
-        return (
-            micro_batch.response_values(logprobs),
-            micro_batch.response_values(entropy) if with_entropy else None,
-        )
+        logprobs, entropy = vocab_parallel_logprobs(output, labels, self.settings.temperature)
+        if not entropy_grad:
+            entropy = entropy.detach()
+        return micro_batch.response_values(logprobs), micro_batch.response_values(entropy)
 
     def _run(self, micro_batches: list[MicroBatch], loss_func, forward_only: bool) -> list[dict]:
         """Megatron's forward(-backward) schedule over the micro-batches; the last stage's loss outputs."""
@@ -391,7 +329,7 @@ class MegatronActor:
         micro_batches = self._micro_batches(batch, forward_only=True)
 
         def loss_func(micro_batch, output):
-            logprobs, entropy = self._token_logprobs(output, micro_batch, with_entropy)
+            logprobs, entropy = self._token_logprobs(output, micro_batch)
             logprobs = [values.cpu() for values in logprobs]
             entropy = [values.cpu() for values in entropy] if with_entropy else None
             return torch.zeros((), device=output.device), {
@@ -456,7 +394,7 @@ class MegatronActor:
         def loss_func(micro_batch, output):
             if not micro_batch.sample_indices:  # all padding (expert parallelism): runs for its collectives
                 return output.sum() * 0.0, {}
-            logprobs, entropy = self._token_logprobs(output, micro_batch, True, entropy_grad=entropy_in_loss)
+            logprobs, entropy = self._token_logprobs(output, micro_batch, entropy_grad=entropy_in_loss)
             pick = micro_batch.sample_indices
             logprobs = padded(logprobs)
             mask = padded([batch.loss_mask[i] for i in pick])

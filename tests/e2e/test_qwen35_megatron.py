@@ -218,9 +218,7 @@ def _gradient_parity(hf_dir: str, tp: int, sequence_parallel: bool) -> dict:
     # No pad token in the batch: HF's nn.Embedding(padding_idx=pad) never updates that row, Megatron's embedding does.
     input_ids, labels = torch.randint(0, vocab_size - 1, (2, 2, SEQUENCE_LENGTH), generator=generator)
     input_ids[input_ids >= pad] += 1
-    logprobs, _ = vocab_parallel_logprobs(
-        model(input_ids, torch.arange(SEQUENCE_LENGTH).expand(2, -1), None), labels, with_entropy=False
-    )
+    logprobs, _ = vocab_parallel_logprobs(model(input_ids, torch.arange(SEQUENCE_LENGTH).expand(2, -1), None), labels)
     logprobs.sum().backward()
     finalize_model_grads([model])
     with torch.no_grad():  # export the gradients the way weights are exported

@@ -177,9 +177,10 @@ def _my_samples(actor):
 def _actor(
     hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False,
     memory_saver_stand_in: bool = False, grouped_experts: bool = False, lr: float = 1e-3, routing_replay: bool = False,
-    **settings,
+    recompute: dict | None = None, **settings,
 ):
-    """memory_saver_stand_in: sleep through the memory saver route, with the CPU record's do-nothing saver."""
+    """memory_saver_stand_in: sleep through the memory saver route, with the CPU record's do-nothing saver.
+    recompute: TransformerConfig's recompute_* fields, as the --recompute-* flags set them."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from relax.platform import get_platform
@@ -196,6 +197,7 @@ def _actor(
         perform_initialization=False,
         moe_grouped_gemm=grouped_experts,
         moe_enable_routing_replay=routing_replay,
+        **(recompute or {}),
     )
     optimizer = OptimizerConfig(
         optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
@@ -423,6 +425,65 @@ def test_parallel_layouts_train_like_dp2(ranks, hf_dirs, dp2_run, settings):
             # Adam moves a weight by about lr per step where the gradient is near zero, whatever its size,
             # so a rounding-level gradient difference can move a few weights by up to steps * lr.
             assert difference.max() <= 3 * 1e-3 and difference.mean() <= 1e-5, (name, difference)
+
+
+def _one_step_counting_forwards(hf_dir: str, recompute: dict) -> dict:
+    """One train step at lr=0 with these recompute settings: its metrics, the gradients, and how often each kind of
+    submodule ran forward (a recomputed one runs again in the backward)."""
+    from collections import Counter
+
+    from relax.train.model import unwrap
+
+    actor = _actor(hf_dir, lr=0.0, micro_batch_size=2, recompute=recompute)
+    batch = _my_samples(actor)
+    batch.ref_logprobs = actor.compute_logprobs(batch, reference=True)  # the loss's KL term; before the counting
+    forwards = Counter()
+    for layer in unwrap(actor.model).decoder.layers:
+        kinds = {"layer": layer, "mlp": layer.mlp, "input_layernorm": layer.input_layernorm}
+        if hasattr(layer.self_attention, "core_attention"):  # softmax attention (a GDN layer has none)
+            kinds["core_attention"] = layer.self_attention.core_attention
+        if hasattr(layer.mlp, "router"):  # a MoE layer, whose recompute runs its parts, not the layer module again
+            kinds["router"] = layer.mlp.router
+        for kind, module in kinds.items():
+            module.register_forward_hook(lambda *_, kind=kind: forwards.update([kind]))
+    metrics = actor.train_step(batch)
+    return {"metrics": metrics, "forwards": dict(forwards),
+            "gradients": [param.main_grad.clone() for param in actor.model.parameters()]}
+
+
+WHOLE_LAYERS = {"layer", "core_attention", "mlp", "input_layernorm", "router"}
+
+
+@pytest.mark.parametrize(
+    "model, recompute, recomputed",
+    [
+        ("qwen3", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), WHOLE_LAYERS),
+        ("qwen3", dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2), WHOLE_LAYERS),
+        ("qwen3_moe", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+         WHOLE_LAYERS),
+        ("qwen3", dict(recompute_granularity="selective"), {"core_attention"}),  # megatron's default module
+        ("qwen3", dict(recompute_granularity="selective", recompute_modules=["mlp", "core_attn"]),
+         {"mlp", "core_attention"}),
+        ("qwen3_moe", dict(recompute_granularity="selective", recompute_modules=["moe"]), {"router"}),
+        ("qwen3_5", dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+         WHOLE_LAYERS),
+        ("qwen3_5", dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+         {"core_attention", "mlp"}),
+    ],
+    ids=["full-uniform", "full-block", "moe-full-uniform", "selective-core-attn", "selective-mlp", "selective-moe",
+         "gdn-full-uniform", "gdn-selective"],
+)
+def test_recomputed_activations_give_the_same_step(ranks, hf_dirs, model, recompute, recomputed):
+    """The --recompute-* flags reach megatron-core: the submodules they name run forward again in the backward (and
+    only those), and the step's metrics and gradients equal those of a step that keeps every activation."""
+    baseline = ranks.run(_one_step_counting_forwards, hf_dirs[model], {})
+    run = ranks.run(_one_step_counting_forwards, hf_dirs[model], recompute)
+    for got, expected in zip(run, baseline):
+        assert got["metrics"] == expected["metrics"]
+        assert all(torch.equal(a, b) for a, b in zip(got["gradients"], expected["gradients"]))
+        assert got["forwards"].keys() == expected["forwards"].keys()
+        for kind, count in expected["forwards"].items():
+            assert got["forwards"][kind] == (2 * count if kind in recomputed else count), (kind, got, expected)
 
 
 # --- weight export for sync --------------------------------------------------------------------------

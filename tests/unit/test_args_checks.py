@@ -174,6 +174,35 @@ RULES = {
          "--recompute-num-layers", "1"],
         "which would replay their experts",
     ),
+    "recompute shapes without a granularity": (
+        [*RUN, "--recompute-method", "block", "--recompute-modules", "mlp"],
+        "--recompute-method, --recompute-modules would do nothing without --recompute-granularity",
+    ),
+    "full recompute takes no modules": (
+        [*RUN, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+         "--recompute-modules", "mlp"],
+        "--recompute-modules picks the submodules of --recompute-granularity selective",
+    ),
+    "selective recompute takes no method": (
+        [*RUN, "--recompute-activations", "--recompute-method", "uniform"],
+        "--recompute-method picks the layers of --recompute-granularity full",
+    ),
+    "layernorm recompute needs TransformerEngine": (
+        [*RUN, "--recompute-activations", "--recompute-modules", "core_attn", "layernorm"],
+        "--recompute-modules layernorm: megatron-core 0.16's layernorm recompute",
+    ),
+    "MoE recompute on a dense model": (
+        [*RUN, "--recompute-activations", "--recompute-modules", "moe", "shared_experts"],
+        "--recompute-modules moe shared_experts: this model has nothing of that kind to recompute",
+    ),
+    "dense MLP recompute when every layer is MoE": (
+        [*RUN, "--num-experts", "4", "--recompute-activations", "--recompute-modules", "mlp", "moe"],
+        "--recompute-modules mlp: this model has nothing of that kind to recompute",
+    ),
+    "shared experts recompute without shared experts": (
+        [*RUN, "--num-experts", "4", "--recompute-activations", "--recompute-modules", "shared_experts"],
+        "--recompute-modules shared_experts: this model has nothing of that kind to recompute",
+    ),
     "megatron's replay switch alone": (
         [*RUN, "--num-experts", "4", "--moe-enable-routing-replay"],
         "--moe-enable-routing-replay alone replays nothing",
@@ -524,3 +553,13 @@ def test_the_mindspeed_gdn_kernel_needs_half_precision(tmp_path, capsys):
     assert "--gdn-training-kernel mindspeed does not take float32" in parse_error(argv, capsys)
     assert parse_train_args([*argv, "--bf16"]).actor.gdn_training_kernel == "mindspeed"
     assert parse_train_args([*argv, "--gdn-training-kernel", "reference"]).actor.gdn_training_kernel == "reference"
+
+
+def test_recompute_flags_that_act_on_the_model_pass():
+    moe = [*RUN, "--num-experts", "4", "--moe-shared-expert-intermediate-size", "32", "--recompute-activations"]
+    tc = parse_train_args([*moe, "--recompute-modules", "core_attn", "moe", "shared_experts"]).megatron.transformer
+    assert tc.recompute_granularity == "selective" and tc.recompute_modules == ["core_attn", "moe", "shared_experts"]
+    dense = parse_train_args([*RUN, "--recompute-activations", "--recompute-modules", "mlp"]).megatron.transformer
+    assert dense.recompute_modules == ["mlp"]
+    full = [*RUN, "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"]
+    assert parse_train_args(full).megatron.transformer.recompute_method == "block"

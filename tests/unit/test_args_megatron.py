@@ -34,15 +34,8 @@ def test_config_objects_are_megatron_cores_own():
 def test_flags_of_every_kind_reach_the_config_objects():
     argv = [*RUN, *SIZE, "--num-devices-per-node", "4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2"]
     argv += ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # int; bool
-    argv += [
-        "--recompute-granularity",
-        "full",
-        "--recompute-method",
-        "uniform",
-        "--recompute-num-layers",
-        "1",
-    ]  # Literal
-    argv += ["--recompute-modules", "core_attn", "mlp"]  # list[str]
+    argv += ["--recompute-granularity", "selective"]  # Literal
+    argv += ["--recompute-modules", "core_attn", "moe"]  # list[str]
     argv += ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"]
     argv += ["--moe-aux-loss-coeff", "0.01"]  # float | list[float], one value
     argv += ["--attention-backend", "local"]  # Enum
@@ -71,8 +64,7 @@ def test_flags_of_every_kind_reach_the_config_objects():
     m = parse_train_args(argv).megatron
     tc, opt, ddp = m.transformer, m.optimizer, m.ddp
     assert (tc.tensor_model_parallel_size, tc.sequence_parallel) == (2, True)
-    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
-    assert tc.recompute_modules == ["core_attn", "mlp"]
+    assert tc.recompute_granularity == "selective" and tc.recompute_modules == ["core_attn", "moe"]
     assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_token_dispatcher_type) == (4, 2, "alltoall")
     assert tc.moe_aux_loss_coeff == 0.01
     assert tc.attention_backend is AttnBackend.local
@@ -116,6 +108,12 @@ def test_training_workers_get_plain_values_that_import_no_megatron_and_build_the
         assert _plain_fields(getattr(built, name)) == _plain_fields(getattr(megatron, name)), name
     assert built.transformer.attention_backend is AttnBackend.local and built.transformer.activation_func is F.silu
     assert (built.model, built.scheduler) == (megatron.model, megatron.scheduler)
+
+
+def test_full_recompute_flags_reach_the_transformer_config():
+    argv = [*RUN, *SIZE, "--recompute-granularity", "full", "--recompute-method", "uniform"]  # Literal
+    tc = parse_train_args([*argv, "--recompute-num-layers", "1"]).megatron.transformer  # int
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
 
 
 def test_megatron_values_refuse_a_value_that_is_not_plain_data():

@@ -1,6 +1,7 @@
-"""The actor's logprobs and entropy over a vocabulary split across tensor-parallel ranks
-(relax.train.actor.sharded_logprobs_and_entropy), with the ranks simulated as threads of this process: the
-values and the gradient each rank gets for its shard must be those of the whole vocabulary on one rank."""
+"""The actor's logprobs and entropy (relax.train.logprobs), computed a few positions at a time, against torch's
+log_softmax over the whole vocabulary: values and gradients, float32 and bfloat16 logits, with a temperature, and
+over a vocabulary split across tensor-parallel ranks simulated as threads of this process (the values and the
+gradient each rank gets for its shard must be those of the whole vocabulary on one rank)."""
 
 import math
 import threading
@@ -9,12 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from relax.train.actor import sharded_logprobs_and_entropy
+from relax.train import logprobs as chunked
+from relax.train.logprobs import logprobs_and_entropy
 
 
 class SimulatedTensorParallel:
-    """All-reduces between `size` threads, with Megatron's autograd: the sum's backward hands each rank the
-    gradient of the sum for its own tensor (reduce_from_tensor_model_parallel_region)."""
+    """In-place all-reduces (sum and max) between `size` threads."""
 
     def __init__(self, size: int):
         self.barrier = threading.Barrier(size, timeout=30)
@@ -27,27 +28,24 @@ class SimulatedTensorParallel:
         self.barrier.wait()  # nobody overwrites a slot before every rank has read them all
         return values
 
-    def sum(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
-        total = torch.stack(self._every_rank(rank, tensor)).sum(0)
-        return tensor + (total - tensor.detach())  # forward: the total; backward: identity to this rank's tensor
-
-    def max(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self._every_rank(rank, tensor)).amax(0)
+    def all_reduce(self, rank: int, tensor: torch.Tensor, op: torch.distributed.ReduceOp) -> None:
+        every_rank = torch.stack(self._every_rank(rank, tensor))
+        tensor.copy_(every_rank.amax(0) if op == torch.distributed.ReduceOp.MAX else every_rank.sum(0))
 
 
-def sharded_gradients(logits, labels, ranks, objective):
+def sharded_gradients(logits, labels, ranks, objective, temperature=1.0):
     """Each simulated rank computes objective(logprobs, entropy) from its shard and backpropagates; returns the
     (logprobs, entropy) of rank 0 and the logits' gradient, the shards' gradients put together."""
     tp = SimulatedTensorParallel(ranks)
     shards = [shard.clone().requires_grad_() for shard in logits.chunk(ranks, dim=-1)]
 
     def rank_step(rank):
-        logprobs, entropy = sharded_logprobs_and_entropy(
-            shards[rank],
+        logprobs, entropy = logprobs_and_entropy(
+            shards[rank].clone(),  # the backward writes the gradient into its logits
             labels,
+            temperature,
             vocab_start=rank * shards[rank].shape[-1],
-            sum_over_shards=lambda t: tp.sum(rank, t),
-            max_over_shards=lambda t: tp.max(rank, t),
+            all_reduce=lambda tensor, op: tp.all_reduce(rank, tensor, op),
         )
         objective(logprobs, entropy).backward()
         return logprobs.detach(), entropy.detach()
@@ -73,23 +71,70 @@ def test_entropy_gradient_by_hand_over_two_ranks():
     assert grad[0].tolist() == pytest.approx([ln3 / 12, ln3 / 12, ln3 / 12, -ln3 / 4], rel=1e-5)
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 4])
-def test_sharded_values_and_gradients_equal_the_whole_vocabulary(ranks):
-    generator = torch.Generator().manual_seed(0)
-    logits = 3 * torch.randn(5, 16, generator=generator)
-    labels = torch.tensor([0, 5, 8, 13, 15])
-    logprob_weights, entropy_weights = torch.randn(2, 5, generator=generator)
+def whole_vocabulary(logits, labels, objective, temperature=1.0):
+    """torch's log_softmax over the whole vocabulary in float32: (logprobs, entropy) and the logits' gradient."""
+    whole = logits.float().requires_grad_()
+    log_p = torch.log_softmax(whole / temperature, dim=-1)
+    logprobs = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p.exp() * log_p).sum(-1)
+    objective(logprobs, entropy).backward()
+    return (logprobs.detach(), entropy.detach()), whole.grad
+
+
+def weighted(generator, shape):
+    """objective(logprobs, entropy): a random mix of the two, as the loss's policy and entropy terms are."""
+    logprob_weights, entropy_weights = torch.randn(2, *shape, generator=generator)
 
     def objective(logprobs, entropy):
         return (logprob_weights * logprobs).sum() + (entropy_weights * entropy).sum()
 
-    (logprobs, entropy), grad = sharded_gradients(logits, labels, ranks, objective)
+    return objective
 
-    whole = logits.clone().requires_grad_()
-    log_p = torch.log_softmax(whole, dim=-1)
-    expected_logprobs = log_p.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    expected_entropy = -(log_p.exp() * log_p).sum(-1)
-    objective(expected_logprobs, expected_entropy).backward()
-    torch.testing.assert_close(logprobs, expected_logprobs.detach())
-    torch.testing.assert_close(entropy, expected_entropy.detach())
-    torch.testing.assert_close(grad, whole.grad)
+
+def logprobs_only(logprobs, entropy):  # the entropy gets no gradient (the loss without --entropy-coef)
+    return (logprobs * torch.arange(logprobs.numel()).view(logprobs.shape)).sum()
+
+
+@pytest.mark.parametrize("objective_name", ["weighted", "logprobs_only", "entropy_only"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_values_and_gradients_equal_the_whole_vocabulary(ranks, dtype, temperature, objective_name, monkeypatch):
+    # 4 positions a piece on one rank's 16 tokens, 8 on two ranks', 16 on four ranks': 3, 2 and 1 pieces
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 16 * 4)
+    generator = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(1, 9, 16, generator=generator)).to(dtype)
+    labels = torch.tensor([[0, 5, 8, 13, 15, 4, 4, 11, 2]])
+    objective = {"weighted": weighted(generator, (1, 9)), "logprobs_only": logprobs_only,
+                 "entropy_only": entropy_only}[objective_name]
+
+    (logprobs, entropy), grad = sharded_gradients(logits, labels, ranks, objective, temperature)
+    (expected_logprobs, expected_entropy), expected_grad = whole_vocabulary(logits, labels, objective, temperature)
+    assert logprobs.dtype == entropy.dtype == torch.float32 and grad.dtype == dtype
+    # The same bfloat16 logits go in on both sides and both compute in float32: only the gradient is rounded.
+    torch.testing.assert_close(logprobs, expected_logprobs)
+    torch.testing.assert_close(entropy, expected_entropy)
+    torch.testing.assert_close(grad, expected_grad.to(dtype))
+
+
+def test_without_a_backward_the_logits_stay_as_they_were():
+    logits = torch.randn(6, 16)
+    given = logits.clone()
+    with torch.no_grad():
+        logprobs_and_entropy(logits, torch.arange(6), 0.5)
+    assert torch.equal(logits, given)
+
+
+def test_the_backward_overwrites_the_logits_with_their_gradient():
+    # the documented contract that keeps a single [positions, vocab] buffer through the backward
+    logits = torch.randn(6, 16)
+    source = logits.clone().requires_grad_()
+    passed = source * 1.0  # what the model hands over: a non-leaf tensor
+    logprobs, _ = logprobs_and_entropy(passed, torch.arange(6))
+    logprobs.sum().backward()
+    assert torch.equal(passed.detach(), source.grad)
+
+
+def test_a_temperature_that_is_not_positive_is_refused():
+    with pytest.raises(ValueError, match="temperature must be positive"):
+        logprobs_and_entropy(torch.randn(2, 4), torch.zeros(2, dtype=torch.long), 0.0)

@@ -1,0 +1,146 @@
+"""The per-token logprob and entropy over the vocabulary, forward and backward: relax's pieces of positions
+(relax.train.logprobs) against megatron-core's vocab-parallel cross entropy and against a float32 log_softmax over
+the whole [tokens, vocab] logits, in one run. Peak device memory and time of each side.
+
+    python benchmarks/logprob_entropy.py                                                # 16384 x 151936, bf16, GPU
+    python benchmarks/logprob_entropy.py --device cpu --tokens 64 --vocab 1000 --steps 2  # the script's smoke run
+
+Sides (the objective is a random mix of the logprobs and, where a side has them in it, the entropies; its gradient
+with respect to the logits is computed):
+- chunked: relax.train.logprobs.logprobs_and_entropy, the entropy in the loss (--entropy-coef set);
+- chunked_logprobs: the same function, the entropy detached (computed for the metrics only);
+- megatron_cross_entropy: megatron-core's vocab_parallel_cross_entropy, logprobs only;
+- log_softmax: torch.log_softmax of the float32 logits, logprobs and entropy.
+The logits are a fresh [tokens, vocab] tensor of --dtype at every step, made before the step. Printed per side:
+milliseconds per forward + backward, the peak device memory allocated during it beyond what was allocated before
+it (the logits were: relax's gradient takes their place, the other sides' is a tensor of its own); then, with
+log_softmax among the sides, max |difference| of each other side's logprobs, entropies and gradient (of the same
+objective) against it.
+"""
+
+import argparse
+import time
+
+import torch
+from single_rank import init_distributed
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def chunked(logits, labels, temperature, entropy_in_loss: bool):
+    from relax.train.logprobs import logprobs_and_entropy
+
+    logprobs, entropy = logprobs_and_entropy(logits, labels, temperature)
+    return logprobs, entropy if entropy_in_loss else entropy.detach()
+
+
+def megatron_cross_entropy(logits, labels, temperature):
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    return -vocab_parallel_cross_entropy(logits if temperature == 1.0 else logits / temperature, labels), None
+
+
+def log_softmax(logits, labels, temperature):
+    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_p.gather(-1, labels[:, None]).squeeze(-1), -(log_p.exp() * log_p).sum(-1)
+
+
+SIDES = {
+    "chunked": lambda logits, labels, temperature: chunked(logits, labels, temperature, entropy_in_loss=True),
+    "chunked_logprobs": lambda logits, labels, temperature: chunked(logits, labels, temperature, entropy_in_loss=False),
+    "megatron_cross_entropy": megatron_cross_entropy,
+    "log_softmax": log_softmax,
+}
+
+
+def fresh(base):
+    """A copy of the logits to hand to one step (relax's backward writes the gradient into them)."""
+    return base.clone().requires_grad_()
+
+
+def step(side, logits, labels, weights, temperature):
+    """One forward and backward of `side`: (logprobs, entropy, gradient)."""
+    logprobs, entropy = SIDES[side](logits, labels, temperature)
+    objective = (weights[0] * logprobs).sum()
+    if entropy is not None and entropy.requires_grad:
+        objective = objective + (weights[1] * entropy).sum()
+    (gradient,) = torch.autograd.grad(objective, logits)
+    return logprobs.detach(), None if entropy is None else entropy.detach(), gradient
+
+
+def measure(side, base, labels, weights, temperature, platform, warmup: int, steps: int) -> tuple[float, int | None]:
+    """(seconds per step, peak bytes allocated during a step beyond those allocated before it, the step's logits
+    already among the latter; None off a device)."""
+    device = platform.device_module if platform.device_type != "cpu" else None
+    for _ in range(warmup):
+        step(side, fresh(base), labels, weights, temperature)
+    seconds = 0.0
+    peak = None
+    for _ in range(steps):
+        logits = fresh(base)
+        if device is not None:
+            device.synchronize()
+            device.reset_peak_memory_stats()
+            before = device.memory_allocated()
+        start = time.perf_counter()
+        step(side, logits, labels, weights, temperature)
+        if device is not None:
+            device.synchronize()
+            peak = max(peak or 0, device.max_memory_allocated() - before)
+        seconds += time.perf_counter() - start
+        del logits
+    return seconds / steps, peak
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "npu", "cpu"), default="cuda")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="the logits' dtype")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(SIDES))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    platform = init_distributed(args.device)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+    device = platform.current_device()
+    generator = torch.Generator(device).manual_seed(0)
+    base = (4 * torch.randn(args.tokens, args.vocab, generator=generator, device=device)).to(DTYPES[args.dtype])
+    labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator, device=device)
+    weights = torch.randn(2, args.tokens, generator=generator, device=device)
+
+    print(f"{args.tokens} tokens x vocab {args.vocab}, {args.dtype} logits "
+          f"({base.numel() * base.element_size() / 2**30:.2f} GiB), temperature {args.temperature}, {platform.name}")
+    for side in args.sides:
+        seconds, peak = measure(side, base, labels, weights, args.temperature, platform, args.warmup, args.steps)
+        line = f"{side:>22}: {seconds * 1e3:9.2f} ms per forward+backward"
+        print(line + (f", peak {peak / 2**30:7.2f} GiB beyond the logits" if peak is not None else ""))
+    if "log_softmax" not in args.sides:
+        return
+    # After the measurements, so that no reference tensor is held while a side is measured; one side at a time.
+    logprobs_only = weights.clone()
+    logprobs_only[1] = 0.0  # the objective of the sides without an entropy term
+    for side in args.sides:
+        if side == "log_softmax":
+            continue
+        logprobs, entropy, gradient = step(side, fresh(base), labels, weights, args.temperature)
+        objective_weights = weights if side == "chunked" else logprobs_only
+        expected = step("log_softmax", fresh(base), labels, objective_weights, args.temperature)
+        differences = {
+            "logprobs": (logprobs - expected[0]).abs().max().item(),
+            "entropy": None if entropy is None else (entropy - expected[1]).abs().max().item(),
+            "gradient": (gradient.float() - expected[2].float()).abs().max().item(),
+        }
+        del logprobs, entropy, gradient, expected
+        print(f"{side:>22}: max |diff| vs log_softmax: " + ", ".join(
+            f"{name} {'-' if value is None else f'{value:.2e}'}" for name, value in differences.items()
+        ))
+
+
+if __name__ == "__main__":
+    main()
