@@ -7,7 +7,7 @@ import sys
 
 USAGE = """usage: relax {train,convert,submit,doctor,patches} ...
 
-  train    run the colocated RL loop (`relax train --help` lists every flag; --dry-run validates and prints)
+  train    run the RL loop (`relax train --help` lists every flag; --dry-run validates and prints)
   convert  an actor checkpoint (`relax train --save`) to an HF directory, on the CPU (`relax convert --help`)
   submit   submit a run to a Ray cluster with `ray job submit` and the workers' environment
   doctor   preflight checks of this machine's platform, versions, patches and environment
@@ -53,7 +53,14 @@ def _train(argv: list[str]) -> int:
     bad_input = (InputError, CheckpointError, PromptDataError, RolloutDataError)  # each message names the input
     config = parse_train_args(argv)
     if config.run.dry_run:
+        from relax.ray.placement import placement_plan
+
+        run, mode = config.run, config.run.mode
         print(format_config(config))
+        print("\n".join(placement_plan(
+            run.num_nodes, run.num_devices_per_node, config.rollout.devices_per_engine, run.rollout_num_devices,
+            mode.has_actor, mode.has_engines,
+        )))
     try:  # before the run's console opens: it would start a new run.log in an --output-dir it refuses
         inputs = read_inputs(config, dry_run=config.run.dry_run)
     except bad_input as error:
