@@ -69,7 +69,7 @@ def _train(argv: list[str]) -> int:
     if config.run.dry_run:
         print("\n".join(inputs.report))
         return 0
-    from relax.run.loop import run_with_restarts
+    from relax.run import loop, loop_async
     from relax.ray.placement import WorkerFailed
     from relax.rollout.worker import EngineWorker
     from relax.console import RunConsole, say
@@ -88,7 +88,8 @@ def _train(argv: list[str]) -> int:
             say(line)
         try:
             with stop:
-                output_dir = run_with_restarts(config, inputs, stop)
+                attempt = loop.run if config.run.colocate else loop_async.run
+                output_dir = loop.run_with_restarts(config, inputs, stop, attempt)
         except bad_input as error:
             say(f"relax train: {error}", error=True)
             return 2

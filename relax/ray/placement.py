@@ -8,8 +8,9 @@
     engines.kill(); trainers.kill(); placement.remove()
 
 A bundle holds one device ({"GPU": 1, "CPU": c} / {"NPU": 1, "CPU": c}) or, on the CPU platform, CPUs
-only ({"CPU": c}). Training actors and engines are colocated: each takes a fraction (`share`) of every
-resource of its bundle, so a training rank and an engine live on the same device.
+only ({"CPU": c}). Colocated, training actors and engines each take a fraction (`share`) of every resource of
+its bundle, so a training rank and an engine live on the same device; with --no-colocate the training ranks take
+the first bundles and the engines the rest (Placement.part).
 
 Devices: Ray names a bundle's device by its entry in the node's visible-devices list (the raylet's
 CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES when set, else 0..n-1): the physical id. Every actor here

@@ -1,5 +1,6 @@
-"""The colocated RL loop. `run` reads top to bottom: set up (start_workers: the training actors, then the engines,
+"""The colocated RL loop. `run` reads top to bottom: set up (started_run: the training actors, then the engines;
 then the checkpoint resumed from), then one colocated step per iteration, then the evaluation after the last step.
+With --no-colocate, relax.run.loop_async runs instead, on the same setup and phases.
 
 One step: the rollout (relax.rollout.api: generate and score, or replay); release the engines' memory; wake the
 actor; old-policy (and reference) logprobs and advantages; train; push the new weights to the engines and put the
@@ -33,7 +34,7 @@ actor's weights, is not built yet.
 """
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -42,7 +43,7 @@ from pathlib import Path
 import ray
 import torch
 
-from relax.args.settings import AlgorithmSettings, EvalSettings, OutputSettings, RolloutSettings, RunSettings
+from relax.args.settings import AlgorithmSettings, EvalSettings, RolloutSettings, RunSettings
 from relax.console import say
 from relax.metric_names import extreme
 from relax.run.metrics import MetricsLog
@@ -53,6 +54,7 @@ from relax.ray.placement import (
 )
 from relax.ray.watch import Timeout
 from relax.rollout.api import DynamicSampling, GenerateAndScore, Replay, Rollout, RolloutRequest
+from relax.rollout.data import PromptLoader
 from relax.rollout.dump import save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty
@@ -60,7 +62,7 @@ from relax.rollout.rollout import Generate, reward_and_length_metrics
 from relax.rollout.worker import EngineWorker
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
-from relax.run.state import RunStopped, StopOnSignal, sampling_seed, save, save_due
+from relax.run.state import Checkpoint, RunStopped, StopOnSignal, sampling_seed, save, save_due
 from relax.train.algorithms import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.saved_steps import LATEST
@@ -78,7 +80,7 @@ def run(
     too (Inputs.resumed), which runs no step. `faults`: the tests' injected faults (relax.ray.faults; by default
     RELAX_INJECT_FAULTS')."""
     with started_run(config, inputs, stop, restarts, faults) as run_:
-        settings, rollout, outputs = config.run, config.rollout, config.outputs
+        settings, outputs = config.run, config.outputs
         workers, faults, loader = run_.workers, run_.faults, run_.loader
         trainers, colocation = workers.trainers, workers.colocation
         if run_.checkpoint is not None:  # loaded awake, the engines' memory released, then pushed to them
@@ -124,11 +126,11 @@ class StartedRun:
     faults: FaultPlan
     workers: "Workers"
     log: MetricsLog
-    loader: object  # relax.rollout.data.PromptLoader; None when rollouts are replayed
-    checkpoint: object  # relax.run.state.Checkpoint resumed from, or None
+    loader: PromptLoader | None  # None when rollouts are replayed
+    checkpoint: Checkpoint | None  # the one resumed from
     start_step: int
     num_steps: int
-    evaluate_policy: object  # step -> the eval metrics of the engines' policy, when due (evaluate_if_due)
+    evaluate_policy: Callable[[int], dict]  # step -> the engines' policy's eval metrics, when due (evaluate_if_due)
     step_rollout: Rollout
 
     def collect_rollout(self, step: int) -> tuple[list[Sample], dict]:
@@ -211,17 +213,16 @@ def started_run(
             ray.shutdown()
 
 
-def run_with_restarts(config, inputs: Inputs, stop: StopOnSignal | None = None) -> Path:
-    """run(config, inputs) (relax.run.loop_async.run with --no-colocate); after a worker fails, again from the
-    newest complete checkpoint in --save (from where the run started while none is saved), at most --max-restarts
-    times in all, then the failure is raised. The workers: a training rank, or an engine (its actor or SGLang
-    processes) that died with --max-engine-restarts used up (the new attempt's engines have their own) or whose
-    restart failed. run's cleanup has ended the failed attempt's workers (and the local Ray it started) before the
-    next one starts them anew. The driver's own errors (bad input included) and a failure naming no worker (the
-    liveness watch of a lost node) are raised at once, as is any failure after a stop signal."""
-    from relax.run import loop_async
-
-    attempt = run if config.run.colocate else loop_async.run
+def run_with_restarts(config, inputs: Inputs, stop: StopOnSignal | None = None, attempt=None) -> Path:
+    """attempt(config, inputs, stop, restarts, faults): `run`, or relax.run.loop_async.run for --no-colocate (the
+    `relax train` driver picks); after a worker fails, again from the newest complete checkpoint in --save (from
+    where the run started while none is saved), at most --max-restarts times in all, then the failure is raised.
+    The workers: a training rank, or an engine (its actor or SGLang processes) that died with --max-engine-restarts
+    used up (the new attempt's engines have their own) or whose restart failed. run's cleanup has ended the failed
+    attempt's workers (and the local Ray it started) before the next one starts them anew. The driver's own errors
+    (bad input included) and a failure naming no worker (the liveness watch of a lost node) are raised at once, as
+    is any failure after a stop signal."""
+    attempt = attempt or run
     restarts = 0
     faults = FaultPlan.from_environ()  # one plan over the attempts: a resumed run does not meet its faults again
     while True:

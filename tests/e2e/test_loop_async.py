@@ -1,6 +1,6 @@
-"""--no-colocate on CPU: relax.run.loop_async.run, whole, through `relax train`'s run_with_restarts on its own local
-Ray cluster, the tiny run's model and task (scripts/run-tiny-cpu.sh) with the training rank on one Ray bundle and
-the engine on another (--rollout-num-gpus 1).
+"""--no-colocate on CPU: relax.run.loop_async.run, whole, through run_with_restarts (as `relax train` runs it) on
+its own local Ray cluster, the tiny run's model and sizes (scripts/run-tiny-cpu.sh) with the training rank on one
+Ray bundle and the engine on another (--rollout-num-gpus 1).
 
 The engine and the training rank are the loop's own (the real SGLang engine, the real Megatron actor) with a
 record: the engine writes when each generate call ran and, once started and after each weight push, its greedy
@@ -21,6 +21,7 @@ from pathlib import Path
 import ray
 
 import relax.run.loop
+import relax.run.loop_async
 from hf_reference import hf_greedy
 from processes import MARKER_VAR, describe, leftover_processes, run_marker
 from relax.args import parse_train_args
@@ -113,7 +114,8 @@ def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_
     monkeypatch.setattr(relax.run.loop, "TrainWorker", RecordingTrainWorker)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
     try:
-        assert relax.run.loop.run_with_restarts(config, read_inputs(config)) == output
+        run_async = relax.run.loop_async.run
+        assert relax.run.loop.run_with_restarts(config, read_inputs(config), attempt=run_async) == output
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
     leftover = leftover_processes(marker)

@@ -115,7 +115,6 @@ def test_metrics_log_writes_jsonl_tensorboard_and_reward_curve(tmp_path):
 class _Run:  # the RunSettings fields run_with_restarts reads
     load: str | None
     max_restarts: int
-    colocate: bool = True
 
 
 @dataclass(frozen=True)
@@ -436,7 +435,7 @@ def test_the_async_loop_rolls_out_the_next_step_while_the_actor_trains_and_pushe
 ):
     world = _AsyncWorld(monkeypatch)
     config = _config(tmp_path, num_steps=3, debug_rollout_only=False, save=str(tmp_path / "saves"), colocate=False)
-    assert run_with_restarts(config, _inputs_with_prompts(8)) == tmp_path
+    assert run_with_restarts(config, _inputs_with_prompts(8), attempt=relax.run.loop_async.run) == tmp_path
     assert world.events == [
         ("rollout", 0),  # the weights the run starts from
         ("train started", "sample of step 0"), ("eval", 0), ("rollout", 1), ("train waited", "sample of step 0"),
