@@ -12,7 +12,6 @@ transformers' on the run's --save-hf directory of its last step), and that the r
 """
 
 import json
-import multiprocessing.resource_tracker
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ import ray
 import relax.run.loop
 import relax.run.loop_async
 from hf_reference import hf_greedy
-from processes import MARKER_VAR, describe, leftover_processes, run_marker
+from processes import describe, leftover_processes, mark_in_process_run
 from relax.args import parse_train_args
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.synthetic import write_task
@@ -100,16 +99,7 @@ def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_
         "--save", str(tmp_path / "checkpoints"), "--save-hf", str(hf_saves), "--output-dir", str(output),
     ])
     assert not ray.is_initialized(), "run() must start its own Ray cluster here (another test left one connected)"
-    # This process's multiprocessing resource tracker, which the reward function's spawned workers start, lives as
-    # long as this process: started before the marker is set, it is not counted as the run's.
-    multiprocessing.resource_tracker.ensure_running()
-    marker = run_marker()
-    # The run's Ray cluster, its actors and SGLang's processes inherit the marker and the records' directory.
-    monkeypatch.setenv(MARKER_VAR, marker[MARKER_VAR])
-    monkeypatch.setenv(RECORDS_ENV, str(records))
-    for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_AUTH_MODE", "disabled")):
-        monkeypatch.setenv(name, value)  # what run() sets for its local cluster, taken back after the test
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # else run() would join that cluster
+    marker = mark_in_process_run(monkeypatch, {RECORDS_ENV: str(records)})  # the records' directory too
     monkeypatch.setattr(relax.run.loop, "EngineWorker", RecordingEngineWorker)
     monkeypatch.setattr(relax.run.loop, "TrainWorker", RecordingTrainWorker)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
