@@ -15,7 +15,8 @@ off-policy correction the flags set (TIS/MIS, relax.train.settings.RolloutCorrec
 apply as colocated. Every engine is on devices the actor does not hold: the weights go by the broadcast route
 (relax.sync.broadcast.plan_broadcasts) over the platform's collective, and nothing sleeps or releases memory.
 
-The setup, the phases, the evaluation after the last step and the cleanup are relax.run.loop's (started_run);
+The setup, the phases, the evaluation after the last step and the cleanup are relax.run.loop's (started_run;
+the requests go to the engines through relax.run.colocation.Colocation.generate, which makes no hand-over here);
 the checks at parse time (relax.args.checks.engines_have_their_own_devices) refuse what this loop does not carry
 out: the debug modes, replayed rollouts, engine restarts in place (an engine's death fails the run; --max-restarts
 resumes it from its newest checkpoint).
