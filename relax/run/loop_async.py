@@ -31,15 +31,19 @@ import threading
 import time
 from pathlib import Path
 
+from relax.ray.faults import FaultPlan
 from relax.ray.placement import ActorGroup
 from relax.ray.watch import Timeout
 from relax.run.loop import (
     PhaseTimer, StartedRun, load_checkpoint, start_training, started_run, stop_run, training_metrics,
 )
-from relax.run.state import save_due
+from relax.run.inputs import Inputs
+from relax.run.state import StopOnSignal, save_due
 
 
-def run(config, inputs, stop=None, restarts: int = 0, faults=None) -> Path:
+def run(
+    config, inputs: Inputs, stop: StopOnSignal | None = None, restarts: int = 0, faults: FaultPlan | None = None
+) -> Path:
     """relax.run.loop.run's contract (the same arguments, outputs and stops), for --no-colocate."""
     with started_run(config, inputs, stop, restarts, faults) as run_:
         workers, settings = run_.workers, config.run
@@ -66,6 +70,7 @@ def first_rollout(run_: StartedRun) -> tuple[list, dict]:
     """The first step's rollout, before any training (the weights the run starts from), its seconds
     (perf/first_rollout_time) logged with its metrics."""
     timer = PhaseTimer()
+    run_.faults.at(run_.start_step)
     with timer("perf/first_rollout_time"):
         run_.faults.inject("rollout", run_.workers.engines, run_.workers.trainers)
         samples, metrics = run_.collect_rollout(run_.start_step)
@@ -74,7 +79,8 @@ def first_rollout(run_: StartedRun) -> tuple[list, dict]:
 
 def step_overlapped(run_: StartedRun, step: int, rollout: tuple[list, dict], push) -> tuple:
     """Step `step`: train on `rollout` (its samples and metrics) while the engines evaluate (when due) and generate
-    the next step's rollout; then save when due and `push()` the new weights. Returns the next step's rollout
+    the next step's rollout (the tests' faults at "rollout" of this step: relax.ray.faults); then save when due and
+    `push()` the new weights. Returns the next step's rollout
     (None after the last step), the checkpoint saved (or None), the prompt loader as this step left it (a copy:
     the next rollout has taken its prompts since), and the step's metrics row."""
     config, workers, faults = run_.config, run_.workers, run_.faults
