@@ -45,8 +45,8 @@ SLIME_SPELLINGS = {
     "--max-tokens-per-device": "--max-tokens-per-gpu",  # both per data-parallel rank's micro-batch
     "--log-probs-max-tokens-per-device": "--log-probs-max-tokens-per-gpu",
     "--num-nodes": "--actor-num-nodes",  # colocated: the actor's nodes are the engines' too
-    "--rollout-num-devices": "--rollout-num-gpus",  # --no-colocate: the engines' own devices
     "--num-devices-per-node": "--actor-num-gpus-per-node",
+    "--rollout-num-devices": "--rollout-num-gpus",  # --no-colocate: the engines' own devices
     "--max-prompt-length": "--rollout-max-prompt-len",
     "--kl-coef": "--kl-loss-coef",  # slime's own --kl-coef is a penalty on the reward, which relax does not have
 }
