@@ -7,7 +7,7 @@ import sys
 
 USAGE = """usage: relax {train,convert,submit,doctor,patches} ...
 
-  train    run the colocated RL loop (`relax train --help` lists every flag; --dry-run validates and prints)
+  train    run the RL loop (`relax train --help` lists every flag; --dry-run validates and prints)
   convert  an actor checkpoint (`relax train --save`) to an HF directory, on the CPU (`relax convert --help`)
   submit   submit a run to a Ray cluster with `ray job submit` and the workers' environment
   doctor   preflight checks of this machine's platform, versions, patches and environment
@@ -53,7 +53,14 @@ def _train(argv: list[str]) -> int:
     bad_input = (InputError, CheckpointError, PromptDataError, RolloutDataError)  # each message names the input
     config = parse_train_args(argv)
     if config.run.dry_run:
+        from relax.ray.placement import placement_plan
+
+        run, mode = config.run, config.run.mode
         print(format_config(config))
+        print("\n".join(placement_plan(
+            run.num_nodes, run.num_devices_per_node, config.rollout.devices_per_engine, run.rollout_num_devices,
+            mode.has_actor, mode.has_engines,
+        )))
     try:  # before the run's console opens: it would start a new run.log in an --output-dir it refuses
         inputs = read_inputs(config, dry_run=config.run.dry_run)
     except bad_input as error:
@@ -62,7 +69,7 @@ def _train(argv: list[str]) -> int:
     if config.run.dry_run:
         print("\n".join(inputs.report))
         return 0
-    from relax.run.loop import run_with_restarts
+    from relax.run import loop, loop_async
     from relax.ray.placement import WorkerFailed
     from relax.rollout.worker import EngineWorker
     from relax.console import RunConsole, say
@@ -81,7 +88,8 @@ def _train(argv: list[str]) -> int:
             say(line)
         try:
             with stop:
-                output_dir = run_with_restarts(config, inputs, stop)
+                attempt = loop.run if config.run.colocate else loop_async.run
+                output_dir = loop.run_with_restarts(config, inputs, stop, attempt)
         except bad_input as error:
             say(f"relax train: {error}", error=True)
             return 2

@@ -127,7 +127,7 @@ def global_batch_splits_over_data_parallel(config, platform):
 
 def engine_fits_devices(config, platform):
     r = config.flags
-    if world_size(r) % r.rollout_num_devices_per_engine:
+    if r.colocate and world_size(r) % r.rollout_num_devices_per_engine:
         return (
             f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} "
             f"does not divide the {world_size(r)} devices "
@@ -139,7 +139,7 @@ def engines_within_pipeline_stages(config, platform):
     """Where handles do not cross devices, weights reach an engine rank from the training rank on its device or by
     broadcast, never from a rank on one of its devices by broadcast (relax.sync.broadcast.plan_pushes)."""
     r, pp = config.flags, config.megatron.transformer.pipeline_model_parallel_size
-    if platform.handles_cross_devices or world_size(r) % pp:
+    if platform.handles_cross_devices or world_size(r) % pp or not r.colocate:  # apart, every engine gets broadcasts
         return None
     # (no weights are pushed without an actor or engines; --eval-only checks the training flags as for a run)
     if config.mode in (RunMode.ROLLOUT_ONLY, RunMode.TRAIN_ONLY):
@@ -158,9 +158,56 @@ def colocation_releases_memory(config, platform):
     if config.flags.colocate and platform.colocation_needs_release and not platform.has_memory_saver:
         return (
             f"--colocate on {platform.name} needs the rollout engine to release its memory (SGLang's memory saver), "
-            "which this platform's record (relax.platform) names none of: relax runs the engines and the actor "
-            "colocated only (--no-colocate is not supported), so run on a platform that has one"
+            "which this platform's record (relax.platform) names none of; run on a platform that has one, or give "
+            "the engines devices of their own (--no-colocate --rollout-num-devices N)"
         )
+
+
+# What a separate-devices run (--no-colocate, relax.run.loop_async) cannot carry out, with the fix.
+SEPARATE_DEVICES_REFUSED = {
+    RunMode.ROLLOUT_ONLY: "--debug-rollout-only starts no actor to run beside the engines; drop --no-colocate",
+    RunMode.TRAIN_ONLY: "--debug-train-only starts no engines to run beside the actor; drop --no-colocate",
+    RunMode.EVAL_ONLY: "--eval-only trains nothing to overlap with; drop --no-colocate",
+    RunMode.REPLAY: (
+        "--load-rollout-data replays saved rollouts, so there is no generation to overlap with training; drop "
+        "--no-colocate"
+    ),
+}
+
+
+def engines_have_their_own_devices(config, platform):
+    """--rollout-num-devices places the engines apart from the actor (--no-colocate) and is read only there; apart,
+    the engines must fill their devices, and the colocated-only settings are refused."""
+    r = config.flags
+    if r.colocate:
+        if r.rollout_num_devices is not None:
+            return (
+                "--rollout-num-devices (--rollout-num-gpus) is read only with --no-colocate: colocated, the engines "
+                "run on the actor's --num-nodes x --num-devices-per-node devices; drop it, or add --no-colocate"
+            )
+        return None
+    problems = []
+    if config.mode in SEPARATE_DEVICES_REFUSED:
+        problems.append(f"--no-colocate with {SEPARATE_DEVICES_REFUSED[config.mode]}")
+    if r.rollout_num_devices is None:
+        problems.append("--no-colocate needs --rollout-num-devices N (--rollout-num-gpus): the engines' own devices")
+    elif r.rollout_num_devices % r.rollout_num_devices_per_engine:
+        problems.append(
+            f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} does not divide the "
+            f"--rollout-num-devices {r.rollout_num_devices} devices of the engines; give a multiple of it"
+        )
+    if r.max_engine_restarts:
+        problems.append(
+            f"--max-engine-restarts {r.max_engine_restarts} with --no-colocate: an engine is not restarted in place "
+            "there (the restarted engine would need the actor's weights while the actor trains the next step); "
+            "drop it or give 0, and use --max-restarts to resume the run from its newest checkpoint instead"
+        )
+    if r.actor_sleep_route != "auto":
+        problems.append(
+            f"--actor-sleep-route {r.actor_sleep_route} with --no-colocate: the actor never sleeps on devices of its "
+            "own; drop it"
+        )
+    return "\n".join(problems) or None
 
 
 def lr_warmup_given_once(config, platform):
@@ -604,6 +651,7 @@ RULES = [
     engine_fits_devices,
     engines_within_pipeline_stages,
     colocation_releases_memory,
+    engines_have_their_own_devices,
     lr_warmup_given_once,
     clip_range_ordered,
     dual_clip_applies,

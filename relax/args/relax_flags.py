@@ -46,6 +46,7 @@ SLIME_SPELLINGS = {
     "--log-probs-max-tokens-per-device": "--log-probs-max-tokens-per-gpu",
     "--num-nodes": "--actor-num-nodes",  # colocated: the actor's nodes are the engines' too
     "--num-devices-per-node": "--actor-num-gpus-per-node",
+    "--rollout-num-devices": "--rollout-num-gpus",  # --no-colocate: the engines' own devices
     "--max-prompt-length": "--rollout-max-prompt-len",
     "--kl-coef": "--kl-loss-coef",  # slime's own --kl-coef is a penalty on the reward, which relax does not have
 }
@@ -488,7 +489,17 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--colocate",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="Training and rollout share the same devices, releasing memory in turn.",
+        help="Training and rollout share the same devices, releasing memory in turn. --no-colocate: the engines run "
+        "on --rollout-num-devices devices of their own and generate the next step's rollout while the actor trains "
+        "(one step off-policy; docs/training.md).",
+    )
+    g.add_argument(
+        *_spellings("--rollout-num-devices"),
+        metavar="N",
+        type=_positive_int,
+        default=None,
+        help="With --no-colocate: the engines' devices (Ray bundles on the CPU), placed after the actor's "
+        "--num-nodes x --num-devices-per-node, one engine per --rollout-num-devices-per-engine of them.",
     )
     g.add_argument(
         "--actor-sleep-route",
@@ -510,13 +521,14 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-engine-restarts",
         type=_non_negative_int,
-        default=3,
+        default=None,
         metavar="N",
         help="An engine (or its SGLang scheduler or detokenizer) that dies or stops answering in any phase (rollout, "
         "device hand-over, weight push, evaluation) is started again on its devices, in the other engines' state, "
         "given the actor's current weights before it generates, and the call it missed is made again; the step "
         "goes on. At most this many restarts per run, then the run fails naming the engine (or, with "
-        "--max-restarts, restarts from its newest checkpoint); 0: fail at the first (default: %(default)s). "
+        "--max-restarts, restarts from its newest checkpoint); 0: fail at the first (default: 3; 0 with "
+        "--no-colocate, which does not restart engines in place). "
         "Counted in faults/engine_restarts and faults/engine_restart_seconds.",
     )
     g.add_argument(

@@ -80,6 +80,7 @@ class RunSettings:
     num_nodes: int
     num_devices_per_node: int
     colocate: bool  # the actor and the engines time-share the devices
+    rollout_num_devices: int | None  # the engines' own devices (--no-colocate); None when colocated
     megatron_features: dict  # MindSpeed switches given (name -> True), for every training rank's repatch
     update_weight_buffer_size: int  # bytes per weight-sync bucket
     mode: RunMode
@@ -176,13 +177,14 @@ def run_settings(flags: argparse.Namespace) -> RunSettings:
         num_nodes=flags.num_nodes,
         num_devices_per_node=flags.num_devices_per_node,
         colocate=flags.colocate,
+        rollout_num_devices=None if flags.colocate else flags.rollout_num_devices,
         megatron_features={name: True for name in MEGATRON_FEATURE_FLAGS if getattr(flags, name)},
         update_weight_buffer_size=flags.update_weight_buffer_size,
         mode=run_mode(flags),
         load=flags.load,
         max_restarts=flags.max_restarts or 0,
         dry_run=flags.dry_run,
-        max_engine_restarts=flags.max_engine_restarts,
+        max_engine_restarts=max_engine_restarts(flags),
         engine_start_timeout=Timeout(flags.engine_start_timeout, "--engine-start-timeout"),
         rollout_timeout=Timeout(flags.rollout_timeout, "--rollout-timeout"),
         weight_sync_timeout=Timeout(flags.weight_sync_timeout, "--weight-sync-timeout"),
@@ -258,13 +260,28 @@ def eval_settings(flags: argparse.Namespace, rollout_sampling: SamplingConfig) -
     )
 
 
+def engine_devices(flags: argparse.Namespace) -> int:
+    """The devices the engines run on: the actor's when colocated, else --rollout-num-devices (0 while not given:
+    the checks refuse that)."""
+    if flags.colocate:
+        return flags.num_nodes * flags.num_devices_per_node
+    return flags.rollout_num_devices or 0
+
+
+def max_engine_restarts(flags: argparse.Namespace) -> int:
+    """--max-engine-restarts; when not given, 3 colocated and 0 with --no-colocate (which does not restart an
+    engine in place: the checks refuse more)."""
+    if flags.max_engine_restarts is not None:
+        return flags.max_engine_restarts
+    return 3 if flags.colocate else 0
+
+
 def rollout_requests_per_engine(flags: argparse.Namespace) -> int:
     """The most requests one engine runs at once in a rollout: a generate call's prompts (a round of
     --over-sampling-batch-size with --dynamic-sampling, else --rollout-batch-size) split over the engines, x
     --n-samples-per-prompt. (Devices that no whole engine fits are refused by the checks, after this is read.)"""
     prompts = flags.over_sampling_batch_size if flags.dynamic_sampling else flags.rollout_batch_size
-    devices = flags.num_nodes * flags.num_devices_per_node
-    num_engines = max(1, devices // flags.rollout_num_devices_per_engine)
+    num_engines = max(1, engine_devices(flags) // flags.rollout_num_devices_per_engine)
     return most_requests_per_engine(prompts, flags.n_samples_per_prompt, num_engines)
 
 

@@ -175,10 +175,6 @@ def _position_embedding(parsed) -> str | None:
     return f"--position-embedding-type {kind}" if kind != "rope" else None
 
 
-def _not_colocated(parsed) -> str | None:
-    return "--no-colocate" if not parsed.flags.colocate else None
-
-
 def _checkpoints_without_actor(parsed) -> str | None:
     f = parsed.flags
     given = [flag for flag, value in (("--save", f.save), ("--load", f.load)) if value is not None]
@@ -197,12 +193,6 @@ def _log_interval(parsed) -> str | None:
 
 
 UNSUPPORTED_COMBINATIONS = [
-    Unsupported(
-        "--no-colocate",
-        "the loop runs the actor and the engines on the same devices only",
-        "drop it (and on a GPU or NPU, install SGLang's memory saver, torch_memory_saver, which colocation needs)",
-        _not_colocated,
-    ),
     Unsupported(
         "--save / --load with --debug-rollout-only",
         "without a training actor there is nothing to checkpoint",

@@ -8,8 +8,9 @@
     engines.kill(); trainers.kill(); placement.remove()
 
 A bundle holds one device ({"GPU": 1, "CPU": c} / {"NPU": 1, "CPU": c}) or, on the CPU platform, CPUs
-only ({"CPU": c}). Training actors and engines are colocated: each takes a fraction (`share`) of every
-resource of its bundle, so a training rank and an engine live on the same device.
+only ({"CPU": c}). Colocated, training actors and engines each take a fraction (`share`) of every resource of
+its bundle, so a training rank and an engine live on the same device; with --no-colocate the training ranks take
+the first bundles and the engines the rest (Placement.part).
 
 Devices: Ray names a bundle's device by its entry in the node's visible-devices list (the raylet's
 CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES when set, else 0..n-1): the physical id. Every actor here
@@ -23,7 +24,7 @@ import ipaddress
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -103,6 +104,13 @@ class Placement:
             ranks.append((seen[bundle.node_id], sizes[bundle.node_id]))
             seen[bundle.node_id] += 1
         return ranks
+
+    def part(self, start: int, stop: int) -> "Placement":
+        """Bundles start .. stop - 1 as a placement of their own for the actors created on it (--no-colocate: the
+        actor's and the engines' devices): the same placement group, removed with the whole, and the same groups,
+        so a wait watches the actors of both parts. torch.distributed's master stays the whole one's: a part for
+        training ranks starts at bundle 0."""
+        return replace(self, bundles=self.bundles[start:stop], groups=self.groups)
 
     def remove(self) -> None:
         remove_placement_group(self.group)
@@ -187,16 +195,21 @@ def create_placement(
         raise
 
 
-def create_node_placement(platform, num_nodes: int, devices_per_node: int, **options) -> Placement:
-    """`num_nodes` x `devices_per_node` bundles (relax train's --num-nodes / --num-devices-per-node), checked.
+def create_node_placement(
+    platform, num_nodes: int, devices_per_node: int, engine_devices: int = 0, **options
+) -> Placement:
+    """`num_nodes` x `devices_per_node` bundles (relax train's --num-nodes / --num-devices-per-node), checked,
+    then `engine_devices` more (--no-colocate's --rollout-num-devices: Placement.part splits them off).
 
     Ray has no "n bundles on each node" strategy: one device per node is spread strictly, more are packed (a
     node whose Ray resources hold exactly `devices_per_node` devices then takes that many bundles). The layout
-    Ray granted is checked, so a node with room for more bundles cannot silently take another node's share.
+    Ray granted to the first num_nodes x devices_per_node bundles is checked, so a node with room for more
+    bundles cannot silently take another node's share.
     """
-    strategy = "STRICT_SPREAD" if devices_per_node == 1 and num_nodes > 1 else "PACK"
-    placement = create_placement(platform, num_nodes * devices_per_node, strategy=strategy, **options)
-    problem = node_layout_problem(placement.bundles, num_nodes, devices_per_node)
+    actor_devices = num_nodes * devices_per_node
+    strategy = "STRICT_SPREAD" if devices_per_node == 1 and num_nodes > 1 and not engine_devices else "PACK"
+    placement = create_placement(platform, actor_devices + engine_devices, strategy=strategy, **options)
+    problem = node_layout_problem(placement.bundles[:actor_devices], num_nodes, devices_per_node)
     if problem:
         placement.remove()
         raise RuntimeError(problem)
@@ -530,6 +543,31 @@ def engine_positions(num_devices: int, devices_per_engine: int) -> list[range]:
             f"rollout_num_devices_per_engine={devices_per_engine} must divide the {num_devices} placed devices"
         )
     return [range(start, start + devices_per_engine) for start in range(0, num_devices, devices_per_engine)]
+
+
+def placement_plan(num_nodes: int, devices_per_node: int, devices_per_engine: int, engine_devices: int | None,
+                   with_actor: bool = True, with_engines: bool = True) -> list[str]:
+    """What --dry-run shows of the placement the run will make: which bundles (one device each; Ray CPU bundles on
+    the CPU platform), in node and device order, the training ranks and each engine take. `engine_devices`:
+    --rollout-num-devices (--no-colocate), after the actor's; None: the engines share the actor's. `with_actor`,
+    `with_engines`: whether the run starts them (not in the debug modes)."""
+    actor_devices = num_nodes * devices_per_node
+    first_engine_bundle = 0 if engine_devices is None else actor_devices
+    engines = [
+        range(first_engine_bundle + devices.start, first_engine_bundle + devices.stop)
+        for devices in engine_positions(engine_devices or actor_devices, devices_per_engine)
+    ]
+    total = actor_devices + (engine_devices or 0)
+    how = "shared by the actor and the engines" if engine_devices is None else "the actor's, then the engines'"
+    lines = [f"placement: {total} bundle(s) ({how})"]
+    if with_actor:
+        lines.append(
+            f"  training ranks 0-{actor_devices - 1}: bundles 0-{actor_devices - 1} ({num_nodes} node(s) x "
+            f"{devices_per_node})"
+        )
+    if with_engines:
+        lines += [f"  engine {index}: bundles {range_.start}-{range_.stop - 1}" for index, range_ in enumerate(engines)]
+    return lines
 
 
 def engine_envs(placement: Placement, devices_per_engine: int, base_env: dict[str, str]) -> list[dict[str, str]]:

@@ -1,5 +1,6 @@
-"""The colocated RL loop. `run` reads top to bottom: set up (start_workers: the training actors, then the engines,
+"""The colocated RL loop. `run` reads top to bottom: set up (started_run: the training actors, then the engines;
 then the checkpoint resumed from), then one colocated step per iteration, then the evaluation after the last step.
+With --no-colocate, relax.run.loop_async runs instead, on the same setup and phases.
 
 One step: the rollout (relax.rollout.api: generate and score, or replay); release the engines' memory; wake the
 actor; old-policy (and reference) logprobs and advantages; train; push the new weights to the engines and put the
@@ -33,6 +34,7 @@ actor's weights, is not built yet.
 """
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -41,7 +43,7 @@ from pathlib import Path
 import ray
 import torch
 
-from relax.args.settings import AlgorithmSettings, EvalSettings, OutputSettings, RolloutSettings, RunSettings
+from relax.args.settings import AlgorithmSettings, EvalSettings, RolloutSettings, RunSettings
 from relax.console import say
 from relax.metric_names import extreme
 from relax.run.metrics import MetricsLog
@@ -52,6 +54,7 @@ from relax.ray.placement import (
 )
 from relax.ray.watch import Timeout
 from relax.rollout.api import DynamicSampling, GenerateAndScore, Replay, Rollout, RolloutRequest
+from relax.rollout.data import PromptLoader
 from relax.rollout.dump import save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty
@@ -59,7 +62,7 @@ from relax.rollout.rollout import Generate, reward_and_length_metrics
 from relax.rollout.worker import EngineWorker
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
-from relax.run.state import RunStopped, StopOnSignal, sampling_seed, save, save_due
+from relax.run.state import Checkpoint, RunStopped, StopOnSignal, sampling_seed, save, save_due
 from relax.train.algorithms import compute_advantages
 from relax.train.batch import RolloutBatch, split_over_data_parallel
 from relax.train.saved_steps import LATEST
@@ -76,6 +79,91 @@ def run(
     (run_with_restarts), logged as faults/run_restarts in every row; a restart resumes a checkpoint of the last step
     too (Inputs.resumed), which runs no step. `faults`: the tests' injected faults (relax.ray.faults; by default
     RELAX_INJECT_FAULTS')."""
+    with started_run(config, inputs, stop, restarts, faults) as run_:
+        settings, outputs = config.run, config.outputs
+        workers, faults, loader = run_.workers, run_.faults, run_.loader
+        trainers, colocation = workers.trainers, workers.colocation
+        if run_.checkpoint is not None:  # loaded awake, the engines' memory released, then pushed to them
+            colocation.to_actor()
+            load_checkpoint(trainers, run_.checkpoint, settings)
+            colocation.to_engines()
+        for step in range(run_.start_step, run_.num_steps):
+            timer, train_metrics, saved = PhaseTimer(), {}, None
+            faults.at(step)
+            eval_metrics = run_.evaluate_policy(step)  # the policy this step samples from, while the actor sleeps
+            with timer("perf/step_time"):
+                with timer("perf/rollout_time"):
+                    faults.inject("rollout", workers.engines, trainers)
+                    samples, rollout_metrics = run_.collect_rollout(step)
+                if trainers is not None:  # None under --debug-rollout-only
+                    with timer("perf/train_wait_time"):
+                        colocation.to_actor()
+                    with timer("perf/train_time"):
+                        train_metrics = train(
+                            trainers, workers.data_parallel_ranks, samples, config.algorithm, settings.train_timeout
+                        )
+                    if save_due(outputs, run_.num_steps, step):  # while the actor is awake
+                        with timer("perf/save_time"):
+                            faults.inject("save", workers.engines, trainers)
+                            saved = run_.save(step, loader)
+                    with timer("perf/weight_sync_time"):
+                        colocation.to_engines()
+            run_.log.log(step, {**eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds,
+                                **colocation.take_faults()})
+            if run_.stop.requested:  # a signal came during this step, which has ended (the last: no evaluation after)
+                raise stop_run(run_, step, saved, loader, colocation.to_actor)
+        run_.finish()  # the last step's weights pushed, the actor asleep
+    return Path(config.outputs.output_dir)
+
+
+@dataclass
+class StartedRun:
+    """What both loops (this one and relax.run.loop_async) run on, from started_run: the run's workers, its
+    metrics log, its prompt loader and the phases bound to the run's settings."""
+
+    config: object  # relax.args.TrainConfig
+    stop: StopOnSignal
+    faults: FaultPlan
+    workers: "Workers"
+    log: MetricsLog
+    loader: PromptLoader | None  # None when rollouts are replayed
+    checkpoint: Checkpoint | None  # the one resumed from
+    start_step: int
+    num_steps: int
+    evaluate_policy: Callable[[int], dict]  # step -> the engines' policy's eval metrics, when due (evaluate_if_due)
+    step_rollout: Rollout
+
+    def collect_rollout(self, step: int) -> tuple[list[Sample], dict]:
+        """Step `step`'s scored samples and their metrics, sampled with the step's own seeds."""
+        settings, rollout = self.config.run, self.config.rollout
+        sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
+        return collect_rollout(step, self.step_rollout, self.loader, sampling, rollout)
+
+    def save(self, step: int, loader) -> Path:
+        """The state after `step` (relax.run.state.save), `loader` where that step left it; the actor awake."""
+        settings, outputs = self.config.run, self.config.outputs
+        return save(outputs.save, step, self.workers.trainers, loader, settings.seed, outputs.save_hf,
+                    settings.train_timeout)
+
+    def finish(self) -> None:
+        """After the last step, its weights pushed: the evaluation due then, and the weight-push groups closed."""
+        workers = self.workers
+        self.faults.at(self.num_steps)
+        final_eval = self.evaluate_policy(self.num_steps)
+        if final_eval:
+            self.log.log_evaluation(self.num_steps, {**final_eval, **workers.colocation.take_faults()})
+        if workers.trainers is not None and workers.engines is not None:
+            # the broadcast groups to engines on other nodes (or devices)
+            workers.trainers.run("close_weight_sync", timeout=self.config.run.train_timeout)
+
+
+@contextmanager
+def started_run(
+    config, inputs: Inputs, stop: StopOnSignal | None, restarts: int, faults: FaultPlan | None
+) -> Iterator[StartedRun]:
+    """Ray (a local cluster unless the driver runs in one), the placement, the metrics log and the workers
+    (start_workers) for `run`'s arguments; however the run ends, its workers, placement, log and local Ray are
+    ended, and a worker's failure is raised as WorkerFailed naming it and its log."""
     settings, rollout, evaluation, outputs = config.run, config.rollout, config.evaluation, config.outputs
     num_steps = settings.num_steps if settings.mode.runs_steps else 0  # --eval-only: the evaluation at step 0 only
     stop = stop or StopOnSignal()  # not entered: never signalled
@@ -88,7 +176,9 @@ def run(
 
     started_ray = _init_ray()
     stop.take_back()  # ray.init set its own SIGTERM handler
-    placement = create_node_placement(platform, settings.num_nodes, settings.num_devices_per_node)
+    placement = create_node_placement(
+        platform, settings.num_nodes, settings.num_devices_per_node, settings.rollout_num_devices or 0
+    )
     workers = Workers()  # filled as each group is created, so that the cleanup ends those a failed setup created
     faults = faults or FaultPlan.from_environ()
     log = MetricsLog(
@@ -99,52 +189,18 @@ def run(
         restarts=restarts,
     )
     try:
-        start_workers(workers, config, platform, placement, checkpoint, faults)
-        trainers, colocation = workers.trainers, workers.colocation
+        start_workers(workers, config, platform, placement, faults)
         if stop.requested:  # a signal came during the setup
             raise RunStopped(stop.signum, None, None)
-        generate = colocation.generate if workers.engines is not None else None
+        generate = workers.colocation.generate if workers.engines is not None else None
         evaluate_policy = partial(
             evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps,
-            partial(faults.inject, "eval", workers.engines, trainers),
+            partial(faults.inject, "eval", workers.engines, workers.trainers),
         )
-        step_rollout = rollout_of(rollout, generate, reward_fn)
-        for step in range(start_step, num_steps):
-            timer, train_metrics, saved = PhaseTimer(), {}, None
-            faults.at(step)
-            step_sampling = replace(rollout.sampling, seed=sampling_seed(settings.seed, step))
-            eval_metrics = evaluate_policy(step)  # the policy this step samples from, while the actor sleeps
-            with timer("perf/step_time"):
-                with timer("perf/rollout_time"):
-                    faults.inject("rollout", workers.engines, trainers)
-                    samples, rollout_metrics = collect_rollout(step, step_rollout, loader, step_sampling, rollout)
-                if trainers is not None:  # None under --debug-rollout-only
-                    with timer("perf/train_wait_time"):
-                        colocation.to_actor()
-                    with timer("perf/train_time"):
-                        train_metrics = train(
-                            trainers, workers.data_parallel_ranks, samples, config.algorithm, settings.train_timeout
-                        )
-                    if save_due(outputs, num_steps, step):  # while the actor is awake
-                        with timer("perf/save_time"):
-                            faults.inject("save", workers.engines, trainers)
-                            saved = save(
-                                outputs.save, step, trainers, loader, settings.seed, outputs.save_hf,
-                                settings.train_timeout,
-                            )
-                    with timer("perf/weight_sync_time"):
-                        colocation.to_engines()
-            log.log(step, {**eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds,
-                           **colocation.take_faults()})
-            if stop.requested:  # a signal came during this step, which has ended (the last: no evaluation after it)
-                raise stop_run(stop.signum, step, saved, colocation, trainers, loader, settings, outputs)
-        faults.at(num_steps)
-        final_eval = evaluate_policy(num_steps)  # the last step's weights pushed, the actor asleep
-        if final_eval:
-            log.log_evaluation(num_steps, {**final_eval, **colocation.take_faults()})
-        if trainers is not None and workers.engines is not None:
-            # the broadcast groups to engines on other nodes
-            trainers.run("close_weight_sync", timeout=settings.train_timeout)
+        yield StartedRun(
+            config, stop, faults, workers, log, loader, checkpoint, start_step, num_steps, evaluate_policy,
+            rollout_of(rollout, generate, reward_fn),
+        )
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
         raise worker_failure(error, [workers.trainers, workers.engines]) from error
     finally:
@@ -155,21 +211,23 @@ def run(
         placement.remove()
         if started_ray:  # the run's own local cluster: its processes end here, not at interpreter exit
             ray.shutdown()
-    return Path(outputs.output_dir)
 
 
-def run_with_restarts(config, inputs: Inputs, stop: StopOnSignal | None = None) -> Path:
-    """run(config, inputs); after a worker fails, again from the newest complete checkpoint in --save (from where
-    the run started while none is saved), at most --max-restarts times in all, then the failure is raised. The workers:
-    a training rank, or an engine (its actor or SGLang processes) that died with --max-engine-restarts used up (the
-    new attempt's engines have their own) or whose restart failed. run's cleanup has ended the failed attempt's workers (and the local Ray it started) before the
-    next one starts them anew. The driver's own errors (bad input included) and a failure naming no worker (the
-    liveness watch of a lost node) are raised at once, as is any failure after a stop signal."""
+def run_with_restarts(config, inputs: Inputs, stop: StopOnSignal | None = None, attempt=None) -> Path:
+    """attempt(config, inputs, stop, restarts, faults): `run`, or relax.run.loop_async.run for --no-colocate (the
+    `relax train` driver picks); after a worker fails, again from the newest complete checkpoint in --save (from
+    where the run started while none is saved), at most --max-restarts times in all, then the failure is raised.
+    The workers: a training rank, or an engine (its actor or SGLang processes) that died with --max-engine-restarts
+    used up (the new attempt's engines have their own) or whose restart failed. run's cleanup has ended the failed
+    attempt's workers (and the local Ray it started) before the next one starts them anew. The driver's own errors
+    (bad input included) and a failure naming no worker (the liveness watch of a lost node) are raised at once, as
+    is any failure after a stop signal."""
+    attempt = attempt or run
     restarts = 0
     faults = FaultPlan.from_environ()  # one plan over the attempts: a resumed run does not meet its faults again
     while True:
         try:
-            return run(config, inputs, stop, restarts, faults)
+            return attempt(config, inputs, stop, restarts, faults)
         except WorkerFailed as failure:
             restartable = failure.role in (TRAINING_RANK, ENGINE)
             if not restartable or restarts == config.run.max_restarts or (stop and stop.requested):
@@ -238,6 +296,20 @@ def train(
 ) -> dict:
     """Advantages; each data-parallel rank gets its token-balanced share of every optimizer step; old-policy (and
     reference) logprobs and the optimizer steps on every rank (within `timeout`); mean metrics."""
+    return training_metrics(trainers, start_training(trainers, data_parallel_ranks, samples, algorithm), timeout)
+
+
+@dataclass
+class Training:
+    """A step's training, started on every rank (start_training), not yet waited on (training_metrics)."""
+
+    calls: list  # one ref per training rank
+    imbalance: float  # perf/data_parallel_token_imbalance
+
+
+def start_training(trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings
+                   ) -> Training:
+    """train's calls, made and not waited on."""
     batch = rollout_batch(samples, algorithm)
     shares, imbalance = split_over_data_parallel(
         batch.token_counts(), algorithm.global_batch_size, max(data_parallel_ranks) + 1
@@ -247,22 +319,23 @@ def train(
         actor.train.remote(share_refs[rank], shares[rank].step_sizes, algorithm.uses_reference)
         for actor, rank in zip(trainers.actors, data_parallel_ranks)
     ]
-    metrics = trainers.wait(calls, timeout)
-    return {**_mean_over_steps(metrics[0]), "perf/data_parallel_token_imbalance": imbalance}
+    return Training(calls, imbalance)
 
 
-def stop_run(
-    signum: int, last_step: int, saved, colocation: Colocation, trainers, loader, settings: RunSettings,
-    outputs: OutputSettings,
-) -> RunStopped:
-    """The run ends after `last_step` on a signal. With --save, that step's state is saved unless it just was (the
-    actor woken for it: the engines are not needed any more)."""
-    if outputs.save and saved is None:
-        colocation.to_actor()
-        saved = save(
-            outputs.save, last_step, trainers, loader, settings.seed, outputs.save_hf, settings.train_timeout
-        )
-    return RunStopped(signum, last_step, saved)
+def training_metrics(trainers, training: Training, timeout: Timeout) -> dict:
+    """Wait for `training` (within `timeout`); its mean metrics."""
+    metrics = trainers.wait(training.calls, timeout)
+    return {**_mean_over_steps(metrics[0]), "perf/data_parallel_token_imbalance": training.imbalance}
+
+
+def stop_run(run_: StartedRun, last_step: int, saved, loader, wake_actor) -> RunStopped:
+    """The run ends after `last_step` on a signal. With --save, that step's state is saved unless it just was
+    (`loader` where that step left it; `wake_actor()` first, to give the actor its devices: the engines are not
+    needed any more)."""
+    if run_.config.outputs.save and saved is None:
+        wake_actor()
+        saved = run_.save(last_step, loader)
+    return RunStopped(run_.stop.signum, last_step, saved)
 
 
 def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> RolloutBatch:
@@ -322,37 +395,40 @@ class Workers:
                 group.kill()
 
 
-def start_workers(workers: Workers, config, platform, placement: Placement, checkpoint, faults: FaultPlan) -> None:
-    """Create the run's workers into `workers`: the training actors, put to sleep so that the engines start with
-    the device memory to themselves; then the engines, waited on until started (weights loaded, graphs captured:
-    the first step would otherwise time it as rollout); when resuming, the actor's checkpoint (loaded awake, the
-    engines' memory released), pushed to them."""
+def start_workers(workers: Workers, config, platform, placement: Placement, faults: FaultPlan) -> None:
+    """Create the run's workers into `workers`: the training actors, colocated put to sleep so that the engines
+    start with the device memory to themselves; then the engines, waited on until started (weights loaded, graphs
+    captured: the first step would otherwise time it as rollout). With --no-colocate the actor takes the first
+    --num-nodes x --num-devices-per-node bundles and the engines the rest, and nothing sleeps."""
     settings, rollout = config.run, config.rollout
     memory_saver_on = settings.colocate and platform.has_memory_saver
+    actor_devices = settings.num_nodes * settings.num_devices_per_node
+    actor_placement = placement if settings.colocate else placement.part(0, actor_devices)
+    engine_placement = placement if settings.colocate else placement.part(actor_devices, placement.num_devices)
     if settings.mode.has_actor:
         workers.trainers = trainers = create_training_actors(
-            TrainWorker, placement, memory_saver_on=memory_saver_on,
+            TrainWorker, actor_placement, memory_saver_on=memory_saver_on,
             args=(
                 settings.hf_checkpoint, config.megatron.values, config.actor, platform.name,
                 settings.update_weight_buffer_size, settings.megatron_features,
             ),
         )
-        trainers.run("sleep", timeout=settings.weight_sync_timeout)
+        if settings.colocate:
+            trainers.run("sleep", timeout=settings.weight_sync_timeout)
         workers.data_parallel_ranks = trainers.run("data_parallel_rank", timeout=settings.train_timeout)
     if settings.mode.has_engines:
         workers.engines = engines = create_engine_actors(
-            EngineWorker, placement,
+            EngineWorker, engine_placement,
             devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
             args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
         )
         engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
-    workers.colocation = colocation = Colocation(
-        workers.trainers, workers.engines, rollout.devices_per_engine, settings, faults
-    )
-    if checkpoint is not None:
-        colocation.to_actor()
-        workers.trainers.run("load_checkpoint", str(checkpoint.actor_dir), timeout=settings.train_timeout)
-        colocation.to_engines()
+    workers.colocation = Colocation(workers.trainers, workers.engines, rollout.devices_per_engine, settings, faults)
+
+
+def load_checkpoint(trainers: ActorGroup, checkpoint, settings: RunSettings) -> None:
+    """The actor's state from the checkpoint resumed (relax.run.state.Checkpoint); the actor awake."""
+    trainers.run("load_checkpoint", str(checkpoint.actor_dir), timeout=settings.train_timeout)
 
 
 def _mean_over_steps(step_metrics: list[dict[str, float]]) -> dict[str, float]:

@@ -15,7 +15,8 @@ on the bundles of ranks e*k .. (e+1)*k - 1, relax.ray.placement.engine_positions
   SGLang finds a handle's device by its uuid): the stage's first rank hands the engine a payload for each of
   its TP ranks (device IPC handles; relax.sync.bucket).
 - BROADCAST otherwise (engines on other nodes; with SAME_DEVICE, also engines whose devices hold another
-  stage): the stage's first rank broadcasts. A broadcast group never holds two processes of one device (NCCL
+  stage; every engine when the engines have devices of their own, --no-colocate: plan_broadcasts): the stage's
+  first rank broadcasts. A broadcast group never holds two processes of one device (NCCL
   and HCCL refuse that), so an engine must not share the sender's device: the plan refuses such a layout
   (relax.args.checks refuses it at parse time).
 
@@ -93,6 +94,16 @@ def plan_pushes(stage_of_rank: list[int], node_of_rank: list[str], devices_per_e
             else:
                 pushes.append(Push(stage, engine, BROADCAST, (sender,)))
     return pushes
+
+
+def plan_broadcasts(stage_of_rank: list[int], num_engines: int) -> list[Push]:
+    """Every (stage, engine) push where the engines run on devices of their own (--no-colocate): each stage's
+    first rank broadcasts to every engine."""
+    return [
+        Push(stage, engine, BROADCAST, (stage_of_rank.index(stage),))
+        for stage in sorted(set(stage_of_rank))
+        for engine in range(num_engines)
+    ]
 
 
 def device_groups(pushes: list[Push]) -> dict[tuple[int, int], object]:

@@ -89,11 +89,13 @@ class TrainWorker:
         return load_checkpoint(self.actor, directory)
 
     def push_weights(
-        self, engines: list, engine_tp_size: int, engine_nodes: list[str], kill_after_first_bucket: int | None = None
+        self, engines: list, engine_tp_size: int, engine_nodes: list[str], kill_after_first_bucket: int | None = None,
+        engines_apart: bool = False,
     ) -> dict:
         """Send the weights under HF names, bucket by bucket, to `engines` (Ray handles of
         relax.rollout.worker.EngineWorker, engine e on the devices of training ranks e*k .. (e+1)*k - 1 with
-        k = engine_tp_size) on the nodes `engine_nodes` (Ray node ids, one per engine). Collective over ranks
+        k = engine_tp_size; with `engines_apart`, on devices of their own: --no-colocate) on the nodes
+        `engine_nodes` (Ray node ids, one per engine). Collective over ranks
         (the export gathers TP/EP shards; every rank of a pipeline stage holds the same buckets). Who sends
         what to which engine is relax.sync.broadcast's plan, made at the first push: the training ranks on an
         engine's devices, or the first rank of each stage by handle or by broadcast, through groups kept until
@@ -112,7 +114,7 @@ class TrainWorker:
         from relax.train.weight_export import weight_buckets
 
         if self.weight_routes is None:
-            self.weight_routes = self._plan_weight_routes(engines, engine_tp_size, engine_nodes)
+            self.weight_routes = self._plan_weight_routes(engines, engine_tp_size, engine_nodes, engines_apart)
         else:  # the first push's engines, or an engine restarted in place of one of them
             self.weight_routes.follow(engines)
         routes = self.weight_routes
@@ -136,26 +138,30 @@ class TrainWorker:
             raise failures[0]
         return {"bytes": sent, "routes": list(routes.routes)}
 
-    def _plan_weight_routes(self, engines: list, engine_tp_size: int, engine_nodes: list[str]):
-        """This rank's relax.sync.broadcast.WeightRoutes, from every rank's pipeline stage and node. Collective."""
+    def _plan_weight_routes(self, engines: list, engine_tp_size: int, engine_nodes: list[str], engines_apart: bool):
+        """This rank's relax.sync.broadcast.WeightRoutes, from every rank's pipeline stage and node: broadcasts
+        only with `engines_apart`. Collective."""
         import ray
         from megatron.core import parallel_state
 
         from relax.ray.placement import engine_positions
-        from relax.sync.broadcast import WeightRoutes, device_groups, plan_pushes
+        from relax.sync.broadcast import WeightRoutes, device_groups, plan_broadcasts, plan_pushes
 
         world = torch.distributed.get_world_size()
         stages, nodes = [None] * world, [None] * world
         torch.distributed.all_gather_object(stages, parallel_state.get_pipeline_model_parallel_rank())
         torch.distributed.all_gather_object(nodes, ray.get_runtime_context().get_node_id())
-        positions = engine_positions(world, engine_tp_size)
-        if len(engines) != len(positions) or engine_nodes != [nodes[devices[0]] for devices in positions]:
-            raise ValueError(
-                f"push_weights: {len(engines)} engines on nodes {engine_nodes} are not engine e on the devices of "
-                f"training ranks {engine_tp_size}*e .. (relax.ray.placement.engine_positions); training ranks' "
-                f"nodes: {nodes}"
-            )
-        pushes = plan_pushes(stages, nodes, engine_tp_size, self.platform.handles_cross_devices)
+        if engines_apart:
+            pushes = plan_broadcasts(stages, len(engines))
+        else:
+            positions = engine_positions(world, engine_tp_size)
+            if len(engines) != len(positions) or engine_nodes != [nodes[devices[0]] for devices in positions]:
+                raise ValueError(
+                    f"push_weights: {len(engines)} engines on nodes {engine_nodes} are not engine e on the devices "
+                    f"of training ranks {engine_tp_size}*e .. (relax.ray.placement.engine_positions); training "
+                    f"ranks' nodes: {nodes}"
+                )
+            pushes = plan_pushes(stages, nodes, engine_tp_size, self.platform.handles_cross_devices)
         return WeightRoutes(
             engines, pushes, self.rank, engine_tp_size, self.platform, group_name=f"relax-weights-from-rank{self.rank}",
             groups=device_groups(pushes),

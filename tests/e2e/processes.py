@@ -106,3 +106,20 @@ def kill_marked(marker: dict[str, str]) -> None:
 
 def describe(processes: list[psutil.Process]) -> str:
     return ", ".join(f"{process.pid} ({title(process)[:80]})" for process in processes) or "none"
+
+
+def mark_in_process_run(monkeypatch, env: dict[str, str]) -> dict[str, str]:
+    """A run_marker() for a run this test's own process drives (relax.run.loop on its own local Ray cluster), set in
+    this process's environment with `env`, so that the run's Ray cluster, its actors and SGLang's processes inherit
+    them; with the variables run() sets for its local cluster and without RAY_ADDRESS (else run() would join that
+    cluster); monkeypatch takes all back after the test. This process's multiprocessing resource tracker (the reward
+    function's spawned workers start it) lives as long as this process: started first, it is not counted as the
+    run's."""
+    import multiprocessing.resource_tracker
+
+    multiprocessing.resource_tracker.ensure_running()
+    marker = run_marker()
+    for name, value in {**marker, **env, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return marker

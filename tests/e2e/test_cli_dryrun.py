@@ -73,3 +73,16 @@ def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
     for name in ("mem_fraction_static", "tensor_model_parallel_size", "lr"):
         assert name not in s["relax"]  # nothing leaks into relax's own namespace
     assert "tensor_model_parallel_size" not in s["sglang"]
+
+
+def test_dry_run_shows_which_bundles_the_actor_and_each_engine_take(tmp_path):
+    checkpoint = build_tiny_model(tmp_path, "qwen3")
+    argv = ["train", "--dry-run", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--lr", "2e-6",
+            "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--no-colocate", "--rollout-num-gpus", "4",
+            "--rollout-num-gpus-per-engine", "2"]
+    result = subprocess.run([str(RELAX), *argv], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert ("placement: 5 bundle(s) (the actor's, then the engines')\n"
+            "  training ranks 0-0: bundles 0-0 (1 node(s) x 1)\n"
+            "  engine 0: bundles 1-2\n"
+            "  engine 1: bundles 3-4\n") in result.stdout

@@ -20,7 +20,7 @@ import ray
 
 import relax.run.loop
 from generations import assert_same_generations, largest_logprob_change
-from processes import MARKER_VAR, describe, leftover_processes, run_marker
+from processes import describe, leftover_processes, mark_in_process_run
 from relax.args import parse_train_args
 from relax.ray.placement import ENGINE_RANK_ENV
 from relax.rollout.dump import rollout_data_path
@@ -97,13 +97,7 @@ def test_two_engines_and_two_training_ranks_share_every_step_and_take_every_push
         "--save-rollout-data", rollout_pattern, "--output-dir", str(output),
     ])
     assert not ray.is_initialized(), "run() must start its own Ray cluster here (another test left one connected)"
-    marker = run_marker()
-    # The run's Ray cluster, its actors and SGLang's processes inherit the marker and the records' directory.
-    monkeypatch.setenv(MARKER_VAR, marker[MARKER_VAR])
-    monkeypatch.setenv(RECORDS_ENV, str(records))
-    for name, value in (("RAY_USAGE_STATS_ENABLED", "0"), ("RAY_AUTH_MODE", "disabled")):
-        monkeypatch.setenv(name, value)  # what run() sets for its local cluster, taken back after the test
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # else run() would join that cluster
+    marker = mark_in_process_run(monkeypatch, {RECORDS_ENV: str(records)})  # the records' directory too
     monkeypatch.setattr(relax.run.loop, "EngineWorker", RecordingEngineWorker)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
     try:

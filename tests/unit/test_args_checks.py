@@ -207,6 +207,29 @@ RULES = {
         [*RUN, "--num-experts", "4", "--moe-enable-routing-replay"],
         "--moe-enable-routing-replay alone replays nothing",
     ),
+    "the engines' own devices only apart": (
+        [*RUN, "--rollout-num-gpus", "2"],
+        "--rollout-num-devices (--rollout-num-gpus) is read only with --no-colocate",
+    ),
+    "apart, the engines need devices": (
+        [*RUN, "--no-colocate"], "--no-colocate needs --rollout-num-devices N (--rollout-num-gpus)"
+    ),
+    "apart, the engines fill their devices": (
+        [*RUN, "--no-colocate", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
+        "--rollout-num-devices-per-engine 2 does not divide the --rollout-num-devices 3 devices of the engines",
+    ),
+    "apart, no engine restarts in place": (
+        [*RUN, "--no-colocate", "--rollout-num-gpus", "1", "--max-engine-restarts", "1"],
+        "--max-engine-restarts 1 with --no-colocate: an engine is not restarted in place there",
+    ),
+    "apart, no sleep route": (
+        [*RUN, "--no-colocate", "--rollout-num-gpus", "1", "--actor-sleep-route", "host-copies"],
+        "--actor-sleep-route host-copies with --no-colocate: the actor never sleeps",
+    ),
+    "apart, no debug mode": (
+        [*RUN, "--no-colocate", "--rollout-num-gpus", "1", "--debug-rollout-only"],
+        "--no-colocate with --debug-rollout-only starts no actor to run beside the engines; drop --no-colocate",
+    ),
     "MindSpeed switches off NPU": (
         [*RUN, "--use-fused-rmsnorm", "--use-fused-rotary-pos-emb"],
         "--use-fused-rmsnorm, --use-fused-rotary-pos-emb: switches of the NPU's Megatron adaptation layer (MindSpeed); the "
@@ -450,6 +473,16 @@ def test_engine_restarts_and_the_driver_waits_are_bounded_by_default(capsys):
     assert "--max-engine-restarts: must be >= 0, got -1" in parse_error([*RUN, "--max-engine-restarts", "-1"], capsys)
     assert "--weight-sync-timeout: must be > 0, got 0" in parse_error([*RUN, "--weight-sync-timeout", "0"], capsys)
     assert "--train-timeout: must be > 0, got 0" in parse_error([*RUN, "--train-timeout", "0"], capsys)
+
+
+def test_engines_apart_take_devices_of_their_own_without_sleep_memory_saver_or_restarts():
+    argv = [*RUN, "--num-devices-per-node", "2", "--no-colocate", "--rollout-num-gpus", "4"]
+    config = parse_train_args([*argv, "--rollout-num-gpus-per-engine", "2"])
+    assert (config.run.colocate, config.run.rollout_num_devices, config.run.max_engine_restarts) == (False, 4, 0)
+    assert not config.sglang.enable_memory_saver and not config.actor.memory_saver
+    assert config.rollout.devices_per_engine == 2
+    colocated = parse_train_args([*RUN, "--num-devices-per-node", "2"])
+    assert (colocated.run.colocate, colocated.run.rollout_num_devices) == (True, None)
 
 
 def test_max_restarts_defaults_to_none_and_is_positive(capsys):

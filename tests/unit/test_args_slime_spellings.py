@@ -19,6 +19,7 @@ GIVEN = {
     "--num-devices-per-node": ("2", []),
     "--max-prompt-length": ("16", []),
     "--kl-coef": ("0.1", ["--use-kl-loss"]),
+    "--rollout-num-devices": ("2", ["--no-colocate"]),
 }
 
 
@@ -65,7 +66,7 @@ def test_no_slime_spelling_is_an_sglang_or_megatron_spelling():
     assert set(SLIME_FLAGS) & {o for a in parser._actions for o in a.option_strings} == set()
 
 
-@pytest.mark.parametrize("flag", ["--num-epoch", "--rollout-num-gpus", "--rollout-seed", "--num-gpus-per-node"])
+@pytest.mark.parametrize("flag", ["--num-epoch", "--critic-num-gpus-per-node", "--rollout-seed", "--num-gpus-per-node"])
 def test_other_slime_flags_are_still_refused(flag, capsys):
     assert f"unknown flag {flag}" in parse_error([*RUN, flag, "1"], capsys)
 

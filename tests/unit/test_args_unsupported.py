@@ -37,7 +37,6 @@ OTHER_MODEL_FLAG_READERS = {
     "position_embedding_type": "the table refuses anything but rope",
 }
 COMBINATIONS = {
-    "--no-colocate": ["--no-colocate"],
     "--save / --load with --debug-rollout-only": ["--debug-rollout-only", "--save", "ckpt"],
     "--log-interval other than 1": ["--log-interval", "2"],
     "--context-parallel-size other than 1": ["--context-parallel-size", "2"],
@@ -56,8 +55,8 @@ def test_each_unsupported_combination_is_refused_at_parse_time_with_what_to_do(e
 
 
 def test_every_unsupported_combination_found_is_named_at_once(capsys):
-    error = parse_error([*RUN, "--no-colocate", "--log-interval", "3", "--context-parallel-size", "2"], capsys)
-    assert "--no-colocate is not supported" in error and "--log-interval 3 is not supported" in error
+    error = parse_error([*RUN, "--sglang-dp-size", "2", "--log-interval", "3", "--context-parallel-size", "2"], capsys)
+    assert "--sglang-dp-size 2 is not supported" in error and "--log-interval 3 is not supported" in error
     assert "--context-parallel-size 2 is not supported" in error
 
 
@@ -113,7 +112,8 @@ def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed, tiny_qwen3):
     relax_dests = {a.dest for a in parser._actions if not a.dest.startswith(("sglang_", "megatron_", "help"))}
     megatron_names = {a.dest.removeprefix("megatron_") for a in parser._actions if a.dest.startswith("megatron_")}
     built, checked, scheduler = set(), set(), set()
-    for argv in (RUN, [*RUN, *EVERY_FEATURE, "--output-dir", str(record), "--overwrite-output-dir"]):
+    apart = [*RUN, "--no-colocate", "--rollout-num-gpus", "1"]  # the engines on devices of their own
+    for argv in (RUN, apart, [*RUN, *EVERY_FEATURE, "--output-dir", str(record), "--overwrite-output-dir"]):
         for into, reads in zip((built, checked, scheduler), _reads(argv)):
             into |= reads
 

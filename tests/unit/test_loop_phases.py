@@ -1,5 +1,6 @@
-"""The colocated loop's pure pieces: batch assembly with advantages, phase timing, metrics files; and run's control
-flow (setup, steps, the evaluation after the last step, a stop signal, cleanup) on test doubles of its workers."""
+"""The loop's pure pieces: batch assembly with advantages, phase timing, metrics files; and the control flow of run
+and of --no-colocate's relax.run.loop_async.run (setup, steps, the evaluation after the last step, a stop signal,
+cleanup) on test doubles of their workers."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import torch
 import relax.platform
 import relax.run.inputs
 import relax.run.loop
+import relax.run.loop_async
 from relax.args import AlgorithmSettings
 from relax.args.settings import RunMode
 from relax.run.loop import PhaseTimer, _mean_over_steps, rollout_batch, run, run_with_restarts
@@ -289,10 +291,12 @@ def _record(**fields):
     return make_dataclass("Record", list(fields), frozen=True)(**fields)
 
 
-def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max_restarts: int = 0):
+def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max_restarts: int = 0,
+            colocate: bool = True):
     """The settings run() and run_with_restarts read (relax.args.TrainConfig's)."""
     settings = _record(
-        num_steps=num_steps, load=None, device="cpu", seed=1, num_nodes=1, num_devices_per_node=1, colocate=True,
+        num_steps=num_steps, load=None, device="cpu", seed=1, num_nodes=1, num_devices_per_node=1, colocate=colocate,
+        rollout_num_devices=None if colocate else 1,
         hf_checkpoint="model", mode=RunMode.ROLLOUT_ONLY if debug_rollout_only else RunMode.TRAIN,
         update_weight_buffer_size=0, megatron_features=None, weight_sync_timeout=None, train_timeout=None,
         engine_start_timeout=None, max_restarts=max_restarts, max_engine_restarts=0,
@@ -372,3 +376,99 @@ def test_a_training_rank_failing_after_the_final_save_restarts_to_the_evaluation
     assert "  restarts      1: resumed from a checkpoint after a training rank or an engine failed\n" in (
         capsys.readouterr().out
     )
+
+
+# --- --no-colocate: relax.run.loop_async.run on the same doubles ------------------------------------------------
+
+
+class _AsyncWorld(_World):
+    """_World, with the async loop's own calls recorded in `events` in the order the driver makes them: each
+    step's rollout takes one prompt from the loader, training starts and is waited on, saves, weight pushes."""
+
+    def __init__(self, monkeypatch):
+        super().__init__(monkeypatch)
+        self.events = []
+        loop, loop_async = relax.run.loop, relax.run.loop_async
+
+        def collect_rollout(step, step_rollout, loader, sampling, rollout):
+            loader.take(1)
+            self.events.append(("rollout", step))
+            return [f"sample of step {step}"], {"rollout/reward_mean": float(step)}
+
+        def start_training(trainers, data_parallel_ranks, samples, algorithm):
+            self.events.append(("train started", samples[0]))
+            return SimpleNamespace(calls=samples)
+
+        def training_metrics(trainers, training, timeout):
+            self.events.append(("train waited", training.calls[0]))
+            return {"train/loss": 1.0}
+
+        def save(save_dir, step, trainers, loader, *args):
+            self.events.append(("save", step, loader.state_dict()["index"]))
+            return Path(save_dir) / f"step_{step:06d}"
+
+        self.placed = []  # create_node_placement's sizes, then each part the workers are placed on
+        placement = SimpleNamespace(
+            remove=lambda: setattr(self, "placement_removed", True), num_devices=2,
+            part=lambda start, stop: self.placed.append(("part", start, stop)),
+        )
+        monkeypatch.setattr(
+            loop, "create_node_placement", lambda platform, *sizes: self.placed.append(sizes) or placement
+        )
+        self.on_evaluation = lambda step: self.events.append(("eval", step))
+        monkeypatch.setattr(loop, "collect_rollout", collect_rollout)
+        monkeypatch.setattr(loop, "save", save)
+        monkeypatch.setattr(loop_async, "start_training", start_training)
+        monkeypatch.setattr(loop_async, "training_metrics", training_metrics)
+        monkeypatch.setattr(loop_async, "push_weights", lambda *args: self.events.append(("push",)))
+        clock = SimpleNamespace(seconds=lambda engines_done: {"perf/train_time": 2.0, "perf/train_overlap_time": 1.5})
+        monkeypatch.setattr(loop_async, "TrainingClock", lambda calls: clock)
+
+
+def _inputs_with_prompts(count: int) -> Inputs:
+    prompts = [Prompt(row, [row], f"prompt {row}") for row in range(1, count + 1)]
+    return Inputs(report=[], checkpoint=None, prompts=prompts, eval_sets=[], reward_fn=None)
+
+
+def test_the_async_loop_rolls_out_the_next_step_while_the_actor_trains_and_pushes_between_steps(
+    tmp_path, monkeypatch
+):
+    world = _AsyncWorld(monkeypatch)
+    config = _config(tmp_path, num_steps=3, debug_rollout_only=False, save=str(tmp_path / "saves"), colocate=False)
+    assert run_with_restarts(config, _inputs_with_prompts(8), attempt=relax.run.loop_async.run) == tmp_path
+    assert world.events == [
+        ("rollout", 0),  # the weights the run starts from
+        ("train started", "sample of step 0"), ("eval", 0), ("rollout", 1), ("train waited", "sample of step 0"),
+        ("push",),  # step 1 rolled out on the starting weights too: one step off-policy from here on
+        ("train started", "sample of step 1"), ("eval", 1), ("rollout", 2), ("train waited", "sample of step 1"),
+        ("push",),
+        ("train started", "sample of step 2"), ("eval", 2), ("train waited", "sample of step 2"),
+        ("save", 2, 3),  # the loader after step 2's prompt: the next rollout's was not taken (no step 3)
+        ("push",),
+        ("eval", 3),  # after the last push: the policy after 3 steps
+    ]
+    assert world.placed == [(1, 1, 1), ("part", 0, 1), ("part", 1, 2)]  # 1 x 1 devices for the actor, then 1
+    assert world.colocation.hand_overs == []  # nothing sleeps, nothing is released
+    assert ["trainers", "sleep"] not in world.waited
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["rollout/reward_mean"] for r in rows[:3]] == [0.0, 1.0, 2.0]  # the metrics of the samples trained
+    assert "perf/first_rollout_time" in rows[0] and "perf/first_rollout_time" not in rows[1]
+    assert ["perf/rollout_time" in r for r in rows[:3]] == [True, True, False]  # the next step's: none after the last
+    assert all(r["perf/train_time"] == 2.0 and r["perf/train_overlap_time"] == 1.5 for r in rows[:3])
+    assert world.groups["trainers"].killed and world.groups["engines"].killed and world.ray_shut_down
+
+
+def test_a_signal_stops_the_async_loop_after_its_step_saved_with_the_loader_before_the_next_rollout(
+    tmp_path, monkeypatch
+):
+    world = _AsyncWorld(monkeypatch)
+    config = _config(tmp_path, num_steps=4, debug_rollout_only=False, save=str(tmp_path / "saves"), colocate=False)
+    with StopOnSignal() as stop:
+        world.on_evaluation = lambda step: os.kill(os.getpid(), signal.SIGTERM) if step == 1 else None
+        with pytest.raises(RunStopped) as stopped:
+            relax.run.loop_async.run(config, _inputs_with_prompts(8), stop)
+    assert (stopped.value.signum, stopped.value.last_step) == (signal.SIGTERM, 1)
+    # step 1 trained, its rollout of step 2 done; the save of step 1 has the loader after step 1's prompt
+    assert world.events[-4:] == [("rollout", 2), ("train waited", "sample of step 1"), ("push",), ("save", 1, 2)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]

@@ -18,6 +18,7 @@ from relax.ray.placement import (
     local_device_index,
     node_layout_problem,
     noset_visible_devices_env,
+    placement_plan,
     training_envs,
 )
 from relax.ray.runtime_env import forwarded_env
@@ -88,6 +89,37 @@ def test_engines_take_consecutive_devices_of_one_node():
     envs = engine_envs(placed, 2, {})
     assert [(env["RELAX_ENGINE_RANK"], env[LOCAL_DEVICE_ENV], env[ENGINE_DEVICES_ENV]) for env in envs] == [
         ("0", "0", "0,1"), ("1", "2", "2,3")]
+
+
+def test_engines_apart_take_the_bundles_after_the_actors_with_their_own_devices_and_environment():
+    """--no-colocate: one placement, the training ranks on its first bundles and the engines on the rest
+    (Placement.part), each part numbered from its own first bundle."""
+    placed = placement(NPU, [bundle(i, "10.0.0.1", "a", str(i), i) for i in range(6)])
+    actor, engines = placed.part(0, 2), placed.part(2, 6)
+    assert [env["RANK"] for env in training_envs(actor, {})] == ["0", "1"]
+    assert training_envs(actor, {})[0]["WORLD_SIZE"] == "2" and actor.master_port == placed.master_port
+    assert [(env["RELAX_ENGINE_RANK"], env[ENGINE_DEVICES_ENV]) for env in engine_envs(engines, 2, {})] == [
+        ("0", "2,3"), ("1", "4,5")]
+    assert engines.groups is placed.groups  # a wait on either part's actors watches both
+
+
+def test_the_dry_run_shows_which_bundles_each_side_takes():
+    assert placement_plan(1, 2, 2, engine_devices=4) == [
+        "placement: 6 bundle(s) (the actor's, then the engines')",
+        "  training ranks 0-1: bundles 0-1 (1 node(s) x 2)",
+        "  engine 0: bundles 2-3",
+        "  engine 1: bundles 4-5",
+    ]
+    assert placement_plan(2, 2, 2, engine_devices=None) == [
+        "placement: 4 bundle(s) (shared by the actor and the engines)",
+        "  training ranks 0-3: bundles 0-3 (2 node(s) x 2)",
+        "  engine 0: bundles 0-1",
+        "  engine 1: bundles 2-3",
+    ]
+    assert placement_plan(1, 1, 1, engine_devices=None, with_engines=False) == [
+        "placement: 1 bundle(s) (shared by the actor and the engines)",
+        "  training ranks 0-0: bundles 0-0 (1 node(s) x 1)",
+    ]
 
 
 def test_engine_layouts_that_cannot_work_are_refused_with_the_reason():

@@ -5,7 +5,9 @@ tests/e2e/test_multinode_sync.py; every preset's plan is checked from its dry ru
 import pytest
 
 from relax.platform import platform_facts
-from relax.sync.broadcast import BROADCAST, SAME_DEVICE, SAME_NODE, BroadcastGroup, Push, WeightRoutes, plan_pushes
+from relax.sync.broadcast import (
+    BROADCAST, SAME_DEVICE, SAME_NODE, BroadcastGroup, Push, WeightRoutes, plan_broadcasts, plan_pushes,
+)
 
 
 def layout(num_nodes: int, devices_per_node: int, pipeline_stages: int) -> tuple[list[int], list[str]]:
@@ -38,6 +40,14 @@ def test_qwen3_4b_on_8_gpus_each_rank_feeds_the_engine_on_its_own_gpu():
     for handles_cross_devices in (True, False):
         pushes = plan_pushes(*layout(1, 8, 1), devices_per_engine=1, handles_cross_devices=handles_cross_devices)
         assert pushes == [Push(0, engine, SAME_DEVICE, (engine,)) for engine in range(8)]
+
+
+def test_engines_on_devices_of_their_own_take_every_stage_by_broadcast_from_its_first_rank():
+    # --no-colocate: PP 2 over four training GPUs, three engines elsewhere.
+    stages, _ = layout(1, 4, 2)
+    assert plan_broadcasts(stages, num_engines=3) == [
+        Push(stage, engine, BROADCAST, (2 * stage,)) for stage in (0, 1) for engine in range(3)
+    ]
 
 
 def test_where_handles_cross_devices_an_engine_holding_another_stage_takes_handles_from_its_node():

@@ -1,0 +1,145 @@
+"""--no-colocate on CPU: relax.run.loop_async.run, whole, through run_with_restarts (as `relax train` runs it) on
+its own local Ray cluster, the tiny run's model and sizes (scripts/run-tiny-cpu.sh) with the training rank on one
+Ray bundle and the engine on another (--rollout-num-gpus 1).
+
+The engine and the training rank are the loop's own (the real SGLang engine, the real Megatron actor) with a
+record: the engine writes when each generate call ran and, once started and after each weight push, its greedy
+tokens and logprobs of fixed probe prompts; the training rank writes when each step's training ran. From those and
+the run's own files the test checks that every step is logged, that the rollout of step s+1 ran while the actor
+trained step s (the records' times and the logged perf/train_overlap_time), that every push reached the engine
+(its probe changed) and the last one with the trained weights (its greedy tokens and logprobs are HF
+transformers' on the run's --save-hf directory of its last step), and that the run leaves no process behind.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import ray
+
+import relax.run.loop
+import relax.run.loop_async
+from hf_reference import hf_greedy
+from processes import describe, leftover_processes, mark_in_process_run
+from relax.args import parse_train_args
+from relax.rollout.engine import SamplingConfig
+from relax.rollout.synthetic import write_task
+from relax.rollout.worker import EngineWorker
+from relax.run.inputs import read_inputs
+from relax.tools.tiny_model import build_tiny_model
+from relax.train.worker import TrainWorker
+from tiny_runs import PERF_KEYS
+
+RECORDS_ENV = "RELAX_TEST_RECORDS"  # the directory the engine and the training rank write their records to
+PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
+PROBE_TOKENS = 6
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=PROBE_TOKENS, ignore_eos=True)
+NUM_STEPS = 3
+
+
+def _write(name: str, record: dict) -> None:
+    with (Path(os.environ[RECORDS_ENV]) / name).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class RecordingEngineWorker(EngineWorker):
+    """EngineWorker writing to $RELAX_TEST_RECORDS/engine.jsonl: the wall-clock start and end of each generate call,
+    and a probe (greedy tokens and logprobs of PROBE_PROMPTS) once started and at the end of each weight push."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self._probe()
+
+    def generate(self, prompts, sampling):
+        started = time.time()
+        completions = super().generate(prompts, sampling)
+        _write("engine.jsonl", {"event": "generate", "start": started, "end": time.time()})
+        return completions
+
+    def end_weight_update(self, expect_complete: bool = True):
+        super().end_weight_update(expect_complete)
+        self._probe()
+
+    def _probe(self):
+        outputs = [(c.token_ids, c.logprobs) for (c,) in EngineWorker.generate(self, PROBE_PROMPTS, GREEDY)]
+        _write("engine.jsonl", {"event": "probe", "outputs": outputs})
+
+
+class RecordingTrainWorker(TrainWorker):
+    """TrainWorker writing to $RELAX_TEST_RECORDS/trainer.jsonl the wall-clock start and end of each step's
+    training."""
+
+    def train(self, *args):
+        started = time.time()
+        metrics = super().train(*args)
+        _write("trainer.jsonl", {"start": started, "end": time.time()})
+        return metrics
+
+
+def read_records(path: Path, event: str | None = None) -> list[dict]:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [record for record in records if event is None or record["event"] == event]
+
+
+def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_engine(tmp_path, monkeypatch):
+    model = build_tiny_model(tmp_path / "model", "qwen3", seed=0)
+    data = write_task("copy_digit", 200, tmp_path / "copy_digit.jsonl")
+    records, output, hf_saves = tmp_path / "records", tmp_path / "output", tmp_path / "hf"
+    records.mkdir()
+    config = parse_train_args([  # the tiny script's sizes
+        "--device", "cpu", "--hf-checkpoint", str(model),
+        "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
+        "--reward-fn", "test_loop_two_engines:alternating_reward",  # every step changes the weights
+        "--num-steps", str(NUM_STEPS), "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+        "--rollout-max-response-len", "2", "--global-batch-size", "64", "--micro-batch-size", "16",
+        "--advantage-estimator", "grpo", "--no-normalize-advantages-by-std", "--lr", "5e-3", "--weight-decay", "0.0",
+        "--num-nodes", "1", "--num-devices-per-node", "1", "--no-colocate", "--rollout-num-gpus", "1",
+        "--save", str(tmp_path / "checkpoints"), "--save-hf", str(hf_saves), "--output-dir", str(output),
+    ])
+    assert not ray.is_initialized(), "run() must start its own Ray cluster here (another test left one connected)"
+    marker = mark_in_process_run(monkeypatch, {RECORDS_ENV: str(records)})  # the records' directory too
+    monkeypatch.setattr(relax.run.loop, "EngineWorker", RecordingEngineWorker)
+    monkeypatch.setattr(relax.run.loop, "TrainWorker", RecordingTrainWorker)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
+    try:
+        run_async = relax.run.loop_async.run
+        assert relax.run.loop.run_with_restarts(config, read_inputs(config), attempt=run_async) == output
+    finally:
+        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    leftover = leftover_processes(marker)
+    assert not leftover, f"processes left behind by the run: {describe(leftover)}"
+
+    metrics = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(NUM_STEPS))
+    for m in metrics:
+        for key in (*set(PERF_KEYS) - {"perf/rollout_time"}, "perf/train_overlap_time", "rollout/reward_mean",
+                    "train/loss", "mismatch/logprob_abs_diff_mean"):
+            assert key in m, f"step {m['step']} lacks {key}"
+        assert m["rollout/reward_mean"] == 0.5 and m["train/update_successful"] == 1.0
+    assert "perf/first_rollout_time" in metrics[0]
+
+    # Generate calls: the first step's rollout, then step s+1's while step s trained, for every step but the last.
+    generated = read_records(records / "engine.jsonl", "generate")
+    trained = read_records(records / "trainer.jsonl")
+    assert (len(generated), len(trained)) == (NUM_STEPS, NUM_STEPS)
+    assert generated[0]["end"] <= trained[0]["start"]
+    for step in range(NUM_STEPS - 1):
+        rollout, training = generated[step + 1], trained[step]
+        assert rollout["start"] < training["end"] and training["start"] < rollout["end"], f"step {step}"
+        assert metrics[step]["perf/train_overlap_time"] > 0 and "perf/rollout_time" in metrics[step]
+        assert trained[step + 1]["start"] >= rollout["end"]  # the next step trains on that rollout
+    assert "perf/rollout_time" not in metrics[-1]  # nothing left to roll out after the last step
+
+    # The engine started from the checkpoint and took every push, the last one the weights the run saved last.
+    probes = [record["outputs"] for record in read_records(records / "engine.jsonl", "probe")]
+    assert len(probes) == 1 + NUM_STEPS
+    for step in range(NUM_STEPS):
+        changes = [abs(a - b) for (_, before), (_, after) in zip(probes[step], probes[step + 1])
+                   for a, b in zip(before, after)]
+        assert max(changes) > 1e-3, f"the push after step {step} changed nothing"
+    reference = hf_greedy(hf_saves / f"step_{NUM_STEPS - 1:06d}", PROBE_PROMPTS, PROBE_TOKENS)
+    for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(probes[-1], reference, strict=True):
+        assert tokens == hf_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, hf_logprobs)) < 1e-4
