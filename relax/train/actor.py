@@ -120,8 +120,12 @@ class MegatronActor:
         self.routing_replay = (
             RoutingReplay(model, self.config.sequence_parallel) if self.config.moe_enable_routing_replay else None
         )
+        # Float16Module would hand back an fp32 copy of the [tokens, vocab] logits; relax.train.logprobs reads the
+        # model's own bf16/fp16 logits piece by piece in fp32 instead (the same values and gradient, half the memory).
+        self.forward_options = {}
         if self.config.fp16 or self.config.bf16:
             model = Float16Module(self.config, model)
+            self.forward_options = {"fp32_output": False}
         # DDP's buffers and the optimizer's main parameters are made inside the memory route's region (the
         # weights are loaded outside: its temporaries must not stay in the region, relax.train.offload).
         with self.memory.allocating():
@@ -285,7 +289,8 @@ class MegatronActor:
             if self.routing_replay is not None:
                 self.routing_replay.replay(micro_batch)
             output = model(
-                micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=micro_batch.packed_seq_params()
+                micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=micro_batch.packed_seq_params(),
+                **self.forward_options,
             )
             return output, partial(loss_func, micro_batch)
 

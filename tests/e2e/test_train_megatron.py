@@ -177,10 +177,11 @@ def _my_samples(actor):
 def _actor(
     hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False,
     memory_saver_stand_in: bool = False, grouped_experts: bool = False, lr: float = 1e-3, routing_replay: bool = False,
-    recompute: dict | None = None, **settings,
+    recompute: dict | None = None, bf16: bool = False, **settings,
 ):
     """memory_saver_stand_in: sleep through the memory saver route, with the CPU record's do-nothing saver.
-    recompute: TransformerConfig's recompute_* fields, as the --recompute-* flags set them."""
+    recompute: TransformerConfig's recompute_* fields, as the --recompute-* flags set them. bf16: --bf16's
+    parameters and optimizer."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from relax.platform import get_platform
@@ -197,10 +198,13 @@ def _actor(
         perform_initialization=False,
         moe_grouped_gemm=grouped_experts,
         moe_enable_routing_replay=routing_replay,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         **(recompute or {}),
     )
     optimizer = OptimizerConfig(
-        optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer
+        optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
     loss = LossSettings(kl_coef=0.05, entropy_coef=0.01)
@@ -255,6 +259,42 @@ def test_actor_logprobs_and_entropy_equal_hf(ranks, hf_dirs, model, settings):
     for result in ranks.run(_logprobs_vs_hf, hf_dirs[model], settings):
         assert result["logprobs"] <= 1e-5 and result["entropy"] <= 1e-5, result
         assert result["samples"] > 0
+
+
+def _bf16_logits_and_their_fp32_copy(hf_dir: str) -> dict:
+    """A bf16 actor's logprobs from the model's own bf16 logits and from Float16Module's fp32 copy of them."""
+    import relax.train.actor as actor_module
+
+    actor = _actor(hf_dir, bf16=True, micro_batch_size=2)
+    batch = _my_samples(actor)
+    computed = actor_module.vocab_parallel_logprobs
+    dtypes = []
+
+    def recording(logits, *args, **kwargs):
+        dtypes.append(logits.dtype)
+        return computed(logits, *args, **kwargs)
+
+    actor_module.vocab_parallel_logprobs = recording
+    try:
+        own = actor.compute_logprobs(batch, with_entropy=True)
+        actor.forward_options = {}  # Float16Module's default: an fp32 copy of the logits
+        copied = actor.compute_logprobs(batch, with_entropy=True)
+    finally:
+        actor_module.vocab_parallel_logprobs = computed
+    return {
+        "dtypes": sorted({str(dtype) for dtype in dtypes[: len(dtypes) // 2]}),
+        "copy_dtypes": sorted({str(dtype) for dtype in dtypes[len(dtypes) // 2 :]}),
+        "equal": all(torch.equal(a, b) for values, copies in zip(own, copied) for a, b in zip(values, copies)),
+        "hf": _hf_logprob_difference(hf_dir, batch, *own),
+    }
+
+
+def test_a_bf16_actor_reads_its_bf16_logits_with_the_values_of_an_fp32_copy(ranks, hf_dirs):
+    """No fp32 [tokens, vocab] copy of the logits (relax.train.logprobs computes in fp32 piece by piece)."""
+    for result in ranks.run(_bf16_logits_and_their_fp32_copy, hf_dirs["qwen3"]):
+        assert result["dtypes"] == ["torch.bfloat16"] and result["copy_dtypes"] == ["torch.float32"], result
+        assert result["equal"], result
+        assert max(result["hf"]) < 0.1, result  # bf16 weights against HF's fp32 reference: rounding only
 
 
 def _packed_vs_one_sample_per_micro_batch(hf_dir: str) -> dict:
