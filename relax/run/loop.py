@@ -51,11 +51,12 @@ from relax.ray.placement import (
     create_training_actors, worker_failure,
 )
 from relax.ray.watch import Timeout
-from relax.rollout.api import DynamicSampling, GenerateAndScore, Replay, Rollout, RolloutRequest
+from relax.rollout.api import Filling, GenerateAndScore, Replay, Rollout, RolloutRequest
 from relax.rollout.dump import save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty
-from relax.rollout.rollout import Generate, reward_and_length_metrics
+from relax.rollout.rollout import EnginePool, Generate, reward_and_length_metrics
+from relax.rollout.worker import REMOTE_OPTIONS as ENGINE_REMOTE_OPTIONS
 from relax.rollout.worker import EngineWorker
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
@@ -108,7 +109,7 @@ def run(
             evaluate_if_due, generate, eval_sets, evaluation, reward_fn, settings.seed, num_steps,
             partial(faults.inject, "eval", workers.engines, trainers),
         )
-        step_rollout = rollout_of(rollout, generate, reward_fn)
+        step_rollout = rollout_of(rollout, colocation if workers.engines is not None else None, reward_fn)
         for step in range(start_step, num_steps):
             timer, train_metrics, saved = PhaseTimer(), {}, None
             faults.at(step)
@@ -204,16 +205,14 @@ def evaluate_if_due(
     return {**metrics, **timer.seconds}
 
 
-def rollout_of(rollout: RolloutSettings, generate: Generate | None, reward_fn) -> Rollout:
+def rollout_of(rollout: RolloutSettings, engines: EnginePool | None, reward_fn) -> Rollout:
     """The run's rollout (relax.rollout.api): the saved samples under --load-rollout-data, else the engines'
-    responses scored (with --dynamic-sampling, refilled with informative groups)."""
+    responses scored, group by group (over-sampled with --over-sampling-batch-size, refilled with informative
+    groups with --dynamic-sampling)."""
     if rollout.load_data:
         return Replay(rollout.load_data, with_routed_experts=rollout.routing_replay)
-    dynamic_sampling = (
-        DynamicSampling(rollout.over_sampling_batch_size, rollout.dynamic_sampling_max_rounds)
-        if rollout.dynamic_sampling else None
-    )
-    return GenerateAndScore(generate, reward_fn, dynamic_sampling)
+    filling = Filling(rollout.over_sampling_batch_size, rollout.dynamic_sampling, rollout.max_prompts)
+    return GenerateAndScore(engines, reward_fn, filling)
 
 
 def collect_rollout(
@@ -341,7 +340,7 @@ def start_workers(workers: Workers, config, platform, placement: Placement, chec
         workers.data_parallel_ranks = trainers.run("data_parallel_rank", timeout=settings.train_timeout)
     if settings.mode.has_engines:
         workers.engines = engines = create_engine_actors(
-            EngineWorker, placement,
+            ray.remote(**ENGINE_REMOTE_OPTIONS)(EngineWorker), placement,
             devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
             args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
         )
