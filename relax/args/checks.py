@@ -376,12 +376,13 @@ def batching_flags_consistent(config, platform):
 
 def sampling_flags_consistent(config, platform):
     r = config.flags
-    if r.over_sampling_batch_size is not None:  # (relax.args filled both where a rollout is generated)
-        if r.over_sampling_batch_size < r.rollout_batch_size:
-            return (
-                f"--over-sampling-batch-size {r.over_sampling_batch_size} "
-                f"is below --rollout-batch-size {r.rollout_batch_size}"
-            )
+    # (relax.args filled both where a rollout is generated; elsewhere they are refused when given)
+    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
+        return (
+            f"--over-sampling-batch-size {r.over_sampling_batch_size} "
+            f"is below --rollout-batch-size {r.rollout_batch_size}"
+        )
+    if r.rollout_max_prompts is not None:
         if r.rollout_max_prompts < r.rollout_batch_size:
             return (
                 f"--rollout-max-prompts {r.rollout_max_prompts} is below --rollout-batch-size "
