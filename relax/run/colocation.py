@@ -146,12 +146,7 @@ class Colocation:
                                  self.rollout_timeout, [(self.engines, call.engine) for call in calls])
                 completions = ray.get(ref)
             except (ray.exceptions.RayError, WorkerFailed) as error:  # this engine's or another one's
-                restarted = self._restart(self._engine_death(error))
-                for key in [key for key, call in self._groups.items() if call.engine == restarted]:
-                    if self._aborting:
-                        self._return_aborted(key)
-                    else:
-                        self._groups[key] = GroupCall(self._groups[key].prompt, self._groups[key].sampling)
+                self._restart(self._engine_death(error))  # its groups held back, or returned aborted
                 if self._aborted_groups:
                     return self._aborted_groups.pop(0)
                 continue
@@ -283,6 +278,11 @@ class Colocation:
         if awake:
             self._actor("wake")
         self.stale.add(index)
+        for key in [key for key, call in self._groups.items() if call.engine == index]:  # lost with the engine
+            if self._aborting:
+                self._return_aborted(key)
+            else:
+                self._groups[key] = GroupCall(self._groups[key].prompt, self._groups[key].sampling)
         if self.used == self.max_restarts and self.trainers is not None:
             self.trainers.watched = None  # no restart left: an engine's death fails the run in any phase, at once
         self._untaken += 1

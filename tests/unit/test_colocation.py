@@ -267,6 +267,20 @@ def test_an_abort_ends_every_engines_groups_and_returns_the_held_ones_aborted(wo
     assert not any(c.token_ids for c in completions)
 
 
+def test_an_engine_dead_at_the_abort_is_restarted_once_and_its_groups_come_back_aborted(world):
+    colocation = world.colocation
+    for key in range(2):
+        colocation.submit(key, [key], SamplingConfig(n=2))  # engines 0 and 1
+    world.engines.actors[1].fails["abort_requests"] = RayActorError("e1" * 16, "The actor died.")
+    colocation.abort()  # engine 1 restarted, and called again
+    key, completions = colocation.next_done()
+    assert key == 1 and [c.finish_reason for c in completions] == ["abort", "abort"]
+    assert colocation.next_done() == (0, ["completion"] * 2)
+    assert [entry for entry in world.log if entry[0] == "restart"] == [("restart", "engine 1")]
+    assert [entry[:2] for entry in world.log][-2:] == [("engine 1'", "watched_child_pids"),
+                                                      ("engine 1'", "abort_requests")]  # the call it missed
+
+
 def test_the_injected_faults_are_read_from_the_environment_and_each_is_done_once():
     plan = FaultPlan.from_environ({"RELAX_INJECT_FAULTS": "push@1=engine, release@0=scheduler,save@1=rank"})
     assert plan.take("release") == "scheduler" and plan.take("release") is None  # step 0's, once
