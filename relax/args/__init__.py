@@ -62,7 +62,7 @@ from relax.args.unsupported import REFUSED_VALUES, SLIME_FLAGS
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 from relax.platform import platform_facts, resolve_platform_name
 from relax.rollout.engine import rollout_decode_graph_fields, server_defaults
-from relax.rollout.groups import DEFAULT_MAX_ROUNDS
+from relax.rollout.rollout import DEFAULT_MAX_CHUNKS
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import DUAL_CLIP, K3_CLAMP
 from relax.train.settings import ActorSettings
@@ -242,11 +242,12 @@ def _fill_relax_defaults(relax: argparse.Namespace) -> None:
         ):
             if getattr(relax, name) is None:
                 setattr(relax, name, default)
-    if relax.dynamic_sampling:  # (left unset otherwise, so that giving them alone is refused)
+    if not (relax.load_rollout_data or relax.eval_only):  # (likewise: where no rollout is generated, giving one of
+        # these is refused)
         if relax.over_sampling_batch_size is None:
             relax.over_sampling_batch_size = relax.rollout_batch_size
-        if relax.dynamic_sampling_max_rounds is None:
-            relax.dynamic_sampling_max_rounds = DEFAULT_MAX_ROUNDS
+        if relax.rollout_max_prompts is None:
+            relax.rollout_max_prompts = DEFAULT_MAX_CHUNKS * relax.over_sampling_batch_size
 
 
 def format_config(config: TrainConfig) -> str:

@@ -16,7 +16,7 @@ from relax.args.settings import RunMode, run_mode
 from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.args.unsupported import unsupported_combinations
 from relax.rollout.dump import pattern_problem
-from relax.rollout.rollout import dynamic_sampling_seeds_problem
+from relax.rollout.rollout import rollout_seeds_problem
 from relax.train.algorithms import ALGORITHMS, STD_NORMALISED
 
 
@@ -322,12 +322,16 @@ EVAL_SAMPLING_FLAGS = (
 # checked as for a run and unused (the dry-run says so).
 EVAL_ONLY_REFUSED = (
     "prompt_data", "rollout_shuffle", "eval_interval", "save", "load", "save_rollout_data", "load_rollout_data",
-    "dynamic_sampling", "debug_rollout_only", "use_rollout_routing_replay",
+    "dynamic_sampling", "over_sampling_batch_size", "rollout_max_prompts", "debug_rollout_only",
+    "use_rollout_routing_replay",
 )
 
 # What --load-rollout-data refuses: the flags that choose how the training's rollouts are generated. And, unless an
 # evaluation reads them (scores_samples), the flags that read and score prompts, unset unless given.
-REPLAY_REFUSED = ("prompt_data", "rollout_shuffle", "dynamic_sampling", "debug_rollout_only")
+REPLAY_REFUSED = (
+    "prompt_data", "rollout_shuffle", "dynamic_sampling", "over_sampling_batch_size", "rollout_max_prompts",
+    "debug_rollout_only",
+)
 READ_WITH_PROMPTS = (
     "reward_fn", "apply_chat_template", "apply_chat_template_kwargs", "system_prompt", "max_prompt_length",
     "skip_bad_rows", "rollout_clip_response_to_context",
@@ -419,22 +423,21 @@ def batching_flags_consistent(config, platform):
 
 def sampling_flags_consistent(config, platform):
     r = config.flags
-    if r.dynamic_sampling_max_rounds is not None and not r.dynamic_sampling:
-        return "--dynamic-sampling-max-rounds only applies with --dynamic-sampling"
-    if r.dynamic_sampling:  # (relax.args filled both round settings)
-        problem = dynamic_sampling_seeds_problem(
-            r.over_sampling_batch_size, r.n_samples_per_prompt, r.dynamic_sampling_max_rounds
+    # (relax.args filled both where a rollout is generated; elsewhere they are refused when given)
+    if r.over_sampling_batch_size is not None and r.over_sampling_batch_size < r.rollout_batch_size:
+        return (
+            f"--over-sampling-batch-size {r.over_sampling_batch_size} "
+            f"is below --rollout-batch-size {r.rollout_batch_size}"
         )
+    if r.rollout_max_prompts is not None:
+        if r.rollout_max_prompts < r.rollout_batch_size:
+            return (
+                f"--rollout-max-prompts {r.rollout_max_prompts} is below --rollout-batch-size "
+                f"{r.rollout_batch_size}: a step could never fill its batch"
+            )
+        problem = rollout_seeds_problem(r.rollout_max_prompts, r.n_samples_per_prompt)
         if problem:
             return problem
-    if r.over_sampling_batch_size is not None:
-        if not r.dynamic_sampling:
-            return "--over-sampling-batch-size only applies with --dynamic-sampling"
-        if r.over_sampling_batch_size < r.rollout_batch_size:
-            return (
-                f"--over-sampling-batch-size {r.over_sampling_batch_size} "
-                f"is below --rollout-batch-size {r.rollout_batch_size}"
-            )
     if r.overlong_penalty_factor is not None and r.overlong_buffer_len is None:
         return "--overlong-penalty-factor only applies with --overlong-buffer-len"
     if r.overlong_buffer_len is not None and r.overlong_buffer_len >= r.rollout_max_response_len:

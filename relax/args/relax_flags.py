@@ -9,7 +9,7 @@ import json
 
 from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
 from relax.platform import DEVICE_CHOICES
-from relax.rollout.groups import DEFAULT_MAX_ROUNDS
+from relax.rollout.rollout import DEFAULT_MAX_CHUNKS
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import AGGREGATIONS, DUAL_CLIP, K3_CLAMP, LOG_RATIO_CLAMP
 
@@ -226,14 +226,18 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--over-sampling-batch-size",
         type=_positive_int,
-        help="Prompts sampled per round with --dynamic-sampling (default: --rollout-batch-size).",
+        help="Prompts submitted at a time while fewer groups are in flight than the step still needs; groups are "
+        "taken as they complete, and once --rollout-batch-size are kept the rest are aborted and their prompts put "
+        "back for the next step. Above --rollout-batch-size it over-samples against the long tail (default: "
+        "--rollout-batch-size, no over-sampling).",
     )
     g.add_argument(
-        "--dynamic-sampling-max-rounds",
+        "--rollout-max-prompts",
         type=_positive_int,
         metavar="N",
-        help="With --dynamic-sampling: generation rounds per step before the run stops, with the counts of groups "
-        f"kept and dropped, rather than train on a short batch (default: {DEFAULT_MAX_ROUNDS}).",
+        help="Prompts one step's rollout may submit before the run stops, with the counts of groups kept, dropped "
+        "and failed, rather than train on a short batch (default: "
+        f"{DEFAULT_MAX_CHUNKS} x --over-sampling-batch-size).",
     )
     g.add_argument(
         "--overlong-buffer-len",

@@ -125,9 +125,9 @@ class RolloutSettings:
     sampling: SamplingConfig  # n responses per prompt; the loop sets each step's seed
     batch_size: int  # prompts per step
     devices_per_engine: int  # an SGLang engine's tensor-parallel size
-    dynamic_sampling: bool  # keep only groups with unequal rewards, refilling in rounds
-    over_sampling_batch_size: int | None  # prompts per round (dynamic sampling only)
-    dynamic_sampling_max_rounds: int | None  # rounds before the run stops (dynamic sampling only)
+    dynamic_sampling: bool  # keep only groups with unequal rewards, refilling
+    over_sampling_batch_size: int | None  # prompts submitted at a time; None where no rollout is generated
+    max_prompts: int | None  # prompts a step may submit before the run stops; None where no rollout is generated
     overlong_buffer_len: int | None  # DAPO's overlong shaping: the last this many tokens before the limit
     overlong_penalty_factor: float | None  # the penalty at the limit
     load_data: str | None  # the scored samples replayed (RunMode.replays_rollouts), a pattern of step files
@@ -230,7 +230,7 @@ def rollout_settings(flags: argparse.Namespace, context: ContextLength | None) -
         devices_per_engine=flags.rollout_num_devices_per_engine,
         dynamic_sampling=flags.dynamic_sampling,
         over_sampling_batch_size=flags.over_sampling_batch_size,
-        dynamic_sampling_max_rounds=flags.dynamic_sampling_max_rounds,
+        max_prompts=flags.rollout_max_prompts,
         overlong_buffer_len=flags.overlong_buffer_len,
         overlong_penalty_factor=flags.overlong_penalty_factor,
         load_data=flags.load_rollout_data,
@@ -277,10 +277,10 @@ def max_engine_restarts(flags: argparse.Namespace) -> int:
 
 
 def rollout_requests_per_engine(flags: argparse.Namespace) -> int:
-    """The most requests one engine runs at once in a rollout: a generate call's prompts (a round of
-    --over-sampling-batch-size with --dynamic-sampling, else --rollout-batch-size) split over the engines, x
-    --n-samples-per-prompt. (Devices that no whole engine fits are refused by the checks, after this is read.)"""
-    prompts = flags.over_sampling_batch_size if flags.dynamic_sampling else flags.rollout_batch_size
+    """The most requests one engine runs at once in a rollout: the groups in flight (--over-sampling-batch-size,
+    else --rollout-batch-size) balanced over the engines, x --n-samples-per-prompt. (Devices that no whole engine
+    fits are refused by the checks, after this is read.)"""
+    prompts = flags.over_sampling_batch_size or flags.rollout_batch_size
     num_engines = max(1, engine_devices(flags) // flags.rollout_num_devices_per_engine)
     return most_requests_per_engine(prompts, flags.n_samples_per_prompt, num_engines)
 

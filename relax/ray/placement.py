@@ -434,20 +434,32 @@ def wait_for(refs: list, placement: Placement, timeout: Timeout | None = None,
 
     With a `timeout`, a ref still pending after timeout.seconds raises WorkerFailed naming the actor it
     was called on (`callees`: (group, index) per ref; group_callees(group) for refs from group.call)."""
-    watches = {ref: group for group in (placement.groups if watched is None else watched) for ref in group.watch()}
-    pending = list(refs)
     deadline = None if timeout is None or timeout.seconds is None else time.monotonic() + timeout.seconds
+    pending = list(refs)
     while pending:
-        if deadline is not None and time.monotonic() > deadline:
-            raise _timed_out(refs.index(pending[0]), timeout, callees)
+        ref = first_done(pending, placement, [deadline] * len(pending), timeout,
+                         None if callees is None else [callees[refs.index(ref)] for ref in pending], watched)
+        ray.get(ref)
+        pending.remove(ref)
+    return ray.get(refs)
+
+
+def first_done(refs: list, placement: Placement, deadlines: list[float | None], timeout: Timeout | None = None,
+               callees: list[tuple["ActorGroup", int]] | None = None, watched: list["ActorGroup"] | None = None):
+    """The first of `refs` to be done (ray.get it: it may hold an error), watching as wait_for does. Ref i past
+    its time.monotonic() deadline `deadlines[i]` (None: none) while pending raises WorkerFailed naming its callee
+    and `timeout` (what set the deadline)."""
+    watches = {ref: group for group in (placement.groups if watched is None else watched) for ref in group.watch()}
+    while True:
+        late = [i for i, deadline in enumerate(deadlines) if deadline is not None and time.monotonic() > deadline]
+        if late:
+            raise _timed_out(late[0], timeout, callees)
         # With a timeout, the driver's Python signal handlers run between the waits.
-        ready, _ = ray.wait(pending + list(watches), num_returns=1, timeout=_WAIT_POLL_S)
+        ready, _ = ray.wait(list(refs) + list(watches), num_returns=1, timeout=_WAIT_POLL_S)
         for ref in ready:
             if ref in watches:
                 raise watches[ref].watch_failure(ref)
-            ray.get(ref)
-            pending.remove(ref)
-    return ray.get(refs)
+            return ref
 
 
 def settled(refs: list) -> list[ray.exceptions.RayError]:

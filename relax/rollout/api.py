@@ -3,16 +3,19 @@ calls) can sit beside today's.
 
 The loop calls a Rollout once per step with a RolloutRequest and trains on what it returns (RolloutResult):
     in   the step: the policy version, i.e. the engines hold the weights trained through that many steps; the
-         prompts (a PromptLoader: a rollout takes as many as it needs, dynamic sampling more than it keeps); how
+         prompts (a PromptLoader: a rollout takes as many as it needs, dynamic sampling more than it keeps, and
+         puts back those it took but did not use); how
          many prompt groups the step trains on; the sampling settings, seeded for the step
     out  num_groups x sampling.n scored Samples, prompt by prompt (relax.rollout.groups.Sample: the response's
          tokens, its loss mask, the engine's logprobs, the reward), and the rollout's metrics
 What the loop does around every rollout stays there: saving the samples (--save-rollout-data), the reward and
 length metrics, the overlong penalty.
 
-    GenerateAndScore  the default: sampling.n responses per prompt from the engines, scored by the reward function;
-                      with --dynamic-sampling, rounds of new prompts until enough groups teach something; a group
-                      with a sample the engine refused is replaced by a group of a new prompt
+    GenerateAndScore  the default: sampling.n responses per prompt from the engines, group by group as they
+                      complete, scored by the reward function; with --over-sampling-batch-size, more prompts in
+                      flight than the step needs, the rest aborted and put back; with --dynamic-sampling, new
+                      prompts until enough groups teach something; a group with a sample the engine refused is
+                      replaced by a group of a new prompt
     Replay            --load-rollout-data: the samples a run saved for the step
 """
 
@@ -22,9 +25,9 @@ from typing import NamedTuple, Protocol
 from relax.rollout.data import PromptLoader
 from relax.rollout.dump import load_rollout_data
 from relax.rollout.engine import SamplingConfig
-from relax.rollout.groups import DEFAULT_MAX_ROUNDS, Sample
+from relax.rollout.groups import Sample
 from relax.rollout.rewards import RewardFn
-from relax.rollout.rollout import Generate, generate_groups
+from relax.rollout.rollout import EnginePool, collect_groups
 
 
 class RolloutRequest(NamedTuple):
@@ -36,7 +39,7 @@ class RolloutRequest(NamedTuple):
 
 class RolloutResult(NamedTuple):
     samples: list[Sample]  # num_groups x sampling.n, prompt by prompt, scored
-    metrics: dict[str, float]  # the rollout's own (dynamic sampling's rounds); the loop adds the reward metrics
+    metrics: dict[str, float]  # the rollout's own (its groups' counts); the loop adds the reward metrics
 
 
 class Rollout(Protocol):
@@ -44,31 +47,31 @@ class Rollout(Protocol):
 
 
 @dataclass(frozen=True)
-class DynamicSampling:
-    """DAPO's dynamic sampling (relax.rollout.rollout.generate_groups)."""
+class Filling:
+    """How a step's groups are filled (relax.rollout.rollout.collect_groups)."""
 
-    prompts_per_round: int  # --over-sampling-batch-size
-    max_rounds: int  # --dynamic-sampling-max-rounds
+    over_sampling_batch_size: int  # prompts submitted at a time while fewer are in flight than still needed
+    dynamic_sampling: bool  # DAPO: groups with equal rewards are dropped
+    max_prompts: int  # --rollout-max-prompts: the most a step submits before it fails with the counts
 
 
 @dataclass(frozen=True)
 class GenerateAndScore:
-    """The default rollout: `generate` (the engines) answers each prompt sampling.n times and `reward_fn` scores every
-    response; with `dynamic_sampling`, whole rounds of new prompts until num_groups groups with unequal rewards are
-    kept. A group with a sample the engine refused is dropped and generated anew from new prompts, in rounds
-    (without dynamic sampling at most DEFAULT_MAX_ROUNDS): the step trains on a full batch, as the training
-    batch's shape needs (whole optimizer steps of --global-batch-size samples)."""
+    """The default rollout: the engines (`pool`) answer each prompt sampling.n times, group by group as they
+    complete, and `reward_fn` scores every response, until request.num_groups groups are kept (`filling`); the
+    groups still in flight are then aborted and their prompts put back. A group with a sample the engine refused
+    is dropped and replaced at once: the step trains on a full batch, as the training batch's shape needs (whole
+    optimizer steps of --global-batch-size samples)."""
 
-    generate: Generate
+    pool: EnginePool
     reward_fn: RewardFn
-    dynamic_sampling: DynamicSampling | None = None
+    filling: Filling
 
     def __call__(self, request: RolloutRequest) -> RolloutResult:
-        dynamic = self.dynamic_sampling
-        return RolloutResult(*generate_groups(
-            self.generate, request.prompts, request.sampling, self.reward_fn, num_groups=request.num_groups,
-            prompts_per_round=None if dynamic is None else dynamic.prompts_per_round,
-            max_rounds=DEFAULT_MAX_ROUNDS if dynamic is None else dynamic.max_rounds,
+        return RolloutResult(*collect_groups(
+            self.pool, request.prompts, request.sampling, self.reward_fn, num_groups=request.num_groups,
+            chunk_size=self.filling.over_sampling_batch_size, dynamic_sampling=self.filling.dynamic_sampling,
+            max_prompts=self.filling.max_prompts,
         ))
 
 

@@ -21,8 +21,9 @@ the row number and what is wrong, not halfway through training. With `skip_bad_r
 counted and listed in the load report instead. Prompts over `max_prompt_tokens` are filtered (and
 counted) separately: they are not errors.
 
-PromptLoader serves the prompts in epochs, each a permutation seeded by (seed, epoch); its state_dict
-(position, seed, shuffle, prompt count) is all a checkpoint needs to resume exactly where it stopped.
+PromptLoader serves the prompts in epochs, each a permutation seeded by (seed, epoch); prompts a rollout took but
+did not use (over-sampling's aborted groups) are put back and served first. Its state_dict (position, the prompts
+put back, seed, shuffle, prompt count) is all a checkpoint needs to resume exactly where it stopped.
 """
 
 import json
@@ -293,10 +294,11 @@ class LoaderPosition:
 
 
 class PromptLoader:
-    """Serves prompts in epochs; each epoch's order is a permutation seeded by (seed, epoch).
+    """Serves prompts in epochs; each epoch's order is a permutation seeded by (seed, epoch). Prompts put back
+    (put_back) are served before the epoch goes on, in the order they were put back.
 
-    Its position is all the state there is: a loader built with the same prompts, seed and a saved
-    position serves exactly what the original would have served next.
+    Its position and the prompts put back are all the state there is: a loader built with the same prompts, seed,
+    a saved position and the same prompts put back serves exactly what the original would have served next.
     """
 
     def __init__(
@@ -306,6 +308,7 @@ class PromptLoader:
         shuffle: bool = True,
         num_epochs: int | None = None,  # None: endless
         position: LoaderPosition = LoaderPosition(),
+        put_back: list[int] = (),  # indices into `prompts` of prompts put back, served first
     ):
         if not prompts:
             raise PromptDataError("PromptLoader needs at least one prompt")
@@ -319,6 +322,13 @@ class PromptLoader:
         self.shuffle = shuffle
         self.num_epochs = num_epochs
         self.position = position
+        self._index = {id(prompt): index for index, prompt in enumerate(prompts)}
+        if not all(0 <= index < len(prompts) for index in put_back):
+            raise PromptDataError(
+                f"the prompts put back {list(put_back)} are not all among the {len(prompts)} prompts; was the "
+                "checkpoint made with different data or filters?"
+            )
+        self._put_back: list[int] = list(put_back)
         self._order_epoch = None
         self._order: list[int] = []
 
@@ -332,12 +342,17 @@ class PromptLoader:
 
     @property
     def exhausted(self) -> bool:
-        return self.num_epochs is not None and self.position.epoch >= self.num_epochs
+        return not self._put_back and self.num_epochs is not None and self.position.epoch >= self.num_epochs
+
+    def put_back(self, prompts: list[Prompt]) -> None:
+        """Prompts taken but not used (a rollout's aborted groups): the next take serves them first, in this order."""
+        self._put_back += [self._index[id(prompt)] for prompt in prompts]
 
     def take(self, count: int) -> list[Prompt]:
-        """The next `count` prompts, continuing into the next epoch as needed; fewer only when the
-        last epoch ends."""
-        batch = []
+        """The next `count` prompts: those put back first, then the epochs', continuing into the next epoch as
+        needed; fewer only when the last epoch ends."""
+        batch = [self.prompts[index] for index in self._put_back[:count]]
+        del self._put_back[:count]
         epoch, index = self.position.epoch, self.position.index
         while len(batch) < count and not (self.num_epochs is not None and epoch >= self.num_epochs):
             order = self._epoch_order(epoch)
@@ -350,10 +365,12 @@ class PromptLoader:
         return batch
 
     def state_dict(self) -> dict:
-        """Plain JSON values: the position, and what fixes each epoch's order (seed, shuffle, prompt count)."""
+        """Plain JSON values: the position, the prompts put back, and what fixes each epoch's order (seed, shuffle,
+        prompt count)."""
         return {
             "epoch": self.position.epoch,
             "index": self.position.index,
+            "put_back": list(self._put_back),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_prompts": len(self.prompts),
@@ -374,4 +391,5 @@ class PromptLoader:
             shuffle=state["shuffle"],
             num_epochs=num_epochs,
             position=LoaderPosition(state["epoch"], state["index"]),
+            put_back=state.get("put_back", []),  # absent from older checkpoints
         )

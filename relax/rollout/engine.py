@@ -6,7 +6,9 @@ Configuration comes in three layers, later ones winning: the platform's ServerAr
 manages itself (model path, tp size, base device id, ports, memory saver), which the user may not set
 to anything else.
 
-Three things differ from calling sglang.Engine directly:
+Four things differ from calling sglang.Engine directly:
+- The engine's event loop runs in a thread of its own, so that calls from several threads run at once (a Ray
+  actor's concurrent generations, relax.rollout.worker); abort_requests ends every pending generation.
 - A request SGLang refuses (it raises for that request alone: a prompt too long for the context, a sampling
   setting it rejects) is a failed Completion carrying the error; the call's other requests complete. SGLang
   raises for a whole batch call, so each request is its own call, all of them submitted at once.
@@ -44,6 +46,7 @@ from relax.sync import bucket as weight_bucket
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what release/resume_memory_occupation accept
 LIVENESS_POLL_S = 0.5
+LOOP_STOP_TIMEOUT_S = 30.0
 # relax's own defaults for engine fields nobody else sets: SGLang's "info" logs every batch.
 RELAX_SERVER_DEFAULTS = {"log_level": "warning"}
 ENGINE_LOGS_DEFAULTS = {"log_level": "info"}  # --engine-logs: SGLang's batch lines (throughput, cache hits)
@@ -129,6 +132,11 @@ class Completion:
     @classmethod
     def refused(cls, error: str) -> "Completion":
         return cls(token_ids=[], logprobs=[], finish_reason="error", text="", error=error)
+
+    @classmethod
+    def aborted(cls) -> "Completion":
+        """A request aborted before it reached an engine."""
+        return cls(token_ids=[], logprobs=[], finish_reason="abort", text="")
 
 
 def request_params(requests: list[list[int]], sampling: SamplingConfig) -> list[dict]:
@@ -273,7 +281,6 @@ class RolloutEngine:
                 )
         fields = {**chosen, **managed}
 
-        import sglang
         from sglang.srt.server_args import ServerArgs
 
         self.platform = platform
@@ -283,7 +290,19 @@ class RolloutEngine:
         self._expected_shapes = checkpoint.tensor_shapes
         self._trained_names = trained_names(self._expected_shapes)
         self._update_session: set[str] | None = None
-        self._engine = sglang.Engine(server_args=ServerArgs(**fields))
+        # The engine's own event loop, run forever in a thread of its own once started: calls from several threads
+        # (the actor's concurrent generations) share it, each waiting on its own future. SGLang's Engine takes the
+        # thread's current loop; its module sets uvloop's policy when first imported, which drops the current loop,
+        # so the fresh loop is set after that import.
+        from sglang.srt.entrypoints.engine import Engine
+
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._engine = Engine(server_args=ServerArgs(**fields))
+        if self._engine.loop is not loop:
+            raise RuntimeError("SGLang's Engine did not take the event loop relax made for it")
+        self._end_reason = f"the engine for {model_path} was shut down"  # what a call after the end raises
+        self._shutdown_lock = threading.Lock()
         self.server_args = self._engine.server_args
         # SGLang returns routed experts as flat bytes; each token's row is [layers, top-k] of the language model.
         self._routed_experts_row = (
@@ -298,9 +317,12 @@ class RolloutEngine:
         async def start_receive_loop():
             self._engine.tokenizer_manager.auto_create_handle_loop()
 
-        self._engine.loop.run_until_complete(start_receive_loop())
+        loop.run_until_complete(start_receive_loop())
         if threading.current_thread() is threading.main_thread():
-            self._engine.loop.add_signal_handler(signal.SIGQUIT, _log_child_failure)
+            loop.add_signal_handler(signal.SIGQUIT, _log_child_failure)
+        asyncio.set_event_loop(None)  # the loop is the engine's alone: this thread's other asyncio code makes its own
+        self._loop_thread = threading.Thread(target=loop.run_forever, name="relax-engine-loop", daemon=True)
+        self._loop_thread.start()
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -330,56 +352,75 @@ class RolloutEngine:
     def _live(self):
         """The SGLang Engine, after checking that its processes still run."""
         if self._engine is None:
-            raise EngineDeadError(f"the engine for {self.model_path} was shut down")
+            raise EngineDeadError(self._end_reason)
         dead = self._dead_children()
         if dead:
-            self.shutdown()
-            raise EngineDeadError(
+            self._end_reason = (
                 f"SGLang engine for {self.model_path} died: its process {', '.join(dead)} is no longer running "
                 "(the engine's log above says why; exit -9 is often the OOM killer). The engine was shut down."
             )
+            self.shutdown()
+            raise EngineDeadError(self._end_reason)
         return self._engine
 
     def shutdown(self):
-        """Stop this engine's processes (and theirs) and reap them. Idempotent.
+        """Stop this engine's processes (and theirs) and its event loop's thread, and reap them. Idempotent; any
+        thread but the loop's may call it, while other threads' calls wait on the engine (they raise
+        EngineDeadError).
 
         Not Engine.shutdown(): that kills every child process of the hosting process, which would also
         take down other engines (or anything else) this process started.
         """
-        if self._engine is None:
-            return
-        engine, self._engine = self._engine, None
-        import atexit
+        with self._shutdown_lock:
+            if self._engine is None:
+                return
+            engine, self._engine = self._engine, None
+            import atexit
 
-        atexit.unregister(engine.shutdown)
-        tokenizer_manager = engine.tokenizer_manager
-        if tokenizer_manager._subprocess_watchdog is not None:
-            tokenizer_manager._subprocess_watchdog.stop()  # it would SIGQUIT us for the kills below
-        for task in list(tokenizer_manager.asyncio_tasks):
-            task.cancel()
-        processes = []
-        for pid in self._child_pids:
-            try:
-                process = psutil.Process(pid)
-                processes += [process, *process.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                pass
-        for process in processes:
-            try:
-                process.kill()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(processes, timeout=30)  # waits on (and so reaps) our own children
-        if alive:
-            raise RuntimeError(f"SGLang engine processes did not exit after SIGKILL: {[p.pid for p in alive]}")
-        for path in engine_files(engine):
-            path.unlink(missing_ok=True)
+            atexit.unregister(engine.shutdown)
+            tokenizer_manager = engine.tokenizer_manager
+            if tokenizer_manager._subprocess_watchdog is not None:
+                tokenizer_manager._subprocess_watchdog.stop()  # it would SIGQUIT us for the kills below
+            self._stop_loop(engine.loop)
+            processes = []
+            for pid in self._child_pids:
+                try:
+                    process = psutil.Process(pid)
+                    processes += [process, *process.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    pass
+            for process in processes:
+                try:
+                    process.kill()
+                except psutil.NoSuchProcess:
+                    pass
+            _, alive = psutil.wait_procs(processes, timeout=30)  # waits on (and so reaps) our own children
+            if alive:
+                raise RuntimeError(f"SGLang engine processes did not exit after SIGKILL: {[p.pid for p in alive]}")
+            for path in engine_files(engine):
+                path.unlink(missing_ok=True)
+
+    def _stop_loop(self, loop) -> None:
+        """Cancel every task of the engine's loop (the calls waiting on one then end) and stop its thread."""
+
+        async def cancel_the_others():
+            tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(cancel_the_others(), loop).result(timeout=LOOP_STOP_TIMEOUT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        self._loop_thread.join(timeout=LOOP_STOP_TIMEOUT_S)
+        if self._loop_thread.is_alive():
+            raise RuntimeError(f"the event loop of the engine for {self.model_path} did not stop")
+        loop.close()
 
     # --- calls into the engine -----------------------------------------------------------------------
 
     def _run(self, coroutine):
-        """Run a coroutine of the engine (got through self._live()) on the engine's loop, watching the
-        engine's processes while it waits."""
+        """Run a coroutine of the engine (got through self._live()) on the engine's loop and wait for it here,
+        watching the engine's processes meanwhile. Any number of threads may wait at once."""
 
         async def watched():
             task = asyncio.ensure_future(coroutine)
@@ -392,12 +433,25 @@ class RolloutEngine:
                     return None  # _live() below raises
 
         try:
-            result = self._engine.loop.run_until_complete(watched())
-        except BaseException:
+            result = asyncio.run_coroutine_threadsafe(watched(), self._live().loop).result()
+        except BaseException:  # a cancellation too: another thread shut the engine down
             self._live()  # a dead engine explains the failure better than its symptom
             raise
         self._live()
         return result
+
+    def abort_requests(self):
+        """SGLang's abort of every request this engine holds (queued or running): each pending generate returns
+        soon, its aborted requests with finish_reason "abort". A request aborted while it ran keeps what it had
+        generated: SGLang 0.5.23 finishes it through its normal output path (the scheduler sets to_finish and runs
+        one more decode step), so its Completion holds the tokens and logprobs sampled so far; one aborted while
+        queued has none."""
+        engine = self._live()
+
+        async def abort_all():
+            engine.tokenizer_manager.abort_request(abort_all=True)
+
+        self._run(abort_all())
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """sampling.n completions for each token-id prompt, all submitted at once, one request each: the

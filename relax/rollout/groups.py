@@ -4,11 +4,10 @@ GRPO-style advantages compare the samples of one prompt with each other, so a gr
 all equal teaches nothing. Dynamic sampling (DAPO, arXiv:2503.14476) drops such groups and generates
 more until the batch is full; its statistics say how much was thrown away. A group with a sample the engine
 refused (a failed sample: no response) lacks a member of those statistics, so it is dropped and refilled the
-same way, with or without dynamic sampling.
+same way, with or without dynamic sampling (relax.rollout.rollout.collect_groups fills a step's groups).
 """
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -82,7 +81,7 @@ def group_by_prompt(samples: list[Sample], samples_per_prompt: int) -> list[Grou
     return groups
 
 
-# --- filling a step's groups: failed groups, and dynamic sampling --------------------------------------
+# --- filling a step's groups: failed groups, dynamic sampling, over-sampling --------------------------
 
 class FillError(RuntimeError):
     """The step's groups could not be filled."""
@@ -94,30 +93,38 @@ class AllSamplesFailed(FillError):
 
 @dataclass
 class FillStats:
-    rounds: int = 0  # generation rounds
-    groups_generated: int = 0
+    """What filling a step's groups took (relax.rollout.rollout.collect_groups)."""
+
+    groups_submitted: int = 0
+    groups_completed: int = 0  # came back complete before the batch was full
     groups_kept: int = 0
     groups_failed: int = 0  # a sample of theirs failed in the engine
     groups_dropped: int = 0  # all rewards equal (dynamic sampling)
-    groups_surplus: int = 0  # kept, but generated after the batch was full (a round may bring more)
+    groups_aborted: int = 0  # in flight when the batch was full, and cut short by the abort
+    prompts_returned: int = 0  # of the groups in flight when the batch was full: put back into the prompt stream
     dropped_by_reward: dict[float, int] = field(default_factory=dict)  # the shared reward of dropped groups
     samples_generated: int = 0
     samples_failed: int = 0
     failures: list[str] = field(default_factory=list)  # the first distinct reasons (MAX_REPORTED_FAILURES)
 
     def metrics(self, dynamic_sampling: bool) -> dict[str, float]:
-        """The failed samples and groups; with dynamic sampling, its rounds and groups too."""
-        failures = {"rollout/failed_samples": self.samples_failed, "rollout/failed_groups": self.groups_failed}
+        """The submitted, aborted and put back groups, the failed samples and groups; with dynamic sampling, its
+        groups too."""
+        counts = {
+            "rollout/failed_samples": self.samples_failed,
+            "rollout/failed_groups": self.groups_failed,
+            "rollout/submitted_groups": self.groups_submitted,
+            "rollout/aborted_groups": self.groups_aborted,
+            "rollout/returned_prompts": self.prompts_returned,
+        }
         if not dynamic_sampling:
-            return failures
-        scored = self.groups_generated - self.groups_failed
+            return counts
+        scored = self.groups_completed - self.groups_failed
         return {
-            **failures,
-            "rollout/generation_rounds": self.rounds,
-            "rollout/generated_groups": self.groups_generated,
+            **counts,
+            "rollout/generated_groups": self.groups_completed,
             "rollout/kept_groups": self.groups_kept,
             "rollout/dropped_groups": self.groups_dropped,
-            "rollout/surplus_groups": self.groups_surplus,
             "rollout/informative_group_fraction": (scored - self.groups_dropped) / max(scored, 1),
         }
 
@@ -127,6 +134,11 @@ class FillStats:
         self.samples_failed += len(failed)
         self.failures = list(dict.fromkeys([*self.failures, *failure_reasons(failed)]))[:MAX_REPORTED_FAILURES]
 
+    def count_dropped(self, group: Group) -> None:
+        self.groups_dropped += 1
+        shared = group.rewards[0] if group.samples else 0.0
+        self.dropped_by_reward[shared] = self.dropped_by_reward.get(shared, 0) + 1
+
     def failures_text(self) -> str:
         return (
             f"{self.samples_failed} samples in {self.groups_failed} groups failed in the engine (first reasons: "
@@ -134,68 +146,11 @@ class FillStats:
         )
 
 
-DEFAULT_MAX_ROUNDS = 10  # --dynamic-sampling-max-rounds when not given; the rounds refilling failed groups without it
-
 REFUSAL_FIX = (
     "the engine refuses a request whose prompt plus --rollout-max-response-len tokens exceed its context length "
     "(filter long prompts with --max-prompt-length, lower --rollout-max-response-len, or raise "
     "--sglang-context-length where the model allows it) and sampling settings it does not accept"
 )
-
-
-def fill_groups(
-    generate_groups: Callable[[int], list[Group]], num_groups: int, max_rounds: int = DEFAULT_MAX_ROUNDS,
-    informative_only: bool = True,
-) -> tuple[list[Group], FillStats]:
-    """Call generate_groups(k) for k more groups (it may return more) until num_groups are kept: groups none of
-    whose samples failed in the engine and, with `informative_only` (dynamic sampling), whose rewards differ. Kept
-    groups beyond num_groups are counted as surplus and not used. Fails with the counts after max_rounds rounds,
-    when generate_groups has no more data, and at once when every sample so far failed (AllSamplesFailed): a
-    batch is never silently short."""
-    stats = FillStats()
-    kept: list[Group] = []
-    while len(kept) < num_groups:
-        if stats.rounds == max_rounds:
-            raise FillError(_rounds_used_up(stats, len(kept), num_groups, max_rounds, informative_only))
-        stats.rounds += 1
-        groups = generate_groups(num_groups - len(kept))
-        if not groups:
-            raise FillError(
-                f"prompt data ran out while filling the step's groups with {len(kept)} of {num_groups} kept"
-            )
-        stats.groups_generated += len(groups)
-        for group in groups:
-            stats.samples_generated += len(group.samples)
-            if group.failed:
-                stats.count_failures(group)
-            elif informative_only and group.rewards_all_equal():
-                stats.groups_dropped += 1
-                shared = group.rewards[0] if group.samples else 0.0
-                stats.dropped_by_reward[shared] = stats.dropped_by_reward.get(shared, 0) + 1
-            elif len(kept) < num_groups:
-                kept.append(group)
-            else:
-                stats.groups_surplus += 1
-        if stats.samples_failed == stats.samples_generated:
-            raise AllSamplesFailed(
-                f"the engine refused every one of the {stats.samples_generated} samples of this step; first: "
-                f"{stats.failures[0]}; {REFUSAL_FIX}"
-            )
-    stats.groups_kept = len(kept)
-    return kept, stats
-
-
-def _rounds_used_up(stats: FillStats, kept: int, num_groups: int, max_rounds: int, informative_only: bool) -> str:
-    why = [f"{stats.failures_text()}; their groups were dropped"] if stats.groups_failed else []
-    if informative_only:
-        why.append(
-            f"{stats.groups_dropped} of {stats.groups_generated} groups had equal rewards (by shared reward: "
-            f"{stats.dropped_by_reward}). The task is too easy or too hard for the model, or the reward is broken; "
-            "raise the round limit (--dynamic-sampling-max-rounds) or turn dynamic sampling off"
-        )
-    else:
-        why.append(REFUSAL_FIX)
-    return f"kept {kept} of {num_groups} groups after {max_rounds} rounds: " + "; ".join(why)
 
 
 # --- overlong punishment -----------------------------------------------------------------------------

@@ -58,6 +58,13 @@ class RewardReport:
         if len(self.errors) < MAX_REPORTED_FAILURES:
             self.errors.append(what)
 
+    def add(self, other: "RewardReport") -> None:
+        """Count `other`'s samples after these (its timed-out sample indices shifted past them)."""
+        self.timed_out += [self.samples + index for index in other.timed_out]
+        self.samples += other.samples
+        self.failures += other.failures
+        self.errors = (self.errors + other.errors)[:MAX_REPORTED_FAILURES]
+
 
 @dataclass(frozen=True)
 class Failure:

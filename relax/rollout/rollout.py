@@ -1,41 +1,55 @@
-"""The rollout phase, wherever the engines run: prompts -> sampling.n responses each -> rewards -> samples,
-with DAPO dynamic sampling and the rollout metrics.
+"""The rollout phase, wherever the engines run: prompts -> sampling.n responses each -> rewards -> samples, group by
+group as the engines complete them, with over-sampling, DAPO dynamic sampling and the rollout metrics.
 
-`generate(token_id_prompts, sampling)` is any callable returning sampling.n Completions per prompt, in prompt
-order, request i of the call sampled with seed sampling.seed + i: an in-process RolloutEngine.generate, or the
-loop's spread of the prompts over the Ray engine actors (relax.run.colocation.Colocation.generate, through
-split_over_engines and completions_in_prompt_order below: each request keeps the seed it would get from one
-engine, however many engines there are).
+A step's rollout drives an EnginePool: each prompt group (its sampling.n requests) is one submission, which the pool
+sends whole to one engine (the one with the least work in flight: relax.run.colocation.Colocation; the engines'
+prefix cache serves the group's shared prompt), and completed groups come back one by one, in the order they
+complete. collect_groups decides what to submit, keep, drop, abort and put back.
+
+`generate(token_id_prompts, sampling)` (a Generate) answers a whole list of prompts at once, request i of the call
+sampled with seed sampling.seed + i: an in-process RolloutEngine.generate, or Colocation.generate over the engine
+actors (the evaluation's).
 
     samples = generate_and_score(engine.generate, loader.take(32), sampling, reward_fn)
     metrics = reward_and_length_metrics(samples)
 """
 
-import itertools
 from dataclasses import replace
-from typing import Callable, NamedTuple
+from typing import Callable, Protocol
 
 import torch
 
 from relax.console import say
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
-from relax.rollout.groups import Sample, fill_groups, group_by_prompt
-from relax.rollout.rewards import RewardFn, RewardInput, score
+from relax.rollout.groups import (
+    REFUSAL_FIX, AllSamplesFailed, FillError, FillStats, Group, Sample, group_by_prompt,
+)
+from relax.rollout.rewards import RewardFn, RewardInput, RewardReport, score
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
 
-STEP_SEED_SPAN = 2**24  # sampling seeds per step (run_state.sampling_seed)
-ROUND_SEED_STRIDE = 2**16  # sampling seeds per round of a step (generate_groups): its requests must fit
+STEP_SEED_SPAN = 2**24  # sampling seeds per step (run_state.sampling_seed): a step's requests must fit
+DEFAULT_MAX_CHUNKS = 10  # --rollout-max-prompts when not given: this many --over-sampling-batch-size chunks
 
 
-def generate_and_score(
-    generate: Generate, prompts: list[Prompt], sampling: SamplingConfig, reward_fn: RewardFn
-) -> list[Sample]:
-    """sampling.n samples per prompt, prompt by prompt (n consecutive samples each) in prompt order; each scored, but
-    the failed ones (the engine refused their request: Sample.failure, no response), which the caller handles."""
-    completions = generate([prompt.token_ids for prompt in prompts], sampling)
-    samples = [
+class EnginePool(Protocol):
+    """The engines as a rollout drives them, one prompt group per submission."""
+
+    def submit(self, key: int, prompt: list[int], sampling: SamplingConfig) -> None:
+        """Start sampling.n requests of `prompt` (request j seeded sampling.seed + j), known as `key`."""
+
+    def next_done(self) -> tuple[int, list[Completion]]:
+        """Wait for the next submitted group to complete: its key and its sampling.n completions."""
+
+    def abort(self) -> None:
+        """End every group in flight soon (SGLang's abort): each still comes back through next_done, its aborted
+        requests with finish_reason "abort"."""
+
+
+def samples_of(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
+    """Unscored samples of each prompt's completions, prompt by prompt."""
+    return [
         Sample(
             prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts,
             loss_mask=[1] * len(c.token_ids),  # every token of the response is the policy's own
@@ -44,6 +58,11 @@ def generate_and_score(
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
     ]
+
+
+def score_samples(samples: list[Sample], reward_fn: RewardFn) -> RewardReport:
+    """Score each sample in place, but the failed ones (the engine refused their request: Sample.failure, no
+    response), which the caller handles; the reward function's failures are reported, not printed."""
     responses = [s for s in samples if s.failure is None]
     scores, failed, report = score(reward_fn, [
         RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason)
@@ -53,12 +72,26 @@ def generate_and_score(
         sample.reward, sample.reward_failed = value, was_failure
     for index in report.timed_out:
         responses[index].reward_timed_out = True
-    if report.failures:  # scored 0 and counted in the metrics; the reasons must reach the user too
+    return report
+
+
+def say_reward_failures(reward_fn: RewardFn, report: RewardReport) -> None:
+    """Scored 0 and counted in the metrics; the reasons must reach the user too."""
+    if report.failures:
         say(
-            f"relax: reward function {reward_fn.name!r} failed on {report.failures} of {len(responses)} samples "
+            f"relax: reward function {reward_fn.name!r} failed on {report.failures} of {report.samples} samples "
             f"({len(report.timed_out)} by timing out; each scored 0.0); first: {'; '.join(report.errors[:3])}",
             error=True,
         )
+
+
+def generate_and_score(
+    generate: Generate, prompts: list[Prompt], sampling: SamplingConfig, reward_fn: RewardFn
+) -> list[Sample]:
+    """sampling.n samples per prompt, prompt by prompt (n consecutive samples each) in prompt order; each scored, but
+    the failed ones (score_samples)."""
+    samples = samples_of(prompts, generate([prompt.token_ids for prompt in prompts], sampling))
+    say_reward_failures(reward_fn, score_samples(samples, reward_fn))
     return samples
 
 
@@ -70,53 +103,15 @@ def take_prompts(loader: PromptLoader, count: int) -> list[Prompt]:
     return prompts
 
 
-def dynamic_sampling_seeds_problem(prompts_per_round: int, n: int, max_rounds: int) -> str | None:
-    """Why dynamic sampling's rounds would not fit the step's sampling seeds (each round's requests take
-    seeds of their own, ROUND_SEED_STRIDE apart, within the step's STEP_SEED_SPAN), or None."""
-    if prompts_per_round * n > ROUND_SEED_STRIDE:
+def rollout_seeds_problem(max_prompts: int, n: int) -> str | None:
+    """Why a step that may submit `max_prompts` prompts of n requests each would not fit the step's sampling seeds
+    (STEP_SEED_SPAN), or None."""
+    if max_prompts * n > STEP_SEED_SPAN:
         return (
-            f"dynamic sampling: a round of {prompts_per_round} prompts x {n} samples is more than the "
-            f"{ROUND_SEED_STRIDE} requests a round has sampling seeds for; lower --over-sampling-batch-size (or "
-            "--rollout-batch-size, when it is not given) or --n-samples-per-prompt"
-        )
-    if max_rounds * ROUND_SEED_STRIDE > STEP_SEED_SPAN:
-        return (
-            f"dynamic sampling: --dynamic-sampling-max-rounds {max_rounds} is more rounds than a step has sampling "
-            f"seeds for; give at most {STEP_SEED_SPAN // ROUND_SEED_STRIDE}"
+            f"--rollout-max-prompts {max_prompts} x --n-samples-per-prompt {n} is more requests than a step has "
+            f"sampling seeds for ({STEP_SEED_SPAN}); give at most {STEP_SEED_SPAN // n} prompts"
         )
     return None
-
-
-def generate_groups(
-    generate: Generate, loader: PromptLoader, sampling: SamplingConfig, reward_fn: RewardFn,
-    num_groups: int, prompts_per_round: int | None, max_rounds: int,
-) -> tuple[list[Sample], dict[str, float]]:
-    """`num_groups` scored groups of new prompts, in rounds (relax.rollout.groups.fill_groups: it fails with the
-    counts after `max_rounds` rounds, or at once when every sample failed): a group with a failed sample is
-    dropped and replaced by the next round. With `prompts_per_round`, DAPO dynamic sampling: every round takes that
-    many prompts and keeps only groups whose rewards differ; without, the first round takes num_groups prompts
-    and each later one the groups still missing. Returns their samples and the rollout metrics; the engine's
-    failure reasons are printed once. Each round's requests take seeds of their own, a round's stride apart (the
-    first round's are those of one generate call of the step's sampling)."""
-    if prompts_per_round is not None:
-        problem = dynamic_sampling_seeds_problem(prompts_per_round, sampling.n, max_rounds)
-        if problem:
-            raise ValueError(problem)
-    round_seed_stride = max(ROUND_SEED_STRIDE, (prompts_per_round or num_groups) * sampling.n)
-    rounds = itertools.count()
-
-    def one_round(groups_still_needed: int):  # dynamic sampling: a whole round each time, most may be dropped
-        round_sampling = offset_seed(sampling, next(rounds) * round_seed_stride)
-        prompts = (
-            take_prompts(loader, groups_still_needed) if prompts_per_round is None else loader.take(prompts_per_round)
-        )
-        return group_by_prompt(generate_and_score(generate, prompts, round_sampling, reward_fn), sampling.n)
-
-    groups, stats = fill_groups(one_round, num_groups, max_rounds, informative_only=prompts_per_round is not None)
-    if stats.groups_failed:
-        say(f"relax: {stats.failures_text()}; their groups were dropped and generated anew from other prompts",
-            error=True)
-    return [sample for group in groups for sample in group.samples], stats.metrics(prompts_per_round is not None)
 
 
 def offset_seed(sampling: SamplingConfig, offset: int) -> SamplingConfig:
@@ -124,55 +119,120 @@ def offset_seed(sampling: SamplingConfig, offset: int) -> SamplingConfig:
     return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + offset)
 
 
-class EngineShare(NamedTuple):
-    """The part of one generate call that one engine serves."""
+def collect_groups(
+    pool: EnginePool, loader: PromptLoader, sampling: SamplingConfig, reward_fn: RewardFn, num_groups: int,
+    chunk_size: int, dynamic_sampling: bool, max_prompts: int,
+) -> tuple[list[Sample], dict[str, float]]:
+    """`num_groups` scored groups of new prompts, taken as the engines complete them.
 
-    engine: int  # the engine's index
-    prompts: list[list[int]]
-    sampling: SamplingConfig  # seeds from the call's seed + (the call's index of its first prompt) x n
+    While fewer groups are in flight than are still needed, the next `chunk_size` prompts of `loader` are submitted
+    (--over-sampling-batch-size: with chunk_size > num_groups, more are generated than the step needs, against the
+    long tail). Each completed group is scored and kept, unless a sample of it failed in the engine (dropped and
+    counted: its place is taken by the groups in flight or the next chunk) or, with `dynamic_sampling` (DAPO), its
+    rewards are all equal (dropped). Once num_groups are kept, every group still in flight is aborted and its prompt
+    put back into `loader`, to be served first by the next step (nothing is lost; no prompt comes twice in a step).
+
+    The batch: the kept groups in submission order, so that without over-sampling or failures it is the loader's
+    next num_groups prompts. The k-th prompt the step submits samples its request j with seed sampling.seed +
+    k * n + j (distinct seeds within the step's STEP_SEED_SPAN). Fails (FillError) with the counts once
+    `max_prompts` prompts were submitted, or the loader runs out, short of the batch; AllSamplesFailed once a
+    batch's worth of groups has completed with every sample failed. Returns the samples and the rollout
+    metrics; the engine's and the reward function's failure reasons are printed once."""
+    problem = rollout_seeds_problem(max_prompts, sampling.n)
+    if problem:
+        raise ValueError(problem)
+    stats, rewards = FillStats(), RewardReport()
+    submitted: list[Prompt] = []  # by submission order: a group's key is its index
+    in_flight: set[int] = set()
+    kept: dict[int, Group] = {}
+
+    def submit_chunk():
+        count = min(chunk_size, max_prompts - len(submitted))
+        prompts = loader.take(count) if count else []
+        if not prompts:
+            raise FillError(_short_batch(stats, len(kept), num_groups, max_prompts, dynamic_sampling, count > 0))
+        for prompt in prompts:
+            key = len(submitted)
+            submitted.append(prompt)
+            in_flight.add(key)
+            pool.submit(key, prompt.token_ids, offset_seed(sampling, key * sampling.n))
+        stats.groups_submitted = len(submitted)
+
+    try:
+        while len(kept) < num_groups:
+            if len(in_flight) < num_groups - len(kept):
+                submit_chunk()
+                continue
+            key, completions = pool.next_done()
+            in_flight.remove(key)
+            if len(completions) != sampling.n:
+                raise RuntimeError(f"a group came back with {len(completions)} completions for {sampling.n} samples")
+            (group,) = group_by_prompt(samples_of([submitted[key]], [completions]), sampling.n)
+            stats.groups_completed += 1
+            stats.samples_generated += len(group.samples)
+            if group.failed:
+                stats.count_failures(group)
+            else:
+                rewards.add(score_samples(group.samples, reward_fn))
+                if dynamic_sampling and group.rewards_all_equal():
+                    stats.count_dropped(group)
+                else:
+                    kept[key] = group
+            if stats.samples_failed == stats.samples_generated and stats.groups_completed >= num_groups:
+                raise AllSamplesFailed(
+                    f"the engine refused every one of the {stats.samples_generated} samples of this step; first: "
+                    f"{stats.failures[0]}; {REFUSAL_FIX}"
+                )
+    except FillError:  # the engines end what they still run (the run may go on: --max-restarts)
+        _abort_and_put_back(pool, loader, submitted, in_flight, stats)
+        raise
+    _abort_and_put_back(pool, loader, submitted, in_flight, stats)  # the batch is full: the rest is surplus
+    stats.groups_kept = len(kept)
+    say_reward_failures(reward_fn, rewards)
+    if stats.groups_failed:
+        say(f"relax: {stats.failures_text()}; their groups were dropped and generated anew from other prompts",
+            error=True)
+    samples = [sample for key in sorted(kept) for sample in kept[key].samples]
+    return samples, stats.metrics(dynamic_sampling)
 
 
-def split_over_engines(prompts: list[list[int]], sampling: SamplingConfig, num_engines: int) -> list[EngineShare]:
-    """One generate call spread over `num_engines` engines: consecutive shares of the prompts whose sizes differ by
-    at most one, one per engine that gets any (fewer prompts than engines: the last engines get none and are not
-    called). The share starting at prompt p numbers its seeds from sampling.seed + p x n, so request i of the
-    call samples with seed + i as it would on one engine: no two requests share a seed, and the call takes no
-    more seeds than on one engine."""
-    if num_engines < 1:
-        raise ValueError(f"split_over_engines: num_engines must be at least 1, got {num_engines}")
-    size, larger = divmod(len(prompts), num_engines)  # the first `larger` engines take one prompt more
-    shares, start = [], 0
-    for engine in range(min(num_engines, len(prompts))):
-        end = start + size + (engine < larger)
-        shares.append(EngineShare(engine, prompts[start:end], offset_seed(sampling, start * sampling.n)))
-        start = end
-    return shares
+def _abort_and_put_back(pool: EnginePool, loader: PromptLoader, submitted: list[Prompt], in_flight: set[int],
+                        stats: FillStats) -> None:
+    """Abort the groups in flight, wait for each to come back and put their prompts back, in submission order."""
+    if not in_flight:
+        return
+    pool.abort()
+    returned = sorted(in_flight)
+    while in_flight:
+        key, completions = pool.next_done()
+        in_flight.remove(key)
+        stats.groups_aborted += any(c.finish_reason == "abort" for c in completions)
+    loader.put_back([submitted[key] for key in returned])
+    stats.prompts_returned += len(returned)
+
+
+def _short_batch(stats: FillStats, kept: int, num_groups: int, max_prompts: int, dynamic_sampling: bool,
+                 ran_out: bool) -> str:
+    """Why the step could not keep num_groups groups: the counts, and the fix."""
+    if ran_out:
+        return f"prompt data ran out while filling the step's groups with {kept} of {num_groups} kept"
+    why = [f"{stats.failures_text()}; their groups were dropped"] if stats.groups_failed else []
+    if dynamic_sampling:
+        why.append(
+            f"{stats.groups_dropped} of {stats.groups_completed} groups had equal rewards (by shared reward: "
+            f"{stats.dropped_by_reward}). The task is too easy or too hard for the model, or the reward is broken; "
+            "raise the bound (--rollout-max-prompts) or turn dynamic sampling off"
+        )
+    else:
+        why.append(REFUSAL_FIX)
+    return f"kept {kept} of {num_groups} groups after submitting {max_prompts} prompts: " + "; ".join(why)
 
 
 def most_requests_per_engine(num_prompts: int, n: int, num_engines: int) -> int:
-    """The most requests one engine gets from a generate call of `num_prompts` prompts x `n` samples over
-    `num_engines` engines (split_over_engines: the larger shares hold ceil(num_prompts / num_engines) prompts)."""
+    """The most requests one engine holds at once when `num_prompts` groups of `n` requests are in flight over
+    `num_engines` engines, each group sent to the engine with the least in flight: ceil(num_prompts / num_engines)
+    groups."""
     return -(-num_prompts // num_engines) * n
-
-
-def completions_in_prompt_order(
-    shares: list[EngineShare], answers: list[list[list[Completion]]]
-) -> list[list[Completion]]:
-    """The engines' answers (answers[k]: share k's completions, from its engine) as one generate call's result,
-    in prompt order. An engine that answered a different number of prompts, or of samples per prompt, is an
-    error naming it: a completion must never be lost or land on another prompt."""
-    if len(answers) != len(shares):
-        raise RuntimeError(f"{len(shares)} engines were asked to generate, but {len(answers)} answered")
-    completions = []
-    for share, answer in zip(shares, answers):
-        counts = [len(group) for group in answer]
-        if len(answer) != len(share.prompts) or any(count != share.sampling.n for count in counts):
-            raise RuntimeError(
-                f"engine {share.engine} answered {len(answer)} prompts with {counts} completions for "
-                f"{len(share.prompts)} prompts x {share.sampling.n} samples"
-            )
-        completions += answer
-    return completions
 
 
 def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:

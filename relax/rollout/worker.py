@@ -6,10 +6,23 @@ SGLang's scheduler and detokenizer ask the kernel to SIGKILL them when their par
 sglang.srt.utils.kill_itself_when_parent_died), so they end with this actor's process, even a SIGKILLed
 one: relax needs no watchdog of its own for them. Their own death is reported by the driver's liveness
 watch (relax.ray.watch), which polls the processes watched_child_pids names.
+
+The actor is a threaded one with two concurrency groups: the hand-overs (memory, weights) run one at a time in
+Ray's default group, in the order they are called, as before; the rollout's groups (generate_group) and the abort
+run in GENERATION, up to MAX_CONCURRENT_GROUPS at once, each waiting in its own thread on the engine's event loop
+(RolloutEngine runs it in a thread of its own). Not an async actor: Ray runs an async actor's __init__ on its event
+loop thread, where SGLang's Engine would take Ray's running loop as its own, and off the main thread, where no
+SIGQUIT handler can be installed (SGLang's children SIGQUIT the process when they fail).
 """
 
+import ray
+
 from relax.ray.placement import local_device_index
-from relax.rollout.engine import RolloutEngine
+from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig
+
+GENERATION = "generation"  # the concurrency group of the rollout's calls
+MAX_CONCURRENT_GROUPS = 1024  # generate_group calls an engine actor runs at once (threads; Ray queues the rest)
+REMOTE_OPTIONS = {"concurrency_groups": {GENERATION: MAX_CONCURRENT_GROUPS}}  # ray.remote's, for the actor class
 
 
 class EngineWorker(RolloutEngine):
@@ -30,3 +43,13 @@ class EngineWorker(RolloutEngine):
         (relax.ray.watch): a SIGKILLed scheduler ends nothing else, and the engine would notice only at
         its next call."""
         return self.child_pids
+
+    @ray.method(concurrency_group=GENERATION)
+    def generate_group(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
+        """sampling.n completions of one prompt (RolloutEngine.generate), beside the actor's other groups."""
+        return self.generate([prompt], sampling)[0]
+
+    @ray.method(concurrency_group=GENERATION)
+    def abort_requests(self):
+        """RolloutEngine.abort_requests, in the group of the generations it ends."""
+        super().abort_requests()

@@ -3,7 +3,11 @@ restarted in place when one dies in any phase.
 
 Each step hands the devices over twice: to the actor (the engines release their memory, the actor wakes) and back
 to the engines (their weights resumed, the actor's pushed, the actor asleep, their KV cache resumed). In between
-the engines generate: the rollout and the evaluation (generate).
+the engines generate: the rollout (Colocation is its relax.rollout.rollout.EnginePool: submit, next_done, abort) and
+the evaluation (generate, through the same dispatch). Each prompt group is one call, sent whole (the engine's
+prefix cache serves its shared prompt) to the engine with the fewest requests in flight, ties to the lowest index.
+relax balances the engines itself: SGLang's router (sglang-router) is an HTTP proxy in front of SGLang HTTP
+servers, while relax's engines are in-process sglang.Engine objects in Ray actors, with no HTTP server.
 
 An engine holds nothing the run needs that the actor does not hold too, so an engine that dies (its actor, its
 SGLang scheduler or detokenizer: EngineDeadError, a dead actor, the liveness watch of relax.ray.watch) or does not
@@ -13,9 +17,10 @@ rank's push, the evaluation):
   again if it was awake;
 - the new engine releases what the others have released, so it is in their state;
 - the call it missed is made again: a memory call on it alone, a weight push to every engine (the survivors
-  have closed theirs complete), a rollout's or an evaluation's requests with their own seeds;
-- it loaded --hf-checkpoint: before it generates, every engine gets the actor's weights (the step's own two
-  hand-overs), unless a push comes first anyway.
+  have closed theirs complete), the prompt groups it held with their own seeds;
+- it loaded --hf-checkpoint: before any engine generates again, the groups in flight on the others complete and
+  every engine gets the actor's weights (the step's own two hand-overs), unless a push comes first anyway; until
+  then new groups wait with the dead engine's.
 At most --max-engine-restarts over the run; past them, an engine's death fails the run, naming the engine and its
 log, as does a failed restart. An error an engine raises while alive (a bug or a bad input) fails the run at once,
 without a restart of the engine or of the run (--max-restarts): neither would help. Restarts and their seconds
@@ -27,17 +32,28 @@ devices.
 """
 
 import time
+from typing import NamedTuple
 
 import ray
 
 from relax.console import say
 from relax.ray.faults import FaultPlan
-from relax.ray.placement import ActorGroup, WorkerFailed, wait_for, worker_failure
+from relax.ray.placement import ActorGroup, WorkerFailed, first_done, wait_for, worker_failure
 from relax.ray.watch import Timeout
 from relax.rollout.engine import MEMORY_TAGS, Completion, EngineDeadError, SamplingConfig
-from relax.rollout.rollout import EngineShare, completions_in_prompt_order, split_over_engines
+from relax.rollout.rollout import offset_seed
 
 KV_CACHE = ("kv_cache", "cuda_graph")  # what the engines resume after a push
+
+
+class GroupCall(NamedTuple):
+    """A prompt group submitted to the engines: its requests, and where and since when it runs."""
+
+    prompt: list[int]
+    sampling: SamplingConfig
+    engine: int | None = None  # None: held back (waiting for a restarted engine's weights)
+    ref: ray.ObjectRef | None = None
+    deadline: float | None = None  # time.monotonic() past which it did not answer in time (--rollout-timeout)
 
 
 class Colocation:
@@ -58,6 +74,9 @@ class Colocation:
         self.engine_memory = set(MEMORY_TAGS)  # what every engine holds on its devices now
         self.stale: set[int] = set()  # engines restarted since the last push: they hold --hf-checkpoint's weights
         self.used = 0  # restarts over the run
+        self._groups: dict[int, GroupCall] = {}  # the groups submitted and not yet returned, by key
+        self._aborted_groups: list[tuple[int, list[Completion]]] = []  # returned aborted without running
+        self._aborting = False  # an abort is under way: its groups come back
         self._untaken, self._untaken_seconds = 0, 0.0
         if trainers is not None and engines is not None and self.max_restarts > 0:
             trainers.watched = [trainers]
@@ -95,40 +114,94 @@ class Colocation:
         self.trainers.run(method, timeout=self.sync_timeout)
         self.actor_awake = method == "wake"
 
-    # --- generation ---------------------------------------------------------------------------------------
+    # --- generation: relax.rollout.rollout.EnginePool -----------------------------------------------------
+
+    def submit(self, key: int, prompt: list[int], sampling: SamplingConfig) -> None:
+        """Send a prompt group to the engine with the fewest requests in flight (ties: the lowest index), or hold it
+        back while a restarted engine waits for the actor's weights."""
+        hold = self._waiting_for_weights() or any(call.ref is None for call in self._groups.values())
+        self._groups[key] = GroupCall(prompt, sampling)
+        if not hold:
+            self._send(key)
+
+    def next_done(self) -> tuple[int, list[Completion]]:
+        """The next group to complete: its key and completions. A group whose engine dies is held back and sent
+        again, with its seeds, once every engine has the actor's weights (the groups still running on the others
+        complete first); after an abort it comes back aborted instead."""
+        done = self._aborted_groups.pop(0) if self._aborted_groups else self._next_completed()
+        if not self._groups and not self._aborted_groups:
+            self._aborting = False  # every group is back
+        return done
+
+    def _next_completed(self) -> tuple[int, list[Completion]]:
+        while True:
+            running = [key for key, call in self._groups.items() if call.ref is not None]
+            if not running:
+                self._send_held()
+                continue
+            calls = [self._groups[key] for key in running]
+            refs = [call.ref for call in calls]
+            try:
+                ref = first_done(refs, self.engines.placement, [call.deadline for call in calls],
+                                 self.rollout_timeout, [(self.engines, call.engine) for call in calls])
+                completions = ray.get(ref)
+            except (ray.exceptions.RayError, WorkerFailed) as error:  # this engine's or another one's
+                self._restart(self._engine_death(error))  # its groups held back, or returned aborted
+                if self._aborted_groups:
+                    return self._aborted_groups.pop(0)
+                continue
+            key = running[refs.index(ref)]
+            del self._groups[key]
+            return key, completions
+
+    def abort(self) -> None:
+        """Every group in flight ends soon (SGLang's abort on every engine) and comes back through next_done; a
+        held group comes back aborted at once, without running."""
+        self._aborting = True
+        for key in [key for key, call in self._groups.items() if call.ref is None]:
+            self._return_aborted(key)
+        self._on_engines("abort_requests")
+
+    def _return_aborted(self, key: int) -> None:
+        """Group `key` comes back aborted without running (next_done)."""
+        call = self._groups.pop(key)
+        self._aborted_groups.append((key, [Completion.aborted() for _ in range(call.sampling.n)]))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
-        """A relax.rollout.rollout.Generate over the engines: consecutive shares of the prompts, one per engine
-        that gets any, each request seeded as one engine would seed it (split_over_engines); completions in
-        prompt order. A share whose engine dies is sent again to the engine started in its place, once every
-        engine has the actor's weights."""
-        shares = split_over_engines(prompts, sampling, len(self.engines))
-        answers: list = [None] * len(shares)
-        while unanswered := [k for k, answer in enumerate(answers) if answer is None]:
-            if self.stale and self.trainers is not None:  # the actor's weights, through the step's two hand-overs
-                self.to_actor(inject_faults=False)
-                self.to_engines(inject_faults=False)
-            self._collect(shares, unanswered, answers)
-        return completions_in_prompt_order(shares, answers)
+        """A relax.rollout.rollout.Generate over the engines (the evaluation's): each prompt one group, submitted
+        as the rollout submits, prompt p's requests seeded from sampling.seed + p x n; completions in prompt
+        order."""
+        for p, prompt in enumerate(prompts):
+            self.submit(p, prompt, offset_seed(sampling, p * sampling.n))
+        answers = dict(self.next_done() for _ in prompts)
+        return [answers[p] for p in range(len(prompts))]
 
-    def _collect(self, shares: list[EngineShare], to_send: list[int], answers: list) -> None:
-        """Send shares `to_send` and fill in their answers; the shares of an engine that dies meanwhile (it is
-        restarted at once) stay unanswered."""
-        calls = {
-            k: self.engines.actors[shares[k].engine].generate.remote(shares[k].prompts, shares[k].sampling)
-            for k in to_send
-        }
-        while calls:
-            k = next(iter(calls))
-            engine = shares[k].engine
-            try:
-                (answers[k],) = wait_for(
-                    [calls[k]], self.engines.placement, self.rollout_timeout, [(self.engines, engine)]
-                )
-                del calls[k]
-            except (ray.exceptions.RayError, WorkerFailed) as error:  # this engine's or another one's
-                restarted = self._restart(self._engine_death(error))
-                calls = {j: ref for j, ref in calls.items() if shares[j].engine != restarted}
+    def _waiting_for_weights(self) -> bool:
+        """Whether a restarted engine still holds --hf-checkpoint's weights where the actor has its own."""
+        return bool(self.stale) and self.trainers is not None
+
+    def _send(self, key: int) -> None:
+        call = self._groups[key]
+        load = [0] * len(self.engines)
+        for other in self._groups.values():
+            if other.engine is not None:
+                load[other.engine] += other.sampling.n
+        engine = min(range(len(load)), key=lambda index: (load[index], index))
+        deadline = None if self.rollout_timeout.seconds is None else time.monotonic() + self.rollout_timeout.seconds
+        ref = self.engines.actors[engine].generate_group.remote(call.prompt, call.sampling)
+        self._groups[key] = call._replace(engine=engine, ref=ref, deadline=deadline)
+
+    def _send_held(self) -> None:
+        """Nothing runs: give every engine the actor's weights where one was restarted, then send the held groups
+        in key order."""
+        if self._waiting_for_weights():  # the actor's weights, through the step's two hand-overs
+            self.to_actor(inject_faults=False)
+            self.to_engines(inject_faults=False)
+        held = sorted(key for key, call in self._groups.items() if call.ref is None)
+        if not held:
+            raise RuntimeError("waiting for a prompt group to complete, but none was submitted")
+        for key in held:
+            self._send(key)
 
     # --- engine calls and restarts ------------------------------------------------------------------------
 
@@ -205,6 +278,11 @@ class Colocation:
         if awake:
             self._actor("wake")
         self.stale.add(index)
+        for key in [key for key, call in self._groups.items() if call.engine == index]:  # lost with the engine
+            if self._aborting:
+                self._return_aborted(key)
+            else:
+                self._groups[key] = GroupCall(self._groups[key].prompt, self._groups[key].sampling)
         if self.used == self.max_restarts and self.trainers is not None:
             self.trainers.watched = None  # no restart left: an engine's death fails the run in any phase, at once
         self._untaken += 1

@@ -53,12 +53,13 @@ from relax.ray.placement import (
     create_training_actors, worker_failure,
 )
 from relax.ray.watch import Timeout
-from relax.rollout.api import DynamicSampling, GenerateAndScore, Replay, Rollout, RolloutRequest
+from relax.rollout.api import Filling, GenerateAndScore, Replay, Rollout, RolloutRequest
 from relax.rollout.data import PromptLoader
 from relax.rollout.dump import save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty
-from relax.rollout.rollout import Generate, reward_and_length_metrics
+from relax.rollout.rollout import EnginePool, Generate, reward_and_length_metrics
+from relax.rollout.worker import REMOTE_OPTIONS as ENGINE_REMOTE_OPTIONS
 from relax.rollout.worker import EngineWorker
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
@@ -199,7 +200,7 @@ def started_run(
         )
         yield StartedRun(
             config, stop, faults, workers, log, loader, checkpoint, start_step, num_steps, evaluate_policy,
-            rollout_of(rollout, generate, reward_fn),
+            rollout_of(rollout, workers.colocation if workers.engines is not None else None, reward_fn),
         )
     except ray.exceptions.RayError as error:  # a worker died or raised: name it and its log
         raise worker_failure(error, [workers.trainers, workers.engines]) from error
@@ -262,16 +263,14 @@ def evaluate_if_due(
     return {**metrics, **timer.seconds}
 
 
-def rollout_of(rollout: RolloutSettings, generate: Generate | None, reward_fn) -> Rollout:
+def rollout_of(rollout: RolloutSettings, engines: EnginePool | None, reward_fn) -> Rollout:
     """The run's rollout (relax.rollout.api): the saved samples under --load-rollout-data, else the engines'
-    responses scored (with --dynamic-sampling, refilled with informative groups)."""
+    responses scored, group by group (over-sampled with --over-sampling-batch-size, refilled with informative
+    groups with --dynamic-sampling)."""
     if rollout.load_data:
         return Replay(rollout.load_data, with_routed_experts=rollout.routing_replay)
-    dynamic_sampling = (
-        DynamicSampling(rollout.over_sampling_batch_size, rollout.dynamic_sampling_max_rounds)
-        if rollout.dynamic_sampling else None
-    )
-    return GenerateAndScore(generate, reward_fn, dynamic_sampling)
+    filling = Filling(rollout.over_sampling_batch_size, rollout.dynamic_sampling, rollout.max_prompts)
+    return GenerateAndScore(engines, reward_fn, filling)
 
 
 def collect_rollout(
@@ -418,7 +417,7 @@ def start_workers(workers: Workers, config, platform, placement: Placement, faul
         workers.data_parallel_ranks = trainers.run("data_parallel_rank", timeout=settings.train_timeout)
     if settings.mode.has_engines:
         workers.engines = engines = create_engine_actors(
-            EngineWorker, engine_placement,
+            ray.remote(**ENGINE_REMOTE_OPTIONS)(EngineWorker), engine_placement,
             devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
             args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
         )

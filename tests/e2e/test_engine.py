@@ -6,6 +6,7 @@ cleanly at its end; one more is started to test death.
 import os
 import signal
 import threading
+import time
 
 import psutil
 import pytest
@@ -176,6 +177,30 @@ def test_a_request_the_engine_refuses_fails_alone_and_the_engine_serves_on(engin
     for completions, reference in zip([answered[0], answered[2]], again):
         assert [c.token_ids for c in completions] == [c.token_ids for c in reference]
         assert all(c.error is None and c.finish_reason == "length" and len(c.token_ids) == 8 for c in completions)
+
+
+def test_calls_from_several_threads_run_at_once_and_an_abort_ends_them_keeping_what_they_sampled(engine):
+    """Two threads' generations share the engine at once (a Ray actor's concurrent groups); abort_requests ends
+    both: their requests come back with finish_reason "abort" and, as SGLang 0.5.23 finishes a running request
+    it aborts through its normal output path, with the tokens and logprobs sampled so far."""
+    sampling = SamplingConfig(n=4, max_new_tokens=450, ignore_eos=True)  # 8 requests: they all fit the KV pool
+    answers = {}
+    threads = [
+        threading.Thread(target=lambda k=k: answers.__setitem__(k, engine.generate([PROMPTS[k]], sampling)))
+        for k in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    time.sleep(1.0)
+    engine.abort_requests()
+    for thread in threads:
+        thread.join(timeout=60)
+    completions = [c for k in range(2) for c in answers[k][0]]
+    assert len(completions) == 8 and {c.finish_reason for c in completions} == {"abort"}
+    assert all(c.error is None and len(c.logprobs) == len(c.token_ids) < 450 for c in completions)
+    assert any(c.token_ids for c in completions)  # the partial responses survive the abort
+    # the engine serves on
+    assert {c.finish_reason for c in engine.generate([PROMPTS[0]], SamplingConfig(n=2))[0]} <= {"stop", "length"}
 
 
 @pytest.mark.timeout(300)

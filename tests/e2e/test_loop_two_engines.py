@@ -5,8 +5,9 @@ on its own local Ray cluster, the tiny run's model and task (scripts/run-tiny-cp
 The engines are the loop's EngineWorker (the real SGLang engine) with a record: each one writes what it
 was asked to generate and answered, and the greedy tokens and logprobs of fixed probe prompts when it starts
 and after each weight push. From those and the run's own files the test checks that every step is logged,
-that both engines generated every step (consecutive shares of the prompts, the requests' seeds numbered
-across the engines), that the saved rollout holds the engines' completions in prompt order, that each push
+that both engines generated every step (each prompt group whole on the engine with the fewest requests in
+flight, the requests' seeds numbered across the engines in submission order), that the saved rollout holds the
+engines' completions in prompt order, that each push
 reached both engines (the same greedy outputs from both, changed by training), and that the run leaves no
 process behind.
 """
@@ -39,7 +40,7 @@ NUM_STEPS, PROMPTS_PER_STEP, SAMPLES_PER_PROMPT = 2, 3, 4
 
 class RecordingEngineWorker(EngineWorker):
     """EngineWorker writing to $RELAX_TEST_ENGINE_RECORDS/engine-<rank>.jsonl: each generate call (prompts,
-    first seed, response tokens), and a probe (greedy tokens and logprobs of PROBE_PROMPTS) once started and
+    first seed, response tokens; a prompt group's calls run at once, so they are written as each completes), and a probe (greedy tokens and logprobs of PROBE_PROMPTS) once started and
     whenever its KV cache is resumed, which ends each weight push (relax.run.colocation.Colocation.to_engines)."""
 
     def __init__(self, *args):
@@ -112,19 +113,23 @@ def test_two_engines_and_two_training_ranks_share_every_step_and_take_every_push
             assert key in m, f"step {m['step']} lacks {key}"
         assert m["rollout/reward_mean"] == 0.5 and m["train/update_successful"] == 1.0
 
-    # Every step: engine 0 generated the first two prompts, engine 1 the third, once each; the requests' seeds
-    # run on from engine 0's into engine 1's; the saved rollout is their completions in prompt order.
+    # Every step: one call per prompt group, balanced by the requests in flight: the first and third prompts on
+    # engine 0, the second on engine 1 (ties go to engine 0); the requests' seeds run on in submission order across
+    # the engines; the saved rollout is their completions in prompt order.
     calls = [read_records(records, engine, "generate") for engine in (0, 1)]
-    assert [len(engine_calls) for engine_calls in calls] == [NUM_STEPS, NUM_STEPS]
-    for step, (first, second) in enumerate(zip(*calls)):
-        assert (len(first["prompts"]), len(second["prompts"])) == (2, 1)
-        assert second["seed"] == first["seed"] + 2 * SAMPLES_PER_PROMPT
+    assert [len(engine_calls) for engine_calls in calls] == [2 * NUM_STEPS, NUM_STEPS]
+    assert all(len(call["prompts"]) == 1 for engine_calls in calls for call in engine_calls)
+    for step in range(NUM_STEPS):
+        first, third = sorted(calls[0][2 * step : 2 * step + 2], key=lambda call: call["seed"])
+        second = calls[1][step]
+        assert second["seed"] == first["seed"] + SAMPLES_PER_PROMPT
+        assert third["seed"] == first["seed"] + 2 * SAMPLES_PER_PROMPT
         saved = rollout_data_path(rollout_pattern, step).read_text().splitlines()[1:]
         groups = [json.loads(line) for line in saved]
-        assert [g["prompt"]["token_ids"] for g in groups] == first["prompts"] + second["prompts"]
+        assert [g["prompt"]["token_ids"] for g in groups] == first["prompts"] + second["prompts"] + third["prompts"]
         responses = [[s["response_token_ids"] for s in g["samples"]] for g in groups]
-        assert responses == first["responses"] + second["responses"]
-    assert calls[0][0]["seed"] != calls[0][1]["seed"]
+        assert responses == first["responses"] + second["responses"] + third["responses"]
+    assert calls[1][0]["seed"] != calls[1][1]["seed"]
 
     # Both engines started from the checkpoint and took every push: the same greedy outputs, changed by training.
     probes = [[record["outputs"] for record in read_records(records, engine, "probe")] for engine in (0, 1)]

@@ -117,21 +117,18 @@ RULES = {
         [*RUN, "--max-tokens-per-device", "4096"],
         "--max-tokens-per-device only applies with --use-dynamic-batch-size",
     ),
-    "over-sampling needs dynamic sampling": (
-        [*RUN, "--over-sampling-batch-size", "64"],
-        "--over-sampling-batch-size only applies with --dynamic-sampling",
-    ),
-    "round limit needs dynamic sampling": (
-        [*RUN, "--dynamic-sampling-max-rounds", "3"],
-        "--dynamic-sampling-max-rounds only applies with --dynamic-sampling",
-    ),
-    "dynamic sampling rounds fit the step's seeds": (
-        [*RUN, "--dynamic-sampling", "--dynamic-sampling-max-rounds", "300"],
-        "--dynamic-sampling-max-rounds 300 is more rounds than a step has sampling seeds for; give at most 256",
-    ),
     "over-sampling at least the batch": (
-        [*RUN, "--dynamic-sampling", "--over-sampling-batch-size", "16"],
+        [*RUN, "--over-sampling-batch-size", "16"],
         "--over-sampling-batch-size 16 is below --rollout-batch-size 32",
+    ),
+    "the prompt bound at least the batch": (
+        [*RUN, "--dynamic-sampling", "--rollout-max-prompts", "16"],
+        "--rollout-max-prompts 16 is below --rollout-batch-size 32: a step could never fill its batch",
+    ),
+    "the prompt bound fits the step's seeds": (
+        [*RUN, "--n-samples-per-prompt", "8", "--rollout-max-prompts", "3000000"],
+        "--rollout-max-prompts 3000000 x --n-samples-per-prompt 8 is more requests than a step has sampling seeds "
+        "for (16777216); give at most 2097152 prompts",
     ),
     "overlong penalty factor needs the buffer": (
         [*RUN, "--overlong-penalty-factor", "0.5"],
@@ -319,8 +316,11 @@ def test_a_replaying_run_needs_no_prompt_data(argv):
          "drop them\n"),  # (the reward function is read: no hint about it)
         ([*REPLAY, *EVAL_SET], "missing --reward-fn"),  # the evaluation scores its samples
         ([*TRAIN_ONLY, "--rollout-clip-response-to-context"], ": --rollout-clip-response-to-context would do nothing"),
+        ([*REPLAY, "--over-sampling-batch-size", "64", "--rollout-max-prompts", "640"],
+         ": --over-sampling-batch-size, --rollout-max-prompts would do nothing"),
     ],
-    ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward", "no engine"],
+    ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward", "no engine",
+         "no over-sampling"],
 )
 def test_a_replaying_run_refuses_what_it_does_not_read(argv, message, capsys):
     assert message in parse_error(argv, capsys)

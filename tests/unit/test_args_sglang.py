@@ -297,14 +297,17 @@ def decode_graph_sizes(device: str, *flags: str) -> tuple:
         (["--rollout-batch-size", "128", "--n-samples-per-prompt", "8"], 1024),
         # 5 prompts over 2 engines: 3 and 2
         (["--rollout-batch-size", "5", "--n-samples-per-prompt", "8", "--num-devices-per-node", "2"], 24),
-        # a dynamic-sampling round takes --over-sampling-batch-size prompts
+        # --over-sampling-batch-size prompts in flight, with or without dynamic sampling
         (["--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-devices-per-node", "2",
           "--dynamic-sampling", "--over-sampling-batch-size", "64"], 256),
+        (["--rollout-batch-size", "32", "--n-samples-per-prompt", "8", "--num-devices-per-node", "2",
+          "--over-sampling-batch-size", "64"], 256),
         # 4 engines of 8 devices on 2 nodes of 16, as the 35B NPU preset places them
         (["--rollout-batch-size", "64", "--n-samples-per-prompt", "8", "--num-nodes", "2",
           "--num-devices-per-node", "16", "--rollout-num-devices-per-engine", "8"], 128),
     ],
-    ids=["64x8 over 2 engines", "128x8 over 1", "uneven split", "dynamic sampling round", "35B NPU placement"],
+    ids=["64x8 over 2 engines", "128x8 over 1", "uneven split", "dynamic sampling", "over-sampling",
+         "35B NPU placement"],
 )
 def test_decode_graphs_cover_the_most_requests_an_engine_runs_at_once(device, flags, largest):
     assert decode_graph_sizes(device, *flags) == (largest, None)

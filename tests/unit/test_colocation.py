@@ -1,5 +1,6 @@
-"""relax.run.colocation's logic on doubles of the worker groups (no Ray): which engine errors restart an engine, and
-what a restart in each phase does, in order. The real engines and actor: tests/e2e/test_loop_faults.py."""
+"""relax.run.colocation's logic on doubles of the worker groups (no Ray): where each prompt group goes, which engine
+errors restart an engine, and what a restart in each phase does, in order. The real engines and actor:
+tests/e2e/test_loop_faults.py, tests/e2e/test_loop_two_engines.py."""
 
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ from relax.ray.faults import FaultPlan
 from relax.ray.placement import WorkerFailed
 from relax.ray.watch import Timeout
 from relax.rollout.engine import EngineDeadError, SamplingConfig
+from relax.rollout.rollout import most_requests_per_engine
 from relax.run.colocation import Colocation, is_engine_death
 
 SETTINGS = SimpleNamespace(
@@ -77,20 +79,35 @@ class _Group:
         return _wait_for(refs)
 
 
-def _wait_for(refs, *args) -> list:
-    """The answers: a push report, or for generate(prompts, sampling) one completion per sample."""
+def _answer(ref):
+    """A call's answer: for generate_group(prompt, sampling) one completion per sample, else a push report."""
+    return ["completion"] * ref.args[1].n if ref.method == "generate_group" else {"bytes": 1}
+
+
+def _raise_failures(refs) -> None:
     for ref in refs:
         error = ref.actor.fails.pop(ref.method, None)
         if error is not None:
             raise error
-    return [[["completion"] * ref.args[1].n for _ in ref.args[0]] if ref.method == "generate" else {"bytes": 1}
-            for ref in refs]
+
+
+def _wait_for(refs, *args) -> list:
+    _raise_failures(refs)
+    return [_answer(ref) for ref in refs]
+
+
+def _first_done(refs, *args):
+    """The earliest call completes first."""
+    _raise_failures(refs)
+    return refs[0]
 
 
 @pytest.fixture
 def world(monkeypatch):
     monkeypatch.setattr(relax.run.colocation, "wait_for", _wait_for)
+    monkeypatch.setattr(relax.run.colocation, "first_done", _first_done)
     monkeypatch.setattr(relax.run.colocation.ray, "wait", lambda refs, **kwargs: (refs, []))
+    monkeypatch.setattr(relax.run.colocation.ray, "get", _answer)
     log = []
     trainers, engines = _Group("training rank", 1, log), _Group("engine", 2, log)
     return SimpleNamespace(log=log, trainers=trainers, engines=engines,
@@ -180,9 +197,88 @@ def test_an_engine_dead_in_a_memory_call_is_called_again_once_restarted_and_give
         ("training rank 0", "push_weights"),
         ("training rank 0", "sleep"),
         ("engine 0", "resume_memory_occupation"), ("engine 1'", "resume_memory_occupation"),
-        ("engine 0", "generate"), ("engine 1'", "generate"),  # then the requests
+        ("engine 0", "generate_group"), ("engine 1'", "generate_group"),  # then the requests
     ]
     assert completions == [["completion"] * 2] * 2 and world.colocation.stale == set()
+
+
+def _sent(log) -> list[tuple[str, list[int], int]]:
+    """Each generate_group call logged: (engine, prompt, first seed)."""
+    return [(name, prompt, sampling.seed) for name, method, *args in log if method == "generate_group"
+            for prompt, sampling in [args]]
+
+
+def test_each_group_goes_whole_to_the_engine_with_the_fewest_requests_in_flight(world):
+    colocation = Colocation(world.trainers, _Group("engine", 3, world.log), 1, SETTINGS, FaultPlan())
+    for key in range(4):
+        colocation.submit(key, [key], SamplingConfig(n=2, seed=10 + 2 * key))
+    assert _sent(world.log) == [("engine 0", [0], 10), ("engine 1", [1], 12), ("engine 2", [2], 14),
+                                ("engine 0", [3], 16)]  # ties to the lowest index
+    assert colocation.next_done() == (0, ["completion"] * 2)  # engine 0 has 2 requests in flight again
+    world.log.clear()
+    colocation.submit(4, [4], SamplingConfig(n=1))  # 2, 2 and 2 in flight: engine 0
+    colocation.submit(5, [5], SamplingConfig(n=2))  # 3, 2 and 2: engine 1
+    assert [entry[0] for entry in world.log] == ["engine 0", "engine 1"]
+    assert [colocation.next_done()[0] for _ in range(5)] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("num_prompts, num_engines", [(1, 1), (5, 2), (8, 4), (9, 4), (3, 8)])
+def test_most_requests_per_engine_is_what_the_balance_gives_the_busiest_engine(world, num_prompts, num_engines):
+    colocation = Colocation(world.trainers, _Group("engine", num_engines, world.log), 1, SETTINGS, FaultPlan())
+    for key in range(num_prompts):
+        colocation.submit(key, [key], SamplingConfig(n=8))
+    per_engine = [sum(1 for entry in world.log if entry[0] == f"engine {i}") * 8 for i in range(num_engines)]
+    assert most_requests_per_engine(num_prompts, 8, num_engines) == max(per_engine)
+
+
+def test_the_groups_of_an_engine_dead_mid_rollout_go_again_with_their_seeds_once_every_engine_has_the_weights(world):
+    colocation = world.colocation
+    for key in range(3):
+        colocation.submit(key, [key], SamplingConfig(n=2, seed=2 * key))  # engines 0, 1, 0
+    world.engines.actors[0].fails["generate_group"] = RayActorError("e0" * 16, "The actor died.")
+    world.log.clear()
+    assert colocation.next_done() == (1, ["completion"] * 2)  # engine 1's group; engine 0's are held
+    colocation.submit(3, [3], SamplingConfig(n=2, seed=6))  # held too: the new engine has no weights yet
+    assert _sent(world.log) == []
+    assert [colocation.next_done()[0] for _ in range(3)] == [0, 2, 3]
+    assert [entry[:2] for entry in world.log] == [
+        ("restart", "engine 0"), ("engine 0'", "watched_child_pids"),
+        # nothing runs any more: the actor's weights to every engine, through the two hand-overs
+        ("engine 0'", "release_memory_occupation"), ("engine 1", "release_memory_occupation"),
+        ("training rank 0", "wake"),
+        ("engine 0'", "resume_memory_occupation"), ("engine 1", "resume_memory_occupation"),
+        ("training rank 0", "push_weights"),
+        ("training rank 0", "sleep"),
+        ("engine 0'", "resume_memory_occupation"), ("engine 1", "resume_memory_occupation"),
+        ("engine 0'", "generate_group"), ("engine 1", "generate_group"), ("engine 0'", "generate_group"),
+    ]
+    assert _sent(world.log) == [("engine 0'", [0], 0), ("engine 1", [2], 4), ("engine 0'", [3], 6)]
+    assert colocation.stale == set()
+
+
+def test_an_abort_ends_every_engines_groups_and_returns_the_held_ones_aborted(world):
+    colocation = world.colocation
+    colocation.stale = {1}  # a restarted engine: the groups wait for the weights
+    colocation.submit(0, [0], SamplingConfig(n=2))
+    colocation.abort()
+    assert [entry[:2] for entry in world.log] == [("engine 0", "abort_requests"), ("engine 1", "abort_requests")]
+    key, completions = colocation.next_done()
+    assert key == 0 and [c.finish_reason for c in completions] == ["abort", "abort"]
+    assert not any(c.token_ids for c in completions)
+
+
+def test_an_engine_dead_at_the_abort_is_restarted_once_and_its_groups_come_back_aborted(world):
+    colocation = world.colocation
+    for key in range(2):
+        colocation.submit(key, [key], SamplingConfig(n=2))  # engines 0 and 1
+    world.engines.actors[1].fails["abort_requests"] = RayActorError("e1" * 16, "The actor died.")
+    colocation.abort()  # engine 1 restarted, and called again
+    key, completions = colocation.next_done()
+    assert key == 1 and [c.finish_reason for c in completions] == ["abort", "abort"]
+    assert colocation.next_done() == (0, ["completion"] * 2)
+    assert [entry for entry in world.log if entry[0] == "restart"] == [("restart", "engine 1")]
+    assert [entry[:2] for entry in world.log][-2:] == [("engine 1'", "watched_child_pids"),
+                                                      ("engine 1'", "abort_requests")]  # the call it missed
 
 
 def test_the_injected_faults_are_read_from_the_environment_and_each_is_done_once():

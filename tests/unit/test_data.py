@@ -269,3 +269,19 @@ def test_loader_state_keeps_the_order_it_was_saved_with(tmp_path, tokenizer):
     loader.take(3)
     state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint stores it as JSON
     assert [p.label for p in PromptLoader.from_state_dict(prompts, state).take(4)] == [3, 4, 5, 6]
+
+
+def test_prompts_put_back_come_first_and_are_saved_with_the_loader(tmp_path, tokenizer):
+    prompts = _prompts(tmp_path, tokenizer, 7)
+    loader = PromptLoader(prompts, seed=1, shuffle=False, num_epochs=1)
+    taken = loader.take(4)
+    loader.put_back([taken[3], taken[1]])  # a step's aborted groups, in submission order
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert [p.label for p in loader.take(3)] == [3, 1, 4]
+    resumed = PromptLoader.from_state_dict(prompts, state, num_epochs=1)
+    assert [p.label for p in resumed.take(5)] == [3, 1, 4, 5, 6]  # a resumed run serves them too, nothing lost
+    assert resumed.exhausted
+    resumed.put_back([prompts[0]])
+    assert not resumed.exhausted and [p.label for p in resumed.take(2)] == [0]
+    with pytest.raises(PromptDataError, match=r"the prompts put back \[9\] are not all among the 7 prompts"):
+        PromptLoader.from_state_dict(prompts, {**state, "put_back": [9]})

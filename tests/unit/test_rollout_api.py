@@ -5,7 +5,7 @@ into each response, untrained, as a multi-turn rollout would."""
 import json
 
 from relax.args import AlgorithmSettings, RolloutSettings
-from relax.rollout.api import GenerateAndScore, RolloutRequest, RolloutResult
+from relax.rollout.api import Filling, GenerateAndScore, RolloutRequest, RolloutResult
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import Sample
@@ -25,11 +25,34 @@ def _generate(prompts, sampling):
             for prompt in prompts]
 
 
+class InOrderPool:
+    """An engine pool (relax.rollout.rollout.EnginePool) whose groups complete in submission order, answered by
+    `generate` one group a call (request j of a group seeded as the group's sampling says)."""
+
+    def __init__(self, generate):
+        self.generate, self.in_flight = generate, {}
+
+    def submit(self, key, prompt, sampling):
+        self.in_flight[key] = (prompt, sampling)
+
+    def next_done(self):
+        key = min(self.in_flight)
+        prompt, sampling = self.in_flight.pop(key)
+        return key, self.generate([prompt], sampling)[0]
+
+    def abort(self):
+        raise AssertionError("nothing is in flight once the batch is full without over-sampling")
+
+
 def test_the_default_rollout_takes_the_steps_prompts_and_answers_as_generate_and_score():
     reward = load_reward_fn("exact_match")
-    result = GenerateAndScore(_generate, reward)(RolloutRequest(0, _loader(), 2, SAMPLING))
+    filling = Filling(over_sampling_batch_size=2, dynamic_sampling=False, max_prompts=20)
+    result = GenerateAndScore(InOrderPool(_generate), reward, filling)(RolloutRequest(0, _loader(), 2, SAMPLING))
     expected = generate_and_score(_generate, _loader().take(2), SAMPLING, reward)
-    assert result == RolloutResult(expected, {"rollout/failed_samples": 0, "rollout/failed_groups": 0})
+    assert result == RolloutResult(expected, {
+        "rollout/failed_samples": 0, "rollout/failed_groups": 0, "rollout/submitted_groups": 2,
+        "rollout/aborted_groups": 0, "rollout/returned_prompts": 0,
+    })
     assert [s.loss_mask for s in result.samples] == [[1, 1]] * 4
 
 
@@ -52,7 +75,7 @@ class ToolRollout:
 def test_the_loop_trains_on_any_rollout_and_saves_its_loss_masks(tmp_path):
     rollout = RolloutSettings(
         data=None, shuffle=False, reward_fn=None, reward_timeout=None, sampling=SAMPLING, batch_size=2,
-        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, dynamic_sampling_max_rounds=None,
+        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, max_prompts=None,
         overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None,
         save_data=str(tmp_path / "step_{step}.jsonl"), routing_replay=False, context=None,
     )

@@ -1,5 +1,6 @@
-"""relax.rollout.rollout with a scripted `generate` in place of the engines (the real engine:
-tests/e2e/test_engine.py; the loop's collect_rollout around it: tests/unit/test_dynamic_sampling.py)."""
+"""relax.rollout.rollout with a scripted `generate` or engine pool in place of the engines (the real engine:
+tests/e2e/test_engine.py; the Ray dispatch: tests/unit/test_colocation.py; the loop's collect_rollout around it:
+tests/unit/test_dynamic_sampling.py)."""
 
 import asyncio
 
@@ -7,15 +8,57 @@ import pytest
 
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
-from relax.rollout.groups import AllSamplesFailed, group_by_prompt
+from relax.rollout.groups import AllSamplesFailed, FillError, group_by_prompt
 from relax.rollout.rewards import RewardFn, load_reward_fn
 from relax.rollout.rollout import (
-    ROUND_SEED_STRIDE,
+    STEP_SEED_SPAN,
+    collect_groups,
     generate_and_score,
-    generate_groups,
     reward_and_length_metrics,
     take_prompts,
 )
+
+
+def scripted_completion(text: str, sampling: SamplingConfig) -> Completion:
+    """A response `text` (one token per character), or with "refused: why" a request the engine refused."""
+    if text.startswith("refused: "):
+        return Completion.refused(text.removeprefix("refused: "))
+    return Completion(token_ids=list(range(len(text))), logprobs=[-1.0] * len(text),
+                      finish_reason="length" if len(text) >= sampling.max_new_tokens else "stop", text=text)
+
+
+class ScriptedPool:
+    """An engine pool (relax.rollout.rollout.EnginePool) answering prompt [i] with the texts script[i], as
+    ScriptedGenerate does. Groups complete in submission order, but those of the prompts in `slow`, which complete
+    only once aborted (finish_reason "abort", one token each). Records each submission's (prompt, seed)."""
+
+    def __init__(self, script, slow=()):
+        self.script, self.slow = script, set(slow)
+        self.submitted: list[tuple[int, int | None]] = []
+        self.in_flight: dict[int, tuple[int, SamplingConfig]] = {}
+        self.aborts = 0
+
+    def submit(self, key, prompt, sampling):
+        self.submitted.append((prompt[0], sampling.seed))
+        self.in_flight[key] = (prompt[0], sampling)
+
+    def next_done(self):
+        ready = [key for key, (prompt, _) in self.in_flight.items() if prompt not in self.slow or self.aborts]
+        assert ready, "the rollout waits for a group that ends only when aborted"
+        key = min(ready)
+        prompt, sampling = self.in_flight.pop(key)
+        if prompt in self.slow:
+            return key, [Completion([7], [-1.0], "abort", "x") for _ in range(sampling.n)]
+        return key, [scripted_completion(text, sampling) for text in self.script[prompt]]
+
+    def abort(self):
+        self.aborts += 1
+
+
+def collect(pool, loader, num_groups, chunk_size=None, dynamic_sampling=False, max_prompts=100, n=2, seed=5):
+    return collect_groups(pool, loader, SamplingConfig(n=n, seed=seed), load_reward_fn("exact_match"),
+                          num_groups=num_groups, chunk_size=chunk_size or num_groups,
+                          dynamic_sampling=dynamic_sampling, max_prompts=max_prompts)
 
 
 class ScriptedGenerate:
@@ -28,15 +71,7 @@ class ScriptedGenerate:
 
     def __call__(self, prompts, sampling):
         self.calls.append(([prompt[0] for prompt in prompts], sampling.seed))
-        return [
-            [
-                Completion.refused(text.removeprefix("refused: ")) if text.startswith("refused: ") else
-                Completion(token_ids=list(range(len(text))), logprobs=[-1.0] * len(text),
-                           finish_reason="length" if len(text) >= sampling.max_new_tokens else "stop", text=text)
-                for text in self.script[prompt[0]]
-            ]
-            for prompt in prompts
-        ]
+        return [[scripted_completion(text, sampling) for text in self.script[prompt[0]]] for prompt in prompts]
 
 
 def prompts(count):
@@ -68,17 +103,41 @@ def test_a_generate_that_loses_a_prompt_is_an_error():
                            load_reward_fn("exact_match"))
 
 
-def test_dynamic_sampling_refills_from_the_loader_with_new_seeds_each_round():
+def test_dynamic_sampling_refills_from_the_loader_with_new_seeds_for_each_prompt():
     # prompts 0 and 2 give all-equal rewards and are dropped; 1 and 3 are kept
-    generate = ScriptedGenerate({0: ["0", "0"], 1: ["1", "2"], 2: ["5", "6"], 3: ["3", "x"]})
+    pool = ScriptedPool({0: ["0", "0"], 1: ["1", "2"], 2: ["5", "6"], 3: ["3", "x"]})
     loader = PromptLoader(prompts(4), shuffle=False)
-    samples, metrics = generate_groups(
-        generate, loader, SamplingConfig(n=2, seed=5), load_reward_fn("exact_match"),
-        num_groups=2, prompts_per_round=2, max_rounds=10,
-    )
+    samples, metrics = collect(pool, loader, num_groups=2, chunk_size=2, dynamic_sampling=True)
     assert [s.prompt.label for s in samples] == ["1", "1", "3", "3"]
-    assert generate.calls == [([0, 1], 5), ([2, 3], 5 + ROUND_SEED_STRIDE)]  # whole rounds, every sample scored
-    assert metrics["rollout/dropped_groups"] == 2 and metrics["rollout/generation_rounds"] == 2
+    # request j of the k-th prompt submitted: seed + k * n + j; a chunk whenever fewer are in flight than needed
+    assert pool.submitted == [(0, 5), (1, 7), (2, 9), (3, 11)] and pool.aborts == 0
+    assert metrics["rollout/dropped_groups"] == 2 and metrics["rollout/submitted_groups"] == 4
+    assert metrics["rollout/kept_groups"] == 2 and metrics["rollout/generated_groups"] == 4
+    assert metrics["rollout/informative_group_fraction"] == 0.5
+
+
+def test_without_over_sampling_the_batch_is_the_next_prompts_with_the_steps_seeds():
+    pool = ScriptedPool({i: ["1", "1"] for i in range(5)})  # equal rewards: kept without dynamic sampling
+    loader = PromptLoader(prompts(5), shuffle=False)
+    samples, metrics = collect(pool, loader, num_groups=3, n=2, seed=100)
+    assert [s.prompt.row for s in samples] == [1, 1, 2, 2, 3, 3]
+    assert pool.submitted == [(0, 100), (1, 102), (2, 104)] and pool.aborts == 0
+    assert metrics == {"rollout/failed_samples": 0, "rollout/failed_groups": 0, "rollout/submitted_groups": 3,
+                       "rollout/aborted_groups": 0, "rollout/returned_prompts": 0}
+    assert [p.row for p in loader.take(2)] == [4, 5]
+
+
+def test_over_sampling_keeps_the_first_groups_to_complete_in_submission_order_and_puts_the_rest_back():
+    # of 4 prompts in flight for 2 groups, 0 and 2 are the long tail: 1 and 3 complete first and are the batch
+    pool = ScriptedPool({i: [str(i), "x"] for i in range(6)}, slow={0, 2})
+    loader = PromptLoader(prompts(6), shuffle=False)
+    samples, metrics = collect(pool, loader, num_groups=2, chunk_size=4)
+    assert [s.prompt.label for s in samples] == ["1", "1", "3", "3"]
+    assert pool.submitted == [(0, 5), (1, 7), (2, 9), (3, 11)] and pool.aborts == 1 and not pool.in_flight
+    assert (metrics["rollout/submitted_groups"], metrics["rollout/aborted_groups"]) == (4, 2)
+    assert metrics["rollout/returned_prompts"] == 2
+    # nothing lost: the aborted prompts come first in the next step, then the stream goes on
+    assert [p.label for p in loader.take(3)] == ["0", "2", "4"]
 
 
 def test_a_refused_request_is_a_failed_sample_that_is_not_scored():
@@ -95,36 +154,58 @@ def test_a_refused_request_is_a_failed_sample_that_is_not_scored():
     assert (samples[1].response_token_ids, samples[1].finish_reason, samples[1].reward) == ([], "error", 0.0)
 
 
-@pytest.mark.parametrize("prompts_per_round", [None, 3])
-def test_a_failed_sample_fails_its_group_which_new_prompts_replace(prompts_per_round, capsys):
-    # prompt 1 has a refused sample; without dynamic sampling one new prompt replaces it, with it a whole round
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_a_failed_sample_fails_its_group_which_new_prompts_replace(dynamic_sampling, capsys):
+    # prompt 1 has a refused sample: the next chunk is submitted at once; once the batch is full the rest is aborted
     script = {0: ["0", "1"], 1: ["1", "refused: E1"], 2: ["2", "x"], 3: ["refused: E2", "3"], 4: ["4", "x"],
               5: ["5", "x"]}
-    generate = ScriptedGenerate(script)
-    samples, metrics = generate_groups(
-        generate, PromptLoader(prompts(6), shuffle=False), SamplingConfig(n=2, seed=5), load_reward_fn("exact_match"),
-        num_groups=3, prompts_per_round=prompts_per_round, max_rounds=10,
-    )
+    pool = ScriptedPool(script)
+    loader = PromptLoader(prompts(7), shuffle=False)
+    samples, metrics = collect(pool, loader, num_groups=3, dynamic_sampling=dynamic_sampling)
     assert all(s.failure is None for s in samples) and len(samples) == 6
-    if prompts_per_round is None:
-        assert generate.calls == [([0, 1, 2], 5), ([3], 5 + ROUND_SEED_STRIDE), ([4], 5 + 2 * ROUND_SEED_STRIDE)]
-        assert [s.prompt.label for s in samples[::2]] == ["0", "2", "4"]
-        assert "rollout/generation_rounds" not in metrics
-    else:
-        assert generate.calls == [([0, 1, 2], 5), ([3, 4, 5], 5 + ROUND_SEED_STRIDE)]
-        assert [s.prompt.label for s in samples[::2]] == ["0", "2", "4"]
-        assert metrics["rollout/surplus_groups"] == 1 and metrics["rollout/dropped_groups"] == 0
+    assert pool.submitted == [(0, 5), (1, 7), (2, 9), (3, 11), (4, 13), (5, 15)]
+    assert [s.prompt.label for s in samples[::2]] == ["0", "2", "4"]
+    assert ("rollout/dropped_groups" in metrics) == dynamic_sampling
     assert (metrics["rollout/failed_samples"], metrics["rollout/failed_groups"]) == (2, 2)
+    assert (metrics["rollout/returned_prompts"], pool.aborts) == (1, 1)  # prompt 5, in flight at the end
+    if dynamic_sampling:  # the failed groups are not counted as uninformative ones
+        assert metrics["rollout/dropped_groups"] == 0 and metrics["rollout/informative_group_fraction"] == 1.0
     printed = capsys.readouterr().err
-    assert printed.count("failed in the engine") == 1  # once for the step, not per round
+    assert printed.count("failed in the engine") == 1  # once for the step, not per group
     assert "2 samples in 2 groups failed in the engine (first reasons: E1 | E2); their groups were dropped" in printed
 
 
 def test_a_step_whose_every_sample_fails_fails_naming_the_reason():
-    generate = ScriptedGenerate({i: ["refused: ValueError: The input (9 tokens) is longer"] * 2 for i in range(4)})
-    with pytest.raises(AllSamplesFailed, match=r"every one of the 4 samples of this step; first: ValueError: The inp"):
-        generate_groups(generate, PromptLoader(prompts(4), shuffle=False), SamplingConfig(n=2),
-                        load_reward_fn("exact_match"), num_groups=2, prompts_per_round=None, max_rounds=10)
+    pool = ScriptedPool({i: ["refused: ValueError: The input (9 tokens) is longer"] * 2 for i in range(4)})
+    loader = PromptLoader(prompts(6), shuffle=False)
+    with pytest.raises(AllSamplesFailed, match=r"every one of the 4 samples of this step; first: ValueError: The inp"
+                                               r".*--max-prompt-length"):
+        collect(pool, loader, num_groups=2)
+    assert pool.aborts == 1 and not pool.in_flight  # the engines end what they still run; its prompts go back
+    assert [p.row for p in loader.take(3)] == [3, 4, 5]  # 2 and 3 were in flight
+
+
+def test_the_bound_on_submitted_prompts_stops_the_step_with_the_counts():
+    pool = ScriptedPool({i: ["y", "y"] for i in range(8)})  # every group uninformative
+    with pytest.raises(FillError, match=r"kept 0 of 2 groups after submitting 4 prompts: 3 of 3 groups had equal "
+                                        r"rewards \(by shared reward: \{0.0: 3\}\).*--rollout-max-prompts"):
+        collect(pool, PromptLoader(prompts(8), shuffle=False), num_groups=2, dynamic_sampling=True, max_prompts=4)
+    failing = ScriptedPool({0: ["1", "1"], 1: ["refused: E1", "1"], 2: ["refused: E3", "1"], 3: ["1", "1"]})
+    with pytest.raises(FillError) as info:
+        collect(failing, PromptLoader(prompts(8), shuffle=False), num_groups=2, chunk_size=2, max_prompts=3)
+    assert not isinstance(info.value, AllSamplesFailed)
+    assert str(info.value).startswith(
+        "kept 1 of 2 groups after submitting 3 prompts: 2 samples in 2 groups failed in the engine (first reasons: "
+        "E1 | E3); their groups were dropped; the engine refuses a request whose prompt"
+    )
+    with pytest.raises(ValueError, match="more requests than a step has sampling seeds for"):
+        collect(ScriptedPool({}), PromptLoader(prompts(1)), num_groups=1, max_prompts=STEP_SEED_SPAN // 2 + 1)
+
+
+def test_a_prompt_stream_that_runs_out_fails_never_a_short_batch():
+    pool = ScriptedPool({i: ["1", "y"] for i in range(3)})  # prompt 1 informative, 0 and 2 not
+    with pytest.raises(FillError, match="prompt data ran out while filling the step's groups with 1 of 2 kept"):
+        collect(pool, PromptLoader(prompts(3), shuffle=False, num_epochs=1), num_groups=2, dynamic_sampling=True)
 
 
 def test_reward_failures_are_counted_and_their_reasons_printed(capsys):

@@ -224,7 +224,7 @@ def _loop_settings(**changes) -> RolloutSettings:
     base = dict(
         data=None, shuffle=False, reward_fn=None, reward_timeout=None,
         sampling=SamplingConfig(n=2, max_new_tokens=3), batch_size=2,
-        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, dynamic_sampling_max_rounds=None,
+        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, max_prompts=None,
         overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None, routing_replay=False,
         context=None,
     )
@@ -237,7 +237,7 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
         load_data=str(tmp_path / "in_{step}.jsonl"), save_data=str(tmp_path / "out_{step}.jsonl"),
         overlong_buffer_len=1,
     )
-    replay = rollout_of(rollout, generate=None, reward_fn=None)
+    replay = rollout_of(rollout, engines=None, reward_fn=None)
     samples, metrics = collect_rollout(1, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
     # Saved again unchanged: the file holds the reward function's scores, the penalty comes after.
     assert (tmp_path / "out_1.jsonl").read_text() == (tmp_path / "in_1.jsonl").read_text()
@@ -255,7 +255,7 @@ def test_the_loop_replays_and_saves_again_the_routed_experts_under_routing_repla
     rollout = _loop_settings(
         load_data=str(tmp_path / "in_{step}.jsonl"), save_data=str(tmp_path / "out_{step}.jsonl"), routing_replay=True
     )
-    replay = rollout_of(rollout, generate=None, reward_fn=None)
+    replay = rollout_of(rollout, engines=None, reward_fn=None)
     replayed, _ = collect_rollout(0, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
     assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(replayed, samples))
     saved_again = (tmp_path / "out_0.jsonl.experts.safetensors").read_bytes()
