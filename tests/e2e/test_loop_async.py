@@ -37,6 +37,7 @@ PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
 PROBE_TOKENS = 6
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=PROBE_TOKENS, ignore_eos=True)
 NUM_STEPS = 3
+GROUPS_PER_STEP = 8  # prompt groups a step trains on (--rollout-batch-size), each its own generate call
 
 
 def _write(name: str, record: dict) -> None:
@@ -45,8 +46,9 @@ def _write(name: str, record: dict) -> None:
 
 
 class RecordingEngineWorker(EngineWorker):
-    """EngineWorker writing to $RELAX_TEST_RECORDS/engine.jsonl: the wall-clock start and end of each generate call,
-    and a probe (greedy tokens and logprobs of PROBE_PROMPTS) once started and at the end of each weight push."""
+    """EngineWorker writing to $RELAX_TEST_RECORDS/engine.jsonl: the wall-clock start and end of each generate call
+    (one per prompt group: the rollout dispatches groups), and a probe (greedy tokens and logprobs of PROBE_PROMPTS)
+    once started and at the end of each weight push."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -92,7 +94,7 @@ def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_
         "--device", "cpu", "--hf-checkpoint", str(model),
         "--prompt-data", str(data), "--input-key", "prompt", "--label-key", "label",
         "--reward-fn", "test_loop_two_engines:alternating_reward",  # every step changes the weights
-        "--num-steps", str(NUM_STEPS), "--rollout-batch-size", "8", "--n-samples-per-prompt", "8",
+        "--num-steps", str(NUM_STEPS), "--rollout-batch-size", str(GROUPS_PER_STEP), "--n-samples-per-prompt", "8",
         "--rollout-max-response-len", "2", "--global-batch-size", "64", "--micro-batch-size", "16",
         "--advantage-estimator", "grpo", "--no-normalize-advantages-by-std", "--lr", "5e-3", "--weight-decay", "0.0",
         "--num-nodes", "1", "--num-devices-per-node", "1", "--no-colocate", "--rollout-num-gpus", "1",
@@ -120,10 +122,16 @@ def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_
         assert m["rollout/reward_mean"] == 0.5 and m["train/update_successful"] == 1.0
     assert "perf/first_rollout_time" in metrics[0]
 
-    # Generate calls: the first step's rollout, then step s+1's while step s trained, for every step but the last.
-    generated = read_records(records / "engine.jsonl", "generate")
+    # Rollouts: the first step's, then step s+1's while step s trained, for every step but the last. Each is
+    # GROUPS_PER_STEP generate calls, one per group, and rollouts do not overlap each other.
+    calls = sorted(read_records(records / "engine.jsonl", "generate"), key=lambda call: call["start"])
+    assert len(calls) == NUM_STEPS * GROUPS_PER_STEP
+    generated = [
+        {"start": min(c["start"] for c in rollout), "end": max(c["end"] for c in rollout)}
+        for rollout in (calls[i : i + GROUPS_PER_STEP] for i in range(0, len(calls), GROUPS_PER_STEP))
+    ]
     trained = read_records(records / "trainer.jsonl")
-    assert (len(generated), len(trained)) == (NUM_STEPS, NUM_STEPS)
+    assert len(trained) == NUM_STEPS
     assert generated[0]["end"] <= trained[0]["start"]
     for step in range(NUM_STEPS - 1):
         rollout, training = generated[step + 1], trained[step]
