@@ -298,7 +298,10 @@ class ActorGroup:
         self.envs = envs
         self.role = role
         self.bundles = [placement.bundles[position] for position in positions]
-        self._remote_class = actor_class if isinstance(actor_class, ray.actor.ActorClass) else ray.remote(actor_class)
+        if not isinstance(actor_class, ray.actor.ActorClass):  # a plain class may carry its ray.remote options
+            options = getattr(actor_class, "RAY_OPTIONS", None)
+            actor_class = ray.remote(**options)(actor_class) if options else ray.remote(actor_class)
+        self._remote_class = actor_class
         self.class_name = self._remote_class.__ray_metadata__.class_name
         self._options = {
             **_resource_options({name: amount * share for name, amount in placement.bundle_resources.items()}),

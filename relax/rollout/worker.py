@@ -22,10 +22,12 @@ from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig
 
 GENERATION = "generation"  # the concurrency group of the rollout's calls
 MAX_CONCURRENT_GROUPS = 1024  # generate_group calls an engine actor runs at once (threads; Ray queues the rest)
-REMOTE_OPTIONS = {"concurrency_groups": {GENERATION: MAX_CONCURRENT_GROUPS}}  # ray.remote's, for the actor class
 
 
 class EngineWorker(RolloutEngine):
+    # ray.remote's options for this class (relax.ray.placement.ActorGroup reads them; subclasses inherit them)
+    RAY_OPTIONS = {"concurrency_groups": {GENERATION: MAX_CONCURRENT_GROUPS}}
+
     def __init__(self, server_args, model_path: str, device: str, tp_size: int, enable_memory_saver: bool):
         from relax.platform import get_platform
 

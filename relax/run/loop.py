@@ -59,7 +59,6 @@ from relax.rollout.dump import save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty
 from relax.rollout.rollout import EnginePool, Generate, reward_and_length_metrics
-from relax.rollout.worker import REMOTE_OPTIONS as ENGINE_REMOTE_OPTIONS
 from relax.rollout.worker import EngineWorker
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
@@ -417,7 +416,7 @@ def start_workers(workers: Workers, config, platform, placement: Placement, faul
         workers.data_parallel_ranks = trainers.run("data_parallel_rank", timeout=settings.train_timeout)
     if settings.mode.has_engines:
         workers.engines = engines = create_engine_actors(
-            ray.remote(**ENGINE_REMOTE_OPTIONS)(EngineWorker), engine_placement,
+            EngineWorker, engine_placement,
             devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
             args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
         )

@@ -68,6 +68,9 @@ class SlowEngine(ChildKeeper):
         pid = str(os.getpid())
         return [[Completion([next(seeds)], [0.0], "stop", pid) for _ in range(sampling.n)] for _ in prompts]
 
+    def generate_group(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
+        return self.generate([prompt], sampling)[0]
+
 
 class DiesInInit:
     def __init__(self):
@@ -180,7 +183,7 @@ def _restarting(engines, max_restarts: int) -> Colocation:
     return Colocation(None, engines, 1, settings, FaultPlan())
 
 
-def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_share_sent_again(placement):
+def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_groups_sent_again(placement):
     engines = create_engine_actors(SlowEngine, placement, devices_per_engine=1)
     old_pids = wait_for(engines.call("pid"), placement)
     (child_pid,) = ray.get(engines.actors[1].watched_child_pids.remote())
@@ -189,12 +192,13 @@ def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_s
     _kill_soon(child_pid, delay_s=1.0)  # engine 1's, while both engines generate
     sampling = SamplingConfig(n=2, seed=100)
     completions = generate([[1], [2], [3], [4]], sampling)
-    # Every request answered once, with its own seed, in prompt order: engine 1's share by the new actor.
+    # Every request answered once, with its own seed, in prompt order; the groups engine 1 held were sent again
+    # (to whichever engine had the least in flight: engine 0 or the new actor), none answered by the dead one.
     seeds = [[c.token_ids[0] for c in group] for group in completions]
     assert seeds == [[100, 101], [102, 103], [104, 105], [106, 107]]
-    answered_by = [int(group[0].text) for group in completions]
+    answered_by = {int(group[0].text) for group in completions}
     new_pid = ray.get(engines.actors[1].pid.remote())
-    assert answered_by == [old_pids[0], old_pids[0], new_pid, new_pid] and new_pid != old_pids[1]
+    assert new_pid != old_pids[1] and old_pids[1] not in answered_by and answered_by <= {old_pids[0], new_pid}
     assert engines.bundles[1].node_id == placement.bundles[1].node_id  # the same bundle
     first, second = colocation.take_faults(), colocation.take_faults()
     assert (first["faults/engine_restarts"], second["faults/engine_restarts"]) == (1, 0)
