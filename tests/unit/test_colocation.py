@@ -191,15 +191,22 @@ def test_an_engine_dead_in_a_memory_call_is_called_again_once_restarted_and_give
     world.colocation.engine_memory = {"weights", "kv_cache", "cuda_graph"}
     completions = world.colocation.generate([[1], [2]], SamplingConfig(n=2, seed=5))
     assert [entry[:2] for entry in world.log] == [  # the actor's weights to every engine first: two hand-overs
-        ("engine 0", "release_memory_occupation"), ("engine 1'", "release_memory_occupation"),
-        ("training rank 0", "wake"),
-        ("engine 0", "resume_memory_occupation"), ("engine 1'", "resume_memory_occupation"),
-        ("training rank 0", "push_weights"),
-        ("training rank 0", "sleep"),
-        ("engine 0", "resume_memory_occupation"), ("engine 1'", "resume_memory_occupation"),
+        *_weights_to(["engine 0", "engine 1'"]),
         ("engine 0", "generate_group"), ("engine 1'", "generate_group"),  # then the requests
     ]
     assert completions == [["completion"] * 2] * 2 and world.colocation.stale == set()
+
+
+def _weights_to(engines: list[str]) -> list[tuple[str, str]]:
+    """The calls of the two hand-overs that give `engines` the actor's weights (generate's refresh)."""
+    return [
+        *((engine, "release_memory_occupation") for engine in engines),
+        ("training rank 0", "wake"),
+        *((engine, "resume_memory_occupation") for engine in engines),
+        ("training rank 0", "push_weights"),
+        ("training rank 0", "sleep"),
+        *((engine, "resume_memory_occupation") for engine in engines),
+    ]
 
 
 def _sent(log) -> list[tuple[str, list[int], int]]:
@@ -244,12 +251,7 @@ def test_the_groups_of_an_engine_dead_mid_rollout_go_again_with_their_seeds_once
     assert [entry[:2] for entry in world.log] == [
         ("restart", "engine 0"), ("engine 0'", "watched_child_pids"),
         # nothing runs any more: the actor's weights to every engine, through the two hand-overs
-        ("engine 0'", "release_memory_occupation"), ("engine 1", "release_memory_occupation"),
-        ("training rank 0", "wake"),
-        ("engine 0'", "resume_memory_occupation"), ("engine 1", "resume_memory_occupation"),
-        ("training rank 0", "push_weights"),
-        ("training rank 0", "sleep"),
-        ("engine 0'", "resume_memory_occupation"), ("engine 1", "resume_memory_occupation"),
+        *_weights_to(["engine 0'", "engine 1"]),
         ("engine 0'", "generate_group"), ("engine 1", "generate_group"), ("engine 0'", "generate_group"),
     ]
     assert _sent(world.log) == [("engine 0'", [0], 0), ("engine 1", [2], 4), ("engine 0'", [3], 6)]
