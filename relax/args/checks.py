@@ -322,15 +322,15 @@ EVAL_SAMPLING_FLAGS = (
 # checked as for a run and unused (the dry-run says so).
 EVAL_ONLY_REFUSED = (
     "prompt_data", "rollout_shuffle", "eval_interval", "save", "load", "save_rollout_data", "load_rollout_data",
-    "dynamic_sampling", "over_sampling_batch_size", "rollout_max_prompts", "debug_rollout_only",
-    "use_rollout_routing_replay",
+    "dynamic_sampling", "over_sampling_batch_size", "rollout_max_prompts", "partial_rollout", "max_staleness",
+    "debug_rollout_only", "use_rollout_routing_replay",
 )
 
 # What --load-rollout-data refuses: the flags that choose how the training's rollouts are generated. And, unless an
 # evaluation reads them (scores_samples), the flags that read and score prompts, unset unless given.
 REPLAY_REFUSED = (
     "prompt_data", "rollout_shuffle", "dynamic_sampling", "over_sampling_batch_size", "rollout_max_prompts",
-    "debug_rollout_only",
+    "partial_rollout", "max_staleness", "debug_rollout_only",
 )
 READ_WITH_PROMPTS = (
     "reward_fn", "apply_chat_template", "apply_chat_template_kwargs", "system_prompt", "max_prompt_length",
@@ -438,6 +438,13 @@ def sampling_flags_consistent(config, platform):
         problem = rollout_seeds_problem(r.rollout_max_prompts, r.n_samples_per_prompt)
         if problem:
             return problem
+    if r.max_staleness is not None and not r.partial_rollout:
+        return "--max-staleness bounds the age of --partial-rollout's continued responses: give --partial-rollout too"
+    if r.partial_rollout and r.use_rollout_routing_replay:
+        return (
+            "--partial-rollout with --use-rollout-routing-replay: a checkpoint does not save the routed experts of "
+            "the responses it carries to a later step; drop one"
+        )
     if r.overlong_penalty_factor is not None and r.overlong_buffer_len is None:
         return "--overlong-penalty-factor only applies with --overlong-buffer-len"
     if r.overlong_buffer_len is not None and r.overlong_buffer_len >= r.rollout_max_response_len:

@@ -232,6 +232,23 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--rollout-batch-size, no over-sampling).",
     )
     g.add_argument(
+        "--partial-rollout",
+        action="store_true",
+        help="Groups aborted when the step's batch is full keep what their responses generated (tokens, engine "
+        "logprobs, the step that sampled each token) and a later step continues them from there, rather than "
+        "starting their prompts again; their training uses the logprobs they carry (TIS/MIS and the mismatch "
+        "metrics see the older tokens). Applies where groups are aborted: --over-sampling-batch-size above "
+        "--rollout-batch-size, or --dynamic-sampling.",
+    )
+    g.add_argument(
+        "--max-staleness",
+        type=_non_negative_int,
+        metavar="STEPS",
+        help="With --partial-rollout: a response with a token sampled more than STEPS steps before the step that "
+        "would continue it starts again from its prompt, counted in rollout/partial_stale_samples (default: no "
+        "bound).",
+    )
+    g.add_argument(
         "--rollout-max-prompts",
         type=_positive_int,
         metavar="N",

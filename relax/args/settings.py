@@ -22,7 +22,7 @@ from relax.platform import platform_facts
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import SamplingConfig
-from relax.rollout.rollout import most_requests_per_engine
+from relax.rollout.rollout import Partial, most_requests_per_engine
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import LossSettings
 from relax.train.off_policy import RolloutCorrection
@@ -128,6 +128,7 @@ class RolloutSettings:
     dynamic_sampling: bool  # keep only groups with unequal rewards, refilling
     over_sampling_batch_size: int | None  # prompts submitted at a time; None where no rollout is generated
     max_prompts: int | None  # prompts a step may submit before the run stops; None where no rollout is generated
+    partial: Partial | None  # --partial-rollout: aborted groups keep their tokens (its --max-staleness); else None
     overlong_buffer_len: int | None  # DAPO's overlong shaping: the last this many tokens before the limit
     overlong_penalty_factor: float | None  # the penalty at the limit
     load_data: str | None  # the scored samples replayed (RunMode.replays_rollouts), a pattern of step files
@@ -231,6 +232,7 @@ def rollout_settings(flags: argparse.Namespace, context: ContextLength | None) -
         dynamic_sampling=flags.dynamic_sampling,
         over_sampling_batch_size=flags.over_sampling_batch_size,
         max_prompts=flags.rollout_max_prompts,
+        partial=Partial(flags.max_staleness) if flags.partial_rollout else None,
         overlong_buffer_len=flags.overlong_buffer_len,
         overlong_penalty_factor=flags.overlong_penalty_factor,
         load_data=flags.load_rollout_data,

@@ -15,7 +15,8 @@ length metrics, the overlong penalty.
                       complete, scored by the reward function; with --over-sampling-batch-size, more prompts in
                       flight than the step needs, the rest aborted and put back; with --dynamic-sampling, new
                       prompts until enough groups teach something; a group with a sample the engine refused is
-                      replaced by a group of a new prompt
+                      replaced by a group of a new prompt; with --partial-rollout, the aborted groups are put back
+                      with what they generated, and continued
     Replay            --load-rollout-data: the samples a run saved for the step
 """
 
@@ -27,7 +28,7 @@ from relax.rollout.dump import load_rollout_data
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample
 from relax.rollout.rewards import RewardFn
-from relax.rollout.rollout import EnginePool, collect_groups
+from relax.rollout.rollout import EnginePool, Partial, collect_groups
 
 
 class RolloutRequest(NamedTuple):
@@ -53,6 +54,7 @@ class Filling:
     over_sampling_batch_size: int  # prompts submitted at a time while fewer are in flight than still needed
     dynamic_sampling: bool  # DAPO: groups with equal rewards are dropped
     max_prompts: int  # --rollout-max-prompts: the most a step submits before it fails with the counts
+    partial: Partial | None = None  # --partial-rollout: aborted groups are put back with their tokens
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,7 @@ class GenerateAndScore:
         return RolloutResult(*collect_groups(
             self.pool, request.prompts, request.sampling, self.reward_fn, num_groups=request.num_groups,
             chunk_size=self.filling.over_sampling_batch_size, dynamic_sampling=self.filling.dynamic_sampling,
-            max_prompts=self.filling.max_prompts,
+            max_prompts=self.filling.max_prompts, step=request.step, partial=self.filling.partial,
         ))
 
 

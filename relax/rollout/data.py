@@ -22,8 +22,9 @@ counted and listed in the load report instead. Prompts over `max_prompt_tokens` 
 counted) separately: they are not errors.
 
 PromptLoader serves the prompts in epochs, each a permutation seeded by (seed, epoch); prompts a rollout took but
-did not use (over-sampling's aborted groups) are put back and served first. Its state_dict (position, the prompts
-put back, seed, shuffle, prompt count) is all a checkpoint needs to resume exactly where it stopped.
+did not use (over-sampling's aborted groups) are put back and served first, with what their responses had generated
+under partial rollout (relax.rollout.partial.GroupSoFar). Its state_dict (position, the prompts put back and their
+responses so far, seed, shuffle, prompt count) is all a checkpoint needs to resume exactly where it stopped.
 """
 
 import json
@@ -32,6 +33,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from relax.rollout.partial import GroupSoFar
 
 MAX_REPORTED_BAD_ROWS = 20
 
@@ -309,6 +312,7 @@ class PromptLoader:
         num_epochs: int | None = None,  # None: endless
         position: LoaderPosition = LoaderPosition(),
         put_back: list[int] = (),  # indices into `prompts` of prompts put back, served first
+        put_back_progress: list[GroupSoFar | None] | None = None,  # what each one's responses generated (partial)
     ):
         if not prompts:
             raise PromptDataError("PromptLoader needs at least one prompt")
@@ -329,6 +333,7 @@ class PromptLoader:
                 "checkpoint made with different data or filters?"
             )
         self._put_back: list[int] = list(put_back)
+        self._progress: list[GroupSoFar | None] = list(put_back_progress or [None] * len(self._put_back))
         self._order_epoch = None
         self._order: list[int] = []
 
@@ -344,20 +349,34 @@ class PromptLoader:
     def exhausted(self) -> bool:
         return not self._put_back and self.num_epochs is not None and self.position.epoch >= self.num_epochs
 
-    def put_back(self, prompts: list[Prompt]) -> None:
-        """Prompts taken but not used (a rollout's aborted groups): the next take serves them first, in this order."""
-        self._put_back += [self._index[id(prompt)] for prompt in prompts]
+    def put_back(self, prompts: list[Prompt], progress: list[GroupSoFar | None] | None = None) -> None:
+        """Prompts taken but not used (a rollout's aborted groups): the next take serves them first, in this order,
+        each with what its responses had generated (`progress`, partial rollout; None: nothing)."""
+        # New lists, not in place: a copy of the loader (copy.copy, the state a checkpoint saves) keeps its own.
+        self._put_back = self._put_back + [self._index[id(prompt)] for prompt in prompts]
+        self._progress = self._progress + (progress or [None] * len(prompts))
 
     def take(self, count: int) -> list[Prompt]:
         """The next `count` prompts: those put back first, then the epochs', continuing into the next epoch as
-        needed; fewer only when the last epoch ends."""
-        batch = [self.prompts[index] for index in self._put_back[:count]]
-        del self._put_back[:count]
+        needed; fewer only when the last epoch ends. A prompt put back with its responses so far is not served
+        here (take_with_progress serves them): it would lose what they generated."""
+        if any(progress is not None for progress in self._progress[:count]):
+            raise RuntimeError("prompts put back with their partial responses must be taken with take_with_progress")
+        return [prompt for prompt, _ in self.take_with_progress(count)]
+
+    def take_with_progress(self, count: int) -> list[tuple[Prompt, GroupSoFar | None]]:
+        """take's prompts, each with (a copy of) what its responses had generated when it was put back (None:
+        nothing)."""
+        batch = [
+            (self.prompts[index], None if progress is None else progress.copy())
+            for index, progress in zip(self._put_back[:count], self._progress)
+        ]
+        self._put_back, self._progress = self._put_back[count:], self._progress[count:]
         epoch, index = self.position.epoch, self.position.index
         while len(batch) < count and not (self.num_epochs is not None and epoch >= self.num_epochs):
             order = self._epoch_order(epoch)
             step = min(count - len(batch), len(order) - index)
-            batch.extend(self.prompts[i] for i in order[index : index + step])
+            batch.extend((self.prompts[i], None) for i in order[index : index + step])
             index += step
             if index == len(order):
                 epoch, index = epoch + 1, 0
@@ -371,6 +390,7 @@ class PromptLoader:
             "epoch": self.position.epoch,
             "index": self.position.index,
             "put_back": list(self._put_back),
+            "put_back_progress": [None if group is None else group.state_dict() for group in self._progress],
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_prompts": len(self.prompts),
@@ -392,4 +412,8 @@ class PromptLoader:
             num_epochs=num_epochs,
             position=LoaderPosition(state["epoch"], state["index"]),
             put_back=state.get("put_back", []),  # absent from older checkpoints
+            put_back_progress=[
+                None if group is None else GroupSoFar.from_state_dict(group)
+                for group in state.get("put_back_progress", [None] * len(state.get("put_back", [])))
+            ],
         )

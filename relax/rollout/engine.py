@@ -27,6 +27,7 @@ Four things differ from calling sglang.Engine directly:
 
 import asyncio
 import base64
+import itertools
 import signal
 import sys
 import threading
@@ -139,17 +140,22 @@ class Completion:
         return cls(token_ids=[], logprobs=[], finish_reason="abort", text="")
 
 
-def request_params(requests: list[list[int]], sampling: SamplingConfig) -> list[dict]:
+def request_params(
+    requests: list[list[int]], sampling: SamplingConfig, prefix_lengths: list[int] | None = None
+) -> list[dict]:
     """SGLang's sampling params of each request of a generate call: request i seeded sampling.seed + i (when
-    given), its max_new_tokens what its prompt leaves of the context under sampling.clip_to_context."""
+    given), its max_new_tokens what its prompt leaves of the context under sampling.clip_to_context. A request
+    that continues a response (`prefix_lengths[i]` tokens of it at the end of requests[i]: partial rollout) gets
+    what the response's budget has left."""
     params = sampling.sglang_params()
+    prefix_lengths = prefix_lengths or [0] * len(requests)
     return [
         {
             **params,
-            "max_new_tokens": sampling.max_new_tokens_for(len(request)),
+            "max_new_tokens": sampling.max_new_tokens_for(len(request) - prefix) - prefix,
             **({} if sampling.seed is None else {"sampling_seed": sampling.seed + i}),
         }
-        for i, request in enumerate(requests)
+        for i, (request, prefix) in enumerate(zip(requests, prefix_lengths, strict=True))
     ]
 
 
@@ -453,16 +459,24 @@ class RolloutEngine:
 
         self._run(abort_all())
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingConfig, prefixes: list[list[list[int]]] | None = None
+    ) -> list[list[Completion]]:
         """sampling.n completions for each token-id prompt, all submitted at once, one request each: the
         scheduler takes requests as they arrive and batches them continuously. A request SGLang refuses (it
         raises for that request alone while the engine lives: an over-long prompt, bad sampling settings)
         comes back as a failed Completion carrying the error, not as an exception; a dead engine raises
-        EngineDeadError (_run). Returns one list of n completions per prompt, in prompt order."""
+        EngineDeadError (_run). Returns one list of completions per prompt, in prompt order.
+
+        `prefixes` (partial rollout): for each prompt, the responses begun earlier to continue, one request each
+        in place of sampling.n new ones: request j of prompt p samples after prompts[p] + prefixes[p][j], within
+        what the response's budget has left, and its Completion holds the new tokens only."""
         if not prompts:
             return []
-        requests = [list(prompt) for prompt in prompts for _ in range(sampling.n)]
-        params = request_params(requests, sampling)
+        if prefixes is None:
+            prefixes = [[[]] * sampling.n for _ in prompts]
+        requests = [list(prompt) + list(prefix) for prompt, group in zip(prompts, prefixes) for prefix in group]
+        params = request_params(requests, sampling, [len(prefix) for group in prefixes for prefix in group])
         engine = self._live()
 
         async def each_request():  # gather wraps the coroutines in tasks of the running (the engine's) loop
@@ -481,14 +495,15 @@ class RolloutEngine:
 
         outputs = self._run(each_request())  # raises EngineDeadError if the engine died meanwhile
         completions = []
-        for output, prompt in zip(outputs, requests):
+        for output, request in zip(outputs, requests):
             if isinstance(output, Exception):
                 completions.append(Completion.refused(f"{type(output).__name__}: {output}"))
             elif isinstance(output, BaseException):  # a cancellation: not the request's own failure
                 raise output
             else:
-                completions.append(_completion(output, prompt, self._routed_experts_row))
-        return [completions[i : i + sampling.n] for i in range(0, len(completions), sampling.n)]
+                completions.append(_completion(output, request, self._routed_experts_row))
+        answers = iter(completions)
+        return [list(itertools.islice(answers, len(group))) for group in prefixes]
 
     def flush_cache(self):
         result = self._run(self._live().tokenizer_manager.flush_cache())

@@ -32,6 +32,9 @@ class Sample:
     # Why the engine refused this sample's request (relax.rollout.engine.Completion.error), or None. A failed
     # sample has no response and is never scored; it fails its group.
     failure: str | None = None
+    # The step whose rollout sampled each response token: an earlier step's for the tokens of a response that
+    # partial rollout continued (relax.rollout.partial). None: the step's own (and saved samples replayed).
+    response_steps: list[int] | None = None
 
     def __post_init__(self):
         if self.loss_mask is None:

@@ -15,13 +15,14 @@ actors (the evaluation's).
 """
 
 from dataclasses import replace
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 
 from relax.console import say
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.partial import GroupSoFar, PartialStats
 from relax.rollout.groups import (
     REFUSAL_FIX, AllSamplesFailed, FillError, FillStats, Group, Sample, group_by_prompt,
 )
@@ -36,11 +37,13 @@ DEFAULT_MAX_CHUNKS = 10  # --rollout-max-prompts when not given: this many --ove
 class EnginePool(Protocol):
     """The engines as a rollout drives them, one prompt group per submission."""
 
-    def submit(self, key: int, prompt: list[int], sampling: SamplingConfig) -> None:
-        """Start sampling.n requests of `prompt` (request j seeded sampling.seed + j), known as `key`."""
+    def submit(self, key: int, prompt: list[int], sampling: SamplingConfig,
+               prefixes: list[list[int]] | None = None) -> None:
+        """Start sampling.n requests of `prompt` (request j seeded sampling.seed + j), known as `key`; or with
+        `prefixes` (partial rollout), one request per response begun earlier, continuing it."""
 
     def next_done(self) -> tuple[int, list[Completion]]:
-        """Wait for the next submitted group to complete: its key and its sampling.n completions."""
+        """Wait for the next submitted group to complete: its key and a completion per request."""
 
     def abort(self) -> None:
         """End every group in flight soon (SGLang's abort): each still comes back through next_done, its aborted
@@ -119,11 +122,18 @@ def offset_seed(sampling: SamplingConfig, offset: int) -> SamplingConfig:
     return sampling if sampling.seed is None else replace(sampling, seed=sampling.seed + offset)
 
 
+class Partial(NamedTuple):
+    """--partial-rollout: groups aborted when the batch is full are put back with what they generated, and a later
+    step continues them (relax.rollout.partial); --max-staleness bounds their tokens' age."""
+
+    max_staleness: int | None
+
+
 def collect_groups(
     pool: EnginePool, loader: PromptLoader, sampling: SamplingConfig, reward_fn: RewardFn, num_groups: int,
-    chunk_size: int, dynamic_sampling: bool, max_prompts: int,
+    chunk_size: int, dynamic_sampling: bool, max_prompts: int, step: int = 0, partial: Partial | None = None,
 ) -> tuple[list[Sample], dict[str, float]]:
-    """`num_groups` scored groups of new prompts, taken as the engines complete them.
+    """`num_groups` scored groups of new prompts, taken as the engines complete them, for step `step`.
 
     While fewer groups are in flight than are still needed, the next `chunk_size` prompts of `loader` are submitted
     (--over-sampling-batch-size: with chunk_size > num_groups, more are generated than the step needs, against the
@@ -131,6 +141,8 @@ def collect_groups(
     counted: its place is taken by the groups in flight or the next chunk) or, with `dynamic_sampling` (DAPO), its
     rewards are all equal (dropped). Once num_groups are kept, every group still in flight is aborted and its prompt
     put back into `loader`, to be served first by the next step (nothing is lost; no prompt comes twice in a step).
+    With `partial`, a group is put back with the tokens its responses generated, and taken again its responses
+    continue from there (those that had finished are kept as they are).
 
     The batch: the kept groups in submission order, so that without over-sampling or failures it is the loader's
     next num_groups prompts. The k-th prompt the step submits samples its request j with seed sampling.seed +
@@ -141,33 +153,53 @@ def collect_groups(
     problem = rollout_seeds_problem(max_prompts, sampling.n)
     if problem:
         raise ValueError(problem)
-    stats, rewards = FillStats(), RewardReport()
-    submitted: list[Prompt] = []  # by submission order: a group's key is its index
-    in_flight: set[int] = set()
+    stats, rewards, partial_stats = FillStats(), RewardReport(), PartialStats()
+    submitted: list[tuple[Prompt, GroupSoFar]] = []  # by submission order: a group's key is its index
+    continued: dict[int, list[int]] = {}  # the responses each group in flight (or ready) generates, by key
+    ready: list[int] = []  # groups taken back complete: nothing to generate, in flight all the same
     kept: dict[int, Group] = {}
 
     def submit_chunk():
         count = min(chunk_size, max_prompts - len(submitted))
-        prompts = loader.take(count) if count else []
-        if not prompts:
+        taken = loader.take_with_progress(count) if count else []
+        if not taken:
             raise FillError(_short_batch(stats, len(kept), num_groups, max_prompts, dynamic_sampling, count > 0))
-        for prompt in prompts:
+        for prompt, so_far in taken:
             key = len(submitted)
-            submitted.append(prompt)
-            in_flight.add(key)
-            pool.submit(key, prompt.token_ids, offset_seed(sampling, key * sampling.n))
+            if so_far is None:
+                so_far = GroupSoFar.new(sampling.n)
+            else:
+                partial_stats.stale_samples += so_far.drop_stale(step, partial.max_staleness)
+            submitted.append((prompt, so_far))
+            continued[key] = so_far.to_continue(sampling.max_new_tokens_for(len(prompt.token_ids)))
+            if not continued[key]:  # every response had finished
+                ready.append(key)
+                continue
+            prefixes = [so_far.responses[j].token_ids for j in continued[key]] if so_far.begun else None
+            pool.submit(key, prompt.token_ids, offset_seed(sampling, key * sampling.n), prefixes)
         stats.groups_submitted = len(submitted)
+
+    def take_back(key: int, completions: list[Completion]) -> GroupSoFar:
+        """Group `key` with its completions: its responses continued."""
+        indices = continued.pop(key)
+        if len(completions) != len(indices):
+            raise RuntimeError(f"a group came back with {len(completions)} completions for {len(indices)} requests")
+        so_far = submitted[key][1]
+        for j, completion in zip(indices, completions):
+            so_far.responses[j] = so_far.responses[j].extended(completion, step)
+        return so_far
 
     try:
         while len(kept) < num_groups:
-            if len(in_flight) < num_groups - len(kept):
+            if len(continued) < num_groups - len(kept):
                 submit_chunk()
                 continue
-            key, completions = pool.next_done()
-            in_flight.remove(key)
-            if len(completions) != sampling.n:
-                raise RuntimeError(f"a group came back with {len(completions)} completions for {sampling.n} samples")
-            (group,) = group_by_prompt(samples_of([submitted[key]], [completions]), sampling.n)
+            key, completions = (ready[0], []) if ready else pool.next_done()
+            if ready:
+                ready.pop(0)
+            so_far = take_back(key, completions)
+            group = Group(submitted[key][0], samples_of_group(submitted[key][0], so_far, step))
+            partial_stats.resumed_samples += sum(s.response_steps is not None for s in group.samples)
             stats.groups_completed += 1
             stats.samples_generated += len(group.samples)
             if group.failed:
@@ -184,30 +216,58 @@ def collect_groups(
                     f"{stats.failures[0]}; {REFUSAL_FIX}"
                 )
     except FillError:  # the engines end what they still run (the run may go on: --max-restarts)
-        _abort_and_put_back(pool, loader, submitted, in_flight, stats)
+        _abort_and_put_back(pool, loader, submitted, continued, ready, take_back, partial is not None, stats,
+                            partial_stats)
         raise
-    _abort_and_put_back(pool, loader, submitted, in_flight, stats)  # the batch is full: the rest is surplus
+    # the batch is full: the rest is surplus
+    _abort_and_put_back(pool, loader, submitted, continued, ready, take_back, partial is not None, stats, partial_stats)
     stats.groups_kept = len(kept)
     say_reward_failures(reward_fn, rewards)
     if stats.groups_failed:
         say(f"relax: {stats.failures_text()}; their groups were dropped and generated anew from other prompts",
             error=True)
     samples = [sample for key in sorted(kept) for sample in kept[key].samples]
-    return samples, stats.metrics(dynamic_sampling)
+    metrics = stats.metrics(dynamic_sampling)
+    if partial is not None:
+        metrics.update(partial_stats.metrics(samples, step))
+    return samples, metrics
 
 
-def _abort_and_put_back(pool: EnginePool, loader: PromptLoader, submitted: list[Prompt], in_flight: set[int],
-                        stats: FillStats) -> None:
-    """Abort the groups in flight, wait for each to come back and put their prompts back, in submission order."""
-    if not in_flight:
-        return
-    pool.abort()
-    returned = sorted(in_flight)
-    while in_flight:
+def samples_of_group(prompt: Prompt, group: GroupSoFar, step: int) -> list[Sample]:
+    """The unscored samples of a group's responses in step `step` (those begun in an earlier step with the step of
+    each token: Sample.response_steps)."""
+    return [
+        Sample(
+            prompt, r.token_ids, r.logprobs, r.finish_reason, r.text, routed_experts=r.routed_experts,
+            loss_mask=[1] * len(r.token_ids),  # every token of the response is the policy's own
+            failure=r.error, response_steps=r.steps if r.steps and r.steps[0] < step else None,
+        )
+        for r in group.responses
+    ]
+
+
+def _abort_and_put_back(pool: EnginePool, loader: PromptLoader, submitted: list[tuple[Prompt, GroupSoFar]],
+                        continued: dict[int, list[int]], ready: list[int], take_back, keep_progress: bool,
+                        stats: FillStats, partial_stats: PartialStats) -> None:
+    """Abort the groups in flight, wait for each to come back and put them back, in submission order: their
+    prompts, and with `keep_progress` what their responses generated."""
+    returned = sorted(continued)  # with the groups ready
+    for key in ready:
+        take_back(key, [])
+    ready.clear()
+    if continued:
+        pool.abort()
+    while continued:
         key, completions = pool.next_done()
-        in_flight.remove(key)
+        take_back(key, completions)
         stats.groups_aborted += any(c.finish_reason == "abort" for c in completions)
-    loader.put_back([submitted[key] for key in returned])
+    progress = [
+        GroupSoFar([r.to_continue_later() for r in submitted[key][1].responses]) if keep_progress else None
+        for key in returned
+    ]
+    progress = [group if group is not None and group.begun else None for group in progress]
+    partial_stats.carried_tokens += sum(len(r.token_ids) for group in progress if group for r in group.responses)
+    loader.put_back([submitted[key][0] for key in returned], progress)
     stats.prompts_returned += len(returned)
 
 

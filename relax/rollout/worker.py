@@ -47,9 +47,12 @@ class EngineWorker(RolloutEngine):
         return self.child_pids
 
     @ray.method(concurrency_group=GENERATION)
-    def generate_group(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
-        """sampling.n completions of one prompt (RolloutEngine.generate), beside the actor's other groups."""
-        return self.generate([prompt], sampling)[0]
+    def generate_group(
+        self, prompt: list[int], sampling: SamplingConfig, prefixes: list[list[int]] | None = None
+    ) -> list[Completion]:
+        """sampling.n completions of one prompt, or the continuations of its responses `prefixes` (partial
+        rollout): RolloutEngine.generate, beside the actor's other groups."""
+        return self.generate([prompt], sampling, None if prefixes is None else [prefixes])[0]
 
     @ray.method(concurrency_group=GENERATION)
     def abort_requests(self):

@@ -49,8 +49,13 @@ KV_CACHE = ("kv_cache", "cuda_graph")  # what the engines resume after a push
 class GroupCall(NamedTuple):
     """A prompt group submitted to the engines: its requests, and where and since when it runs."""
 
+    @property
+    def requests(self) -> int:
+        return self.sampling.n if self.prefixes is None else len(self.prefixes)
+
     prompt: list[int]
     sampling: SamplingConfig
+    prefixes: list[list[int]] | None  # the responses it continues (partial rollout), else sampling.n new ones
     engine: int | None = None  # None: held back (waiting for a restarted engine's weights)
     ref: ray.ObjectRef | None = None
     deadline: float | None = None  # time.monotonic() past which it did not answer in time (--rollout-timeout)
@@ -116,11 +121,13 @@ class Colocation:
 
     # --- generation: relax.rollout.rollout.EnginePool -----------------------------------------------------
 
-    def submit(self, key: int, prompt: list[int], sampling: SamplingConfig) -> None:
-        """Send a prompt group to the engine with the fewest requests in flight (ties: the lowest index), or hold it
-        back while a restarted engine waits for the actor's weights."""
+    def submit(self, key: int, prompt: list[int], sampling: SamplingConfig,
+               prefixes: list[list[int]] | None = None) -> None:
+        """Send a prompt group (or the continuations of its responses `prefixes`) to the engine with the fewest
+        requests in flight (ties: the lowest index), or hold it back while a restarted engine waits for the
+        actor's weights."""
         hold = self._waiting_for_weights() or any(call.ref is None for call in self._groups.values())
-        self._groups[key] = GroupCall(prompt, sampling)
+        self._groups[key] = GroupCall(prompt, sampling, prefixes)
         if not hold:
             self._send(key)
 
@@ -165,7 +172,7 @@ class Colocation:
     def _return_aborted(self, key: int) -> None:
         """Group `key` comes back aborted without running (next_done)."""
         call = self._groups.pop(key)
-        self._aborted_groups.append((key, [Completion.aborted() for _ in range(call.sampling.n)]))
+        self._aborted_groups.append((key, [Completion.aborted() for _ in range(call.requests)]))
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """A relax.rollout.rollout.Generate over the engines (the evaluation's): each prompt one group, submitted
@@ -185,10 +192,10 @@ class Colocation:
         load = [0] * len(self.engines)
         for other in self._groups.values():
             if other.engine is not None:
-                load[other.engine] += other.sampling.n
+                load[other.engine] += other.requests
         engine = min(range(len(load)), key=lambda index: (load[index], index))
         deadline = None if self.rollout_timeout.seconds is None else time.monotonic() + self.rollout_timeout.seconds
-        ref = self.engines.actors[engine].generate_group.remote(call.prompt, call.sampling)
+        ref = self.engines.actors[engine].generate_group.remote(call.prompt, call.sampling, call.prefixes)
         self._groups[key] = call._replace(engine=engine, ref=ref, deadline=deadline)
 
     def _send_held(self) -> None:
@@ -282,7 +289,7 @@ class Colocation:
             if self._aborting:
                 self._return_aborted(key)
             else:
-                self._groups[key] = GroupCall(self._groups[key].prompt, self._groups[key].sampling)
+                self._groups[key] = self._groups[key]._replace(engine=None, ref=None, deadline=None)
         if self.used == self.max_restarts and self.trainers is not None:
             self.trainers.watched = None  # no restart left: an engine's death fails the run in any phase, at once
         self._untaken += 1

@@ -268,7 +268,7 @@ def rollout_of(rollout: RolloutSettings, engines: EnginePool | None, reward_fn) 
     groups with --dynamic-sampling)."""
     if rollout.load_data:
         return Replay(rollout.load_data, with_routed_experts=rollout.routing_replay)
-    filling = Filling(rollout.over_sampling_batch_size, rollout.dynamic_sampling, rollout.max_prompts)
+    filling = Filling(rollout.over_sampling_batch_size, rollout.dynamic_sampling, rollout.max_prompts, rollout.partial)
     return GenerateAndScore(engines, reward_fn, filling)
 
 

@@ -104,6 +104,18 @@ def test_a_clipped_budget_is_what_the_engine_asks_sglang_for(engine):
     assert short.finish_reason == long.finish_reason == "length"
 
 
+def test_a_continued_response_samples_what_its_budget_left_after_its_prefix_as_one_request_would(engine, models):
+    """Partial rollout: a response continued from its first tokens (prompt + prefix as the request's input) goes on
+    as the uninterrupted request went (greedy), with the logprobs it would have had, for what the response's
+    budget left; a complete and an empty prefix stand beside it, one request each."""
+    greedy = SamplingConfig(n=3, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    whole = engine.generate(PROMPTS[1:2], greedy)[0][0]
+    continued = engine.generate(PROMPTS[1:2], greedy, prefixes=[[whole.token_ids[:3], [], whole.token_ids[:7]]])[0]
+    assert [c.token_ids for c in continued] == [whole.token_ids[3:], whole.token_ids, whole.token_ids[7:]]
+    assert [c.finish_reason for c in continued] == ["length"] * 3
+    assert max(abs(a - b) for a, b in zip(continued[0].logprobs, whole.logprobs[3:])) < 1e-4
+
+
 def weights(model_dir):
     return sorted(load_file(str(model_dir / "model.safetensors")).items())
 

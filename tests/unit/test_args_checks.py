@@ -130,6 +130,14 @@ RULES = {
         "--rollout-max-prompts 3000000 x --n-samples-per-prompt 8 is more requests than a step has sampling seeds "
         "for (16777216); give at most 2097152 prompts",
     ),
+    "staleness bound needs partial rollout": (
+        [*RUN, "--max-staleness", "2"],
+        "--max-staleness bounds the age of --partial-rollout's continued responses: give --partial-rollout too",
+    ),
+    "partial rollout without routing replay": (
+        [*RUN, "--num-experts", "4", "--partial-rollout", "--use-rollout-routing-replay"],
+        "--partial-rollout with --use-rollout-routing-replay: a checkpoint does not save the routed experts",
+    ),
     "overlong penalty factor needs the buffer": (
         [*RUN, "--overlong-penalty-factor", "0.5"],
         "--overlong-penalty-factor only applies with --overlong-buffer-len",
@@ -318,9 +326,10 @@ def test_a_replaying_run_needs_no_prompt_data(argv):
         ([*TRAIN_ONLY, "--rollout-clip-response-to-context"], ": --rollout-clip-response-to-context would do nothing"),
         ([*REPLAY, "--over-sampling-batch-size", "64", "--rollout-max-prompts", "640"],
          ": --over-sampling-batch-size, --rollout-max-prompts would do nothing"),
+        ([*REPLAY, "--partial-rollout", "--max-staleness", "1"], ": --partial-rollout, --max-staleness would do nothing"),
     ],
     ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward", "no engine",
-         "no over-sampling"],
+         "no over-sampling", "no partial rollout"],
 )
 def test_a_replaying_run_refuses_what_it_does_not_read(argv, message, capsys):
     assert message in parse_error(argv, capsys)

@@ -80,8 +80,12 @@ class _Group:
 
 
 def _answer(ref):
-    """A call's answer: for generate_group(prompt, sampling) one completion per sample, else a push report."""
-    return ["completion"] * ref.args[1].n if ref.method == "generate_group" else {"bytes": 1}
+    """A call's answer: for generate_group(prompt, sampling, prefixes) one completion per request (a sample, or a
+    prefix continued), else a push report."""
+    if ref.method != "generate_group":
+        return {"bytes": 1}
+    prompt, sampling, prefixes = ref.args
+    return ["completion"] * (sampling.n if prefixes is None else len(prefixes))
 
 
 def _raise_failures(refs) -> None:
@@ -212,7 +216,7 @@ def _weights_to(engines: list[str]) -> list[tuple[str, str]]:
 def _sent(log) -> list[tuple[str, list[int], int]]:
     """Each generate_group call logged: (engine, prompt, first seed)."""
     return [(name, prompt, sampling.seed) for name, method, *args in log if method == "generate_group"
-            for prompt, sampling in [args]]
+            for prompt, sampling, _prefixes in [args]]
 
 
 def test_each_group_goes_whole_to_the_engine_with_the_fewest_requests_in_flight(world):
@@ -256,6 +260,27 @@ def test_the_groups_of_an_engine_dead_mid_rollout_go_again_with_their_seeds_once
     ]
     assert _sent(world.log) == [("engine 0'", [0], 0), ("engine 1", [2], 4), ("engine 0'", [3], 6)]
     assert colocation.stale == set()
+
+
+def test_continued_responses_count_one_request_each_and_go_again_with_their_prefixes_after_an_engine_death(world):
+    colocation = world.colocation
+    colocation.submit(0, [0], SamplingConfig(n=4), prefixes=[[5], [6, 7]])  # 2 requests: engine 0
+    colocation.submit(1, [1], SamplingConfig(n=4))  # 4 requests: engine 1
+    colocation.submit(2, [2], SamplingConfig(n=1))  # engine 0 has fewer requests in flight (2 against 4)
+    assert [entry[0] for entry in world.log] == ["engine 0", "engine 1", "engine 0"]
+    world.engines.actors[0].fails["generate_group"] = RayActorError("e0" * 16, "The actor died.")
+    assert colocation.next_done() == (1, ["completion"] * 4)
+    world.log.clear()
+    assert [colocation.next_done() for _ in range(2)] == [(0, ["completion"] * 2), (2, ["completion"])]
+    continued = [args for name, method, *args in world.log if method == "generate_group"]
+    assert continued[0][0] == [0] and continued[0][2] == [[5], [6, 7]]  # sent again with its prefixes
+    colocation.submit(3, [3], SamplingConfig(n=4), prefixes=[[8]])
+    colocation.stale = {0}  # held (a restarted engine waits for the weights), then aborted: one per request
+    colocation.submit(4, [4], SamplingConfig(n=4), prefixes=[[8], [9]])
+    colocation.abort()
+    assert sorted((key, len(completions)) for key, completions in (colocation.next_done() for _ in range(2))) == [
+        (3, 1), (4, 2)
+    ]
 
 
 def test_an_abort_ends_every_engines_groups_and_returns_the_held_ones_aborted(world):

@@ -1,3 +1,4 @@
+import copy
 import json
 
 import datasets
@@ -6,6 +7,7 @@ import transformers
 
 from helpers import write_jsonl
 from relax.rollout.data import LoaderPosition, PromptDataConfig, PromptDataError, PromptLoader, load_prompts
+from relax.rollout.partial import GroupSoFar, ResponseSoFar
 from relax.tools.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 ROWS = [{"prompt": "copy 1:", "label": "1"}, {"prompt": "copy 2:", "label": "2"}]
@@ -285,3 +287,18 @@ def test_prompts_put_back_come_first_and_are_saved_with_the_loader(tmp_path, tok
     assert not resumed.exhausted and [p.label for p in resumed.take(2)] == [0]
     with pytest.raises(PromptDataError, match=r"the prompts put back \[9\] are not all among the 7 prompts"):
         PromptLoader.from_state_dict(prompts, {**state, "put_back": [9]})
+
+
+def test_a_copy_of_the_loader_keeps_what_was_put_back_and_the_partial_responses_as_they_were(tmp_path, tokenizer):
+    prompts = _prompts(tmp_path, tokenizer, 4)
+    loader = PromptLoader(prompts, shuffle=False)
+    so_far = GroupSoFar([ResponseSoFar([5], [-0.5], [0]), ResponseSoFar()])
+    loader.put_back(loader.take(2), [so_far, None])
+    saved = copy.copy(loader)  # the state the async loop saves while the next rollout takes prompts
+    (first, taken), (second, nothing) = loader.take_with_progress(2)
+    taken.responses[0] = ResponseSoFar()  # what a rollout does with the group it took
+    assert (first.label, second.label, nothing) == (0, 1, None) and taken == GroupSoFar([ResponseSoFar()] * 2)
+    assert saved.state_dict()["put_back"] == [0, 1] and saved.take_with_progress(1)[0][1] == so_far
+    loader.put_back([prompts[2]], [so_far])
+    with pytest.raises(RuntimeError, match="must be taken with take_with_progress"):  # never drops the tokens
+        loader.take(1)

@@ -20,7 +20,7 @@ def _settings(**changes) -> RolloutSettings:
     base = dict(
         data=None, shuffle=False, reward_fn=None, reward_timeout=None,
         sampling=SamplingConfig(n=2, max_new_tokens=4), batch_size=3,
-        devices_per_engine=1, dynamic_sampling=True, over_sampling_batch_size=3, max_prompts=30,
+        devices_per_engine=1, dynamic_sampling=True, over_sampling_batch_size=3, max_prompts=30, partial=None,
         overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None, routing_replay=False,
         context=None,
     )
@@ -36,7 +36,8 @@ class ScriptedPool:
         self.rewards, self.refused = rewards, set(refused)
         self.submitted, self.in_flight, self.aborts = [], {}, 0
 
-    def submit(self, key, prompt, sampling):
+    def submit(self, key, prompt, sampling, prefixes=None):
+        assert prefixes is None, "nothing is continued without --partial-rollout"
         self.submitted.append(prompt[0])
         self.in_flight[key] = prompt[0]
 

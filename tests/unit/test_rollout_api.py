@@ -32,7 +32,8 @@ class InOrderPool:
     def __init__(self, generate):
         self.generate, self.in_flight = generate, {}
 
-    def submit(self, key, prompt, sampling):
+    def submit(self, key, prompt, sampling, prefixes=None):
+        assert prefixes is None, "nothing is continued without --partial-rollout"
         self.in_flight[key] = (prompt, sampling)
 
     def next_done(self):
@@ -75,7 +76,7 @@ class ToolRollout:
 def test_the_loop_trains_on_any_rollout_and_saves_its_loss_masks(tmp_path):
     rollout = RolloutSettings(
         data=None, shuffle=False, reward_fn=None, reward_timeout=None, sampling=SAMPLING, batch_size=2,
-        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, max_prompts=None,
+        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, max_prompts=None, partial=None,
         overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None,
         save_data=str(tmp_path / "step_{step}.jsonl"), routing_replay=False, context=None,
     )

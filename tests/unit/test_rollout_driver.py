@@ -3,15 +3,18 @@ tests/e2e/test_engine.py; the Ray dispatch: tests/unit/test_colocation.py; the l
 tests/unit/test_dynamic_sampling.py)."""
 
 import asyncio
+import json
 
 import pytest
 
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import AllSamplesFailed, FillError, group_by_prompt
+from relax.rollout.partial import GroupSoFar, ResponseSoFar
 from relax.rollout.rewards import RewardFn, load_reward_fn
 from relax.rollout.rollout import (
     STEP_SEED_SPAN,
+    Partial,
     collect_groups,
     generate_and_score,
     reward_and_length_metrics,
@@ -29,36 +32,40 @@ def scripted_completion(text: str, sampling: SamplingConfig) -> Completion:
 
 class ScriptedPool:
     """An engine pool (relax.rollout.rollout.EnginePool) answering prompt [i] with the texts script[i], as
-    ScriptedGenerate does. Groups complete in submission order, but those of the prompts in `slow`, which complete
-    only once aborted (finish_reason "abort", one token each). Records each submission's (prompt, seed)."""
+    ScriptedGenerate does (a continued response, partial rollout: its requests' texts, the first len(prefixes)).
+    Groups complete in submission order, but those of the prompts in `slow`, which complete only once aborted
+    (finish_reason "abort", one token 7 each). Records each submission's (prompt, seed) and its prefixes."""
 
     def __init__(self, script, slow=()):
         self.script, self.slow = script, set(slow)
         self.submitted: list[tuple[int, int | None]] = []
-        self.in_flight: dict[int, tuple[int, SamplingConfig]] = {}
+        self.prefixes: list[list[list[int]] | None] = []
+        self.in_flight: dict[int, tuple[int, SamplingConfig, int]] = {}
         self.aborts = 0
 
-    def submit(self, key, prompt, sampling):
+    def submit(self, key, prompt, sampling, prefixes=None):
         self.submitted.append((prompt[0], sampling.seed))
-        self.in_flight[key] = (prompt[0], sampling)
+        self.prefixes.append(prefixes)
+        self.in_flight[key] = (prompt[0], sampling, sampling.n if prefixes is None else len(prefixes))
 
     def next_done(self):
-        ready = [key for key, (prompt, _) in self.in_flight.items() if prompt not in self.slow or self.aborts]
+        ready = [key for key, (prompt, *_) in self.in_flight.items() if prompt not in self.slow or self.aborts]
         assert ready, "the rollout waits for a group that ends only when aborted"
         key = min(ready)
-        prompt, sampling = self.in_flight.pop(key)
+        prompt, sampling, requests = self.in_flight.pop(key)
         if prompt in self.slow:
-            return key, [Completion([7], [-1.0], "abort", "x") for _ in range(sampling.n)]
-        return key, [scripted_completion(text, sampling) for text in self.script[prompt]]
+            return key, [Completion([7], [-1.0], "abort", "x") for _ in range(requests)]
+        return key, [scripted_completion(text, sampling) for text in self.script[prompt][:requests]]
 
     def abort(self):
         self.aborts += 1
 
 
-def collect(pool, loader, num_groups, chunk_size=None, dynamic_sampling=False, max_prompts=100, n=2, seed=5):
+def collect(pool, loader, num_groups, chunk_size=None, dynamic_sampling=False, max_prompts=100, n=2, seed=5,
+            partial=None, step=0):
     return collect_groups(pool, loader, SamplingConfig(n=n, seed=seed), load_reward_fn("exact_match"),
                           num_groups=num_groups, chunk_size=chunk_size or num_groups,
-                          dynamic_sampling=dynamic_sampling, max_prompts=max_prompts)
+                          dynamic_sampling=dynamic_sampling, max_prompts=max_prompts, step=step, partial=partial)
 
 
 class ScriptedGenerate:
@@ -138,6 +145,51 @@ def test_over_sampling_keeps_the_first_groups_to_complete_in_submission_order_an
     assert metrics["rollout/returned_prompts"] == 2
     # nothing lost: the aborted prompts come first in the next step, then the stream goes on
     assert [p.label for p in loader.take(3)] == ["0", "2", "4"]
+
+
+def test_partial_rollout_puts_aborted_groups_back_with_their_tokens_and_a_later_step_continues_them():
+    pool = ScriptedPool({i: [str(i), "x"] for i in range(6)}, slow={0, 2})
+    loader = PromptLoader(prompts(6), shuffle=False)
+    collect(pool, loader, num_groups=2, chunk_size=4, partial=Partial(max_staleness=None), step=3)
+    state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint's: plain JSON, the tokens with it
+    assert state["put_back"] == [0, 2]
+    assert state["put_back_progress"][0]["responses"][0] == {
+        "token_ids": [7], "logprobs": [-1.0], "steps": [3], "finish_reason": "abort", "text": "x"
+    }
+    resumed = PromptLoader.from_state_dict(prompts(6), state)
+    pool.slow.clear()
+    samples, metrics = collect(pool, resumed, num_groups=2, chunk_size=2, partial=Partial(max_staleness=None),
+                               step=4)
+    assert pool.prefixes[-2:] == [[[7], [7]], [[7], [7]]]  # each request continues its response
+    assert pool.submitted[-2:] == [(0, 5), (2, 7)]  # the step's seeds
+    assert [s.response_token_ids for s in samples[:2]] == [[7, 0], [7, 0]]  # the tokens so far, then the new
+    assert [s.response_text for s in samples[:2]] == ["x0", "xx"] and [s.reward for s in samples[:2]] == [0.0, 0.0]
+    assert samples[0].response_steps == [3, 4] and samples[0].response_logprobs == [-1.0, -1.0]
+    assert metrics["rollout/partial_resumed_samples"] == 4 and metrics["rollout/partial_oldest_token_age"] == 1
+    assert metrics["rollout/partial_old_token_fraction"] == 0.5 and metrics["rollout/partial_stale_samples"] == 0
+
+
+def test_partial_rollout_starts_again_responses_older_than_the_staleness_bound():
+    pool = ScriptedPool({i: [str(i), "x"] for i in range(4)}, slow={0})
+    loader = PromptLoader(prompts(4), shuffle=False)
+    collect(pool, loader, num_groups=1, chunk_size=2, partial=Partial(max_staleness=1), step=0)
+    pool.slow.clear()
+    samples, metrics = collect(pool, loader, num_groups=1, partial=Partial(max_staleness=1), step=2)
+    assert pool.prefixes[-1] is None and samples[0].response_token_ids == [0]  # generated anew from the prompt
+    assert samples[0].response_steps is None
+    assert metrics["rollout/partial_stale_samples"] == 2 and metrics["rollout/partial_resumed_samples"] == 0
+
+
+def test_a_group_of_finished_and_aborted_responses_continues_only_the_aborted_ones():
+    so_far = GroupSoFar([ResponseSoFar([1, 2], [-0.1, -0.2], [0, 0], "stop", "ab"), ResponseSoFar([3], [-0.3], [0]),
+                         ResponseSoFar([4, 5, 6], [-0.4] * 3, [0] * 3), ResponseSoFar()])
+    kept = so_far.copy()
+    assert so_far.to_continue(budget=3) == [1, 3]  # the third has its whole budget: complete, by length
+    assert so_far.responses[2].finish_reason == "length" and kept.responses[2].finish_reason == "abort"
+    refused = so_far.responses[1].extended(Completion.refused("E"), step=1)
+    assert (refused.token_ids, refused.error) == ([3], "E")
+    assert refused.to_continue_later() == ResponseSoFar([3], [-0.3], [0])  # goes on from its tokens later
+    assert GroupSoFar.from_state_dict(so_far.state_dict()) == so_far
 
 
 def test_a_refused_request_is_a_failed_sample_that_is_not_scored():

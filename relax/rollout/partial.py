@@ -1,0 +1,120 @@
+"""Partial rollout (--partial-rollout, slime's name): a group aborted when its step's batch was full keeps what its
+responses had generated, and a later step continues them instead of starting again.
+
+A GroupSoFar holds a group's sampling.n responses as far as they went: each response's tokens, their engine
+logprobs and the step whose rollout sampled each token (its age in steps is the training step minus that), and
+how it ended: "abort" (to be continued: the rest of its budget is sampled after prompt + its tokens), or "stop" /
+"length" (complete: it finished before the abort and is kept as it is). The prompt loader holds a GroupSoFar
+beside the prompt it puts back (relax.rollout.data.PromptLoader.put_back), so a checkpoint saves it with the loader
+and a resumed run continues it.
+
+--max-staleness K bounds the age: when a group is taken again, a response with a token sampled more than K steps
+before the step that takes it starts again from the prompt (counted: rollout/partial_stale_samples).
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # the prompt loader imports this module: no engine import at run time
+    from relax.rollout.engine import Completion
+    from relax.rollout.groups import Sample
+
+CONTINUED = "abort"  # the finish reason of a response to be continued
+
+
+@dataclass
+class ResponseSoFar:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the engine's, one per token
+    steps: list[int] = field(default_factory=list)  # the step whose rollout sampled each token
+    finish_reason: str = CONTINUED  # or "stop", "length", "error" (the engine refused its request: error)
+    text: str = ""
+    error: str | None = None
+    # The experts the engine's routers chose (routing replay) in its last request, which covered the prompt and
+    # every token before the last (the earlier tokens prefilled again); not saved (state_dict).
+    routed_experts: torch.Tensor | None = None
+
+    def extended(self, completion: "Completion", step: int) -> "ResponseSoFar":
+        """This response continued by `completion` (its new tokens, sampled in `step`'s rollout)."""
+        return ResponseSoFar(
+            self.token_ids + completion.token_ids, self.logprobs + completion.logprobs,
+            self.steps + [step] * len(completion.token_ids), completion.finish_reason, self.text + completion.text,
+            completion.error, completion.routed_experts,
+        )
+
+    def to_continue_later(self) -> "ResponseSoFar":
+        """This response as a later step continues it: an aborted or refused request goes on from its tokens."""
+        if self.finish_reason in (CONTINUED, "error"):
+            return ResponseSoFar(self.token_ids, self.logprobs, self.steps, CONTINUED, self.text)
+        return self
+
+
+@dataclass
+class GroupSoFar:
+    responses: list[ResponseSoFar]  # sampling.n, in request order
+
+    @classmethod
+    def new(cls, n: int) -> "GroupSoFar":
+        return cls([ResponseSoFar() for _ in range(n)])
+
+    def copy(self) -> "GroupSoFar":
+        """A group whose changes (its responses replaced, never changed in place) leave this one as it is."""
+        return GroupSoFar(list(self.responses))
+
+    def to_continue(self, budget: int) -> list[int]:
+        """The indices of the responses still to generate; a response aborted with its whole `budget` of tokens is
+        complete ("length")."""
+        for j, response in enumerate(self.responses):
+            if response.finish_reason == CONTINUED and len(response.token_ids) >= budget:
+                self.responses[j] = replace(response, finish_reason="length")
+        return [j for j, response in enumerate(self.responses) if response.finish_reason == CONTINUED]
+
+    def drop_stale(self, step: int, max_staleness: int | None) -> int:
+        """Start again every response with a token sampled more than `max_staleness` steps before `step`; how
+        many."""
+        if max_staleness is None:
+            return 0
+        stale = [j for j, r in enumerate(self.responses) if r.steps and step - min(r.steps) > max_staleness]
+        for j in stale:
+            self.responses[j] = ResponseSoFar()
+        return len(stale)
+
+    @property
+    def begun(self) -> bool:
+        """Whether any response has a token (a group without one is put back as its bare prompt)."""
+        return any(response.token_ids for response in self.responses)
+
+    def state_dict(self) -> dict:
+        """Plain JSON values (the prompt loader's checkpoint state)."""
+        return {"responses": [{name: getattr(r, name) for name in SAVED_FIELDS} for r in self.responses]}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "GroupSoFar":
+        return cls([ResponseSoFar(**response) for response in state["responses"]])
+
+
+SAVED_FIELDS = ("token_ids", "logprobs", "steps", "finish_reason", "text")  # of a group put back
+
+
+@dataclass
+class PartialStats:
+    """The partial rollout's counts of one step (rollout/partial_* metrics)."""
+
+    resumed_samples: int = 0  # samples of the batch that continued a response begun in an earlier step
+    stale_samples: int = 0  # responses started again for --max-staleness
+    carried_tokens: int = 0  # tokens of the groups put back with what they generated, for a later step
+
+    def metrics(self, samples: list["Sample"], step: int) -> dict[str, float]:
+        """The counts, and of the batch's `samples` in step `step` the oldest token's age and the share of tokens
+        an earlier step's rollout sampled."""
+        old = [s for sample in samples for s in sample.response_steps or () if s < step]
+        tokens = sum(len(sample.response_token_ids) for sample in samples)
+        return {
+            "rollout/partial_resumed_samples": self.resumed_samples,
+            "rollout/partial_stale_samples": self.stale_samples,
+            "rollout/partial_carried_tokens": self.carried_tokens,
+            "rollout/partial_oldest_token_age": step - min(old) if old else 0,
+            "rollout/partial_old_token_fraction": len(old) / max(tokens, 1),
+        }
