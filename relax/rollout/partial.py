@@ -19,7 +19,6 @@ import torch
 
 if TYPE_CHECKING:  # the prompt loader imports this module: no engine import at run time
     from relax.rollout.engine import Completion
-    from relax.rollout.groups import Sample
 
 CONTINUED = "abort"  # the finish reason of a response to be continued
 
@@ -106,15 +105,13 @@ class PartialStats:
     stale_samples: int = 0  # responses started again for --max-staleness
     carried_tokens: int = 0  # tokens of the groups put back with what they generated, for a later step
 
-    def metrics(self, samples: list["Sample"], step: int) -> dict[str, float]:
-        """The counts, and of the batch's `samples` in step `step` the oldest token's age and the share of tokens
-        an earlier step's rollout sampled."""
-        old = [s for sample in samples for s in sample.response_steps or () if s < step]
-        tokens = sum(len(sample.response_token_ids) for sample in samples)
+    def metrics(self, old_token_steps: list[int], tokens: int, step: int) -> dict[str, float]:
+        """The counts, and of a batch of `tokens` response tokens in step `step`, of which an earlier step's rollout
+        sampled those of `old_token_steps` (the step of each), the oldest token's age and their share."""
         return {
             "rollout/partial_resumed_samples": self.resumed_samples,
             "rollout/partial_stale_samples": self.stale_samples,
             "rollout/partial_carried_tokens": self.carried_tokens,
-            "rollout/partial_oldest_token_age": step - min(old) if old else 0,
-            "rollout/partial_old_token_fraction": len(old) / max(tokens, 1),
+            "rollout/partial_oldest_token_age": step - min(old_token_steps) if old_token_steps else 0,
+            "rollout/partial_old_token_fraction": len(old_token_steps) / max(tokens, 1),
         }

@@ -229,7 +229,8 @@ def collect_groups(
     samples = [sample for key in sorted(kept) for sample in kept[key].samples]
     metrics = stats.metrics(dynamic_sampling)
     if partial is not None:
-        metrics.update(partial_stats.metrics(samples, step))
+        old = [token_step for s in samples for token_step in s.response_steps or () if token_step < step]
+        metrics.update(partial_stats.metrics(old, sum(len(s.response_token_ids) for s in samples), step))
     return samples, metrics
 
 

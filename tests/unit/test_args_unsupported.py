@@ -25,7 +25,8 @@ EVERY_FEATURE = [
     "--rollout-rs-threshold", "2", "--use-dynamic-batch-size", "--max-tokens-per-device", "64", "--dynamic-sampling",
     "--overlong-buffer-len", "8", "--apply-chat-template", "--system-prompt", "Be brief.",
     "--eval-prompt-data", "held_out", "h.jsonl", "--eval-interval", "2", "--eval-n-samples-per-prompt", "4",
-    "--eval-temperature", "0.5", "--eval-top-p", "0.9", "--eval-max-response-len", "8",
+    "--eval-temperature", "0.5", "--eval-top-p", "0.9", "--eval-max-response-len", "8", "--partial-rollout",
+    "--max-staleness", "2",
 ]
 # Flags whose only effect is at parse time, and why that is their whole job.
 READ_AT_PARSE_TIME_ONLY = {

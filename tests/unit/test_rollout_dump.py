@@ -224,7 +224,7 @@ def _loop_settings(**changes) -> RolloutSettings:
     base = dict(
         data=None, shuffle=False, reward_fn=None, reward_timeout=None,
         sampling=SamplingConfig(n=2, max_new_tokens=3), batch_size=2,
-        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, max_prompts=None,
+        devices_per_engine=1, dynamic_sampling=False, over_sampling_batch_size=None, max_prompts=None, partial=None,
         overlong_buffer_len=None, overlong_penalty_factor=1.0, load_data=None, save_data=None, routing_replay=False,
         context=None,
     )
