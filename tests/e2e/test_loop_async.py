@@ -54,9 +54,9 @@ class RecordingEngineWorker(EngineWorker):
         super().__init__(*args)
         self._probe()
 
-    def generate(self, prompts, sampling):
+    def generate(self, prompts, sampling, prefixes=None):
         started = time.time()
-        completions = super().generate(prompts, sampling)
+        completions = super().generate(prompts, sampling, prefixes)
         _write("engine.jsonl", {"event": "generate", "start": started, "end": time.time()})
         return completions
 

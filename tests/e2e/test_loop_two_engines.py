@@ -48,8 +48,8 @@ class RecordingEngineWorker(EngineWorker):
         self.record_file = Path(os.environ[RECORDS_ENV]) / f"engine-{os.environ[ENGINE_RANK_ENV]}.jsonl"
         self._probe()
 
-    def generate(self, prompts, sampling):
-        completions = super().generate(prompts, sampling)
+    def generate(self, prompts, sampling, prefixes=None):
+        completions = super().generate(prompts, sampling, prefixes)
         responses = [[c.token_ids for c in group] for group in completions]
         self._write({"event": "generate", "prompts": prompts, "seed": sampling.seed, "responses": responses})
         return completions

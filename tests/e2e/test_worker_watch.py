@@ -68,7 +68,8 @@ class SlowEngine(ChildKeeper):
         pid = str(os.getpid())
         return [[Completion([next(seeds)], [0.0], "stop", pid) for _ in range(sampling.n)] for _ in prompts]
 
-    def generate_group(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
+    def generate_group(self, prompt: list[int], sampling: SamplingConfig, prefixes=None) -> list[Completion]:
+        assert prefixes is None, "nothing is continued without --partial-rollout"
         return self.generate([prompt], sampling)[0]
 
 

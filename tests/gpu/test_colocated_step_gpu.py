@@ -85,8 +85,9 @@ def _measured_workers():
             timed("engine", "start", lambda: super(MeasuredEngineWorker, self).__init__(*args))
             self._probe()
 
-        def generate(self, prompts, sampling):
-            completions = timed("engine", "generate", lambda: super(MeasuredEngineWorker, self).generate(prompts, sampling))
+        def generate(self, prompts, sampling, prefixes=None):
+            completions = timed("engine", "generate",
+                                lambda: super(MeasuredEngineWorker, self).generate(prompts, sampling, prefixes))
             new_tokens = sum(len(c.token_ids) for group in completions for c in group)
             write_event("engine", "generated", new_tokens=new_tokens, samples=sum(map(len, completions)))
             return completions
