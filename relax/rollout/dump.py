@@ -323,7 +323,7 @@ def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in logprobs):
             raise TypeError("response_logprobs must be numbers")
         # Files of versions 1 and 2 hold no loss mask: every response token was trained when they were written.
-        loss_mask = _int_list(s, "loss_mask") if "loss_mask" in s else [1] * len(tokens)
+        loss_mask = _int_list(s, "loss_mask") if "loss_mask" in s else None  # Sample's default: every token
         reward = _typed(s, "reward", (int, float))
         if isinstance(reward, bool) or not math.isfinite(reward):
             raise ValueError(f"reward {reward!r} is not a finite number")

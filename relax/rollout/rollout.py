@@ -55,8 +55,7 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]]) -> li
     return [
         Sample(
             prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts,
-            loss_mask=[1] * len(c.token_ids),  # every token of the response is the policy's own
-            failure=c.error,
+            failure=c.error,  # (loss_mask: Sample's default, every token of the response is the policy's own)
         )
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
@@ -240,7 +239,6 @@ def samples_of_group(prompt: Prompt, group: GroupSoFar, step: int) -> list[Sampl
     return [
         Sample(
             prompt, r.token_ids, r.logprobs, r.finish_reason, r.text, routed_experts=r.routed_experts,
-            loss_mask=[1] * len(r.token_ids),  # every token of the response is the policy's own
             failure=r.error, response_steps=r.steps if r.steps and r.steps[0] < step else None,
         )
         for r in group.responses
