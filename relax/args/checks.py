@@ -40,6 +40,12 @@ def world_size(flags) -> int:
     return flags.num_nodes * flags.num_devices_per_node
 
 
+def engines_on_actor_devices(flags) -> bool:
+    """Whether the engines run on the actor's devices: colocated, or beside it (--no-colocate --rollout-num-devices
+    0)."""
+    return flags.colocate or flags.rollout_num_devices == 0
+
+
 def data_parallel_size(config) -> int:
     tc = config.megatron.transformer
     return world_size(config.flags) // (
@@ -127,7 +133,7 @@ def global_batch_splits_over_data_parallel(config, platform):
 
 def engine_fits_devices(config, platform):
     r = config.flags
-    if r.colocate and world_size(r) % r.rollout_num_devices_per_engine:
+    if engines_on_actor_devices(r) and world_size(r) % r.rollout_num_devices_per_engine:
         return (
             f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} "
             f"does not divide the {world_size(r)} devices "
@@ -139,7 +145,8 @@ def engines_within_pipeline_stages(config, platform):
     """Where handles do not cross devices, weights reach an engine rank from the training rank on its device or by
     broadcast, never from a rank on one of its devices by broadcast (relax.sync.broadcast.plan_pushes)."""
     r, pp = config.flags, config.megatron.transformer.pipeline_model_parallel_size
-    if platform.handles_cross_devices or world_size(r) % pp or not r.colocate:  # apart, every engine gets broadcasts
+    # apart, every engine gets broadcasts
+    if platform.handles_cross_devices or world_size(r) % pp or not engines_on_actor_devices(r):
         return None
     # (no weights are pushed without an actor or engines; --eval-only checks the training flags as for a run)
     if config.mode in (RunMode.ROLLOUT_ONLY, RunMode.TRAIN_ONLY):
@@ -190,7 +197,10 @@ def engines_have_their_own_devices(config, platform):
     if config.mode in SEPARATE_DEVICES_REFUSED:
         problems.append(f"--no-colocate with {SEPARATE_DEVICES_REFUSED[config.mode]}")
     if r.rollout_num_devices is None:
-        problems.append("--no-colocate needs --rollout-num-devices N (--rollout-num-gpus): the engines' own devices")
+        problems.append(
+            "--no-colocate needs --rollout-num-devices N (--rollout-num-gpus): the engines' own devices, or 0 for "
+            "the engines beside the actor on its devices"
+        )
     elif r.rollout_num_devices % r.rollout_num_devices_per_engine:
         problems.append(
             f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} does not divide the "

@@ -511,16 +511,19 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="Training and rollout share the same devices, releasing memory in turn. --no-colocate: the engines run "
-        "on --rollout-num-devices devices of their own and generate the next step's rollout while the actor trains "
-        "(one step off-policy; docs/training.md).",
+        "on --rollout-num-devices devices of their own (or, with 0, beside the actor on its devices) and generate the "
+        "next step's rollout while the actor trains (one step off-policy; docs/training.md).",
     )
     g.add_argument(
         *_spellings("--rollout-num-devices"),
         metavar="N",
-        type=_positive_int,
+        type=_non_negative_int,
         default=None,
         help="With --no-colocate: the engines' devices (Ray bundles on the CPU), placed after the actor's "
-        "--num-nodes x --num-devices-per-node, one engine per --rollout-num-devices-per-engine of them.",
+        "--num-nodes x --num-devices-per-node, one engine per --rollout-num-devices-per-engine of them. 0: the "
+        "engines run beside the actor on its devices, both resident (neither sleeps; on a GPU or NPU the engines keep "
+        "the share of each device --sglang-mem-fraction-static gives them and the actor has the rest), the weights "
+        "pushed as colocated.",
     )
     g.add_argument(
         "--actor-sleep-route",

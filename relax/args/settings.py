@@ -80,7 +80,7 @@ class RunSettings:
     num_nodes: int
     num_devices_per_node: int
     colocate: bool  # the actor and the engines time-share the devices
-    rollout_num_devices: int | None  # the engines' own devices (--no-colocate); None when colocated
+    rollout_num_devices: int | None  # the engines' own devices (--no-colocate; 0: beside the actor); None colocated
     megatron_features: dict  # MindSpeed switches given (name -> True), for every training rank's repatch
     update_weight_buffer_size: int  # bytes per weight-sync bucket
     mode: RunMode
@@ -263,9 +263,9 @@ def eval_settings(flags: argparse.Namespace, rollout_sampling: SamplingConfig) -
 
 
 def engine_devices(flags: argparse.Namespace) -> int:
-    """The devices the engines run on: the actor's when colocated, else --rollout-num-devices (0 while not given:
-    the checks refuse that)."""
-    if flags.colocate:
+    """The devices the engines run on: the actor's when colocated or beside it (--rollout-num-devices 0), else
+    --rollout-num-devices (0 while not given: the checks refuse that)."""
+    if flags.colocate or flags.rollout_num_devices == 0:
         return flags.num_nodes * flags.num_devices_per_node
     return flags.rollout_num_devices or 0
 

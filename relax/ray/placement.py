@@ -564,16 +564,19 @@ def placement_plan(num_nodes: int, devices_per_node: int, devices_per_engine: in
                    with_actor: bool = True, with_engines: bool = True) -> list[str]:
     """What --dry-run shows of the placement the run will make: which bundles (one device each; Ray CPU bundles on
     the CPU platform), in node and device order, the training ranks and each engine take. `engine_devices`:
-    --rollout-num-devices (--no-colocate), after the actor's; None: the engines share the actor's. `with_actor`,
-    `with_engines`: whether the run starts them (not in the debug modes)."""
+    --rollout-num-devices (--no-colocate), after the actor's; None: the engines share the actor's (colocated); 0:
+    the engines run beside the actor on its. `with_actor`, `with_engines`: whether the run starts them (not in the
+    debug modes)."""
     actor_devices = num_nodes * devices_per_node
-    first_engine_bundle = 0 if engine_devices is None else actor_devices
+    first_engine_bundle = actor_devices if engine_devices else 0
     engines = [
         range(first_engine_bundle + devices.start, first_engine_bundle + devices.stop)
         for devices in engine_positions(engine_devices or actor_devices, devices_per_engine)
     ]
     total = actor_devices + (engine_devices or 0)
-    how = "shared by the actor and the engines" if engine_devices is None else "the actor's, then the engines'"
+    how = {None: "shared by the actor and the engines", 0: "the actor and the engines side by side"}.get(
+        engine_devices, "the actor's, then the engines'"
+    )
     lines = [f"placement: {total} bundle(s) ({how})"]
     if with_actor:
         lines.append(

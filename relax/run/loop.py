@@ -397,12 +397,18 @@ def start_workers(workers: Workers, config, platform, placement: Placement, faul
     """Create the run's workers into `workers`: the training actors, colocated put to sleep so that the engines
     start with the device memory to themselves; then the engines, waited on until started (weights loaded, graphs
     captured: the first step would otherwise time it as rollout). With --no-colocate the actor takes the first
-    --num-nodes x --num-devices-per-node bundles and the engines the rest, and nothing sleeps."""
+    --num-nodes x --num-devices-per-node bundles and the engines the rest, and nothing sleeps; with
+    --rollout-num-devices 0 they share the bundles, nothing sleeps, and the engines start first, so that SGLang
+    sizes their memory (--sglang-mem-fraction-static) before the actor's state takes its own."""
     settings, rollout = config.run, config.rollout
     memory_saver_on = settings.colocate and platform.has_memory_saver
     actor_devices = settings.num_nodes * settings.num_devices_per_node
-    actor_placement = placement if settings.colocate else placement.part(0, actor_devices)
-    engine_placement = placement if settings.colocate else placement.part(actor_devices, placement.num_devices)
+    apart = not settings.colocate and settings.rollout_num_devices > 0
+    actor_placement = placement.part(0, actor_devices) if apart else placement
+    engine_placement = placement.part(actor_devices, placement.num_devices) if apart else placement
+    beside = not settings.colocate and not apart
+    if settings.mode.has_engines and beside:
+        _start_engines(workers, config, platform, engine_placement, memory_saver_on)
     if settings.mode.has_actor:
         workers.trainers = trainers = create_training_actors(
             TrainWorker, actor_placement, memory_saver_on=memory_saver_on,
@@ -414,14 +420,20 @@ def start_workers(workers: Workers, config, platform, placement: Placement, faul
         if settings.colocate:
             trainers.run("sleep", timeout=settings.weight_sync_timeout)
         workers.data_parallel_ranks = trainers.run("data_parallel_rank", timeout=settings.train_timeout)
-    if settings.mode.has_engines:
-        workers.engines = engines = create_engine_actors(
-            EngineWorker, engine_placement,
-            devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
-            args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
-        )
-        engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
+    if settings.mode.has_engines and not beside:
+        _start_engines(workers, config, platform, engine_placement, memory_saver_on)
     workers.colocation = Colocation(workers.trainers, workers.engines, rollout.devices_per_engine, settings, faults)
+
+
+def _start_engines(workers: Workers, config, platform, placement: Placement, memory_saver_on: bool) -> None:
+    """The engine actors on `placement`, waited on until started."""
+    settings, rollout = config.run, config.rollout
+    workers.engines = engines = create_engine_actors(
+        EngineWorker, placement,
+        devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
+        args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
+    )
+    engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
 
 
 def load_checkpoint(trainers: ActorGroup, checkpoint, settings: RunSettings) -> None:

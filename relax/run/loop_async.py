@@ -1,19 +1,22 @@
-"""The RL loop with the engines and the actor on devices of their own (--no-colocate), one step off-policy: the
-engines generate step s+1's rollout while the actor trains on step s's.
+"""The RL loop with the engines and the actor running at once (--no-colocate), one step off-policy: the engines
+generate step s+1's rollout while the actor trains on step s's.
 
     rollout(first step)                                   the weights the run starts from
     for each step s:
         train(s) started on the actor                     a Ray call, not waited on
         the evaluation due at s, then rollout(s+1)        on the engines meanwhile, with the weights after s steps
         wait for train(s); save when due
-        push the new weights to the engines               by broadcast; nothing generates meanwhile
+        push the new weights to the engines               nothing generates meanwhile
         log step s
 
 So step s trains on samples of the policy after s - 1 steps (the first two steps: of the weights the run starts
 from), one step behind the weights it updates; the engines' per-token logprobs ride with the samples and the
 off-policy correction the flags set (TIS/MIS, relax.train.settings.RolloutCorrection) and the mismatch/ metrics
-apply as colocated. Every engine is on devices the actor does not hold: the weights go by the broadcast route
-(relax.sync.broadcast.plan_broadcasts) over the platform's collective, and nothing sleeps or releases memory.
+apply as colocated. Nothing sleeps or releases memory. With --rollout-num-devices N every engine is on devices the
+actor does not hold and the weights go by the broadcast route (relax.sync.broadcast.plan_broadcasts) over the
+platform's collective; with --rollout-num-devices 0 the engines run beside the actor on its devices, each keeping
+the memory it took at the start (the engines start first), and the weights go as colocated (by handle on the same
+device).
 
 The setup, the phases, the evaluation after the last step and the cleanup are relax.run.loop's (started_run;
 the requests go to the engines through relax.run.colocation.Colocation.generate, which makes no hand-over here);
@@ -50,7 +53,8 @@ def run(
         trainers = workers.trainers
 
         def push() -> None:
-            push_weights(trainers, workers.engines, config.rollout.devices_per_engine, settings.weight_sync_timeout)
+            push_weights(trainers, workers.engines, config.rollout.devices_per_engine, settings.weight_sync_timeout,
+                         engines_apart=settings.rollout_num_devices > 0)
 
         if run_.checkpoint is not None:
             load_checkpoint(trainers, run_.checkpoint, settings)
@@ -110,11 +114,14 @@ def step_overlapped(run_: StartedRun, step: int, rollout: tuple[list, dict], pus
     return next_rollout, saved, loader_after_step, row
 
 
-def push_weights(trainers: ActorGroup, engines: ActorGroup, devices_per_engine: int, timeout: Timeout) -> None:
-    """The actor's weights to every engine, by broadcast from each pipeline stage's first rank (the engines'
-    devices are their own); the engines generate nothing meanwhile."""
+def push_weights(trainers: ActorGroup, engines: ActorGroup, devices_per_engine: int, timeout: Timeout,
+                 engines_apart: bool) -> None:
+    """The actor's weights to every engine, by broadcast from each pipeline stage's first rank where the engines'
+    devices are their own (`engines_apart`), else as colocated (relax.sync.broadcast's routes); the engines
+    generate nothing meanwhile."""
     engine_nodes = [bundle.node_id for bundle in engines.bundles]
-    trainers.run("push_weights", engines.actors, devices_per_engine, engine_nodes, engines_apart=True, timeout=timeout)
+    trainers.run("push_weights", engines.actors, devices_per_engine, engine_nodes, engines_apart=engines_apart,
+                 timeout=timeout)
 
 
 class TrainingClock:

@@ -1,6 +1,7 @@
 """--no-colocate on CPU: relax.run.loop_async.run, whole, through run_with_restarts (as `relax train` runs it) on
 its own local Ray cluster, the tiny run's model and sizes (scripts/run-tiny-cpu.sh) with the training rank on one
-Ray bundle and the engine on another (--rollout-num-gpus 1).
+Ray bundle and the engine on another (--rollout-num-gpus 1: the weights go by broadcast), and with the engine
+beside the training rank on its bundle (--rollout-num-gpus 0: the weights go as colocated, nothing sleeping).
 
 The engine and the training rank are the loop's own (the real SGLang engine, the real Megatron actor) with a
 record: the engine writes when each generate call ran and, once started and after each weight push, its greedy
@@ -17,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import ray
 
 import relax.run.loop
@@ -85,7 +87,9 @@ def read_records(path: Path, event: str | None = None) -> list[dict]:
     return [record for record in records if event is None or record["event"] == event]
 
 
-def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_engine(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine_devices", ["1", "0"], ids=["apart", "beside"])
+def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_engine(tmp_path, monkeypatch,
+                                                                                     engine_devices):
     model = build_tiny_model(tmp_path / "model", "qwen3", seed=0)
     data = write_task("copy_digit", 200, tmp_path / "copy_digit.jsonl")
     records, output, hf_saves = tmp_path / "records", tmp_path / "output", tmp_path / "hf"
@@ -97,7 +101,7 @@ def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_
         "--num-steps", str(NUM_STEPS), "--rollout-batch-size", str(GROUPS_PER_STEP), "--n-samples-per-prompt", "8",
         "--rollout-max-response-len", "2", "--global-batch-size", "64", "--micro-batch-size", "16",
         "--advantage-estimator", "grpo", "--no-normalize-advantages-by-std", "--lr", "5e-3", "--weight-decay", "0.0",
-        "--num-nodes", "1", "--num-devices-per-node", "1", "--no-colocate", "--rollout-num-gpus", "1",
+        "--num-nodes", "1", "--num-devices-per-node", "1", "--no-colocate", "--rollout-num-gpus", engine_devices,
         "--save", str(tmp_path / "checkpoints"), "--save-hf", str(hf_saves), "--output-dir", str(output),
     ])
     assert not ray.is_initialized(), "run() must start its own Ray cluster here (another test left one connected)"

@@ -494,6 +494,15 @@ def test_engines_apart_take_devices_of_their_own_without_sleep_memory_saver_or_r
     assert (colocated.run.colocate, colocated.run.rollout_num_devices) == (True, None)
 
 
+def test_engines_beside_the_actor_share_its_devices_without_sleep_or_memory_saver(capsys):
+    argv = [*RUN, "--num-devices-per-node", "2", "--no-colocate", "--rollout-num-gpus", "0"]
+    config = parse_train_args(argv)
+    assert (config.run.colocate, config.run.rollout_num_devices, config.run.max_engine_restarts) == (False, 0, 0)
+    assert not config.sglang.enable_memory_saver and not config.actor.memory_saver
+    # the engines fill the actor's devices, as colocated
+    assert "does not divide the 2 devices" in parse_error([*argv, "--rollout-num-gpus-per-engine", "4"], capsys)
+
+
 def test_max_restarts_defaults_to_none_and_is_positive(capsys):
     assert parse_train_args(RUN).run.max_restarts == 0
     assert parse_train_args([*RUN, "--save", "checkpoints", "--max-restarts", "3"]).run.max_restarts == 3

@@ -420,7 +420,7 @@ class _AsyncWorld(_World):
         monkeypatch.setattr(loop, "save", save)
         monkeypatch.setattr(loop_async, "start_training", start_training)
         monkeypatch.setattr(loop_async, "training_metrics", training_metrics)
-        monkeypatch.setattr(loop_async, "push_weights", lambda *args: self.events.append(("push",)))
+        monkeypatch.setattr(loop_async, "push_weights", lambda *args, engines_apart: self.events.append(("push", engines_apart)))
         clock = SimpleNamespace(seconds=lambda engines_done: {"perf/train_time": 2.0, "perf/train_overlap_time": 1.5})
         monkeypatch.setattr(loop_async, "TrainingClock", lambda calls: clock)
 
@@ -439,12 +439,12 @@ def test_the_async_loop_rolls_out_the_next_step_while_the_actor_trains_and_pushe
     assert world.events == [
         ("rollout", 0),  # the weights the run starts from
         ("train started", "sample of step 0"), ("eval", 0), ("rollout", 1), ("train waited", "sample of step 0"),
-        ("push",),  # step 1 rolled out on the starting weights too: one step off-policy from here on
+        ("push", True),  # step 1 rolled out on the starting weights too: one step off-policy from here on
         ("train started", "sample of step 1"), ("eval", 1), ("rollout", 2), ("train waited", "sample of step 1"),
-        ("push",),
+        ("push", True),
         ("train started", "sample of step 2"), ("eval", 2), ("train waited", "sample of step 2"),
         ("save", 2, 3),  # the loader after step 2's prompt: the next rollout's was not taken (no step 3)
-        ("push",),
+        ("push", True),
         ("eval", 3),  # after the last push: the policy after 3 steps
     ]
     assert world.placed == [(1, 1, 1), ("part", 0, 1), ("part", 1, 2)]  # 1 x 1 devices for the actor, then 1
@@ -470,5 +470,5 @@ def test_a_signal_stops_the_async_loop_after_its_step_saved_with_the_loader_befo
             relax.run.loop_async.run(config, _inputs_with_prompts(8), stop)
     assert (stopped.value.signum, stopped.value.last_step) == (signal.SIGTERM, 1)
     # step 1 trained, its rollout of step 2 done; the save of step 1 has the loader after step 1's prompt
-    assert world.events[-4:] == [("rollout", 2), ("train waited", "sample of step 1"), ("push",), ("save", 1, 2)]
+    assert world.events[-4:] == [("rollout", 2), ("train waited", "sample of step 1"), ("push", True), ("save", 1, 2)]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]

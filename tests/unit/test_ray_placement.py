@@ -116,6 +116,12 @@ def test_the_dry_run_shows_which_bundles_each_side_takes():
         "  engine 0: bundles 0-1",
         "  engine 1: bundles 2-3",
     ]
+    assert placement_plan(1, 2, 1, engine_devices=0) == [  # --no-colocate --rollout-num-devices 0
+        "placement: 2 bundle(s) (the actor and the engines side by side)",
+        "  training ranks 0-1: bundles 0-1 (1 node(s) x 2)",
+        "  engine 0: bundles 0-0",
+        "  engine 1: bundles 1-1",
+    ]
     assert placement_plan(1, 1, 1, engine_devices=None, with_engines=False) == [
         "placement: 1 bundle(s) (shared by the actor and the engines)",
         "  training ranks 0-0: bundles 0-0 (1 node(s) x 1)",
