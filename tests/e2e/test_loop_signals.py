@@ -1,6 +1,7 @@
 """SIGTERM to the `relax train` driver mid-run (scripts/run-tiny-cpu.sh, the real stack): the step in progress
 finishes, its state is saved to --save, engines, actors and the local Ray end, the run's summary is printed,
-and the driver exits 143 with one line saying so."""
+and the driver exits 143 with one line saying so. The run over-samples with partial rollout: the groups the step
+put back are saved with the loader, with what their responses generated."""
 
 import json
 import signal
@@ -25,7 +26,8 @@ def wait_for_first_step(metrics: Path, driver: subprocess.Popen, stderr: Path, t
 def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path):
     marker = run_marker()
     saves = tmp_path / "checkpoints"
-    command, env = tiny_job(tmp_path, "--num-steps", "50", "--save", str(saves), env=marker)
+    command, env = tiny_job(tmp_path, "--num-steps", "50", "--save", str(saves), "--over-sampling-batch-size", "16",
+                            "--partial-rollout", env=marker)
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     # run-tiny-cpu.sh execs the driver: the Popen's pid is the driver's.
     with open(stdout, "w") as out, open(stderr, "w") as err:
@@ -48,6 +50,12 @@ def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path)
     assert last_line.endswith(f"after step {steps[-1]}; checkpoint in {saves / f'step_{steps[-1]:06d}'}")
     checkpoint = read_checkpoint(saves, tmp_path / "model", seed=1234, num_steps=50)
     assert checkpoint.next_step == steps[-1] + 1 < 50
+    # 16 groups in flight for 8: the 8 others went back to the loader, each with its responses so far (or None)
+    loader = checkpoint.loader_state
+    assert len(loader["put_back"]) == len(loader["put_back_progress"]) == 8
+    for group in filter(None, loader["put_back_progress"]):
+        assert len(group["responses"]) == 8
+        assert all(len(r["token_ids"]) == len(r["logprobs"]) == len(r["steps"]) for r in group["responses"])
     assert not leftover, f"processes left behind by the run: {describe(leftover)}"
     # The run's summary came before the driver's last line, counting the steps that finished.
     summary = stdout.read_text().split("relax run summary\n", 1)[1]
