@@ -36,6 +36,7 @@ from typing import Protocol
 class ToolOutput:
     text: str  # what the model reads in the tool turn
     failed: bool = False  # bad arguments, an error, a timeout, a limit hit, output cut: the text says which
+    timed_out: bool = False  # failed for the wall-clock limit (counted apart: a tool too slow for its limit)
 
 
 class Tool(Protocol):
@@ -176,7 +177,8 @@ class PythonTool:
             except subprocess.TimeoutExpired:
                 _kill(process)
                 output.join()
-                return ToolOutput(output.text() + f"\n[timed out after {limits.timeout_s:g} s]", failed=True)
+                text = output.text() + f"\n[timed out after {limits.timeout_s:g} s]"
+                return ToolOutput(text, failed=True, timed_out=True)
             output.join()
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,105 @@
+import asyncio
+import threading
+import time
+
+from relax.rollout.tool_calls import ToolCall, parse_tool_calls, run_tool_calls
+from relax.rollout.tools import Calculator, ToolOutput
+
+TOOLS = {"calculator": Calculator()}
+
+
+def call_text(body: str) -> str:
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def test_several_calls_in_order_and_none_from_the_thinking_block():
+    text = (
+        "<think>\nmaybe " + call_text('{"name": "python", "arguments": {"code": "1"}}') + "</think>\n\nlet me see\n"
+        + call_text('{"name": "calculator", "arguments": {"expression": "1+2"}}') + "\n"
+        + call_text('{"name":"calculator","arguments":{"expression":"3*4"}}') + "<|im_end|>"
+    )
+    assert parse_tool_calls(text) == [
+        ToolCall("calculator", {"expression": "1+2"}), ToolCall("calculator", {"expression": "3*4"})
+    ]
+    assert parse_tool_calls("just an answer: 3<|im_end|>") == []
+    assert parse_tool_calls(call_text('{"name": "calculator"}')) == [ToolCall("calculator", {})]
+
+
+def test_a_malformed_call_is_a_call_with_the_reason():
+    bad_json, no_name, bad_arguments, not_closed = parse_tool_calls(
+        call_text('{"name": "calculator", "arguments": {"expression": "1+2"}')  # a brace short
+        + call_text('{"tool": "calculator"}')
+        + call_text('{"name": "calculator", "arguments": "1+2"}')
+        + '<tool_call>\n{"name": "calculator", "arguments": {}}<|im_end|>'
+    )
+    assert "not JSON" in bad_json.error and bad_json.name == ""
+    assert "names no tool" in no_name.error
+    assert bad_arguments.name == "calculator" and "not an object" in bad_arguments.error
+    assert "no </tool_call>" in not_closed.error
+    for call in (bad_json, no_name, bad_arguments, not_closed):
+        assert '<tool_call>{"name": <tool name>, "arguments": <object>}</tool_call>' in call.error
+
+
+class Raising:
+    name, description, parameters = "raising", "breaks its contract", {}
+
+    def __call__(self, arguments):
+        raise RuntimeError("boom")
+
+
+class Slow:
+    """Records how many of its calls run at the same time."""
+    name, description, parameters = "slow", "sleeps", {}
+
+    def __init__(self):
+        self.running = self.most_running = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, arguments):
+        with self.lock:
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+        time.sleep(0.2)
+        with self.lock:
+            self.running -= 1
+        return ToolOutput(str(arguments["n"]))
+
+
+def test_outputs_in_call_order_and_every_failure_as_failed_output():
+    calls = [
+        ToolCall("calculator", {"expression": "2 ** 10"}),
+        ToolCall("calculator", {"expression": "1 / 0"}),
+        ToolCall("search", {"query": "x"}),
+        ToolCall("raising", {}),
+        ToolCall(error="the tool call is not JSON"),
+    ]
+    outputs = asyncio.run(run_tool_calls(calls, {**TOOLS, "raising": Raising()}))
+    assert outputs[0] == ToolOutput("1024")
+    assert [output.failed for output in outputs] == [False, True, True, True, True]
+    assert "ZeroDivisionError" in outputs[1].text
+    assert outputs[2].text == "error: there is no tool 'search'; the tools are ['calculator', 'raising']"
+    assert outputs[3].text == "error: raising raised RuntimeError: boom"
+    assert outputs[4].text == "error: the tool call is not JSON"
+    assert not any(output.timed_out for output in outputs)
+
+
+def test_the_calls_of_a_turn_run_at_once_off_the_event_loop():
+    slow = Slow()
+
+    async def calls_and_a_ticker():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        outputs = await run_tool_calls([ToolCall("slow", {"n": n}) for n in range(3)], {"slow": slow})
+        ticker.cancel()
+        return outputs, ticks
+
+    outputs, ticks = asyncio.run(calls_and_a_ticker())
+    assert [output.text for output in outputs] == ["0", "1", "2"]
+    assert slow.most_running == 3 and ticks >= 5  # the loop ran while the tools slept
