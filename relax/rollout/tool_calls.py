@@ -54,7 +54,7 @@ def _parse_call(body: str, closed: bool) -> ToolCall:
 async def run_tool_calls(calls: list[ToolCall], tools: dict[str, Tool]) -> list[ToolOutput]:
     """Each call's output, in call order. The calls run at once, each in a thread: a tool blocks (the Python tool
     waits on its sandbox), and the rollout's event loop goes on meanwhile. Nothing raises: a malformed call, an
-    unknown tool or a tool that raised gives failed output saying so."""
+    unknown tool, a tool that raised or returned neither a ToolOutput nor a str gives failed output saying so."""
     return list(await asyncio.gather(*(_run_call(call, tools) for call in calls)))
 
 
@@ -65,6 +65,11 @@ async def _run_call(call: ToolCall, tools: dict[str, Tool]) -> ToolOutput:
     if tool is None:
         return ToolOutput(f"error: there is no tool {call.name!r}; the tools are {sorted(tools)}", failed=True)
     try:
-        return await asyncio.to_thread(tool, call.arguments)
+        output = await asyncio.to_thread(tool, call.arguments)
     except Exception as error:  # a user's tool that broke the Tool contract: the rollout goes on
         return ToolOutput(f"error: {call.name} raised {type(error).__name__}: {error}", failed=True)
+    if isinstance(output, str):  # a user's tool may return its text alone
+        return ToolOutput(output)
+    if not isinstance(output, ToolOutput):
+        return ToolOutput(f"error: {call.name} returned {type(output).__name__}, not a ToolOutput or str", failed=True)
+    return output

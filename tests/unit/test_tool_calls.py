@@ -47,6 +47,13 @@ class Raising:
         raise RuntimeError("boom")
 
 
+class ReturningText:
+    name, description, parameters = "text", "answers in a str", {}
+
+    def __call__(self, arguments):
+        return "plain text" if arguments.get("text") else 3
+
+
 class Slow:
     """Records how many of its calls run at the same time."""
     name, description, parameters = "slow", "sleeps", {}
@@ -72,14 +79,17 @@ def test_outputs_in_call_order_and_every_failure_as_failed_output():
         ToolCall("search", {"query": "x"}),
         ToolCall("raising", {}),
         ToolCall(error="the tool call is not JSON"),
+        ToolCall("text", {"text": True}),
+        ToolCall("text", {}),
     ]
-    outputs = asyncio.run(run_tool_calls(calls, {**TOOLS, "raising": Raising()}))
-    assert outputs[0] == ToolOutput("1024")
-    assert [output.failed for output in outputs] == [False, True, True, True, True]
+    outputs = asyncio.run(run_tool_calls(calls, {**TOOLS, "raising": Raising(), "text": ReturningText()}))
+    assert outputs[0] == ToolOutput("1024") and outputs[5] == ToolOutput("plain text")
+    assert [output.failed for output in outputs] == [False, True, True, True, True, False, True]
     assert "ZeroDivisionError" in outputs[1].text
-    assert outputs[2].text == "error: there is no tool 'search'; the tools are ['calculator', 'raising']"
+    assert outputs[2].text == "error: there is no tool 'search'; the tools are ['calculator', 'raising', 'text']"
     assert outputs[3].text == "error: raising raised RuntimeError: boom"
     assert outputs[4].text == "error: the tool call is not JSON"
+    assert outputs[6].text == "error: text returned int, not a ToolOutput or str"
     assert not any(output.timed_out for output in outputs)
 
 
