@@ -16,6 +16,8 @@ relax.rollout.engine.Completion has: one request, sampling.n == 1, sampling.max_
 from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
+import torch
+
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.tool_calls import parse_tool_calls, run_tool_calls
 from relax.rollout.tools import Tool
@@ -31,6 +33,9 @@ class MultiTurnResponse:
     # the model still called tools. "abort" / "error": the last turn's, which keeps what it sampled before.
     finish_reason: str = "stop"
     error: str | None = None  # the engine's reason, with finish_reason "error"
+    # Routing replay: the last turn's routed experts, which cover the prompt and every response token but the last
+    # (its request held the whole sequence before it, and the response ends on what it sampled).
+    routed_experts: torch.Tensor | None = None
     turns: int = 0  # engine requests
     tool_calls: int = 0  # calls run, malformed ones included
     tool_failures: int = 0  # calls whose output is failed: malformed, unknown tool, tool error, timeout
@@ -53,13 +58,20 @@ async def generate_multi_turn(
     the trainer's sequence length sees); `tools` by the names the model calls them."""
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: a multi-turn rollout needs at least one turn")
+    if sampling.ignore_eos:
+        raise ValueError("ignore_eos: a multi-turn rollout needs each turn to end where the model ends it")
+    # A turn ends at the template's end-of-turn token even where the tokenizer's EOS is another one (a base model's)
+    end_of_turn = turns.end_of_turn_ids[0]
+    stop_token_ids = sampling.stop_token_ids + (() if end_of_turn in sampling.stop_token_ids else (end_of_turn,))
     prompt_ids, budget = list(prompt_ids), sampling.max_new_tokens_for(len(prompt_ids))
     response = MultiTurnResponse()
     while True:
-        left = budget - len(response.token_ids)
-        completion = await generate(prompt_ids + response.token_ids, replace(sampling, n=1, max_new_tokens=left))
+        turn_sampling = replace(sampling, n=1, max_new_tokens=budget - len(response.token_ids),
+                                stop_token_ids=stop_token_ids)
+        completion = await generate(prompt_ids + response.token_ids, turn_sampling)
         response.turns += 1
         response.add(completion.token_ids, completion.logprobs)
+        response.routed_experts = getattr(completion, "routed_experts", None)
         if completion.finish_reason != "stop":
             response.finish_reason, response.error = completion.finish_reason, getattr(completion, "error", None)
             return response

@@ -23,6 +23,7 @@ class ScriptedTurn:
     logprobs: list[float]
     finish_reason: str = "stop"
     error: str | None = None
+    routed_experts: str | None = None
 
 
 class ScriptedEngine:
@@ -38,7 +39,8 @@ class ScriptedEngine:
             return ScriptedTurn([], [], finish, REFUSAL)
         token_ids = token_ids[: sampling.max_new_tokens]
         finish = "length" if len(token_ids) == sampling.max_new_tokens and finish == "stop" else finish
-        return ScriptedTurn(token_ids, [-float(i + 1) for i in range(len(token_ids))], finish)
+        logprobs = [-float(i + 1) for i in range(len(token_ids))]
+        return ScriptedTurn(token_ids, logprobs, finish, routed_experts=f"experts of request {len(self.requests)}")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def prompt(tokenizer):
 
 
 def run(engine, tokenizer, prompt, max_new_tokens=400, max_turns=4, tools=TOOLS) -> MultiTurnResponse:
-    sampling = SamplingConfig(n=8, temperature=0.7, max_new_tokens=max_new_tokens)
+    sampling = SamplingConfig(n=8, temperature=0.7, max_new_tokens=max_new_tokens, stop_token_ids=(5,))
     return asyncio.run(generate_multi_turn(engine, prompt, sampling, ChatTurns(tokenizer), tools, max_turns))
 
 
@@ -73,8 +75,10 @@ def test_each_turn_sends_the_sequence_so_far_and_the_response_is_sampled_plus_ap
     assert response.logprobs == turn_logprobs[0] + [0.0] * len(appended) + turn_logprobs[1]
     assert "<tool_response>\n83810205\n</tool_response>" in tokenizer.decode(appended)
     assert (response.finish_reason, response.turns, response.tool_calls, response.tool_failures) == ("stop", 2, 1, 0)
-    # one request per turn; the budget is the whole response's, appended ids included
+    assert response.routed_experts == "experts of request 2"  # the last request's: the whole sequence's
+    # one request per turn, ending at the end-of-turn token; the budget is the whole response's, appended ids included
     assert first_sampling.n == second_sampling.n == 1 and first_sampling.temperature == 0.7
+    assert first_sampling.stop_token_ids == (5, tokenizer.convert_tokens_to_ids("<|im_end|>"))
     assert first_sampling.max_new_tokens == 400
     assert second_sampling.max_new_tokens == 400 - len(sampled[0]) - len(appended)
 
@@ -140,7 +144,7 @@ def test_an_aborted_or_refused_turn_ends_the_response_keeping_what_was_sampled(t
     assert response.loss_mask[-1] == (1 if finish == "abort" else 0)  # a refused request sampled nothing
 
 
-def test_logprobs_that_do_not_match_the_tokens_are_refused(tokenizer, prompt):
+def test_logprobs_that_do_not_match_the_tokens_and_settings_that_cannot_work_are_refused(tokenizer, prompt):
     async def broken(input_ids, sampling):
         return ScriptedTurn([1, 2, 3], [-0.5], "stop")
 
@@ -148,3 +152,7 @@ def test_logprobs_that_do_not_match_the_tokens_are_refused(tokenizer, prompt):
         asyncio.run(generate_multi_turn(broken, prompt, SamplingConfig(), ChatTurns(tokenizer), TOOLS, max_turns=2))
     with pytest.raises(ValueError, match="max_turns=0"):
         asyncio.run(generate_multi_turn(broken, prompt, SamplingConfig(), ChatTurns(tokenizer), TOOLS, max_turns=0))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        asyncio.run(generate_multi_turn(
+            broken, prompt, SamplingConfig(ignore_eos=True), ChatTurns(tokenizer), TOOLS, max_turns=2
+        ))
