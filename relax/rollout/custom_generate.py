@@ -7,6 +7,11 @@ relax. slime names it `module.path.function`; relax takes that and `module:funct
 
 and passes `evaluation` only to a function that declares it. load_custom_generate_fn imports the function and checks
 that it can be called so, before a run starts (--dry-run's check): a function that cannot is refused, naming why.
+
+What it returns carries slime's sample fields: `tokens` (the prompt's ids, then the response's: tool tokens are
+response tokens), `response_length`, `loss_mask` (one per response token: 1 sampled, 0 tool or template tokens) and
+`rollout_log_probs` (one per response token). sample_problem says why a returned sample cannot be trained on, so
+the rollout fails and counts it instead of training on misaligned tokens.
 """
 
 import inspect
@@ -44,3 +49,25 @@ def load_custom_generate_fn(spec: str) -> CustomGenerateFn:
         raise ValueError(f"{FLAG} {spec}: its signature {signature} cannot be called as {call} ({e}); "
                          f"write it as {CONTRACT}") from e
     return CustomGenerateFn(fn, spec, takes_evaluation)
+
+
+def sample_problem(sample, prompt_ids: list[int]) -> str | None:
+    """Why the fields of `sample`, returned for the prompt `prompt_ids`, are not aligned; None when they are. A
+    loss_mask or rollout_log_probs of None is absent (slime's default: every response token trained)."""
+    tokens = getattr(sample, "tokens", None)
+    if not isinstance(tokens, list):
+        return f"its tokens are {type(tokens).__name__}, not a list of token ids"
+    if tokens[: len(prompt_ids)] != list(prompt_ids):
+        return f"its tokens do not start with the prompt's {len(prompt_ids)} ids"
+    response_length = len(tokens) - len(prompt_ids)
+    if getattr(sample, "response_length", None) != response_length:
+        return (f"its response_length is {getattr(sample, 'response_length', None)!r}, but its tokens hold "
+                f"{response_length} after the prompt")
+    for name in ("loss_mask", "rollout_log_probs"):
+        values = getattr(sample, name, None)
+        if values is not None and len(values) != response_length:
+            return f"its {name} has {len(values)} entries for {response_length} response tokens"
+    mask = getattr(sample, "loss_mask", None)
+    if mask is not None and any(value not in (0, 1) for value in mask):
+        return "its loss_mask holds values other than 0 and 1"
+    return None

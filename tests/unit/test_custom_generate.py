@@ -1,9 +1,10 @@
 import asyncio
 import textwrap
+from dataclasses import dataclass
 
 import pytest
 
-from relax.rollout.custom_generate import load_custom_generate_fn
+from relax.rollout.custom_generate import load_custom_generate_fn, sample_problem
 
 FUNCTIONS = '''
 async def generate(args, sample, sampling_params):
@@ -84,3 +85,31 @@ def test_a_spec_that_names_no_function_is_refused(module, spec, reason):
     with pytest.raises(ValueError) as refused:
         load_custom_generate_fn(spec)
     assert reason in str(refused.value)
+
+
+@dataclass
+class SlimeSample:
+    tokens: list
+    response_length: int
+    loss_mask: list | None = None
+    rollout_log_probs: list | None = None
+
+
+PROMPT = [7, 8, 9]
+
+
+def test_an_aligned_sample_has_no_problem():
+    assert sample_problem(SlimeSample(PROMPT + [1, 2, 3], 3, [1, 0, 1], [-0.5, 0.0, -0.1]), PROMPT) is None
+    assert sample_problem(SlimeSample(PROMPT + [1], 1), PROMPT) is None  # no mask, no logprobs: slime's defaults
+
+
+@pytest.mark.parametrize("sample, reason", [
+    (SlimeSample((7, 8, 9, 1), 1), "its tokens are tuple, not a list of token ids"),
+    (SlimeSample([7, 8, 1, 2], 1), "its tokens do not start with the prompt's 3 ids"),
+    (SlimeSample(PROMPT + [1, 2], 3), "its response_length is 3, but its tokens hold 2 after the prompt"),
+    (SlimeSample(PROMPT + [1, 2], 2, [1]), "its loss_mask has 1 entries for 2 response tokens"),
+    (SlimeSample(PROMPT + [1, 2], 2, None, [-1.0, -1.0, -1.0]), "its rollout_log_probs has 3 entries for 2 response"),
+    (SlimeSample(PROMPT + [1, 2], 2, [1, 2]), "its loss_mask holds values other than 0 and 1"),
+])
+def test_a_misaligned_sample_is_a_problem_named(sample, reason):
+    assert reason in sample_problem(sample, PROMPT)
