@@ -64,6 +64,9 @@ async def generate_multi_turn(
     end_of_turn = turns.end_of_turn_ids[0]
     stop_token_ids = sampling.stop_token_ids + (() if end_of_turn in sampling.stop_token_ids else (end_of_turn,))
     prompt_ids, budget = list(prompt_ids), sampling.max_new_tokens_for(len(prompt_ids))
+    if budget < 1:  # refused as the engine refuses such a request: the sample fails, the rollout goes on
+        error = f"the prompt's {len(prompt_ids)} tokens leave no room for a response in the {sampling.clip_to_context}"
+        return MultiTurnResponse(finish_reason="error", error=error + "-token context")
     response = MultiTurnResponse()
     while True:
         turn_sampling = replace(sampling, n=1, max_new_tokens=budget - len(response.token_ids),
@@ -100,5 +103,5 @@ def multi_turn_metrics(responses: list[MultiTurnResponse]) -> dict[str, float]:
         "rollout/tool_calls": float(sum(response.tool_calls for response in responses)),
         "rollout/tool_failures": float(sum(response.tool_failures for response in responses)),
         "rollout/tool_timeouts": float(sum(response.tool_timeouts for response in responses)),
-        "rollout/masked_token_share": sum(mask.count(0) for mask in (r.loss_mask for r in responses)) / max(tokens, 1),
+        "rollout/masked_token_share": sum(response.loss_mask.count(0) for response in responses) / max(tokens, 1),
     }

@@ -134,6 +134,16 @@ def test_the_token_budget_ends_the_response(tokenizer, prompt):
     assert response.finish_reason == "length" and len(response.token_ids) == len(call) + 60
 
 
+def test_a_prompt_that_fills_the_context_fails_without_a_request(tokenizer, prompt):
+    engine = ScriptedEngine(tokenizer, [])
+    sampling = SamplingConfig(max_new_tokens=100, clip_to_context=len(prompt))
+    response = asyncio.run(generate_multi_turn(engine, prompt, sampling, ChatTurns(tokenizer), TOOLS, max_turns=2))
+    assert engine.requests == [] and (response.finish_reason, response.token_ids, response.turns) == ("error", [], 0)
+    assert response.error == (
+        f"the prompt's {len(prompt)} tokens leave no room for a response in the {len(prompt)}-token context"
+    )
+
+
 @pytest.mark.parametrize("finish", ["abort", "error"])
 def test_an_aborted_or_refused_turn_ends_the_response_keeping_what_was_sampled(tokenizer, prompt, finish):
     engine = ScriptedEngine(tokenizer, [(CALL.format("1+1"), "stop"), ("partial", finish)])
