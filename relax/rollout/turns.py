@@ -8,10 +8,10 @@ and a model may sample a tokenization of its text that the tokenizer would not p
 
 So only the text that follows an assistant turn is taken from the template: the conversation is rendered with a
 marker as the assistant's content, the text after the marker is what the template writes between that turn's
-content and the next turn's, and its tokens are appended. The text after an assistant's content starts with the
-template's end-of-turn token (Qwen3's <|im_end|>), a special token, so tokenizing it alone gives the ids it has
-inside the whole conversation. A model that stopped on that token (its EOS) sampled it already: it is not
-appended twice.
+content and the next turn's, and its tokens are appended. In ChatML templates (Qwen's) that text starts with
+<|im_end|>, a special token, so tokenizing it alone gives the ids it has inside the whole conversation; in any
+template, the ids appended are the ones trained and the ones the engine is sent next, so the sequence stays exact.
+A model that stopped on the end-of-turn token (its EOS) sampled it already: it is not appended twice.
 
     turns = ChatTurns(tokenizer, {"enable_thinking": False})
     ids = turns.after_assistant(sampled_ids, ["3", "7"])  # two tool results: one user turn, two <tool_response>
