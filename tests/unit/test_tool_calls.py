@@ -1,6 +1,5 @@
 import asyncio
 import threading
-import time
 
 from relax.rollout.tool_calls import ToolCall, parse_tool_calls, run_tool_calls
 from relax.rollout.tools import Calculator, ToolOutput
@@ -54,21 +53,16 @@ class ReturningText:
         return "plain text" if arguments.get("text") else 3
 
 
-class Slow:
-    """Records how many of its calls run at the same time."""
-    name, description, parameters = "slow", "sleeps", {}
+class Waiting:
+    """Its calls return only once all of them wait at the same time: in threads of their own, not on the event loop
+    (one call there would block it, and the barrier would break after its timeout)."""
+    name, description, parameters = "waiting", "waits for the others", {}
 
-    def __init__(self):
-        self.running = self.most_running = 0
-        self.lock = threading.Lock()
+    def __init__(self, calls: int):
+        self.barrier = threading.Barrier(calls, timeout=30)
 
     def __call__(self, arguments):
-        with self.lock:
-            self.running += 1
-            self.most_running = max(self.most_running, self.running)
-        time.sleep(0.2)
-        with self.lock:
-            self.running -= 1
+        self.barrier.wait()
         return ToolOutput(str(arguments["n"]))
 
 
@@ -94,22 +88,6 @@ def test_outputs_in_call_order_and_every_failure_as_failed_output():
 
 
 def test_the_calls_of_a_turn_run_at_once_off_the_event_loop():
-    slow = Slow()
-
-    async def calls_and_a_ticker():
-        ticks = 0
-
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        outputs = await run_tool_calls([ToolCall("slow", {"n": n}) for n in range(3)], {"slow": slow})
-        ticker.cancel()
-        return outputs, ticks
-
-    outputs, ticks = asyncio.run(calls_and_a_ticker())
+    calls = [ToolCall("waiting", {"n": n}) for n in range(3)]
+    outputs = asyncio.run(run_tool_calls(calls, {"waiting": Waiting(len(calls))}))
     assert [output.text for output in outputs] == ["0", "1", "2"]
-    assert slow.most_running == 3 and ticks >= 5  # the loop ran while the tools slept
