@@ -20,7 +20,6 @@ Built-ins (pass the short name): `math` (DAPO-Math style boxed answers, math-ver
 """
 
 import asyncio
-import importlib
 import inspect
 import math
 import multiprocessing
@@ -31,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_connections
 from typing import Any, Callable
+
+from relax.rollout.user_functions import import_user_function
 
 MAX_REPORTED_FAILURES = 10
 MAX_REWARD_WORKERS = 8  # processes calling a sync function under a timeout (fewer where fewer cores are ours)
@@ -159,14 +160,7 @@ def load_reward_fn(spec: str, timeout: float | None = None) -> RewardFn:
     if spec in builtins:
         fn = builtins[spec]
     elif ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ValueError(f"--reward-fn {spec}: cannot import module {module_name!r}: {e}") from e
-        fn = getattr(module, attr, None)
-        if not callable(fn):
-            raise ValueError(f"--reward-fn {spec}: module {module_name!r} has no function {attr!r}")
+        fn = import_user_function(spec, "--reward-fn")
     else:
         raise ValueError(
             f"--reward-fn {spec!r}: not a built-in ({', '.join(sorted(builtins))}) and not module:function"

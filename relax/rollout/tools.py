@@ -3,12 +3,17 @@
 A tool takes the arguments the model wrote (a dict parsed from its tool call) and returns a ToolOutput: the text
 the model reads in the tool turn and whether the call failed. A tool never raises for what the model wrote: bad
 arguments, an exception in the code, a timeout, a limit hit or output cut short all come back as failed output
-with the reason in its text, so the model can read it and the rollout can count it.
+with the reason in its text, so the model can read it and the rollout can count it. (A user's tool may return its
+text as a str, and one that raises anyway fails that call alone: relax.rollout.tool_calls.)
 
     calculator = Calculator()
     calculator({"expression": "2 ** 10 / 4"})            # ToolOutput(text="256.0", failed=False)
     python = PythonTool(PythonLimits(timeout_s=5))
     python({"code": "print(sum(range(10)))"})            # ToolOutput(text="45\n", failed=False)
+
+load_tools makes the tools a rollout offers from their names: the built-ins by name, a user's tool by
+`module:function` (or slime's dotted `module.path.function`) naming a Tool object, or a Tool class made with no
+arguments; tool_schema gives each to the chat template.
 
 The Python tool runs each call in a process of its own inside Linux namespaces (relax/rollout/tool_sandbox.py: no
 network, every file system read-only but a size-limited scratch directory that vanishes with the call, no device
@@ -18,6 +23,7 @@ are missing, for a check before a run starts.
 """
 
 import ast
+import inspect
 import math
 import operator
 import os
@@ -31,11 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from relax.rollout.user_functions import import_user_function
+
 
 @dataclass(frozen=True)
 class ToolOutput:
     text: str  # what the model reads in the tool turn
     failed: bool = False  # bad arguments, an error, a timeout, a limit hit, output cut: the text says which
+    timed_out: bool = False  # failed for the wall-clock limit (counted apart: a tool too slow for its limit)
 
 
 class Tool(Protocol):
@@ -43,7 +52,7 @@ class Tool(Protocol):
     description: str
     parameters: dict  # the JSON schema of the arguments
 
-    def __call__(self, arguments: dict) -> ToolOutput: ...
+    def __call__(self, arguments: dict) -> ToolOutput | str: ...
 
 
 def tool_schema(tool: Tool) -> dict:
@@ -176,7 +185,8 @@ class PythonTool:
             except subprocess.TimeoutExpired:
                 _kill(process)
                 output.join()
-                return ToolOutput(output.text() + f"\n[timed out after {limits.timeout_s:g} s]", failed=True)
+                text = output.text() + f"\n[timed out after {limits.timeout_s:g} s]"
+                return ToolOutput(text, failed=True, timed_out=True)
             output.join()
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -238,4 +248,42 @@ def python_sandbox_problem() -> str | None:
             "namespaces (sysctl kernel.unprivileged_userns_clone=1; in a container, a seccomp profile that allows "
             "unshare and mount, e.g. docker run --security-opt seccomp=unconfined)"
         )
+    return None
+
+
+# --- the tools of a rollout ----------------------------------------------------------------------------
+
+BUILTIN_TOOLS = {"calculator": Calculator, "python": PythonTool}
+
+
+def load_tools(specs: list[str], flag: str) -> dict[str, Tool]:
+    """The tools `specs` name (flag: the setting they came from, for errors), by the names the model calls them."""
+    tools = {}
+    for spec in specs:
+        if spec in BUILTIN_TOOLS:
+            tool = BUILTIN_TOOLS[spec]()
+        else:
+            found = import_user_function(spec, flag)
+            tool = found() if inspect.isclass(found) else found
+            problem = _not_a_tool(tool)
+            if problem:
+                raise ValueError(
+                    f"{flag} {spec}: {problem}; a tool has a name (str), a description (str) and parameters (the JSON "
+                    "schema of its arguments, of type object), and is called with the arguments as a dict, returning "
+                    f"a ToolOutput or a str. Built-in tools: {', '.join(BUILTIN_TOOLS)}"
+                )
+        if tool.name in tools:
+            raise ValueError(f"{flag}: two tools are named {tool.name!r}; the model calls a tool by its name")
+        tools[tool.name] = tool
+    return tools
+
+
+def _not_a_tool(tool) -> str | None:
+    for attribute in ("name", "description"):
+        value = getattr(tool, attribute, None)
+        if not isinstance(value, str) or not value:
+            return f"its {attribute} is {value!r:.200}, not a non-empty string"
+    parameters = getattr(tool, "parameters", None)
+    if not isinstance(parameters, dict) or parameters.get("type") != "object":
+        return f"its parameters are {parameters!r:.200}, not a JSON schema of type object"
     return None

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from relax.hf_checkpoint.architecture import FAMILIES as FAMILY_RECORDS
 
@@ -21,6 +21,48 @@ ALPHABET = list("0123456789abcdefghijklmnopqrstuvwxyz+-*/=()<>,.:?! \n")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# The tool-chat tokenizer (build_tiny_model(..., tool_chat=True)): Qwen3's chat format for tool use and thinking,
+# over every printable ASCII character, so a tiny model can write tool-call JSON. Its template writes what Qwen3's
+# writes: the tools' JSON schemas in the system turn; tool calls as <tool_call>\n{"name": ..., "arguments": ...}\n
+# </tool_call> inside the assistant turn; each tool result as <tool_response> inside one user turn, consecutive
+# tool messages merged into it; a thinking block kept (and normalised) only for assistant turns after the last
+# user message; an empty thinking block opening the answer when thinking is turned off.
+TOOL_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOL_CHAT_ALPHABET = [chr(code) for code in range(32, 127)] + ["\n"]
+# No whitespace control in it: HF renders with trim_blocks, so a newline right after a tag is written {{ '\\n' }}.
+TOOL_CHAT_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for message in messages %}{% if message.role == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+    "{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nCall a tool with <tool_call>\n{\"name\": <tool name>, \"arguments\": <arguments object>}\n"
+    "</tool_call>. The tools:\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools><|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}"
+    "{% set content = message.content or '' %}{% set thought = '' %}"
+    "{% if '</think>' in content %}"
+    "{% set thought = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "<|im_start|>assistant\n"
+    "{% if loop.index0 > ns.last_user and (loop.last or thought) %}<think>\n{{ thought }}\n</think>\n\n{% endif %}"
+    "{{ content }}"
+    "{% for call in message.tool_calls or [] %}{% if content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ call.function.name }}\", \"arguments\": {{ call.function.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 # Shapes small enough for a CPU step in milliseconds, but with every structural feature of the family
@@ -106,23 +148,29 @@ def _byte_level_symbol(char: str) -> str:
     raise ValueError(f"tiny tokenizer alphabet is ASCII only, got {char!r}")
 
 
-def build_tokenizer(out_dir: str | Path) -> transformers.PreTrainedTokenizerFast:
-    """A character-level byte-level BPE tokenizer (no merges) saved in HF format.
+def build_tokenizer(out_dir: str | Path, tool_chat: bool = False) -> transformers.PreTrainedTokenizerFast:
+    """A character-level byte-level BPE tokenizer saved in HF format; with `tool_chat`, over printable ASCII with
+    Qwen3's tool and thinking tokens (not special: a decode keeps them, as Qwen3's does), its tool-chat template,
+    and one merge, "\\n\\n" (Qwen's vocabulary has it too): text has more than one tokenization, so a model can
+    sample ids that re-tokenizing its text would not give back.
 
     Byte-level BPE like the real Qwen tokenizers, because transformers rebuilds a Qwen2Tokenizer from
     vocab + merges for model_type qwen2 whatever tokenizer.json says; any other layout loses whitespace.
     """
-    symbols = [_byte_level_symbol(char) for char in ALPHABET]
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + symbols + ["<pad>"])}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    alphabet, merges = (TOOL_CHAT_ALPHABET, [("Ċ", "Ċ")]) if tool_chat else (ALPHABET, [])
+    added = TOOL_TOKENS if tool_chat else []
+    symbols = [_byte_level_symbol(char) for char in alphabet] + ["".join(pair) for pair in merges]
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + added + symbols + ["<pad>"])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
+    core.add_tokens([AddedToken(token, special=False, normalized=False) for token in added])
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=core,
         eos_token="<|im_end|>",
         pad_token="<pad>",
         additional_special_tokens=SPECIAL_TOKENS,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOL_CHAT_TEMPLATE if tool_chat else CHAT_TEMPLATE,
     )
     tokenizer.save_pretrained(out_dir)
     return tokenizer
@@ -130,15 +178,16 @@ def build_tokenizer(out_dir: str | Path) -> transformers.PreTrainedTokenizerFast
 
 def build_tiny_model(
     out_dir: str | Path, family: str = "qwen3", seed: int = 0, *, device: str = "cpu", dtype=torch.float32,
-    **config_overrides,
+    tool_chat: bool = False, **config_overrides,
 ) -> Path:
     """Write a random tiny model of `family` with its tokenizer to `out_dir` and return the directory.
+    `tool_chat`: the tool-chat tokenizer (build_tokenizer), for multi-turn tool use.
     For a vision-language family, `config_overrides` go to its text_config. `device`: where the weights are
     initialised (a GPU makes a billion-parameter body, QWEN3_1_7B_BODY, in seconds); `dtype`: as saved."""
     if family not in ALL_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; choose one of {ALL_FAMILIES}")
     out_dir = Path(out_dir)
-    tokenizer = build_tokenizer(out_dir)
+    tokenizer = build_tokenizer(out_dir, tool_chat)
     token_ids = dict(
         vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,

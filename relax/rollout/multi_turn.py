@@ -1,0 +1,107 @@
+"""One sample's multi-turn rollout: the model writes, calls tools, reads their output, writes again, until it answers
+without a call, --max-turns is reached or the response's token budget is spent.
+
+Token in, token out: each turn sends the prompt and the response so far as token ids, and the response grows by the
+ids the engine sampled (loss mask 1, the engine's logprobs) and the ids relax appended after them (the end of turn,
+the tool turn, the next assistant header from relax.rollout.turns: mask 0, logprob 0.0). The response is never
+rendered and re-tokenized, so the trained sequence is exactly what the engine saw and sampled.
+
+The engine is any async callable `generate(input_ids, sampling) -> completion` whose completion has token_ids,
+logprobs (one per token) and finish_reason ("stop", "length", "abort" or "error", with error saying why), as
+relax.rollout.engine.Completion has: one request, sampling.n == 1, sampling.max_new_tokens what is left of the budget.
+
+    response = await generate_multi_turn(generate, prompt_ids, sampling, ChatTurns(tokenizer), tools, max_turns=4)
+"""
+
+from dataclasses import dataclass, field, replace
+from typing import Awaitable, Callable
+
+import torch
+
+from relax.rollout.engine import SamplingConfig
+from relax.rollout.tool_calls import parse_tool_calls, run_tool_calls
+from relax.rollout.tools import Tool
+from relax.rollout.turns import ChatTurns
+
+
+@dataclass
+class MultiTurnResponse:
+    token_ids: list[int] = field(default_factory=list)  # each turn's sampled ids, then the ids appended after it
+    loss_mask: list[int] = field(default_factory=list)  # per response token: 1 sampled, 0 appended
+    logprobs: list[float] = field(default_factory=list)  # per response token: the engine's, 0.0 where appended
+    # "stop": the model answered without a tool call. "length": the token budget ran out, or --max-turns did while
+    # the model still called tools. "abort" / "error": the last turn's, which keeps what it sampled before.
+    finish_reason: str = "stop"
+    error: str | None = None  # the engine's reason, with finish_reason "error"
+    # Routing replay: the last turn's routed experts, which cover the prompt and every response token but the last
+    # (its request held the whole sequence before it, and the response ends on what it sampled).
+    routed_experts: torch.Tensor | None = None
+    turns: int = 0  # engine requests
+    tool_calls: int = 0  # calls run, malformed ones included
+    tool_failures: int = 0  # calls whose output is failed: malformed, unknown tool, tool error, timeout
+    tool_timeouts: int = 0  # of those, the tool's wall-clock limit
+
+    def add(self, token_ids: list[int], logprobs: list[float] | None) -> None:
+        """Sampled ids with their logprobs, or appended ids (logprobs None)."""
+        if logprobs is not None and len(logprobs) != len(token_ids):
+            raise ValueError(f"the engine returned {len(token_ids)} token ids but {len(logprobs)} logprobs")
+        self.token_ids += token_ids
+        self.loss_mask += [0 if logprobs is None else 1] * len(token_ids)
+        self.logprobs += [0.0] * len(token_ids) if logprobs is None else list(logprobs)
+
+
+async def generate_multi_turn(
+    generate: Callable[[list[int], SamplingConfig], Awaitable], prompt_ids: list[int], sampling: SamplingConfig,
+    turns: ChatTurns, tools: dict[str, Tool], max_turns: int,
+) -> MultiTurnResponse:
+    """The response to one prompt. `sampling.max_new_tokens` bounds the whole response, appended ids included (what
+    the trainer's sequence length sees); `tools` by the names the model calls them."""
+    if max_turns < 1:
+        raise ValueError(f"max_turns={max_turns}: a multi-turn rollout needs at least one turn")
+    if sampling.ignore_eos:
+        raise ValueError("ignore_eos: a multi-turn rollout needs each turn to end where the model ends it")
+    # A turn ends at the template's end-of-turn token even where the tokenizer's EOS is another one (a base model's)
+    end_of_turn = turns.end_of_turn_ids[0]
+    stop_token_ids = sampling.stop_token_ids + (() if end_of_turn in sampling.stop_token_ids else (end_of_turn,))
+    prompt_ids, budget = list(prompt_ids), sampling.max_new_tokens_for(len(prompt_ids))
+    if budget < 1:  # refused as the engine refuses such a request: the sample fails, the rollout goes on
+        error = f"the prompt's {len(prompt_ids)} tokens leave no room for a response in the {sampling.clip_to_context}"
+        return MultiTurnResponse(finish_reason="error", error=error + "-token context")
+    response = MultiTurnResponse()
+    while True:
+        turn_sampling = replace(sampling, n=1, max_new_tokens=budget - len(response.token_ids),
+                                stop_token_ids=stop_token_ids)
+        completion = await generate(prompt_ids + response.token_ids, turn_sampling)
+        response.turns += 1
+        response.add(completion.token_ids, completion.logprobs)
+        response.routed_experts = getattr(completion, "routed_experts", None)
+        if completion.finish_reason != "stop":
+            response.finish_reason, response.error = completion.finish_reason, getattr(completion, "error", None)
+            return response
+        calls = parse_tool_calls(turns.tokenizer.decode(completion.token_ids, skip_special_tokens=False))
+        if not calls:
+            return response
+        if response.turns == max_turns:
+            response.finish_reason = "length"
+            return response
+        outputs = await run_tool_calls(calls, tools)
+        response.tool_calls += len(calls)
+        response.tool_failures += sum(output.failed for output in outputs)
+        response.tool_timeouts += sum(output.timed_out for output in outputs)
+        appended = turns.after_assistant(completion.token_ids, [output.text for output in outputs])
+        if len(response.token_ids) + len(appended) >= budget:  # no token left for the model to read them with
+            response.finish_reason = "length"
+            return response
+        response.add(appended, None)
+
+
+def multi_turn_metrics(responses: list[MultiTurnResponse]) -> dict[str, float]:
+    """The rollout/ metrics of a step's multi-turn responses."""
+    tokens = sum(len(response.token_ids) for response in responses)
+    return {
+        "rollout/turns_mean": sum(response.turns for response in responses) / len(responses),
+        "rollout/tool_calls": float(sum(response.tool_calls for response in responses)),
+        "rollout/tool_failures": float(sum(response.tool_failures for response in responses)),
+        "rollout/tool_timeouts": float(sum(response.tool_timeouts for response in responses)),
+        "rollout/masked_token_share": sum(response.loss_mask.count(0) for response in responses) / max(tokens, 1),
+    }
