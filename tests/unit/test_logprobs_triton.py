@@ -77,3 +77,22 @@ def check_large_logits_and_many_tiles():
 
 def test_fused_kernels_rescale_a_growing_maximum_interpreted():
     run_interpreted("check_large_logits_and_many_tiles", module=__name__)
+
+
+def test_each_platform_names_a_logprob_kernel_and_only_cuda_the_fused_one():
+    from relax.platform import PLATFORMS, platform_facts
+    from relax.train.logprobs import LOGPROB_KERNELS, platform_launch
+
+    assert {platform.logprob_kernel for platform in PLATFORMS.values()} <= set(LOGPROB_KERNELS)
+    assert platform_facts("cuda").logprob_kernel == "triton"
+    for name in ("cpu", "npu"):  # torch's pieces: no Triton launch asked for (nor the device's core count)
+        assert platform_launch(platform_facts(name), 0) is None
+
+
+def test_an_unknown_logprob_kernel_is_refused():
+    from types import SimpleNamespace
+
+    from relax.train.logprobs import platform_launch
+
+    with pytest.raises(ValueError, match="unknown logprob kernel 'fast'.*choose one of torch, triton"):
+        platform_launch(SimpleNamespace(logprob_kernel="fast"), 0)
