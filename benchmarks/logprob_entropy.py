@@ -3,15 +3,15 @@ torch pieces of positions (relax.train.logprobs) against megatron-core's vocab-p
 float32 log_softmax over the whole [tokens, vocab] logits, in one run. Peak device memory and time of each side.
 
     python benchmarks/logprob_entropy.py                                                # 16384 x 151936, bf16, GPU
-    python benchmarks/logprob_entropy.py --block-vocab 1024 2048 4096 8192 --sides fused log_softmax  # fused tiles
+    python benchmarks/logprob_entropy.py --sides fused log_softmax --block-vocab 2048 4096 8192 --num-warps 4 8
     TRITON_INTERPRET=1 python benchmarks/logprob_entropy.py --device cpu --tokens 16 --vocab 1000 --warmup 1 \
         --steps 1                                                                       # the script's smoke run
 
 Sides (the objective is a random mix of the logprobs and, where a side has them in it, the entropies; its gradient
 with respect to the logits is computed):
 - fused: relax.train.logprobs.logprobs_and_entropy with the device's launch record (relax.kernels.logprobs_triton's
-  one-pass kernels, what the actor runs on a GPU), the entropy in the loss; one side per --block-vocab tile, named
-  fused[tile] (on the CPU only under TRITON_INTERPRET=1, Triton's interpreter);
+  one-pass kernels, what the actor runs on a GPU), the entropy in the loss; one side per --block-vocab tile and
+  --num-warps count, named fused[tile/warps w] (on the CPU only under TRITON_INTERPRET=1, Triton's interpreter);
 - chunked: relax.train.logprobs.logprobs_and_entropy without a launch record (torch over pieces of positions), the
   entropy in the loss (--entropy-coef set);
 - chunked_logprobs: the same function, the entropy detached (computed for the metrics only);
@@ -65,9 +65,11 @@ SIDE_NAMES = ("fused", "chunked", "chunked_logprobs", "megatron_cross_entropy", 
 REFERENCE = Side(log_softmax, entropy_in_loss=True)
 
 
-def make_sides(names: list[str], platform, block_vocab: list[int] | None) -> dict[str, Side]:
-    """The sides to measure by printed name: "fused" becomes one side per vocabulary tile, fused[tile] (the device's
-    launch record's own tile without --block-vocab)."""
+def make_sides(names: list[str], platform, block_vocab: list[int] | None,
+               num_warps: list[int] | None) -> dict[str, Side]:
+    """The sides to measure by printed name: "fused" becomes one side per vocabulary tile and warp count,
+    fused[tile/warps w] (the device's launch record's own where the list is None; fused[tile] under the
+    interpreter, which has no warps)."""
     sides = {}
     for name in names:
         if name == "fused":
@@ -75,8 +77,11 @@ def make_sides(names: list[str], platform, block_vocab: list[int] | None) -> dic
 
             launch = triton_launch(platform.triton_target, platform.triton_compute_units(0))
             for tile in block_vocab or [launch.logprob_block_vocab]:
-                tiled = dataclasses.replace(launch, logprob_block_vocab=tile)
-                sides[f"fused[{tile}]"] = Side(relax_logprobs(tiled), entropy_in_loss=True)
+                for warps in num_warps or [launch.options.get("num_warps")]:
+                    options = dict(launch.options) if warps is None else {**launch.options, "num_warps": warps}
+                    tiled = dataclasses.replace(launch, logprob_block_vocab=tile, options=options)
+                    label = f"fused[{tile}]" if warps is None else f"fused[{tile}/{warps}w]"  # no warps: interpreted
+                    sides[label] = Side(relax_logprobs(tiled), entropy_in_loss=True)
         elif name in ("chunked", "chunked_logprobs"):
             sides[name] = Side(relax_logprobs(), entropy_in_loss=name == "chunked")
         elif name == "megatron_cross_entropy":
@@ -136,19 +141,22 @@ def main(argv=None) -> None:
     parser.add_argument("--sides", nargs="+", choices=SIDE_NAMES, default=list(SIDE_NAMES))
     parser.add_argument("--block-vocab", type=int, nargs="+",
                         help="the fused side's vocabulary tiles (powers of two), one side each; default: the device's")
+    parser.add_argument("--num-warps", type=int, nargs="+",
+                        help="the fused side's warps per program, one side each; default: the device's")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
-    if args.block_vocab and "fused" not in args.sides:
-        parser.error("--block-vocab sets the fused side's tiles: add fused to --sides")
-    if any(tile < 1 or tile & (tile - 1) for tile in args.block_vocab or []):
-        parser.error(f"--block-vocab takes powers of two, got {args.block_vocab}")
+    for flag, values in (("--block-vocab", args.block_vocab), ("--num-warps", args.num_warps)):
+        if values and "fused" not in args.sides:
+            parser.error(f"{flag} sets the fused side's launch: add fused to --sides")
+        if any(value < 1 or value & (value - 1) for value in values or []):
+            parser.error(f"{flag} takes powers of two, got {values}")
 
     platform = init_distributed(args.device)
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel()
-    sides = make_sides(args.sides, platform, args.block_vocab)
+    sides = make_sides(args.sides, platform, args.block_vocab, args.num_warps)
     device = platform.current_device()
     generator = torch.Generator(device).manual_seed(0)
     base = (4 * torch.randn(args.tokens, args.vocab, generator=generator, device=device)).to(DTYPES[args.dtype])

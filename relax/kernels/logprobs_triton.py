@@ -45,7 +45,7 @@ def _row_stats(logits_ptr, labels_ptr, stats_ptr, positions, vocab, vocab_start,
             weighted = rescale * (weighted + (maximum - grown) * total) + tl.sum(exp_shifted * shifted, axis=0)
             total = rescale * total + tl.sum(exp_shifted, axis=0)
             maximum = grown
-        label = tl.load(labels_ptr + position) - vocab_start
+        label = (tl.load(labels_ptr + position) - vocab_start).to(tl.int32)
         holds_label = (label >= 0) & (label < vocab)
         label_scaled = tl.load(row + label, mask=holds_label, other=0.0).to(tl.float32) * inv_temperature
         tl.store(stats_ptr + position, maximum)
@@ -66,7 +66,8 @@ def _write_gradient(logits_ptr, labels_ptr, log_normaliser_ptr, entropy_ptr, log
         entropy = tl.load(entropy_ptr + position)
         logprob_grad = tl.load(logprobs_grad_ptr + position)
         entropy_grad = tl.load(entropy_grad_ptr + position)
-        label = tl.load(labels_ptr + position) - vocab_start  # outside [0, vocab) where another slice holds it
+        # outside [0, vocab) where another slice holds it; int32 as the vocabulary indices it is compared with
+        label = (tl.load(labels_ptr + position) - vocab_start).to(tl.int32)
         for start in range(0, vocab, BLOCK):
             vocab_index = start + columns
             inside = vocab_index < vocab
