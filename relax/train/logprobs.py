@@ -101,7 +101,7 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         if launch is None:
             stats = _row_stats(flat, flat_labels, vocab_start, temperature)
         else:
-            from relax.kernels import logprobs_triton
+            from relax.kernels import logprobs_triton  # Triton imported only where a launch record asks for it
 
             stats = logprobs_triton.row_stats(flat, flat_labels, vocab_start, temperature, launch)
         local_maximum, local_partition, local_weighted, label_scaled = stats
