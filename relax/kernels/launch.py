@@ -1,7 +1,8 @@
 """How relax's Triton kernels launch: the launch record every kernel takes, and each Triton target's tuning.
 
 A TritonLaunch bounds the 1-D grid, gives the launch keywords, and sets the fused GDN decode kernel's tiling, which
-relax.kernels.gdn_triton.decode_tiling turns into one call's block_v / programs_per_group / launch. `triton_launch`
+relax.kernels.gdn_triton.decode_tiling turns into one call's block_v / programs_per_group / launch, and the
+vocabulary tile of relax.kernels.logprobs_triton. `triton_launch`
 builds the record of a device from two facts its platform states (relax.platform: Platform.triton_target and
 Platform.triton_compute_units); tests and benchmarks may build one themselves.
 """
@@ -24,6 +25,8 @@ class TritonLaunch:
     decode_split_min_block_v: int = 16  # the smallest state tile a split may take
     # launch keywords a split launch sets over `options` (e.g. num_stages=2: load each tile one step ahead)
     decode_split_options: Mapping[str, Any] = field(default_factory=dict)
+    # relax.kernels.logprobs_triton: logits per on-chip tile of a vocabulary row (a power of two).
+    logprob_block_vocab: int = 2048
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,14 @@ class LaunchTuning:
     decode_split_items_per_unit: int = 0
     decode_split_min_block_v: int = 16
     decode_split_options: Mapping[str, Any] = field(default_factory=dict)
+    logprob_block_vocab: int = 2048
 
     def launch(self, compute_units: int) -> TritonLaunch:
         return TritonLaunch(
             num_programs=compute_units * self.programs_per_unit, options=self.options,
             decode_block_v=self.decode_block_v, decode_split_items=compute_units * self.decode_split_items_per_unit,
             decode_split_min_block_v=self.decode_split_min_block_v, decode_split_options=self.decode_split_options,
+            logprob_block_vocab=self.logprob_block_vocab,
         )
 
 
@@ -60,18 +65,23 @@ NVIDIA = LaunchTuning(
     # 8, 4, 2 ways) and runs 16 up unsplit; benchmarks/gdn_decode.py --policy times every choice against the others.
     decode_split_items_per_unit=2,
     decode_split_min_block_v=16,  # the smallest tile measured (batch 1's fastest)
+    # The logprob kernels' vocabulary tile: 32 float32 logits per thread of 4 warps. Not measured yet:
+    # benchmarks/logprob_entropy.py --block-vocab times other tiles.
+    logprob_block_vocab=4096,
 )
 # Ascend NPUs (triton-ascend), per vector core: one program per core (relax's kernels have no matrix-unit work) and no
 # num_warps/num_stages, as triton-ascend's porting rules ask. gdn_decode keeps TritonLaunch's defaults (64-row tiles,
-# never split a key head's group): no other tiling was measured on an NPU. Unverified: no NPU was available.
+# never split a key head's group), the logprob kernels theirs (2048-logit tiles): no other tiling was measured on an
+# NPU. Unverified: no NPU was available.
 ASCEND = LaunchTuning(programs_per_unit=1)
 # TRITON_INTERPRET=1 on the host (one unit: programs run one after another), where the numbers only choose which code
 # paths run: a few programs looping over work items, 8-row tiles, and key-head groups split up to 4 rows of the tiny
 # test models (2 key heads of 2 value heads), so CPU tests, SGLang's engine with the tiny Qwen3.5 and its 3-row decode
-# batches included, go through both of gdn_decode's work splits.
+# batches included, go through both of gdn_decode's work splits; 16-logit vocabulary tiles, so the logprob kernels
+# stream a test's vocabulary in several tiles.
 INTERPRETER = LaunchTuning(
     programs_per_unit=4, decode_block_v=8, decode_split_items_per_unit=16, decode_split_min_block_v=4,
-    decode_split_options=MappingProxyType({"num_stages": 2}),
+    decode_split_options=MappingProxyType({"num_stages": 2}), logprob_block_vocab=16,
 )
 TUNINGS = {"nvidia": NVIDIA, "ascend": ASCEND, "interpreter": INTERPRETER}  # by Triton target
 

@@ -38,6 +38,9 @@ class Platform(ABC):
     attention_kernel: str
     # The training actor's default chunked gated delta rule (relax.kernels.gdn_training.GDN_TRAINING_KERNELS).
     gdn_training_kernel: str
+    # How the training actor computes per-token logprobs and entropies over the vocabulary
+    # (relax.train.logprobs.LOGPROB_KERNELS): "triton" (one-pass fused kernels) or "torch" (pieces of positions).
+    logprob_kernel: str
     # Feature switches of the platform's Megatron adaptation layer (MindSpeed on NPU) that relax passes on from its
     # flags of the same names (prepare_megatron's feature_args); empty where Megatron runs without one.
     megatron_features: tuple[str, ...]

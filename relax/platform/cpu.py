@@ -82,6 +82,7 @@ class CpuPlatform(Platform):
     sglang_server_defaults = frozen(SGLANG_SERVER_DEFAULTS)
     attention_kernel = "sdpa"
     gdn_training_kernel = "reference"
+    logprob_kernel = "torch"  # Triton runs only interpreted on the host
     megatron_features = ()
     pinned_versions = frozen({"torch": pins.TORCH_CPU})
     # relax.platform redirects megatron-core's CUDA calls itself, and SGLang's patched paths (NPU backend, memory

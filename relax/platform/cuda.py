@@ -56,6 +56,7 @@ class CudaPlatform(Platform):
     sglang_server_defaults = frozen({"device": "cuda"})
     attention_kernel = "flash_varlen"
     gdn_training_kernel = "fla"
+    logprob_kernel = "triton"
     megatron_features = ()
     pinned_versions = frozen({"torch": pins.TORCH_CUDA, "torch-memory-saver": pins.TORCH_MEMORY_SAVER})
     patches_required = True

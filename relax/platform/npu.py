@@ -140,6 +140,9 @@ class NpuPlatform(Platform):
     # MindSpeed's triton-ascend chunked rule and l2norm (forward and backward, packed rows): MindSpeed is in the image
     # and its adaptor puts the same functions at flash-linear-attention's entry points on every NPU rank.
     gdn_training_kernel = "mindspeed"
+    # relax's logprob kernels are written to triton-ascend's porting rules but were never run on an NPU: torch until
+    # they are.
+    logprob_kernel = "torch"
     megatron_features = MINDSPEED_FEATURES
     pinned_versions = frozen({
         "torch": pins.TORCH_NPU_TORCH,

@@ -26,7 +26,7 @@ import torch
 from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 from relax.metric_names import extreme
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
-from relax.train.logprobs import logprobs_and_entropy
+from relax.train.logprobs import logprobs_and_entropy, platform_launch
 from relax.train.losses import aggregation_denominator
 from relax.train.model import build_gpt_model, load_hf_weights, unwrap
 from relax.train.off_policy import corrected_policy_loss
@@ -53,19 +53,21 @@ def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_g
     return dict(zip(shares + extremes, torch.cat(values).tolist()))
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, launch=None):
     """log p(label) and the entropy per position, both differentiable, from logits [..., vocab / TP] whose vocab is
-    split across megatron's tensor-parallel ranks (relax.train.logprobs; the backward overwrites `logits`)."""
+    split across megatron's tensor-parallel ranks (relax.train.logprobs; the backward overwrites `logits`); with the
+    fused Triton kernels given a launch record (relax.train.logprobs.platform_launch)."""
     from megatron.core import parallel_state
 
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return logprobs_and_entropy(logits, labels, temperature)
+        return logprobs_and_entropy(logits, labels, temperature, launch=launch)
     return logprobs_and_entropy(
         logits,
         labels,
         temperature,
         vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
         all_reduce=partial(torch.distributed.all_reduce, group=parallel_state.get_tensor_model_parallel_group()),
+        launch=launch,
     )
 
 
@@ -76,6 +78,7 @@ class MegatronActor:
         self.settings = settings or ActorSettings()
         self.platform = platform or get_platform()
         self.device = self.platform.current_device()
+        self.logprob_launch = platform_launch(self.platform, self.device.index or 0)  # None: the torch pieces
         if self.settings.loss.aggregation == "seq_mean_token_sum_norm" and self.settings.loss.norm_length is None:
             raise ValueError(
                 "aggregation seq_mean_token_sum_norm needs LossSettings.norm_length (e.g. the longest allowed "
@@ -275,7 +278,7 @@ class MegatronActor:
         """Per sample: response-token logprobs and entropies (the entropies differentiable with entropy_grad) from
         the model output [1, t, vocab/TP], which the backward overwrites with its gradient."""
         labels = torch.roll(micro_batch.tokens, shifts=-1, dims=1)  # the last position's label is never read
-        logprobs, entropy = vocab_parallel_logprobs(output, labels, self.settings.temperature)
+        logprobs, entropy = vocab_parallel_logprobs(output, labels, self.settings.temperature, self.logprob_launch)
         if not entropy_grad:
             entropy = entropy.detach()
         return micro_batch.response_values(logprobs), micro_batch.response_values(entropy)

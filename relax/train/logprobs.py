@@ -4,18 +4,25 @@ float32 [tokens, vocab] tensor.
     logprobs, entropy = logprobs_and_entropy(logits, labels, temperature=1.0)                  # whole vocabulary
     logprobs, entropy = logprobs_and_entropy(shard, labels, vocab_start=rank * shard.shape[-1],
                                              all_reduce=partial(torch.distributed.all_reduce, group=tp_group))
+    logprobs, entropy = logprobs_and_entropy(logits, labels, launch=platform_launch(platform, device_index))
 
-The forward runs over pieces of positions (CHUNK_BYTES of float32 per temporary) and keeps per position only the
-log-normaliser and the entropy. The backward recomputes each piece's softmax from the saved logits and writes the
-gradient into the logits tensor itself, piece by piece (the model's output, read by nothing after the loss): the
-one [tokens, vocab] buffer the forward already held is the only one, as in Megatron's vocab-parallel cross entropy,
-which keeps its softmax in the logits' place.
+The forward keeps per position only the log-normaliser and the entropy, from four statistics of this rank's slice
+(its maximum, the sums of e^(s - max) and of e^(s - max) (s - max), the label's s) that two all-reduces combine over
+the ranks. The backward recomputes the softmax from the saved logits and writes the gradient into the logits tensor
+itself (the model's output, read by nothing after the loss): the one [tokens, vocab] buffer the forward already held
+is the only one, as in Megatron's vocab-parallel cross entropy, which keeps its softmax in the logits' place.
+
+Both passes over the logits come in two forms: torch over pieces of positions (CHUNK_BYTES of float32 per
+temporary; the reference, and what runs where Triton does not), and relax.kernels.logprobs_triton's kernels, one
+pass over the logits each, which a platform names by Platform.logprob_kernel.
 """
 
 from typing import Callable
 
 import torch
 from torch.distributed import ReduceOp
+
+from relax.kernels.launch import TritonLaunch, triton_launch
 
 # float32 bytes of one [positions, local vocab] temporary: the piece of positions is CHUNK_BYTES / (4 * local vocab),
 # 441 positions at a vocabulary of 151,936. A piece still spans about 67M elements, so each of its dozen kernels has
@@ -25,6 +32,10 @@ from torch.distributed import ReduceOp
 CHUNK_BYTES = 256 * 2**20
 
 AllReduce = Callable[..., object]  # all_reduce(tensor, op=ReduceOp.X): in place, over the ranks sharing the vocab
+
+# How a platform computes them (Platform.logprob_kernel): "torch" over pieces of positions (any device), "triton"
+# with relax.kernels.logprobs_triton's one-pass kernels.
+LOGPROB_KERNELS = ("torch", "triton")
 
 
 def chunk_positions(local_vocab: int) -> int:
@@ -39,28 +50,76 @@ def _local_labels(labels: torch.Tensor, vocab_start: int, local_vocab: int) -> t
     return local.clamp(0, local_vocab - 1)[:, None], in_slice
 
 
+def _row_stats(flat: torch.Tensor, labels: torch.Tensor, vocab_start: int, temperature: float) -> torch.Tensor:
+    """float32 [4, positions] of flat [positions, local vocab], with s = logit / temperature over this slice: the
+    maximum m of s, the sums of e^(s - m) and of e^(s - m) (s - m), and the label's s (0 where the slice does not hold
+    the label). Pieces of positions at a time; relax.kernels.logprobs_triton.row_stats is the same in one pass."""
+    positions, local_vocab = flat.shape
+    local_labels, in_slice = _local_labels(labels, vocab_start, local_vocab)
+    stats = torch.empty(4, positions, dtype=torch.float32, device=flat.device)
+    stats[0] = flat.amax(-1).float() / temperature
+    chunk = chunk_positions(local_vocab)
+    for start in range(0, positions, chunk):
+        rows = slice(start, start + chunk)
+        scaled = flat[rows].float() / temperature
+        stats[3, rows] = scaled.gather(-1, local_labels[rows]).squeeze(-1) * in_slice[rows]
+        shifted = scaled.sub_(stats[0, rows, None])
+        exp_shifted = shifted.exp()
+        stats[1, rows] = exp_shifted.sum(-1)
+        stats[2, rows] = shifted.mul_(exp_shifted).sum(-1)
+    return stats
+
+
+def _write_gradient(flat: torch.Tensor, labels: torch.Tensor, vocab_start: int, temperature: float,
+                    log_normaliser: torch.Tensor, entropy: torch.Tensor, logprobs_grad: torch.Tensor,
+                    entropy_grad: torch.Tensor) -> None:
+    """Overwrite flat [positions, local vocab] with the logits' gradient, pieces of positions at a time;
+    relax.kernels.logprobs_triton.write_gradient is the same in one pass.
+
+    d log p_label / d s_v = [v = label] - p_v and d H / d s_v = -p_v (log p_v + H), so the gradient is
+    -p_v (g_logprob + g_entropy (log p_v + H)) + g_logprob [v = label], times 1 / temperature for the logits."""
+    positions, local_vocab = flat.shape
+    local_labels, in_slice = _local_labels(labels, vocab_start, local_vocab)
+    label_grad = (logprobs_grad * in_slice)[:, None]
+    chunk = chunk_positions(local_vocab)
+    for start in range(0, positions, chunk):
+        rows = slice(start, start + chunk)
+        log_p = flat[rows].float() / temperature - log_normaliser[rows, None]
+        p = log_p.exp()
+        grad = log_p.add_(entropy[rows, None]).mul_(entropy_grad[rows, None]).add_(logprobs_grad[rows, None])
+        grad.mul_(p).neg_().scatter_add_(-1, local_labels[rows], label_grad[rows])
+        flat[rows] = grad.div_(temperature)
+
+
 class _LogprobsAndEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, temperature: float, vocab_start: int, all_reduce: AllReduce | None):
+    def forward(ctx, logits, labels, temperature: float, vocab_start: int, all_reduce: AllReduce | None,
+                launch: TritonLaunch | None):
         logits = logits.contiguous()  # the backward writes into it through a [positions, local vocab] view
-        flat = logits.view(-1, logits.shape[-1])
-        positions, local_vocab = flat.shape
-        local_labels, in_slice = _local_labels(labels, vocab_start, local_vocab)
+        flat = logits.detach().view(-1, logits.shape[-1])
+        flat_labels = labels.reshape(-1)
+        if launch is None:
+            stats = _row_stats(flat, flat_labels, vocab_start, temperature)
+        else:
+            from relax.kernels import logprobs_triton  # Triton imported only where a launch record asks for it
 
-        # The maximum first (an all-reduce of its own), then per position: the sum of e^s, of e^s * s, and the label's
-        # s, where s is the scaled logit minus the maximum; the label's s comes from the one rank that holds it.
-        maximum = flat.detach().amax(-1).float() / temperature
+            stats = logprobs_triton.row_stats(flat, flat_labels, vocab_start, temperature, launch)
+        local_maximum, local_partition, local_weighted, label_scaled = stats
+
+        # Over the ranks sharing the vocabulary: the maximum first (an all-reduce of its own), then each rank's sums
+        # moved from its own maximum to the common one and added up, with the label's s - maximum from the one rank
+        # that holds it. On one rank the move multiplies by e^0 = 1 and adds 0: the sums are this rank's.
+        maximum = local_maximum.clone()
         if all_reduce is not None:
             all_reduce(maximum, op=ReduceOp.MAX)
-        sums = torch.empty(3, positions, dtype=torch.float32, device=flat.device)
-        chunk = chunk_positions(local_vocab)
-        for start in range(0, positions, chunk):
-            rows = slice(start, start + chunk)
-            shifted = flat[rows].float() / temperature - maximum[rows, None]
-            sums[2, rows] = shifted.gather(-1, local_labels[rows]).squeeze(-1) * in_slice[rows]
-            exp_shifted = shifted.exp()
-            sums[0, rows] = exp_shifted.sum(-1)
-            sums[1, rows] = shifted.mul_(exp_shifted).sum(-1)
+        _, in_slice = _local_labels(labels, vocab_start, flat.shape[-1])
+        offset = local_maximum - maximum  # <= 0
+        rescale = offset.exp()
+        sums = torch.stack([
+            rescale * local_partition,
+            rescale * (local_weighted + offset * local_partition),  # sum e^(s - M) (s - M), s - M = s - m + offset
+            (label_scaled - maximum) * in_slice,
+        ])
         if all_reduce is not None:
             all_reduce(sums, op=ReduceOp.SUM)
         partition, weighted, label_shifted = sums
@@ -68,32 +127,27 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         logprobs = label_shifted - log_z
         entropy = log_z - weighted / partition  # -sum_v p_v log p_v, with log p_v = s_v - log Z
         ctx.save_for_backward(logits, labels, maximum + log_z, entropy)
-        ctx.temperature, ctx.vocab_start = temperature, vocab_start
+        ctx.temperature, ctx.vocab_start, ctx.launch = temperature, vocab_start, launch
         ctx.set_materialize_grads(False)
         return logprobs.view(labels.shape), entropy.view(labels.shape)
 
     @staticmethod
     def backward(ctx, logprobs_grad, entropy_grad):
-        # d log p_label / d s_v = [v = label] - p_v and d H / d s_v = -p_v (log p_v + H), so the gradient is
-        # -p_v (g_logprob + g_entropy (log p_v + H)) + g_logprob [v = label], times 1 / temperature for the logits.
         logits, labels, log_normaliser, entropy = ctx.saved_tensors
         gradient = logits.detach()  # the logits' own buffer
         flat = gradient.view(-1, logits.shape[-1])
-        positions, local_vocab = flat.shape
         zeros = torch.zeros_like(entropy)
-        logprobs_grad = zeros if logprobs_grad is None else logprobs_grad.reshape(-1).float()
-        entropy_grad = zeros if entropy_grad is None else entropy_grad.reshape(-1).float()
-        local_labels, in_slice = _local_labels(labels, ctx.vocab_start, local_vocab)
-        label_grad = (logprobs_grad * in_slice)[:, None]
-        chunk = chunk_positions(local_vocab)
-        for start in range(0, positions, chunk):
-            rows = slice(start, start + chunk)
-            log_p = flat[rows].float() / ctx.temperature - log_normaliser[rows, None]
-            p = log_p.exp()
-            grad = log_p.add_(entropy[rows, None]).mul_(entropy_grad[rows, None]).add_(logprobs_grad[rows, None])
-            grad.mul_(p).neg_().scatter_add_(-1, local_labels[rows], label_grad[rows])
-            flat[rows] = grad.div_(ctx.temperature)
-        return gradient, None, None, None, None
+        logprobs_grad = zeros if logprobs_grad is None else logprobs_grad.reshape(-1).float().contiguous()
+        entropy_grad = zeros if entropy_grad is None else entropy_grad.reshape(-1).float().contiguous()
+        arguments = (flat, labels.reshape(-1), ctx.vocab_start, ctx.temperature, log_normaliser, entropy,
+                     logprobs_grad, entropy_grad)
+        if ctx.launch is None:
+            _write_gradient(*arguments)
+        else:
+            from relax.kernels import logprobs_triton
+
+            logprobs_triton.write_gradient(*arguments, ctx.launch)
+        return gradient, None, None, None, None, None
 
 
 def logprobs_and_entropy(
@@ -102,6 +156,7 @@ def logprobs_and_entropy(
     temperature: float = 1.0,
     vocab_start: int = 0,
     all_reduce: AllReduce | None = None,
+    launch: TritonLaunch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(label) and the entropy (nats) per position of logits [..., local vocab] / temperature, float32 [...].
 
@@ -110,7 +165,21 @@ def logprobs_and_entropy(
     (e.g. torch.distributed.all_reduce with the tensor-parallel group); every rank gets the whole-vocabulary values,
     and the backward gives each rank the gradient of its own slice. Both outputs are differentiable; the backward
     overwrites `logits` with its gradient, so `logits` must be read by nothing after the forward.
+
+    With a launch record (relax.kernels.launch; `platform_launch` gives the platform's) the passes over the logits
+    are relax.kernels.logprobs_triton's fused kernels; without one, torch over pieces of positions.
     """
     if temperature <= 0.0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    return _LogprobsAndEntropy.apply(logits, labels, temperature, vocab_start, all_reduce)
+    return _LogprobsAndEntropy.apply(logits, labels, temperature, vocab_start, all_reduce, launch)
+
+
+def platform_launch(platform, device_index: int) -> TritonLaunch | None:
+    """The launch record logprobs_and_entropy takes on `platform`'s device `device_index`: that of its Triton target
+    where the platform computes logprobs with the fused kernels (Platform.logprob_kernel "triton"), else None."""
+    if platform.logprob_kernel == "torch":
+        return None
+    if platform.logprob_kernel != "triton":
+        raise ValueError(f"unknown logprob kernel {platform.logprob_kernel!r} of {platform}: choose one of "
+                         f"{', '.join(LOGPROB_KERNELS)}")
+    return triton_launch(platform.triton_target, platform.triton_compute_units(device_index))

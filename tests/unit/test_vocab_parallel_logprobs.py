@@ -33,9 +33,10 @@ class SimulatedTensorParallel:
         tensor.copy_(every_rank.amax(0) if op == torch.distributed.ReduceOp.MAX else every_rank.sum(0))
 
 
-def sharded_gradients(logits, labels, ranks, objective, temperature=1.0):
+def sharded_gradients(logits, labels, ranks, objective, temperature=1.0, launch=None):
     """Each simulated rank computes objective(logprobs, entropy) from its shard and backpropagates; returns the
-    (logprobs, entropy) of rank 0 and the logits' gradient, the shards' gradients put together."""
+    (logprobs, entropy) of rank 0 and the logits' gradient, the shards' gradients put together. With a launch record,
+    through the fused Triton kernels."""
     tp = SimulatedTensorParallel(ranks)
     shards = [shard.clone().requires_grad_() for shard in logits.chunk(ranks, dim=-1)]
 
@@ -46,6 +47,7 @@ def sharded_gradients(logits, labels, ranks, objective, temperature=1.0):
             temperature,
             vocab_start=rank * shards[rank].shape[-1],
             all_reduce=lambda tensor, op: tp.all_reduce(rank, tensor, op),
+            launch=launch,
         )
         objective(logprobs, entropy).backward()
         return logprobs.detach(), entropy.detach()
