@@ -35,12 +35,14 @@ samples per second (--rollout-batch-size x --n-samples-per-prompt over that medi
 time (the sum of perf/rollout_time over the sum of perf/step_time; under async the rollout runs beside the
 training); the mean aborted groups per step. The trained samples' response lengths (median, p90, p99, max, mean,
 share at --max-response) are read from the run's --save-rollout-data files of every step (written inside the
-timed rollout). Last, each mode's step time and samples per second over sync's.
+timed rollout), with the 1-minute load average before and after the run. Last, each mode's step time and
+samples per second over sync's.
 """
 
 import argparse
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -210,7 +212,7 @@ def run_mode(mode: str, model: Path, data: Path, args) -> dict:
     run_dir = Path(args.work_dir) / mode
     command = train_command(mode, model, data, run_dir, args)
     run_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     with (run_dir / "console.log").open("w") as console:
         finished = subprocess.run(command, stdout=console, stderr=subprocess.STDOUT)
     if finished.returncode:
@@ -219,6 +221,7 @@ def run_mode(mode: str, model: Path, data: Path, args) -> dict:
     return {
         "command": shlex.join(command),
         "wall_s": time.perf_counter() - started,
+        "load_average_1min": [load_before, os.getloadavg()[0]],  # before and after: the machine may be shared
         **mode_summary(records, args.rollout_batch_size * args.n_samples_per_prompt),
         "response_lengths": length_summary(response_lengths(run_dir / "rollouts"), args.max_response),
     }
