@@ -65,7 +65,7 @@ DEVICE_DEFAULTS = {  # what --device sets unless given
                  max_tokens_per_device=16384),
 }
 DEVICE_FLAGS = {"cpu": [], "cuda": ["--bf16"]}
-MODES = {  # name: the `relax train` flags it adds
+MODES = {  # name: the `relax train` flags it adds (a new mode is one more entry)
     "sync": lambda args: [],
     "over_sampling": lambda args: ["--over-sampling-batch-size", str(args.over_sampling_batch_size)],
     "async": lambda args: ["--no-colocate", "--rollout-num-devices", str(args.devices)],
