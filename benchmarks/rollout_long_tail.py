@@ -106,7 +106,8 @@ def transition_logits(tokenizer, means: list[float]):
     alphabet = [tokenizer.encode(c, add_special_tokens=False)[0] for c in ALPHABET if c != PROMPT_END]
     size = len(alphabet) // len(means)
     if size < 1:
-        raise ValueError(f"--regimes {len(means)} is more than the {len(alphabet)} tokens to share among them")
+        raise ValueError(f"--regimes {len(means)}: more groups than the {len(alphabet)} tokens to share among them; "
+                         f"give at most {len(alphabet)}")
     groups = [alphabet[r * size : (r + 1) * size] for r in range(len(means))]
     vocabulary = len(tokenizer)
     logits = torch.full((vocabulary, vocabulary), NEVER)
@@ -274,6 +275,11 @@ def parse_args(argv=None):
         args.over_sampling_batch_size = 2 * args.rollout_batch_size
     if args.over_sampling_batch_size <= args.rollout_batch_size:
         parser.error("--over-sampling-batch-size must be more than --rollout-batch-size, or over_sampling is sync")
+    for flag in ("rollout_batch_size", "n_samples_per_prompt", "regimes", "devices"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.regime_sigma < 0:
+        parser.error("--regime-sigma must be 0 (one geometric distribution) or more")
     if args.num_steps < 3:
         parser.error("--num-steps must be at least 3: the first step is not measured, nor async's last")
     if not 1 < args.median_response < args.max_response:
