@@ -8,8 +8,12 @@ The modes (MODES: the `relax train` flags each adds to the common ones):
     sync           the default rollout: each step waits for its slowest group
     over_sampling  --over-sampling-batch-size (default 2 x --rollout-batch-size): the step takes the first groups
                    to complete, aborts the rest and puts their prompts back
+    partial        over_sampling with --partial-rollout: the aborted groups go back with what they generated, and
+                   the next step continues them
     async          --no-colocate --rollout-num-devices D: the engines on D devices of their own (Ray bundles on the
                    CPU) generate the next step's rollout while the actor trains on D; the other modes share D
+    async_beside   --no-colocate --rollout-num-devices 0: as async, the engines beside the actor on its D devices
+                   (both resident: one GPU runs it, the engines' memory share set by --sglang-mem-fraction-static)
 
 The long tail comes from the model. The benchmark builds a random Qwen3-shaped checkpoint (relax.tools.tiny_model,
 its character tokenizer of 56 tokens), then rewrites three kinds of its weights so that the model, at temperature
@@ -26,8 +30,13 @@ exp(--regime-sigma x z_r) (z_r the standard normal's quantiles at (r + 0.5) / re
 that the mixture's median is --median-response: with --regime-sigma 0.5 its quantiles over the median (p90 3.9x,
 p99 9.5x, mean 1.7x, simulated) are close to a lognormal's of log standard deviation 1 (3.6x, 10.1x, 1.6x), the
 distribution rl_batch_throughput.py draws; --regime-sigma 0 gives one geometric. Responses are clipped at
---max-response. The reward is copy_digit's (the samples are junk to it; the learning rate, 1e-6, keeps the chain
-as built over the few steps).
+--max-response. The reward is copy_digit's (the samples are junk to it). The learning rate is 0: every step still
+computes the gradients, runs the optimizer and pushes the weights, but the chain stays as built. (At 1e-6 it did
+not, likely because Adam's first step moves every weight a gradient reaches by about the learning rate, whatever the
+gradient's size: the embedding of a token
+gains ~1e-6 in each of its zero entries, and the output head, whose entries are mostly -40, turns that into logit
+shifts of order 1 at a hidden size of 1024. On the H100 at 1e-6 the sync run's median length went from 223 tokens
+at step 0 to 7 at step 1 and 2048 at step 2.)
 
 Per mode, over the steps after the first that ran a rollout (async's last step generates nothing, and every
 mode's first step includes warm-ups), from the run's output/metrics.jsonl: the median perf/step_time; trained
@@ -68,7 +77,9 @@ DEVICE_FLAGS = {"cpu": [], "cuda": ["--bf16"]}
 MODES = {  # name: the `relax train` flags it adds (a new mode is one more entry)
     "sync": lambda args: [],
     "over_sampling": lambda args: ["--over-sampling-batch-size", str(args.over_sampling_batch_size)],
+    "partial": lambda args: [*MODES["over_sampling"](args), "--partial-rollout"],
     "async": lambda args: ["--no-colocate", "--rollout-num-devices", str(args.devices)],
+    "async_beside": lambda args: ["--no-colocate", "--rollout-num-devices", "0"],
 }
 PROMPT_END = ":"  # the last character of every copy_digit prompt: the chain's start
 NEVER = -40.0  # the logit of a token the chain never samples
@@ -161,7 +172,7 @@ def train_command(mode: str, model: Path, data: Path, run_dir: Path, args) -> li
         "--n-samples-per-prompt", str(args.n_samples_per_prompt), "--rollout-max-response-len", str(args.max_response),
         "--rollout-temperature", "1.0", "--global-batch-size", str(samples_per_step), "--micro-batch-size", "1",
         "--use-dynamic-batch-size", "--max-tokens-per-device", str(args.max_tokens_per_device),
-        "--advantage-estimator", "grpo", "--lr", "1e-6", "--weight-decay", "0.0",
+        "--advantage-estimator", "grpo", "--lr", "0", "--weight-decay", "0.0",
         "--num-nodes", "1", "--num-devices-per-node", str(args.devices),
         "--output-dir", str(run_dir / "output"), "--overwrite-output-dir",
         "--save-rollout-data", str(run_dir / "rollouts" / "step_{step}.jsonl"),
