@@ -15,7 +15,19 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "npu", "e2e", "gpu")
+# In the order the lanes take them: the e2e tests (seconds to minutes each) first, the unit tests (milliseconds each)
+# last, where they fill in while the last long tests end.
+TIERS = ("e2e", "npu", "unit", "gpu")
+# The e2e modules whose tests take longest in the suite on CI's 2 cores (measured: about 2 to 8 minutes each, most
+# of them start the whole tiny job), longest first; the lanes take them before the other e2e modules. A long test
+# taken last would run on alone while the other lanes stand idle. (pytest.ini turns off pytest-xdist's own order,
+# the groups with the most tests first.)
+LONGEST_FIRST = (
+    "test_loop_faults.py", "test_loop.py", "test_loop_resume.py", "test_loop_debug.py", "test_patches_sglang.py",
+    "test_qwen35_loop.py", "test_train_megatron.py", "test_multinode_sync.py", "test_loop_signals.py",
+    "test_worker_watch.py", "test_loop_async.py", "test_loop_two_engines.py", "test_submit_tiny_run.py",
+    "test_loop_over_sampling.py", "test_engine.py",
+)
 
 _lane = os.environ.get("PYTEST_XDIST_WORKER")
 if _lane:
@@ -30,10 +42,17 @@ def _uses_a_module_fixture(item) -> bool:
     return any(overrides[-1].scope in ("class", "module") for overrides in definitions)
 
 
-# A wrapper, so the marks are there before pytest-xdist's own hook reads the xdist_group marks (loadgroup).
+def _lane_order(path: Path) -> tuple[int, int]:
+    """Where the tests of `path` (relative to tests/) come in the order the lanes take them."""
+    tier = TIERS.index(path.parts[0]) if path.parts[0] in TIERS else len(TIERS)
+    return tier, LONGEST_FIRST.index(path.name) if path.name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+# A wrapper, so the marks and the order are there before pytest-xdist's own hook reads the xdist_group marks.
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     tests_dir = Path(__file__).parent
+    items.sort(key=lambda item: _lane_order(Path(item.fspath).relative_to(tests_dir)))  # stable: modules stay whole
     grouped = set()  # the e2e modules whose tests share a lane: a module fixture of one of them
     for item in items:
         tier = Path(item.fspath).relative_to(tests_dir).parts[0]
