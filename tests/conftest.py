@@ -4,19 +4,30 @@ Tiers, marked from the directory a test lives in (pytest.ini declares them): uni
 process started), npu (Ascend start-up code on the CPU under stand-ins), e2e (the real stack: Ray, SGLang's
 engine, megatron-core), gpu (tests/gpu, through the device tool only; not in CI). `-m unit` runs one tier.
 
-Lanes: pytest.ini runs the suite in pytest-xdist workers (`--dist loadgroup`). An e2e module is one group, so
-its module fixtures (an engine, a process group, a cluster) start once, in one lane; the modules that read
-the session's saved tiny run are one group too. Each lane gets its own Ray temporary directory, so a local
-cluster one lane starts (ray.init() with no address) never finds another lane's through /tmp/ray."""
+Lanes: pytest.ini runs the suite in pytest-xdist workers (`--dist loadgroup`). An e2e test that uses a module
+fixture (an engine, a process group, a cluster) is in its module's group, so the fixture starts once, in one lane;
+any other test goes to whichever lane is free (the session's saved tiny run is built once for all lanes:
+tests/e2e/conftest.py). Each lane gets its own Ray temporary directory, so a local cluster one lane starts
+(ray.init() with no address) never finds another lane's through /tmp/ray."""
 
 import os
 from pathlib import Path
 
 import pytest
 
-TIERS = ("unit", "npu", "e2e", "gpu")
-# A session fixture every lane would otherwise start for itself: the modules using it share a lane.
-SHARED_RUN_FIXTURES = ("saved_tiny_run",)  # tests/e2e/conftest.py
+# In the order the lanes take them: the e2e tests (seconds to minutes each) first, the unit tests (milliseconds each)
+# last, where they fill in while the last long tests end.
+TIERS = ("e2e", "npu", "unit", "gpu")
+# The e2e modules whose tests take longest in the suite on CI's 2 cores (measured: about 2 to 8 minutes each, most
+# of them start the whole tiny job), longest first; the lanes take them before the other e2e modules. A long test
+# taken last would run on alone while the other lanes stand idle. (pytest.ini turns off pytest-xdist's own order,
+# the groups with the most tests first.)
+LONGEST_FIRST = (
+    "test_loop_faults.py", "test_loop.py", "test_loop_resume.py", "test_loop_debug.py", "test_patches_sglang.py",
+    "test_qwen35_loop.py", "test_train_megatron.py", "test_multinode_sync.py", "test_loop_signals.py",
+    "test_worker_watch.py", "test_loop_async.py", "test_loop_two_engines.py", "test_submit_tiny_run.py",
+    "test_loop_over_sampling.py", "test_engine.py",
+)
 
 _lane = os.environ.get("PYTEST_XDIST_WORKER")
 if _lane:
@@ -25,27 +36,39 @@ if _lane:
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 
-# A wrapper, so the marks are there before pytest-xdist's own hook reads the xdist_group marks (loadgroup).
+def _uses_a_module_fixture(item) -> bool:
+    # pytest names a test's fixture definitions only in this attribute (the last definition of a name is used).
+    definitions = item._fixtureinfo.name2fixturedefs.values()
+    return any(overrides[-1].scope in ("class", "module") for overrides in definitions)
+
+
+def _lane_order(path: Path) -> tuple[int, int]:
+    """Where the tests of `path` (relative to tests/) come in the order the lanes take them."""
+    tier = TIERS.index(path.parts[0]) if path.parts[0] in TIERS else len(TIERS)
+    return tier, LONGEST_FIRST.index(path.name) if path.name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
+# A wrapper, so the marks and the order are there before pytest-xdist's own hook reads the xdist_group marks.
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     tests_dir = Path(__file__).parent
-    groups = {}  # e2e module -> its lane group: the shared run it reads, else the module itself
+    items.sort(key=lambda item: _lane_order(Path(item.fspath).relative_to(tests_dir)))  # stable: modules stay whole
+    grouped = set()  # the e2e modules whose tests share a lane: a module fixture of one of them
     for item in items:
         tier = Path(item.fspath).relative_to(tests_dir).parts[0]
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
-        if tier == "e2e":
-            shared = [name for name in SHARED_RUN_FIXTURES if name in item.fixturenames]
-            groups[item.fspath] = shared[0] if shared else groups.get(item.fspath, Path(item.fspath).name)
+        if tier == "e2e" and _uses_a_module_fixture(item):
+            grouped.add(item.fspath)
     for item in items:
-        if item.fspath in groups:
-            item.add_marker(pytest.mark.xdist_group(groups[item.fspath]))
+        if item.fspath in grouped:
+            item.add_marker(pytest.mark.xdist_group(Path(item.fspath).name))
     collected = yield
     if hasattr(config, "workerinput") and config.getvalue("loadgroup"):  # a lane: pytest-xdist has named the groups
         ungrouped = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
         if ungrouped:
             raise pytest.UsageError(
-                f"pytest-xdist did not put {ungrouped[0]} in its lane group: each lane would start the shared runs "
-                "and module fixtures again; install the pytest relax/pins.py TEST_TOOLS names (bash scripts/setup.sh)"
+                f"pytest-xdist did not put {ungrouped[0]} in its lane group: each lane would start its module "
+                "fixtures again; install the pytest relax/pins.py TEST_TOOLS names (bash scripts/setup.sh)"
             )
     return collected

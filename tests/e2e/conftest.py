@@ -3,8 +3,9 @@ SGLang fixes its device at its first import, so test module order must not matte
 such conftest: its tests pick the GPU platform themselves.)
 
 Shared fixtures: two_node_cluster, a real two-node Ray cluster on this machine, one per test module;
-saved_tiny_run, one run of the tiny job that saves checkpoints, for the whole session."""
+saved_tiny_run, one run of the tiny job that saves checkpoints, for the whole session (all its lanes)."""
 
+import fcntl
 import os
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ os.environ.setdefault("RELAX_DEVICE", "cpu")  # workers the tests start inherit 
 
 from relax.platform import get_platform  # noqa: E402
 from relax.ray.local_cluster import CLUSTER_ENV, LocalCluster  # noqa: E402
-from tiny_runs import SavedTinyRun, run_saving_tiny_job  # noqa: E402
+from tiny_runs import SavedTinyRun, read_saved_tiny_run, run_saving_tiny_job  # noqa: E402
 
 get_platform("cpu").prepare_sglang()
 get_platform("cpu").prepare_megatron()
@@ -61,5 +62,23 @@ def two_node_cluster():
 @pytest.fixture(scope="session")
 def saved_tiny_run(tmp_path_factory) -> SavedTinyRun:
     """The tiny job's run that saves checkpoints (tiny_runs.run_saving_tiny_job), shared by test_loop (what a run
-    logs and leaves behind) and test_loop_resume (resuming it): one start of the whole stack for both."""
-    return run_saving_tiny_job(tmp_path_factory.mktemp("saved_tiny_run"))
+    logs and leaves behind), test_loop_resume (resuming it) and test_loop_faults (the same run with faults): one
+    start of the whole stack for the session. The first lane to need it runs it while the others wait on a file
+    lock, then each reads it from its directory, which no test writes into (a test that continues the run copies
+    it)."""
+    session_dir = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a lane's base directory is inside the session's
+        session_dir = session_dir.parent
+    exp_dir, failure = session_dir / "saved_tiny_run", session_dir / "saved_tiny_run.failed"
+    with open(session_dir / "saved_tiny_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+        if failure.exists():  # not run again: each lane would wait for the same failure
+            pytest.fail(f"the saved tiny run failed in another lane:\n{failure.read_text()}")
+        if not exp_dir.exists():
+            exp_dir.mkdir()
+            try:
+                run_saving_tiny_job(exp_dir)
+            except BaseException as error:
+                failure.write_text(str(error)[-6000:])
+                raise
+    return read_saved_tiny_run(exp_dir)

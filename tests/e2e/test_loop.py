@@ -1,6 +1,6 @@
 """The colocated loop end to end on CPU: the README's main job (scripts/run-tiny-cpu.sh), shortened to a few
 steps, through the real stack (local Ray, SGLang engine actor, Megatron training actor). The run is the session's
-saved_tiny_run (tests/e2e/conftest.py), which test_loop_resume resumes. A second run into the same experiment
+saved_tiny_run (tests/e2e/conftest.py), which test_loop_resume resumes in a copy. A second run into the same experiment
 directory replaces the first one's record: tests/e2e/test_loop_debug.py checks that on its rollout-only run. The run
 evaluates two sets (tiny_runs.eval_flags) at step 0, every second step and after the last step."""
 

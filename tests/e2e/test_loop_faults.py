@@ -14,7 +14,8 @@ is left. (An engine failing once its --max-engine-restarts are used up fails the
 does: tests/e2e/test_worker_watch.py.)
 
 The bound on the driver's exit is a hang guard (a dead worker must not leave the driver waiting forever),
-not a timing test."""
+not a timing test. Each test asks for the run without faults only once its own run has ended: another lane may be
+running it meanwhile (tests/e2e/conftest.py)."""
 
 import re
 import subprocess
@@ -69,9 +70,8 @@ def _kill_scheduler_mid_generate(marker: dict, run: subprocess.Popen):
     return scheduler
 
 
-def test_an_engine_killed_mid_rollout_restarts_in_place_then_a_training_rank_killed_fails_the_run(
-    tmp_path, saved_tiny_run
-):
+@pytest.mark.timeout(900)  # the run, then the wait for the saved run, which another lane may still be running
+def test_an_engine_killed_mid_rollout_restarts_in_place_then_a_training_rank_killed_fails_the_run(tmp_path, request):
     marker = run_marker()
     log_path, metrics = tmp_path / "run.log", tmp_path / "output" / "metrics.jsonl"
     with open(log_path, "w") as log:
@@ -104,7 +104,7 @@ def test_an_engine_killed_mid_rollout_restarts_in_place_then_a_training_rank_kil
     assert "relax: engine 0 (EngineWorker, " in output, output[-6000:]
     assert "starting it again on its devices (engine restart 1 of at most 1" in output, output[-6000:]
     # The restarted engine had the actor's weights of the step before and sampled its requests with their seeds.
-    saved_steps = step_records(saved_tiny_run.records)
+    saved_steps = step_records(request.getfixturevalue("saved_tiny_run").records)
     compared = rows[: len(saved_steps)]
     for key in ("rollout/reward_mean", "rollout/response_tokens"):
         assert [row[key] for row in compared] == [row[key] for row in saved_steps[: len(compared)]], key
@@ -125,9 +125,7 @@ BUCKET_BYTES = 8 << 20  # the tiny model's weights in several buckets: the push 
 
 
 @pytest.mark.timeout(900)
-def test_an_engine_killed_in_each_phase_restarts_in_place_and_the_run_ends_as_one_without_faults(
-    tmp_path, saved_tiny_run
-):
+def test_an_engine_killed_in_each_phase_restarts_in_place_and_the_run_ends_as_one_without_faults(tmp_path, request):
     marker = run_marker()
     faults = ",".join(f"{point}={victim}" for point, victim in INJECTED.items())
     saves, hf_saves = tmp_path / "checkpoints", tmp_path / "hf"
@@ -148,6 +146,7 @@ def test_an_engine_killed_in_each_phase_restarts_in_place_and_the_run_ends_as_on
     assert all((seconds[step] > 0) == (count > 0) for step, count in restarts.items()), seconds
     print("restart seconds per row:", {step: round(s, 1) for step, s in seconds.items()})
     # The same rollouts and evaluations as the run without faults: the restarted engines had the actor's weights.
+    saved_tiny_run = request.getfixturevalue("saved_tiny_run")
     for faulted, clean in zip(records, saved_tiny_run.records, strict=True):
         compared = [key for key in clean if key.startswith(("rollout/", "eval/"))]
         assert compared and {k: faulted[k] for k in compared} == {k: clean[k] for k in compared}, faulted["step"]

@@ -5,14 +5,14 @@ the newest checkpoint is damaged and a training rank is SIGKILLed on the way (--
 Two runs, not three: the 4-step run (the session's saved_tiny_run, tests/e2e/conftest.py) saves after steps 1 and
 3 (--save-interval 2), so its first half is the "2 steps" run; the resumed run loads the step-1 checkpoint and
 runs steps 2 and 3. A save that disturbed the run would show as a difference too, since the resumed run is
-compared with the run that saved. The resumed run writes into the first run's experiment directory: one run, one
-record, continued from the checkpoint. The same resumed run also shows the two faults a run survives on its own:
-it is given the checkpoints with step 3's damaged, and passes over it to step 1's; its training rank is killed
-after step 2, and the run restarts from its own step-2 checkpoint, ending on the uninterrupted run's weights. The
-first run also writes HF directories (--save-hf), which must hold its checkpoints' weights; `relax train --eval-only`
-on the last one samples on the eval sets what the trained engine sampled in the run's last evaluation (same seeds,
-same metrics). The resumed run evaluates at step 2 and after its last step, as the first run did then, with the
-same metrics.
+compared with the run that saved. The resumed run writes into a copy of the first run's experiment directory (the
+session's other tests read the original): one run, one record, continued from the checkpoint. The same resumed
+run also shows the two faults a run survives on its own: it is given the checkpoints with step 3's damaged, and
+passes over it to step 1's; its training rank is killed after step 2, and the run restarts from its own step-2
+checkpoint, ending on the uninterrupted run's weights. The first run also writes HF directories (--save-hf), which
+must hold its checkpoints' weights; `relax train --eval-only` on the last one samples on the eval sets what the
+trained engine sampled in the run's last evaluation (same seeds, same metrics). The resumed run evaluates at step 2
+and after its last step, as the first run did then, with the same metrics.
 
 Rollouts repeat exactly only because each request samples with a seed derived from (--seed, step), which
 SGLang honours under --sglang-enable-deterministic-inference. Same tokens, same rewards: those are compared
@@ -66,22 +66,24 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     after_step_1 = saves / "step_000001"
     assert read_checkpoint(after_step_1, saved_tiny_run.exp_dir / "model", seed=1234, num_steps=STEPS).next_step == 2
 
-    # Resumed from a copy of the checkpoints whose newest (step 3) lost half a file since: the run warns, naming it,
-    # and resumes from step 1. It saves after every step and may restart once; its training rank is SIGKILLed once
-    # step 2 is logged, so the run restarts from step 2's checkpoint and does step 3 on new workers.
-    resumed_saves, resumed_hf_saves = tmp_path / "checkpoints", tmp_path / "hf"
-    shutil.copytree(saves, resumed_saves)
+    # Resumed in a copy of the run's experiment directory, from its checkpoints, whose newest (step 3) lost half a
+    # file since: the run warns, naming it, and resumes from step 1. It saves after every step and may restart once;
+    # its training rank is SIGKILLed once step 2 is logged, so the run restarts from step 2's checkpoint and does
+    # step 3 on new workers.
+    exp_dir = tmp_path / "resumed_run"
+    shutil.copytree(saved_tiny_run.exp_dir, exp_dir)
+    resumed_saves, resumed_hf_saves = exp_dir / saves.name, tmp_path / "hf"
     step_3_files = [path for path in (resumed_saves / "step_000003").rglob("*") if path.is_file()]
     damaged = max(step_3_files, key=lambda path: path.stat().st_size)
     damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
     damaged_size = damaged.stat().st_size  # the resumed run saves step 3 anew, over the damaged file
-    # Into the same experiment directory (the script passes --overwrite-output-dir, which a resumed run does not act
-    # on): the run's record continues from the checkpoint, the first run's steps 2 and 3 replaced.
+    # Into the copied experiment directory (the script passes --overwrite-output-dir, which a resumed run does not
+    # act on): the run's record continues from the checkpoint, the first run's steps 2 and 3 replaced.
     marker = run_marker()
     command, env = tiny_job(
-        saved_tiny_run.exp_dir, "--num-steps", str(STEPS), "--sglang-enable-deterministic-inference",
+        exp_dir, "--num-steps", str(STEPS), "--sglang-enable-deterministic-inference",
         "--load", str(resumed_saves), "--save", str(resumed_saves), "--save-interval", "1",
-        "--save-hf", str(resumed_hf_saves), "--max-restarts", "1", *eval_flags(saved_tiny_run.exp_dir), env=marker,
+        "--save-hf", str(resumed_hf_saves), "--max-restarts", "1", *eval_flags(exp_dir), env=marker,
     )
     output = _run_killing_the_training_rank_after_step_2(command, env, marker, resumed_saves, tmp_path / "resumed.log")
     assert (f"relax: warning: checkpoint {resumed_saves / 'step_000003'} is incomplete ({damaged} has "
@@ -93,7 +95,7 @@ def test_four_steps_equal_two_steps_then_resume_and_two_more(saved_tiny_run, tmp
     leftover = leftover_processes(marker)
     assert not leftover, f"processes of the run left behind: {describe(leftover)}"
 
-    record = read_metrics(saved_tiny_run.exp_dir / "output" / "metrics.jsonl")
+    record = read_metrics(exp_dir / "output" / "metrics.jsonl")
     assert [r["step"] for r in record] == [0, 1, 2, 3, 4]
     assert record[:2] == whole[:2]
     resumed = record[2:]

@@ -74,7 +74,7 @@ def _run_tiny_script(exp_dir: Path, args, env: dict[str, str] | None) -> str:
 
 @dataclass
 class SavedTinyRun:
-    exp_dir: Path  # EXP_DIR: the model, the data, output/ (the run's record)
+    exp_dir: Path  # EXP_DIR: the model, the data, output/ (the run's record), SAVES, HF_SAVES
     saves: Path  # --save: step_000001, step_000003
     hf_saves: Path  # --save-hf: the same steps as HF directories
     records: list[dict]  # output/metrics.jsonl
@@ -85,6 +85,9 @@ class SavedTinyRun:
 
 
 SAVING_RUN_STEPS = 4
+# The saving run's files in its EXP_DIR besides the script's: its checkpoints, their HF directories, and what
+# run_saving_tiny_job read of the run as it ended (its console, its processes still alive).
+SAVES, HF_SAVES, CONSOLE_FILE, LEFTOVER_FILE = "checkpoints", "hf", "console.txt", "leftover.txt"
 EVAL_INTERVAL = 2
 EVAL_SETS = ("held_out", "ones")
 
@@ -102,26 +105,33 @@ def eval_flags(exp_dir: Path) -> list[str]:
     return ["--eval-prompt-data", *pairs, "--eval-interval", str(EVAL_INTERVAL)]
 
 
-def run_saving_tiny_job(exp_dir: Path) -> SavedTinyRun:
+def run_saving_tiny_job(exp_dir: Path) -> None:
     """The tiny job for 4 steps, saving after steps 1 and 3 (--save-interval 2) with an HF directory at each save
     (--save-hf), each request sampling with a seed from (--seed, step) that SGLang honours under deterministic
-    inference, so that a run resumed from a checkpoint repeats its rollouts; evaluating two sets (eval_flags). What
-    the run left is read at once: a test may then resume the run into the same directory."""
-    saves, hf_saves = exp_dir / "checkpoints", exp_dir / "hf"
+    inference, so that a run resumed from a checkpoint repeats its rollouts; evaluating two sets (eval_flags). Its
+    console and the processes it left are written into exp_dir as it ends (CONSOLE_FILE, LEFTOVER_FILE): the whole
+    run can then be read from exp_dir by any process (read_saved_tiny_run)."""
     marker = run_marker()
     console = _run_tiny_script(
         exp_dir, ["--num-steps", str(SAVING_RUN_STEPS), "--sglang-enable-deterministic-inference",
-                  "--save", str(saves), "--save-interval", "2", "--save-hf", str(hf_saves), *eval_flags(exp_dir)],
+                  "--save", str(exp_dir / SAVES), "--save-interval", "2", "--save-hf", str(exp_dir / HF_SAVES),
+                  *eval_flags(exp_dir)],
         env=marker,
     )
     leftover = leftover_processes(marker)
+    (exp_dir / CONSOLE_FILE).write_text(console)
+    (exp_dir / LEFTOVER_FILE).write_text(describe(leftover) if leftover else "")
+
+
+def read_saved_tiny_run(exp_dir: Path) -> SavedTinyRun:
+    """The run that run_saving_tiny_job left in exp_dir."""
     output = exp_dir / "output"
     return SavedTinyRun(
-        exp_dir, saves, hf_saves, read_metrics(output / "metrics.jsonl"),
+        exp_dir, exp_dir / SAVES, exp_dir / HF_SAVES, read_metrics(output / "metrics.jsonl"),
         tensorboard_events={path.name for path in (output / "tensorboard").iterdir()},
         reward_curve_head=(output / "reward_curve.png").read_bytes()[:4],
-        leftover=describe(leftover) if leftover else "",
-        console=console,
+        leftover=(exp_dir / LEFTOVER_FILE).read_text(),
+        console=(exp_dir / CONSOLE_FILE).read_text(),
     )
 
 
