@@ -54,6 +54,8 @@ class PromptDataConfig:
     system_prompt: str | None = None  # prepended as a system message when the chat template is applied
     max_prompt_tokens: int | None = None  # longer prompts are filtered out (and counted)
     skip_bad_rows: bool = False  # count and report bad rows instead of failing on the first one
+    # The tools the model may call (--tools), as the chat template takes them (relax.rollout.tools.tool_schema)
+    tools: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -205,7 +207,8 @@ def _messages(prompt, config: PromptDataConfig) -> list[dict]:
 def _prompt_text(prompt, config: PromptDataConfig, tokenizer) -> str:
     if config.apply_chat_template:
         return tokenizer.apply_chat_template(
-            _messages(prompt, config), tokenize=False, add_generation_prompt=True, **config.chat_template_kwargs
+            _messages(prompt, config), tools=list(config.tools) or None, tokenize=False, add_generation_prompt=True,
+            **config.chat_template_kwargs,
         )
     if not isinstance(prompt, str):
         raise _BadRow(
@@ -227,6 +230,11 @@ def _check_chat_template(config: PromptDataConfig, tokenizer) -> None:
             "checkpoint whose tokenizer_config.json has one"
         )
     text = template if isinstance(template, str) else " ".join(template.values())  # named templates
+    if config.tools and not re.search(r"\btools\b", text):
+        raise PromptDataError(
+            f"{config.path}: --tools, but the tokenizer's chat template does not read `tools`, so the prompts would "
+            "not show the model its tools; use a checkpoint whose chat template renders tools (Qwen's)"
+        )
     unread = [name for name in config.chat_template_kwargs if not re.search(rf"\b{re.escape(name)}\b", text)]
     if unread:
         raise PromptDataError(
