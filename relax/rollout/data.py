@@ -12,8 +12,9 @@ stores its answers).
 
 The chat template (when on) renders each prompt with the tokenizer's template: a string becomes one user
 message, a system prompt (if given) is put first unless the row's messages start with their own, and the
-template's own options (Qwen3's `enable_thinking`) pass through chat_template_kwargs. A list of messages
-needs the chat template: with it off, such a row is refused rather than flattened into text in a format
+template's own options (Qwen3's `enable_thinking`) pass through chat_template_kwargs; with tools (--tools) the
+template renders their descriptions too (its `tools`: a template that does not read them is refused). A list of
+messages needs the chat template: with it off, such a row is refused rather than flattened into text in a format
 the model was not trained on.
 
 Every row is checked and tokenized when the file is loaded, so a bad row fails at start with the file,
