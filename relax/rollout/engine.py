@@ -32,7 +32,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -499,20 +499,12 @@ class RolloutEngine:
         answers = iter(completions)
         return [list(itertools.islice(answers, len(group))) for group in prefixes]
 
-    async def generate_request(self, engine, request: list[int], params: dict) -> Completion:
-        """One request of token ids with SGLang's sampling `params` (request_params'), awaited on the engine's loop
+    def generate_request(self, engine, request: list[int], params: dict) -> Awaitable[Completion]:
+        """One request of token ids with SGLang's sampling `params` (request_params'), to await on the engine's loop
         (in a coroutine that _run runs; `engine`: self._live()'s). A request SGLang refuses is a failed Completion;
-        a cancellation raises."""
-        try:
-            output = await engine.async_generate(
-                input_ids=request,
-                sampling_params=params,
-                return_logprob=True,
-                return_routed_experts=self._routed_experts_row is not None,  # of prompt and response
-            )
-        except Exception as error:
-            return Completion.refused(f"{type(error).__name__}: {error}")
-        return _completion(output, request, self._routed_experts_row)
+        a cancellation raises. A plain method returning the coroutine: Ray makes a class with an `async def` method
+        an async actor (relax.rollout.worker says why EngineWorker must not be one)."""
+        return _generate_request(engine, request, params, self._routed_experts_row)
 
     def flush_cache(self):
         result = self._run(self._live().tokenizer_manager.flush_cache())
@@ -749,6 +741,20 @@ def _checked_tags(tags) -> list[str]:
     if unknown:
         raise ValueError(f"unknown memory tags {unknown}; choose from {list(MEMORY_TAGS)}")
     return tags
+
+
+async def _generate_request(engine, request: list[int], params: dict, routed_experts_row: tuple[int, int] | None
+                            ) -> Completion:
+    try:
+        output = await engine.async_generate(
+            input_ids=request,
+            sampling_params=params,
+            return_logprob=True,
+            return_routed_experts=routed_experts_row is not None,  # of prompt and response
+        )
+    except Exception as error:
+        return Completion.refused(f"{type(error).__name__}: {error}")
+    return _completion(output, request, routed_experts_row)
 
 
 def _completion(output: dict, prompt: list[int], routed_experts_row: tuple[int, int] | None) -> Completion:

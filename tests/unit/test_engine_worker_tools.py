@@ -3,6 +3,7 @@ one coroutine, seeded by its index in the group, and come back as completions wi
 (the real engine in the loop: tests/e2e/test_loop_tools.py)."""
 
 import asyncio
+import inspect
 
 import pytest
 
@@ -87,3 +88,10 @@ def test_a_multi_turn_group_is_never_a_continuation(tokenizer, prompt):
     worker = ScriptedWorker(tokenizer, {})
     with pytest.raises(ValueError, match="does not continue responses begun earlier"):
         worker.generate_group(prompt, SamplingConfig(n=1), prefixes=[[1, 2]])
+
+
+def test_the_engine_actor_has_no_async_method():
+    """Ray makes a class with an async method an async actor, whose __init__ runs off the main thread on Ray's loop,
+    where SGLang's Engine takes a loop other than the engine's own (relax.rollout.worker)."""
+    methods = [member for _, member in inspect.getmembers(EngineWorker, inspect.isfunction)]
+    assert not [m.__name__ for m in methods if inspect.iscoroutinefunction(m) or inspect.isasyncgenfunction(m)]
