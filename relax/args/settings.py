@@ -137,7 +137,7 @@ class RolloutSettings:
     save_data: str | None  # write each step's scored samples to this pattern
     routing_replay: bool  # samples carry the experts the engine chose (saved and loaded with them) for the actor
     context: ContextLength | None  # the engines' context length; None: unknown (a dry run without the checkpoint)
-    tools: ToolRollout | None  # --tools: multi-turn samples with tool calls; None: one turn per sample
+    tools: ToolRollout | None = None  # --tools: multi-turn samples with tool calls; None: one turn per sample
 
     @property
     def max_response_len(self) -> int:
