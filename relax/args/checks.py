@@ -17,6 +17,7 @@ from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.args.unsupported import unsupported_combinations
 from relax.rollout.dump import pattern_problem
 from relax.rollout.rollout import rollout_seeds_problem
+from relax.rollout.tools import load_tools
 from relax.train.algorithms import ALGORITHMS, STD_NORMALISED
 
 
@@ -344,7 +345,7 @@ REPLAY_REFUSED = (
 )
 READ_WITH_PROMPTS = (
     "reward_fn", "apply_chat_template", "apply_chat_template_kwargs", "system_prompt", "max_prompt_length",
-    "skip_bad_rows", "rollout_clip_response_to_context",
+    "skip_bad_rows", "rollout_clip_response_to_context", "tools", "max_turns",
 )
 
 
@@ -470,6 +471,30 @@ def chat_template_options_need_the_template(config, platform):
     given = [flag for flag, value in options if value is not None]
     if given and not r.apply_chat_template:
         return f"{' and '.join(given)} only apply with --apply-chat-template (they are options of the chat template)"
+
+
+def tools_apply(config, platform):
+    """--tools is loaded here (a user's module imported, each a Tool), so --dry-run finds a bad one."""
+    r = config.flags
+    if r.max_turns is not None and not r.tools:
+        return "--max-turns bounds the turns of --tools' multi-turn samples: give --tools too"
+    if not r.tools:
+        return None
+    if not r.apply_chat_template:
+        return (
+            "--tools without --apply-chat-template: the prompts show the tools, and the tool turns are written, "
+            "through the tokenizer's chat template; give --apply-chat-template"
+        )
+    if r.partial_rollout:
+        return (
+            "--tools with --partial-rollout: an aborted multi-turn sample cannot be continued yet (its loss mask and "
+            "turns are not carried to a later step); drop --partial-rollout"
+        )
+    try:
+        load_tools(r.tools, "--tools")
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def checkpoint_flags_consistent(config, platform):
@@ -688,6 +713,7 @@ RULES = [
     eval_flags_consistent,
     replay_flags_consistent,
     chat_template_options_need_the_template,
+    tools_apply,
     checkpoint_flags_consistent,
     restarts_resume_from_checkpoints,
     grouped_experts_apply,

@@ -9,6 +9,7 @@ import json
 
 from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
 from relax.platform import DEVICE_CHOICES
+from relax.rollout.multi_turn import DEFAULT_MAX_TURNS
 from relax.rollout.rollout import DEFAULT_MAX_CHUNKS
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import AGGREGATIONS, DUAL_CLIP, K3_CLAMP, LOG_RATIO_CLAMP
@@ -247,6 +248,24 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         help="With --partial-rollout: a response with a token sampled more than STEPS steps before the step that "
         "would continue it starts again from its prompt, counted in rollout/partial_stale_samples (default: no "
         "bound).",
+    )
+    g.add_argument(
+        "--tools",
+        nargs="+",
+        metavar="TOOL",
+        help="Multi-turn tool use: the tools the model may call, each a built-in (calculator, python: code run in a "
+        "sandboxed process) or a user's Tool object or class as module:function. The prompts show them to the chat "
+        "template; a response that calls one (Qwen's <tool_call> JSON) gets the tools' output as the template's "
+        "tool turn and goes on, until the model answers without a call, --max-turns, or --rollout-max-response-len "
+        "tokens, appended ones included. Only the model's own tokens are trained (the loss mask). Needs "
+        "--apply-chat-template.",
+    )
+    g.add_argument(
+        "--max-turns",
+        type=_positive_int,
+        metavar="N",
+        help=f"With --tools: engine requests per sample; a sample still calling tools at the last one ends there "
+        f"(finish reason length) (default: {DEFAULT_MAX_TURNS}).",
     )
     g.add_argument(
         "--rollout-max-prompts",

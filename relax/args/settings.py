@@ -22,7 +22,9 @@ from relax.platform import platform_facts
 from relax.ray.watch import Timeout
 from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import SamplingConfig
+from relax.rollout.multi_turn import DEFAULT_MAX_TURNS, ToolRollout
 from relax.rollout.rollout import Partial, most_requests_per_engine
+from relax.rollout.tools import load_tools, tool_schema
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import LossSettings
 from relax.train.off_policy import RolloutCorrection
@@ -135,6 +137,7 @@ class RolloutSettings:
     save_data: str | None  # write each step's scored samples to this pattern
     routing_replay: bool  # samples carry the experts the engine chose (saved and loaded with them) for the actor
     context: ContextLength | None  # the engines' context length; None: unknown (a dry run without the checkpoint)
+    tools: ToolRollout | None = None  # --tools: multi-turn samples with tool calls; None: one turn per sample
 
     @property
     def max_response_len(self) -> int:
@@ -207,6 +210,7 @@ def prompt_data_config(flags: argparse.Namespace, path: str | None) -> PromptDat
         system_prompt=flags.system_prompt,
         max_prompt_tokens=flags.max_prompt_length,
         skip_bad_rows=flags.skip_bad_rows,
+        tools=tuple(tool_schema(tool) for tool in load_tools(flags.tools or [], "--tools").values()),
     )
 
 
@@ -239,7 +243,15 @@ def rollout_settings(flags: argparse.Namespace, context: ContextLength | None) -
         save_data=flags.save_rollout_data,
         routing_replay=flags.use_rollout_routing_replay,
         context=context,
+        tools=tool_rollout(flags),
     )
+
+
+def tool_rollout(flags: argparse.Namespace) -> ToolRollout | None:
+    """--tools and --max-turns, for the engine actors (the chat template's options too, as the prompts use them)."""
+    if not flags.tools:
+        return None
+    return ToolRollout(tuple(flags.tools), flags.max_turns or DEFAULT_MAX_TURNS, flags.apply_chat_template_kwargs or {})
 
 
 def eval_settings(flags: argparse.Namespace, rollout_sampling: SamplingConfig) -> EvalSettings:

@@ -12,8 +12,9 @@ stores its answers).
 
 The chat template (when on) renders each prompt with the tokenizer's template: a string becomes one user
 message, a system prompt (if given) is put first unless the row's messages start with their own, and the
-template's own options (Qwen3's `enable_thinking`) pass through chat_template_kwargs. A list of messages
-needs the chat template: with it off, such a row is refused rather than flattened into text in a format
+template's own options (Qwen3's `enable_thinking`) pass through chat_template_kwargs; with tools (--tools) the
+template renders their descriptions too (its `tools`: a template that does not read them is refused). A list of
+messages needs the chat template: with it off, such a row is refused rather than flattened into text in a format
 the model was not trained on.
 
 Every row is checked and tokenized when the file is loaded, so a bad row fails at start with the file,
@@ -54,6 +55,8 @@ class PromptDataConfig:
     system_prompt: str | None = None  # prepended as a system message when the chat template is applied
     max_prompt_tokens: int | None = None  # longer prompts are filtered out (and counted)
     skip_bad_rows: bool = False  # count and report bad rows instead of failing on the first one
+    # The tools the model may call (--tools), as the chat template takes them (relax.rollout.tools.tool_schema)
+    tools: tuple[dict, ...] = ()
 
 
 @dataclass
@@ -205,7 +208,8 @@ def _messages(prompt, config: PromptDataConfig) -> list[dict]:
 def _prompt_text(prompt, config: PromptDataConfig, tokenizer) -> str:
     if config.apply_chat_template:
         return tokenizer.apply_chat_template(
-            _messages(prompt, config), tokenize=False, add_generation_prompt=True, **config.chat_template_kwargs
+            _messages(prompt, config), tools=list(config.tools) or None, tokenize=False, add_generation_prompt=True,
+            **config.chat_template_kwargs,
         )
     if not isinstance(prompt, str):
         raise _BadRow(
@@ -227,6 +231,11 @@ def _check_chat_template(config: PromptDataConfig, tokenizer) -> None:
             "checkpoint whose tokenizer_config.json has one"
         )
     text = template if isinstance(template, str) else " ".join(template.values())  # named templates
+    if config.tools and not re.search(r"\btools\b", text):
+        raise PromptDataError(
+            f"{config.path}: --tools, but the tokenizer's chat template does not read `tools`, so the prompts would "
+            "not show the model its tools; use a checkpoint whose chat template renders tools (Qwen's)"
+        )
     unread = [name for name in config.chat_template_kwargs if not re.search(rf"\b{re.escape(name)}\b", text)]
     if unread:
         raise PromptDataError(

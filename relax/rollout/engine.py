@@ -32,7 +32,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ import torch
 
 from relax.hf_checkpoint import read_hf_checkpoint, trained_names
 from relax.ports import free_port
+from relax.rollout.tool_calls import ToolUse
 from relax.sync import bucket as weight_bucket
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what release/resume_memory_occupation accept
@@ -129,6 +130,11 @@ class Completion:
     # Why the engine refused this request (SGLang raised for it alone; the engine lives on), or None. A refused
     # request has no tokens: token_ids, logprobs and text are empty and finish_reason is "error".
     error: str | None = None
+    # A multi-turn sample's (--tools: relax.rollout.worker), None otherwise: per response token 1 where the engine
+    # sampled it, 0 where relax appended it (tool output, the template's turn ids; logprob 0.0), and what its turns
+    # did (relax.rollout.tool_calls.ToolUse).
+    loss_mask: list[int] | None = None
+    tool_use: ToolUse | None = None
 
     @classmethod
     def refused(cls, error: str) -> "Completion":
@@ -481,29 +487,24 @@ class RolloutEngine:
 
         async def each_request():  # gather wraps the coroutines in tasks of the running (the engine's) loop
             return await asyncio.gather(
-                *(
-                    engine.async_generate(
-                        input_ids=request,
-                        sampling_params=request_params,
-                        return_logprob=True,
-                        return_routed_experts=self._routed_experts_row is not None,  # of prompt and response
-                    )
-                    for request, request_params in zip(requests, params)
-                ),
+                *(self.generate_request(engine, request, request_params)
+                  for request, request_params in zip(requests, params)),
                 return_exceptions=True,
             )
 
-        outputs = self._run(each_request())  # raises EngineDeadError if the engine died meanwhile
-        completions = []
-        for output, request in zip(outputs, requests):
-            if isinstance(output, Exception):
-                completions.append(Completion.refused(f"{type(output).__name__}: {output}"))
-            elif isinstance(output, BaseException):  # a cancellation: not the request's own failure
-                raise output
-            else:
-                completions.append(_completion(output, request, self._routed_experts_row))
+        completions = self._run(each_request())  # raises EngineDeadError if the engine died meanwhile
+        for completion in completions:
+            if isinstance(completion, BaseException):  # a cancellation: not the request's own failure
+                raise completion
         answers = iter(completions)
         return [list(itertools.islice(answers, len(group))) for group in prefixes]
+
+    def generate_request(self, engine, request: list[int], params: dict) -> Awaitable[Completion]:
+        """One request of token ids with SGLang's sampling `params` (request_params'), to await on the engine's loop
+        (in a coroutine that _run runs; `engine`: self._live()'s). A request SGLang refuses is a failed Completion;
+        a cancellation raises. A plain method returning the coroutine: Ray makes a class with an `async def` method
+        an async actor (relax.rollout.worker says why EngineWorker must not be one)."""
+        return _generate_request(engine, request, params, self._routed_experts_row)
 
     def flush_cache(self):
         result = self._run(self._live().tokenizer_manager.flush_cache())
@@ -740,6 +741,20 @@ def _checked_tags(tags) -> list[str]:
     if unknown:
         raise ValueError(f"unknown memory tags {unknown}; choose from {list(MEMORY_TAGS)}")
     return tags
+
+
+async def _generate_request(engine, request: list[int], params: dict, routed_experts_row: tuple[int, int] | None
+                            ) -> Completion:
+    try:
+        output = await engine.async_generate(
+            input_ids=request,
+            sampling_params=params,
+            return_logprob=True,
+            return_routed_experts=routed_experts_row is not None,  # of prompt and response
+        )
+    except Exception as error:
+        return Completion.refused(f"{type(error).__name__}: {error}")
+    return _completion(output, request, routed_experts_row)
 
 
 def _completion(output: dict, prompt: list[int], routed_experts_row: tuple[int, int] | None) -> Completion:

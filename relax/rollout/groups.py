@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from relax.rollout.data import Prompt
+from relax.rollout.tool_calls import ToolUse
 
 
 @dataclass
@@ -29,6 +30,8 @@ class Sample:
     # Per response token: 1 where the loss trains it, 0 where it does not (a token the policy did not sample, such as
     # a tool's output spliced into the response). None: every response token is trained.
     loss_mask: list[int] | None = None
+    # What a multi-turn sample's turns did (--tools: relax.rollout.tool_calls.ToolUse); None for a single-turn one
+    tool_use: ToolUse | None = None
     # Why the engine refused this sample's request (relax.rollout.engine.Completion.error), or None. A failed
     # sample has no response and is never scored; it fails its group.
     failure: str | None = None

@@ -19,13 +19,28 @@ from typing import Awaitable, Callable
 import torch
 
 from relax.rollout.engine import SamplingConfig
-from relax.rollout.tool_calls import parse_tool_calls, run_tool_calls
+from relax.rollout.tool_calls import ToolUse, parse_tool_calls, run_tool_calls
 from relax.rollout.tools import Tool
 from relax.rollout.turns import ChatTurns
 
 
+# --max-turns when not given: room for a few calls and the answer; the token budget (--rollout-max-response-len)
+# bounds the response as well
+DEFAULT_MAX_TURNS = 4
+
+
+@dataclass(frozen=True)
+class ToolRollout:
+    """--tools and --max-turns: what an engine actor needs to roll its samples out over turns
+    (relax.rollout.worker.EngineWorker builds the tools and the chat turns from it, inside the actor)."""
+
+    tools: tuple[str, ...]  # relax.rollout.tools.load_tools specs: built-in names or module:function
+    max_turns: int  # engine requests per sample
+    chat_template_kwargs: dict  # the template's options, as the prompts were rendered with (relax.rollout.turns)
+
+
 @dataclass
-class MultiTurnResponse:
+class MultiTurnResponse(ToolUse):
     token_ids: list[int] = field(default_factory=list)  # each turn's sampled ids, then the ids appended after it
     loss_mask: list[int] = field(default_factory=list)  # per response token: 1 sampled, 0 appended
     logprobs: list[float] = field(default_factory=list)  # per response token: the engine's, 0.0 where appended
@@ -36,10 +51,6 @@ class MultiTurnResponse:
     # Routing replay: the last turn's routed experts, which cover the prompt and every response token but the last
     # (its request held the whole sequence before it, and the response ends on what it sampled).
     routed_experts: torch.Tensor | None = None
-    turns: int = 0  # engine requests
-    tool_calls: int = 0  # calls run, malformed ones included
-    tool_failures: int = 0  # calls whose output is failed: malformed, unknown tool, tool error, timeout
-    tool_timeouts: int = 0  # of those, the tool's wall-clock limit
 
     def add(self, token_ids: list[int], logprobs: list[float] | None) -> None:
         """Sampled ids with their logprobs, or appended ids (logprobs None)."""
@@ -95,13 +106,13 @@ async def generate_multi_turn(
         response.add(appended, None)
 
 
-def multi_turn_metrics(responses: list[MultiTurnResponse]) -> dict[str, float]:
-    """The rollout/ metrics of a step's multi-turn responses."""
-    tokens = sum(len(response.token_ids) for response in responses)
+def multi_turn_metrics(uses: list[ToolUse], loss_masks: list[list[int]]) -> dict[str, float]:
+    """The rollout/ metrics of a step's multi-turn samples: each one's ToolUse and response loss mask."""
+    tokens = sum(len(mask) for mask in loss_masks)
     return {
-        "rollout/turns_mean": sum(response.turns for response in responses) / len(responses),
-        "rollout/tool_calls": float(sum(response.tool_calls for response in responses)),
-        "rollout/tool_failures": float(sum(response.tool_failures for response in responses)),
-        "rollout/tool_timeouts": float(sum(response.tool_timeouts for response in responses)),
-        "rollout/masked_token_share": sum(response.loss_mask.count(0) for response in responses) / max(tokens, 1),
+        "rollout/turns_mean": sum(use.turns for use in uses) / len(uses),
+        "rollout/tool_calls": float(sum(use.tool_calls for use in uses)),
+        "rollout/tool_failures": float(sum(use.tool_failures for use in uses)),
+        "rollout/tool_timeouts": float(sum(use.tool_timeouts for use in uses)),
+        "rollout/masked_token_share": sum(mask.count(0) for mask in loss_masks) / max(tokens, 1),
     }

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from relax.rollout.tool_calls import ToolUse
+
 if TYPE_CHECKING:  # the prompt loader imports this module: no engine import at run time
     from relax.rollout.engine import Completion
 
@@ -34,13 +36,19 @@ class ResponseSoFar:
     # The experts the engine's routers chose (routing replay) in its last request, which covered the prompt and
     # every token before the last (the earlier tokens prefilled again); not saved (state_dict).
     routed_experts: torch.Tensor | None = None
+    # A multi-turn response's (Completion's fields; None otherwise): per token 1 sampled, 0 appended by relax; what
+    # its turns did. Not saved: partial rollout does not carry multi-turn responses (the checks refuse it with tools).
+    loss_mask: list[int] | None = None
+    tool_use: ToolUse | None = None
 
     def extended(self, completion: "Completion", step: int) -> "ResponseSoFar":
         """This response continued by `completion` (its new tokens, sampled in `step`'s rollout)."""
+        masked = self.loss_mask is not None or completion.loss_mask is not None
+        loss_mask = _mask(self.token_ids, self.loss_mask) + _mask(completion.token_ids, completion.loss_mask)
         return ResponseSoFar(
             self.token_ids + completion.token_ids, self.logprobs + completion.logprobs,
             self.steps + [step] * len(completion.token_ids), completion.finish_reason, self.text + completion.text,
-            completion.error, completion.routed_experts,
+            completion.error, completion.routed_experts, loss_mask if masked else None, completion.tool_use,
         )
 
     def to_continue_later(self) -> "ResponseSoFar":
@@ -48,6 +56,11 @@ class ResponseSoFar:
         if self.finish_reason in (CONTINUED, "error"):
             return ResponseSoFar(self.token_ids, self.logprobs, self.steps, CONTINUED, self.text)
         return self
+
+
+def _mask(token_ids: list[int], loss_mask: list[int] | None) -> list[int]:
+    """The loss mask of `token_ids`: every token trained where none is given."""
+    return [1] * len(token_ids) if loss_mask is None else loss_mask
 
 
 @dataclass

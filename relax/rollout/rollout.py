@@ -22,6 +22,7 @@ import torch
 from relax.console import say
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.multi_turn import multi_turn_metrics
 from relax.rollout.partial import GroupSoFar, PartialStats
 from relax.rollout.groups import (
     REFUSAL_FIX, AllSamplesFailed, FillError, FillStats, Group, Sample, group_by_prompt,
@@ -55,7 +56,7 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]]) -> li
     return [
         Sample(
             prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts,
-            failure=c.error,  # (loss_mask: Sample's default, every token of the response is the policy's own)
+            loss_mask=c.loss_mask, tool_use=c.tool_use, failure=c.error,
         )
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
@@ -230,6 +231,8 @@ def collect_groups(
     if partial is not None:
         old = [token_step for s in samples for token_step in s.response_steps or () if token_step < step]
         metrics.update(partial_stats.metrics(old, sum(len(s.response_token_ids) for s in samples), step))
+    if samples and samples[0].tool_use is not None:  # multi-turn samples (--tools)
+        metrics.update(multi_turn_metrics([s.tool_use for s in samples], [s.loss_mask for s in samples]))
     return samples, metrics
 
 
@@ -239,7 +242,8 @@ def samples_of_group(prompt: Prompt, group: GroupSoFar, step: int) -> list[Sampl
     return [
         Sample(
             prompt, r.token_ids, r.logprobs, r.finish_reason, r.text, routed_experts=r.routed_experts,
-            failure=r.error, response_steps=r.steps if r.steps and r.steps[0] < step else None,
+            loss_mask=r.loss_mask, tool_use=r.tool_use, failure=r.error,
+            response_steps=r.steps if r.steps and r.steps[0] < step else None,
         )
         for r in group.responses
     ]

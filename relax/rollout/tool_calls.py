@@ -29,6 +29,20 @@ class ToolCall:
     error: str | None = None  # why the block is not a call; the model reads it as the call's output
 
 
+@dataclass
+class ToolUse:
+    """What a sample's multi-turn rollout did besides sampling: what its rollout/ metrics count."""
+
+    turns: int = 0  # engine requests
+    tool_calls: int = 0  # calls run, malformed ones included
+    tool_failures: int = 0  # calls whose output is failed: malformed, unknown tool, tool error, timeout
+    tool_timeouts: int = 0  # of those, the tool's wall-clock limit
+
+    def counts(self) -> "ToolUse":
+        """The counts alone (a MultiTurnResponse's, without its tokens)."""
+        return ToolUse(self.turns, self.tool_calls, self.tool_failures, self.tool_timeouts)
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The tool calls in a turn's text (decoded with its special tokens), in the order written."""
     answer = text.rsplit(THINK_CLOSE, 1)[-1]

@@ -13,12 +13,22 @@ run in GENERATION, up to MAX_CONCURRENT_GROUPS at once, each waiting in its own 
 (RolloutEngine runs it in a thread of its own). Not an async actor: Ray runs an async actor's __init__ on its event
 loop thread, where SGLang's Engine would take Ray's running loop as its own, and off the main thread, where no
 SIGQUIT handler can be installed (SGLang's children SIGQUIT the process when they fail).
+
+With tools (--tools: a ToolRollout), a group's samples are multi-turn (relax.rollout.multi_turn): each sample's turns
+run as one coroutine on the engine's event loop, all n of the group at once, so a sample's requests stay on this
+engine (its prefix cache holds the conversation so far) and a sample waiting on a tool holds no generation slot (the
+tool runs in a thread; the engine batches the other samples' turns meanwhile). An abort ends the turns in flight
+and keeps the groups it finds from starting another.
 """
+
+import asyncio
 
 import ray
 
 from relax.ray.placement import local_device_index
-from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params
+from relax.rollout.multi_turn import MultiTurnResponse, ToolRollout, generate_multi_turn
+from relax.rollout.rollout import offset_seed
 
 GENERATION = "generation"  # the concurrency group of the rollout's calls
 MAX_CONCURRENT_GROUPS = 1024  # generate_group calls an engine actor runs at once (threads; Ray queues the rest)
@@ -28,7 +38,8 @@ class EngineWorker(RolloutEngine):
     # ray.remote's options for this class (relax.ray.placement.ActorGroup reads them; subclasses inherit them)
     RAY_OPTIONS = {"concurrency_groups": {GENERATION: MAX_CONCURRENT_GROUPS}}
 
-    def __init__(self, server_args, model_path: str, device: str, tp_size: int, enable_memory_saver: bool):
+    def __init__(self, server_args, model_path: str, device: str, tp_size: int, enable_memory_saver: bool,
+                 tool_rollout: ToolRollout | None = None):
         from relax.platform import get_platform
 
         super().__init__(
@@ -39,6 +50,16 @@ class EngineWorker(RolloutEngine):
             base_gpu_id=local_device_index(),
             enable_memory_saver=enable_memory_saver,
         )
+        self.tool_rollout = tool_rollout
+        self.aborts = 0  # abort_requests calls so far: a multi-turn group started before the last one ends
+        if tool_rollout is not None:
+            from transformers import AutoTokenizer
+
+            from relax.rollout.tools import load_tools
+            from relax.rollout.turns import ChatTurns
+
+            self.chat_turns = ChatTurns(AutoTokenizer.from_pretrained(model_path), tool_rollout.chat_template_kwargs)
+            self.tools = load_tools(list(tool_rollout.tools), "--tools")
 
     def watched_child_pids(self) -> list[int]:
         """The engine's scheduler and detokenizer processes, for the driver's liveness watch
@@ -51,10 +72,46 @@ class EngineWorker(RolloutEngine):
         self, prompt: list[int], sampling: SamplingConfig, prefixes: list[list[int]] | None = None
     ) -> list[Completion]:
         """sampling.n completions of one prompt, or the continuations of its responses `prefixes` (partial
-        rollout): RolloutEngine.generate, beside the actor's other groups."""
-        return self.generate([prompt], sampling, None if prefixes is None else [prefixes])[0]
+        rollout): RolloutEngine.generate, beside the actor's other groups. With tools, multi-turn samples
+        (generate_multi_turn_group; the checks refuse partial rollout with tools)."""
+        if self.tool_rollout is None:
+            return self.generate([prompt], sampling, None if prefixes is None else [prefixes])[0]
+        if prefixes is not None:
+            raise ValueError("a multi-turn rollout does not continue responses begun earlier (partial rollout)")
+        return self.generate_multi_turn_group(prompt, sampling)
+
+    def generate_multi_turn_group(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
+        """sampling.n multi-turn samples of one prompt, their turns run at once on the engine's loop: sample j's
+        requests seeded sampling.seed + j, as the single-turn requests of a group are."""
+        engine, aborts = self._live(), self.aborts
+
+        async def generate(input_ids: list[int], turn_sampling: SamplingConfig) -> Completion:
+            if self.aborts != aborts:  # aborted while the sample was between turns (a tool ran)
+                return Completion.aborted()
+            return await self.generate_request(engine, input_ids, request_params([input_ids], turn_sampling)[0])
+
+        async def each_sample():
+            return await asyncio.gather(*(
+                generate_multi_turn(generate, prompt, offset_seed(sampling, j), self.chat_turns, self.tools,
+                                    self.tool_rollout.max_turns)
+                for j in range(sampling.n)
+            ))
+
+        return [_completion_of(response, self.chat_turns.tokenizer) for response in self._run(each_sample())]
 
     @ray.method(concurrency_group=GENERATION)
     def abort_requests(self):
-        """RolloutEngine.abort_requests, in the group of the generations it ends."""
+        """RolloutEngine.abort_requests, in the group of the generations it ends; a multi-turn sample between turns
+        then ends before its next one."""
+        self.aborts += 1
         super().abort_requests()
+
+
+def _completion_of(response: MultiTurnResponse, tokenizer) -> Completion:
+    """A multi-turn response as the rollout takes a completion: its text the whole response, decoded (what the
+    reward function reads), tool turns included."""
+    return Completion(
+        token_ids=response.token_ids, logprobs=response.logprobs, finish_reason=response.finish_reason,
+        text=tokenizer.decode(response.token_ids, skip_special_tokens=True), routed_experts=response.routed_experts,
+        error=response.error, loss_mask=response.loss_mask, tool_use=response.counts(),
+    )

@@ -431,7 +431,8 @@ def _start_engines(workers: Workers, config, platform, placement: Placement, mem
     workers.engines = engines = create_engine_actors(
         EngineWorker, placement,
         devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
-        args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on),
+        args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on,
+              rollout.tools),
     )
     engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
 

@@ -12,6 +12,7 @@ from helpers import DRY_RUN as RUN, REQUIRED, TINY_SIZE as SIZE, parse_error
 from relax.args import parse_train_args
 from relax.args.checks import Parsed, colocation_releases_memory
 from relax.platform import platform_facts
+from relax.rollout.multi_turn import DEFAULT_MAX_TURNS, ToolRollout
 from relax.ray.watch import Timeout
 from relax.tools.tiny_model import build_tiny_model
 
@@ -137,6 +138,27 @@ RULES = {
     "partial rollout without routing replay": (
         [*RUN, "--num-experts", "4", "--partial-rollout", "--use-rollout-routing-replay"],
         "--partial-rollout with --use-rollout-routing-replay: a checkpoint does not save the routed experts",
+    ),
+    "max turns needs tools": (
+        [*RUN, "--max-turns", "3"],
+        "--max-turns bounds the turns of --tools' multi-turn samples: give --tools too",
+    ),
+    "tools need the chat template": (
+        [*RUN, "--tools", "calculator"],
+        "--tools without --apply-chat-template: the prompts show the tools, and the tool turns are written, through "
+        "the tokenizer's chat template; give --apply-chat-template",
+    ),
+    "tools without partial rollout": (
+        [*RUN, "--apply-chat-template", "--tools", "calculator", "--partial-rollout"],
+        "--tools with --partial-rollout: an aborted multi-turn sample cannot be continued yet",
+    ),
+    "tools name tools": (
+        [*RUN, "--apply-chat-template", "--tools", "calculator", "json:dumps"],
+        "--tools json:dumps: its name is None, not a non-empty string",
+    ),
+    "tools import": (
+        [*RUN, "--apply-chat-template", "--tools", "no_such_module:tool"],
+        "--tools no_such_module:tool: cannot import module 'no_such_module'",
     ),
     "overlong penalty factor needs the buffer": (
         [*RUN, "--overlong-penalty-factor", "0.5"],
@@ -279,6 +301,15 @@ def test_grouped_experts_pass_with_experts_and_expert_parallelism():
     argv += ["--expert-model-parallel-size", "2", "--recompute-activations"]
     transformer = parse_train_args(argv).megatron.transformer
     assert transformer.moe_grouped_gemm and transformer.expert_model_parallel_size == 2
+
+
+def test_tools_reach_the_engines_and_the_prompts():
+    rollout = parse_train_args([*RUN, "--apply-chat-template", "--tools", "calculator", "python"]).rollout
+    assert rollout.tools == ToolRollout(("calculator", "python"), DEFAULT_MAX_TURNS, {})
+    assert [tool["function"]["name"] for tool in rollout.data.tools] == ["calculator", "python"]
+    assert parse_train_args([*RUN, "--apply-chat-template", "--tools", "calculator", "--max-turns", "2"]
+                            ).rollout.tools.max_turns == 2
+    assert parse_train_args(RUN).rollout.tools is None and parse_train_args(RUN).rollout.data.tools == ()
 
 
 def test_routing_replay_turns_on_the_engines_experts_and_the_actors_replay():

@@ -8,6 +8,7 @@ import transformers
 from helpers import write_jsonl
 from relax.rollout.data import LoaderPosition, PromptDataConfig, PromptDataError, PromptLoader, load_prompts
 from relax.rollout.partial import GroupSoFar, ResponseSoFar
+from relax.rollout.tools import Calculator, tool_schema
 from relax.tools.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
 ROWS = [{"prompt": "copy 1:", "label": "1"}, {"prompt": "copy 2:", "label": "2"}]
@@ -121,6 +122,18 @@ def test_chat_template_kwargs_the_template_does_not_read_are_refused(tmp_path, t
     misspelt = PromptDataConfig(str(path), chat_template_kwargs={"enable_thinkin": False})
     with pytest.raises(PromptDataError, match="does not read enable_thinkin, so"):
         load_prompts(misspelt, thinking_tokenizer)
+
+
+def test_the_prompts_show_the_tools_through_a_chat_template_that_reads_them(tmp_path, tmp_path_factory, tokenizer):
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    tools = (tool_schema(Calculator()),)
+    tool_chat = build_tokenizer(tmp_path_factory.mktemp("tool_chat"), tool_chat=True)
+    prompt = load_prompts(PromptDataConfig(str(path), tools=tools), tool_chat)[0][0]
+    assert prompt.text == tool_chat.apply_chat_template([{"role": "user", "content": "copy 1:"}], tools=list(tools),
+                                                        tokenize=False, add_generation_prompt=True)
+    assert '"name": "calculator"' in prompt.text
+    with pytest.raises(PromptDataError, match="--tools, but the tokenizer's chat template does not read `tools`"):
+        load_prompts(PromptDataConfig(str(path), tools=tools), tokenizer)
 
 
 def test_no_chat_template_to_apply_is_refused(tmp_path, tmp_path_factory):

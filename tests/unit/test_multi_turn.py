@@ -105,7 +105,8 @@ def test_a_timeout_is_a_failure_counted_apart(tokenizer, prompt):
     engine = ScriptedEngine(tokenizer, [(call, "stop"), ("no<|im_end|>", "stop")])
     response = run(engine, tokenizer, prompt, tools={"python": TimingOut()})
     assert (response.tool_calls, response.tool_failures, response.tool_timeouts) == (1, 1, 1)
-    assert multi_turn_metrics([response, MultiTurnResponse(token_ids=[1, 2], loss_mask=[1, 1], turns=1)]) == {
+    single = MultiTurnResponse(token_ids=[1, 2], loss_mask=[1, 1], turns=1)
+    assert multi_turn_metrics([response, single], [response.loss_mask, single.loss_mask]) == {
         "rollout/turns_mean": 1.5,
         "rollout/tool_calls": 1.0,
         "rollout/tool_failures": 1.0,

@@ -145,3 +145,33 @@ def test_a_correction_without_rollout_logprobs_is_refused():
 def test_bad_corrections_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
         RolloutCorrection(**fields)
+
+
+@pytest.mark.parametrize("correction", [RolloutCorrection(), RolloutCorrection(tis_clip=2.0, mis_bounds=(0.5, 2.0))])
+def test_a_token_masked_out_of_the_loss_counts_nowhere(correction):
+    """A multi-turn sample's appended ids (a tool's output: loss mask 0, rollout logprob 0.0, any logprob under the
+    policy) change neither the loss and its gradient nor the KL, entropy and mismatch metrics: the same row without
+    them gives the same values."""
+    settings = LossSettings(kl_coef=0.1, entropy_coef=0.01)
+
+    def loss_of(keep: list[int], mask: list[float]):
+        logprobs = torch.tensor([[-1.0, -7.0, -0.5]])[:, keep].requires_grad_()
+        values = {  # old, rollout, ref, entropy, advantage
+            "old": torch.tensor([[-1.2, -3.0, -0.4]]), "rollout": torch.tensor([[-1.1, 0.0, -0.6]]),
+            "ref": torch.tensor([[-0.9, -9.0, -0.5]]), "entropy": torch.tensor([[1.0, 5.0, 2.0]]),
+            "advantages": torch.tensor([[0.5, 0.5, 0.5]]),
+        }
+        values = {name: value[:, keep] for name, value in values.items()}
+        loss, metrics = corrected_policy_loss(
+            settings, correction, logprobs, values["advantages"], torch.tensor([mask]), old_logprobs=values["old"],
+            rollout_logprobs=values["rollout"], ref_logprobs=values["ref"], entropy=values["entropy"],
+        )
+        loss.backward()
+        return loss.item(), logprobs.grad[0, [0, -1]], {name: value.item() for name, value in metrics.items()}
+
+    masked_loss, masked_grad, masked_metrics = loss_of([0, 1, 2], [1.0, 0.0, 1.0])
+    loss, grad, metrics = loss_of([0, 2], [1.0, 1.0])
+    assert masked_loss == pytest.approx(loss)
+    close(masked_grad, grad.tolist())
+    assert masked_metrics == pytest.approx(metrics)
+    assert {"kl", "entropy", "mismatch/ratio_max", "mismatch/logprob_abs_diff_mean"} <= set(metrics)

@@ -12,6 +12,7 @@ from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import AllSamplesFailed, FillError, group_by_prompt
 from relax.rollout.partial import GroupSoFar, ResponseSoFar
 from relax.rollout.rewards import RewardFn, load_reward_fn
+from relax.rollout.tool_calls import ToolUse
 from relax.rollout.rollout import (
     STEP_SEED_SPAN,
     Partial,
@@ -297,3 +298,36 @@ def test_a_loader_that_runs_out_is_an_error_not_a_short_batch():
     assert [p.row for p in take_prompts(PromptLoader(prompts(2), shuffle=False, num_epochs=1), 2)] == [1, 2]
     with pytest.raises(RuntimeError, match="prompt data ran out: 1 of 2 prompts left"):
         take_prompts(PromptLoader(prompts(1), num_epochs=1), 2)
+
+
+TOOL_METRICS = ("rollout/turns", "rollout/tool", "rollout/masked")
+
+
+class MultiTurnPool(ScriptedPool):
+    """Answers every request with a multi-turn completion (an engine actor's under --tools): two sampled tokens,
+    two appended, one sampled; one tool call."""
+
+    def next_done(self):
+        key, completions = super().next_done()
+        return key, [
+            Completion([1, 2, 3, 4, 5], [-1.0, -1.0, 0.0, 0.0, -1.0], "stop", c.text, loss_mask=[1, 1, 0, 0, 1],
+                       tool_use=ToolUse(turns=2, tool_calls=1, tool_failures=int(i == 0)))
+            for i, c in enumerate(completions)
+        ]
+
+
+def test_multi_turn_samples_carry_their_loss_mask_and_the_step_counts_their_turns_and_tool_calls():
+    pool = MultiTurnPool({0: ["0", "0"], 1: ["1", "1"]})
+    samples, metrics = collect(pool, PromptLoader(prompts(2), shuffle=False), num_groups=2)
+    assert [s.loss_mask for s in samples] == [[1, 1, 0, 0, 1]] * 4
+    assert [s.tool_use.tool_failures for s in samples] == [1, 0, 1, 0]
+    tool_metrics = {key: value for key, value in metrics.items() if key.startswith(TOOL_METRICS)}
+    assert tool_metrics == {
+        "rollout/turns_mean": 2.0, "rollout/tool_calls": 4.0, "rollout/tool_failures": 2.0,
+        "rollout/tool_timeouts": 0.0, "rollout/masked_token_share": 0.4,
+    }
+
+
+def test_single_turn_samples_have_no_tool_metrics():
+    samples, metrics = collect(ScriptedPool({0: ["0", "0"]}), PromptLoader(prompts(1), shuffle=False), num_groups=1)
+    assert samples[0].tool_use is None and not any(key.startswith(TOOL_METRICS) for key in metrics)
