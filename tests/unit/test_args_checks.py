@@ -386,6 +386,16 @@ def tiny_exp_dir(tmp_path_factory):
     return exp_dir
 
 
+def _tiny_script_config(exp_dir: Path, args: list[str]):
+    """The config of the `relax train` flags the script passes with `args` (the interpreter stand-in prints them)."""
+    env = {**os.environ, "EXP_DIR": str(exp_dir), "RELAX_PYTHON": str(exp_dir / "python")}
+    env.pop("RELAX_DRY_RUN", None)
+    printed = subprocess.run(
+        ["bash", str(TINY_SCRIPT), *args], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return parse_train_args(printed.split("-m\nrelax.cli\ntrain\n", 1)[1].splitlines())
+
+
 @pytest.mark.parametrize(
     "mode",
     [[], ["--eval-only"], ["--load-rollout-data", "r_{step}.jsonl"],
@@ -393,15 +403,26 @@ def tiny_exp_dir(tmp_path_factory):
     ids=["run", "eval only", "replay", "train only"],
 )
 def test_the_tiny_scripts_flags_pass_the_checks_in_each_mode(tiny_exp_dir, mode):
-    env = {**os.environ, "EXP_DIR": str(tiny_exp_dir), "RELAX_PYTHON": str(tiny_exp_dir / "python")}
-    env.pop("RELAX_DRY_RUN", None)
-    printed = subprocess.run(
-        ["bash", str(TINY_SCRIPT), *mode], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    config = parse_train_args(printed.split("-m\nrelax.cli\ntrain\n", 1)[1].splitlines())
+    config = _tiny_script_config(tiny_exp_dir, mode)
     replays = "--load-rollout-data" in mode
     assert (config.rollout.data is None) == (replays or "--eval-only" in mode)
     assert (config.rollout.reward_fn is None) == ("--debug-train-only" in mode)
+
+
+@pytest.mark.parametrize(
+    "flags, use_rollout_logprobs, tis",
+    [([], False, False), (["--no-colocate", "--rollout-num-gpus", "1"], True, False),
+     (["--no-colocate", "--rollout-num-gpus", "1", "--use-tis"], False, True)],
+    ids=["colocated", "apart", "apart with tis"],
+)
+def test_the_tiny_script_takes_the_engines_logprobs_as_the_old_policy_only_apart(
+    tiny_exp_dir, flags, use_rollout_logprobs, tis
+):
+    """With --no-colocate the script adds --use-rollout-logprobs (docs/benchmarks.md), unless --use-tis, which
+    excludes it, is given; the colocated run keeps the actor's logprobs."""
+    correction = _tiny_script_config(tiny_exp_dir, flags).actor.rollout_correction
+    assert correction.use_rollout_logprobs == use_rollout_logprobs
+    assert (correction.tis_clip is not None) == tis
 
 
 def test_a_dry_run_names_a_checkpoint_not_there_yet_when_it_needs_the_models_size(tmp_path, capsys):
