@@ -32,3 +32,10 @@ def write_jsonl(path: Path, rows: list) -> Path:
         for row in rows:
             f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
     return path
+
+
+def user_prompt_ids(tokenizer, content: str) -> list[int]:
+    """The ids of one user message rendered by the chat template, with the assistant's header after it."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -2,7 +2,7 @@
 SGLang fixes its device at its first import, so test module order must not matter. (tests/gpu has no
 such conftest: its tests pick the GPU platform themselves.)
 
-Shared fixtures: tiny_qwen3, a tiny Qwen3 checkpoint for the session; pretend_wandb_installed."""
+Shared fixtures: tiny_qwen3, a tiny Qwen3 checkpoint for the session; tool_chat_tokenizer; pretend_wandb_installed."""
 
 import os
 
@@ -15,13 +15,19 @@ from relax.platform import get_platform  # noqa: E402
 get_platform("cpu").prepare_sglang()
 get_platform("cpu").prepare_megatron()
 
-from relax.tools.tiny_model import build_tiny_model  # noqa: E402
+from relax.tools.tiny_model import build_tiny_model, build_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """A tiny Qwen3 HF checkpoint (relax.tools.tiny_model), built once: the tests that take it only read it."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tool_chat_tokenizer(tmp_path_factory):
+    """The tiny model's tokenizer with its Qwen3-format tool chat template (relax.tools.tiny_model), built once."""
+    return build_tokenizer(tmp_path_factory.mktemp("tool_chat"), tool_chat=True)
 
 
 @pytest.fixture

@@ -7,13 +7,13 @@ import inspect
 
 import pytest
 
+from helpers import user_prompt_ids
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.multi_turn import ToolRollout
 from relax.rollout.tool_calls import ToolUse
 from relax.rollout.tools import load_tools
 from relax.rollout.turns import ChatTurns
 from relax.rollout.worker import EngineWorker
-from relax.tools.tiny_model import build_tokenizer
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
 
@@ -48,15 +48,13 @@ class ScriptedWorker(EngineWorker):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tool_chat"), tool_chat=True)
+def tokenizer(tool_chat_tokenizer):
+    return tool_chat_tokenizer
 
 
 @pytest.fixture(scope="module")
 def prompt(tokenizer):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "2+3?"}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return user_prompt_ids(tokenizer, "2+3?")
 
 
 def test_each_sample_runs_its_turns_with_its_own_seed_and_comes_back_with_its_mask_and_counts(tokenizer, prompt):

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import pytest
 
+from helpers import user_prompt_ids
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.multi_turn import MultiTurnResponse, generate_multi_turn, multi_turn_metrics
 from relax.rollout.tools import Calculator, ToolOutput
 from relax.rollout.turns import ChatTurns
-from relax.tools.tiny_model import build_tokenizer
 
 CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call><|im_end|>'
 TOOLS = {"calculator": Calculator()}
@@ -44,15 +44,13 @@ class ScriptedEngine:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tool_chat"), tool_chat=True)
+def tokenizer(tool_chat_tokenizer):
+    return tool_chat_tokenizer
 
 
 @pytest.fixture(scope="module")
 def prompt(tokenizer):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "12345*6789?"}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return user_prompt_ids(tokenizer, "12345*6789?")
 
 
 def run(engine, tokenizer, prompt, max_new_tokens=400, max_turns=4, tools=TOOLS) -> MultiTurnResponse:

@@ -17,8 +17,8 @@ QUESTION = [{"role": "user", "content": "what is 1+2 and 3*4?"}]
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return build_tokenizer(tmp_path_factory.mktemp("tool_chat"), tool_chat=True)
+def tokenizer(tool_chat_tokenizer):
+    return tool_chat_tokenizer
 
 
 def encode(tokenizer, text: str) -> list[int]:
