@@ -78,10 +78,11 @@ if ! given --debug-train-only; then
     fi
 fi
 # With the engine on devices of its own (--no-colocate), each step trains on samples of the weights before the
-# previous step's update, and lr 5e-3 moves the policy far in one step: taken as on-policy, half of the runs settled
-# on one digit for every prompt. The engine's logprobs as PPO's old policy put the clip's trust region around the
-# policy that drew the samples (docs/benchmarks.md). --use-tis excludes it; the colocated run is left as it is.
-if given --no-colocate && ! given --use-tis && ! given --use-rollout-logprobs; then
+# previous step's update (with --partial-rollout, most of a batch is the previous step's surplus), and lr 5e-3 moves
+# the policy far in one step: taken as on-policy, half of the runs settled on one digit for every prompt. The
+# engine's logprobs as PPO's old policy put the clip's trust region around the policy that drew the samples
+# (docs/benchmarks.md). --use-tis excludes it; the colocated run is left as it is.
+if { given --no-colocate || given --partial-rollout; } && ! given --use-tis && ! given --use-rollout-logprobs; then
     args+=(--use-rollout-logprobs)
 fi
 if [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then

@@ -412,14 +412,16 @@ def test_the_tiny_scripts_flags_pass_the_checks_in_each_mode(tiny_exp_dir, mode)
 @pytest.mark.parametrize(
     "flags, use_rollout_logprobs, tis",
     [([], False, False), (["--no-colocate", "--rollout-num-gpus", "1"], True, False),
-     (["--no-colocate", "--rollout-num-gpus", "1", "--use-tis"], False, True)],
-    ids=["colocated", "apart", "apart with tis"],
+     (["--no-colocate", "--rollout-num-gpus", "1", "--use-tis"], False, True),
+     (["--over-sampling-batch-size", "16", "--partial-rollout"], True, False)],
+    ids=["colocated", "apart", "apart with tis", "partial rollout"],
 )
-def test_the_tiny_script_takes_the_engines_logprobs_as_the_old_policy_only_apart(
+def test_the_tiny_script_takes_the_engines_logprobs_as_the_old_policy_only_off_policy(
     tiny_exp_dir, flags, use_rollout_logprobs, tis
 ):
-    """With --no-colocate the script adds --use-rollout-logprobs (docs/benchmarks.md), unless --use-tis, which
-    excludes it, is given; the colocated run keeps the actor's logprobs."""
+    """With --no-colocate or --partial-rollout (samples of an older policy) the script adds --use-rollout-logprobs
+    (docs/benchmarks.md), unless --use-tis, which excludes it, is given; the colocated run keeps the actor's
+    logprobs."""
     correction = _tiny_script_config(tiny_exp_dir, flags).actor.rollout_correction
     assert correction.use_rollout_logprobs == use_rollout_logprobs
     assert (correction.tis_clip is not None) == tis
