@@ -22,11 +22,9 @@ import torch
 from relax.console import say
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.groups import REFUSAL_FIX, AllSamplesFailed, FillError, FillStats, Group, Sample
 from relax.rollout.multi_turn import multi_turn_metrics
 from relax.rollout.partial import GroupSoFar, PartialStats
-from relax.rollout.groups import (
-    REFUSAL_FIX, AllSamplesFailed, FillError, FillStats, Group, Sample, group_by_prompt,
-)
 from relax.rollout.rewards import RewardFn, RewardInput, RewardReport, score
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
