@@ -187,14 +187,30 @@ def collect_groups(
             so_far.responses[j] = so_far.responses[j].extended(completion, step)
         return so_far
 
+    def abort_and_put_back():
+        """Abort the groups in flight, wait for each to come back and put them back, in submission order: their
+        prompts, and with `partial` what their responses generated."""
+        returned = sorted(continued)  # with the groups ready
+        for key in ready:
+            take_back(key, [])
+        ready.clear()
+        if continued:
+            pool.abort()
+        while continued:
+            key, completions = pool.next_done()
+            take_back(key, completions)
+            stats.groups_aborted += any(c.finish_reason == "abort" for c in completions)
+        progress = [_carried(submitted[key][1]) if partial is not None else None for key in returned]
+        partial_stats.carried_tokens += sum(len(r.token_ids) for group in progress if group for r in group.responses)
+        loader.put_back([submitted[key][0] for key in returned], progress)
+        stats.prompts_returned += len(returned)
+
     try:
         while len(kept) < num_groups:
             if len(continued) < num_groups - len(kept):
                 submit_chunk()
                 continue
-            key, completions = (ready[0], []) if ready else pool.next_done()
-            if ready:
-                ready.pop(0)
+            key, completions = (ready.pop(0), []) if ready else pool.next_done()
             so_far = take_back(key, completions)
             group = Group(submitted[key][0], samples_of_group(submitted[key][0], so_far, step))
             partial_stats.resumed_samples += sum(s.response_steps is not None for s in group.samples)
@@ -214,11 +230,9 @@ def collect_groups(
                     f"{stats.failures[0]}; {REFUSAL_FIX}"
                 )
     except FillError:  # the engines end what they still run (the run may go on: --max-restarts)
-        _abort_and_put_back(pool, loader, submitted, continued, ready, take_back, partial is not None, stats,
-                            partial_stats)
+        abort_and_put_back()
         raise
-    # the batch is full: the rest is surplus
-    _abort_and_put_back(pool, loader, submitted, continued, ready, take_back, partial is not None, stats, partial_stats)
+    abort_and_put_back()  # the batch is full: the rest is surplus
     stats.groups_kept = len(kept)
     say_reward_failures(reward_fn, rewards)
     if stats.groups_failed:
@@ -247,29 +261,11 @@ def samples_of_group(prompt: Prompt, group: GroupSoFar, step: int) -> list[Sampl
     ]
 
 
-def _abort_and_put_back(pool: EnginePool, loader: PromptLoader, submitted: list[tuple[Prompt, GroupSoFar]],
-                        continued: dict[int, list[int]], ready: list[int], take_back, keep_progress: bool,
-                        stats: FillStats, partial_stats: PartialStats) -> None:
-    """Abort the groups in flight, wait for each to come back and put them back, in submission order: their
-    prompts, and with `keep_progress` what their responses generated."""
-    returned = sorted(continued)  # with the groups ready
-    for key in ready:
-        take_back(key, [])
-    ready.clear()
-    if continued:
-        pool.abort()
-    while continued:
-        key, completions = pool.next_done()
-        take_back(key, completions)
-        stats.groups_aborted += any(c.finish_reason == "abort" for c in completions)
-    progress = [
-        GroupSoFar([r.to_continue_later() for r in submitted[key][1].responses]) if keep_progress else None
-        for key in returned
-    ]
-    progress = [group if group is not None and group.begun else None for group in progress]
-    partial_stats.carried_tokens += sum(len(r.token_ids) for group in progress if group for r in group.responses)
-    loader.put_back([submitted[key][0] for key in returned], progress)
-    stats.prompts_returned += len(returned)
+def _carried(group: GroupSoFar) -> GroupSoFar | None:
+    """What a later step continues of a group put back (its aborted and refused requests go on from their tokens),
+    or None when none of its responses had a token (it goes back as its bare prompt)."""
+    carried = GroupSoFar([response.to_continue_later() for response in group.responses])
+    return carried if carried.begun else None
 
 
 def _short_batch(stats: FillStats, kept: int, num_groups: int, max_prompts: int, dynamic_sampling: bool,
