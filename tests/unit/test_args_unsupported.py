@@ -42,7 +42,16 @@ OTHER_MODEL_FLAG_READERS = {
 COMBINATIONS = {
     "--save / --load with --debug-rollout-only": ["--debug-rollout-only", "--save", "ckpt"],
     "--log-interval other than 1": ["--log-interval", "2"],
-    "--context-parallel-size other than 1": ["--context-parallel-size", "2"],
+    "--context-parallel-size above 1 with Gated DeltaNet layers (Qwen3.5, Qwen3-Next)": [
+        "--context-parallel-size", "2", "--num-devices-per-node", "2", "--experimental-attention-variant",
+        "gated_delta_net", "--linear-attention-freq", "2",
+    ],
+    "--context-parallel-size above 1 with MoE layers": [
+        "--context-parallel-size", "2", "--num-devices-per-node", "2", "--num-experts", "4",
+    ],
+    "--context-parallel-size above 1 with pipeline parallelism": [
+        "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-devices-per-node", "4",
+    ],
     "--recompute-modules moe_act with --moe-grouped-gemm": [
         "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act",
     ],
@@ -58,9 +67,15 @@ def test_each_unsupported_combination_is_refused_at_parse_time_with_what_to_do(e
 
 
 def test_every_unsupported_combination_found_is_named_at_once(capsys):
-    error = parse_error([*RUN, "--sglang-dp-size", "2", "--log-interval", "3", "--context-parallel-size", "2"], capsys)
+    argv = [*RUN, "--sglang-dp-size", "2", "--log-interval", "3", "--context-parallel-size", "2", "--num-experts", "4"]
+    error = parse_error([*argv, "--num-devices-per-node", "2"], capsys)
     assert "--sglang-dp-size 2 is not supported" in error and "--log-interval 3 is not supported" in error
-    assert "--context-parallel-size 2 is not supported" in error
+    assert "--context-parallel-size 2 with MoE layers is not supported" in error
+
+
+def test_context_parallelism_of_a_dense_softmax_attention_model_is_accepted():
+    parsed = parse_train_args([*RUN, "--context-parallel-size", "2", "--num-devices-per-node", "4"])
+    assert parsed.megatron.transformer.context_parallel_size == 2
 
 
 @pytest.mark.parametrize("entry", REFUSED_FLAGS, ids=lambda entry: entry.setting)
