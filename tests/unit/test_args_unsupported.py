@@ -4,7 +4,7 @@ the table's refusal."""
 
 import pytest
 
-from helpers import DRY_RUN as RUN, parse_error
+from helpers import DRY_RUN as RUN, REQUIRED, parse_error
 from relax.args import build_parser, parse_train_args
 from relax.args.checks import RULES, check_config
 from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_architecture, field_flags
@@ -12,10 +12,12 @@ from relax.args.settings import (
     actor_settings, algorithm_settings, eval_settings, output_settings, rollout_settings, run_settings,
 )
 from relax.args.unsupported import (
-    LORA, REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SERVER_ONLY, SERVER_ONLY_FIELDS, SPECULATIVE,
-    UNSUPPORTED_COMBINATIONS, refused_sglang_field, unsupported_combinations,
+    CONTEXT_PARALLEL, LORA, REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SERVER_ONLY, SERVER_ONLY_FIELDS,
+    SPECULATIVE, UNSUPPORTED_COMBINATIONS, refused_sglang_field, unsupported_combinations,
 )
 from relax.hf_checkpoint import read_hf_checkpoint
+from relax.tools.tiny_model import build_tiny_model
+from relax.train.context_parallel import GATED_DELTA_NET
 from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
 
@@ -76,6 +78,15 @@ def test_every_unsupported_combination_found_is_named_at_once(capsys):
 def test_context_parallelism_of_a_dense_softmax_attention_model_is_accepted():
     parsed = parse_train_args([*RUN, "--context-parallel-size", "2", "--num-devices-per-node", "4"])
     assert parsed.megatron.transformer.context_parallel_size == 2
+
+
+def test_context_parallelism_of_a_qwen35_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
+    checkpoint = build_tiny_model(tmp_path, "qwen3_5")
+    argv = [*REQUIRED, "--dry-run", "--hf-checkpoint", str(checkpoint), "--context-parallel-size", "2"]
+    error = parse_error([*argv, "--num-devices-per-node", "2"], capsys)
+    entry = CONTEXT_PARALLEL[GATED_DELTA_NET.what]
+    assert f"--context-parallel-size 2 with {GATED_DELTA_NET.what} is not supported: {entry.reason}" in error
+    assert entry.instead in error
 
 
 @pytest.mark.parametrize("entry", REFUSED_FLAGS, ids=lambda entry: entry.setting)
