@@ -1016,3 +1016,18 @@ def test_context_parallel_rows_give_the_logprobs_and_gradients_of_one_rank(ranks
     baseline = ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], {})
     split = ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(cp=2))
     _assert_context_parallel_equals_one_rank(split, baseline)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    pool = SpawnedRanks(4, TASK_TIMEOUT_S)
+    yield pool
+    pool.close()
+
+
+def test_context_parallel_rows_with_tensor_parallelism_give_the_logprobs_and_gradients_of_one_rank(four_ranks, hf_dirs):
+    """CP=2 x TP=2 against TP=2 (two data-parallel replicas of the whole batch). (Sequence parallelism needs a norm
+    megatron-core has only with TransformerEngine or Apex, so not on the CPU.)"""
+    baseline = four_ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(tp=2))
+    split = four_ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(tp=2, cp=2))
+    _assert_context_parallel_equals_one_rank(split, baseline)
