@@ -260,7 +260,7 @@ class MegatronActor:
         # Context parallelism cuts each sequence into 2 x CP equal chunks and puts 1/CP of the row on each rank, so
         # the token budget, one device's, packs CP times as many tokens into a row.
         cp = self.config.context_parallel_size
-        sequence_multiple = 2 * cp
+        sequence_multiple = 2 * cp if cp > 1 else 1
         if max_tokens is not None:
             max_tokens *= cp
         # Sequence parallelism splits each rank's tokens of a row over the tensor-parallel ranks.
@@ -285,7 +285,7 @@ class MegatronActor:
             pad_token_id=self.hf_checkpoint.text_config.get("pad_token_id") or 0,
             multiple=multiple,
             uniform_shape=uniform_shape,
-            sequence_multiple=sequence_multiple if cp > 1 else 1,
+            sequence_multiple=sequence_multiple,
         )
 
     def _token_logprobs(self, output: torch.Tensor, micro_batch: MicroBatch, entropy_grad: bool = False):
@@ -305,9 +305,8 @@ class MegatronActor:
 
     def _run(self, micro_batches: list[MicroBatch], loss_func, forward_only: bool) -> list[dict]:
         """Megatron's forward(-backward) schedule over the micro-batches; the last stage's loss outputs."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cp = parallel_state.get_context_parallel_world_size()
 
