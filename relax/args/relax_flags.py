@@ -487,7 +487,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         *_spellings("--max-tokens-per-device"),
         metavar="TOKENS",
         type=_positive_int,
-        help="Token budget of a packed micro-batch.",
+        help="Token budget of a packed micro-batch on one device (a micro-batch split over --context-parallel-size "
+        "devices holds that many times as many tokens).",
     )
     g.add_argument(
         "--gdn-training-kernel",
@@ -502,7 +503,7 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         type=_positive_int,
         help="Token budget of a packed micro-batch in the forward-only passes (old-policy and reference logprobs), "
-        "which keep no activations for backward (default: --max-tokens-per-device).",
+        "which keep no activations for backward, on one device as --max-tokens-per-device (default: that one).",
     )
     g.add_argument(
         "--seed", type=int, default=1234, help="Seed for data order, sampling and Megatron init (default: %(default)s)."

@@ -17,6 +17,7 @@ those), because relax has no such setting or takes it in another form; giving on
 import typing
 
 from relax.args.settings import RunMode
+from relax.train.context_parallel import REFUSED as CONTEXT_PARALLEL_REFUSED, Refusal
 
 
 class Unsupported(typing.NamedTuple):
@@ -159,9 +160,26 @@ SLIME_FLAGS = {
 }
 
 
-def _context_parallel(parsed) -> str | None:
-    cp = parsed.megatron.transformer.context_parallel_size
-    return f"--context-parallel-size {cp}" if cp != 1 else None
+def _context_parallel_with(refusal: Refusal) -> typing.Callable[[typing.Any], str | None]:
+    """`given` of context parallelism combined with what `refusal` names."""
+
+    def given(parsed) -> str | None:
+        tc = parsed.megatron.transformer
+        if tc.context_parallel_size > 1 and refusal.applies(tc):
+            return f"--context-parallel-size {tc.context_parallel_size} with {refusal.what}"
+        return None
+
+    return given
+
+
+# What context parallelism does not do yet (relax.train.context_parallel.REFUSED), by what it is combined with.
+CONTEXT_PARALLEL = {
+    refusal.what: Unsupported(
+        f"--context-parallel-size above 1 with {refusal.what}", refusal.reason, "use --context-parallel-size 1",
+        _context_parallel_with(refusal),
+    )
+    for refusal in CONTEXT_PARALLEL_REFUSED
+}
 
 
 def _grouped_experts_recomputing_moe_act(parsed) -> str | None:
@@ -209,13 +227,7 @@ UNSUPPORTED_COMBINATIONS = [
         "rollouts over them; for data-parallel attention inside one engine, give --sglang-attn-dp-size",
         _engine_copies,
     ),
-    Unsupported(
-        "--context-parallel-size other than 1",
-        "the actor builds megatron-core's local layers, whose attention has no context parallelism without "
-        "TransformerEngine",
-        "use 1",
-        _context_parallel,
-    ),
+    *CONTEXT_PARALLEL.values(),
     Unsupported(
         "--recompute-modules moe_act with --moe-grouped-gemm",
         "relax's grouped experts keep their activations",

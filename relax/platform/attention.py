@@ -1,13 +1,19 @@
 """Causal softmax attention for the training actor, one kernel per platform (Platform.attention_kernel).
 
-Two entry points per kernel, both causal, dropout-free, with grouped-query attention (fewer key/value heads than
+Three entry points per kernel, all causal, dropout-free, with grouped-query attention (fewer key/value heads than
 query heads) and an explicit softmax scale:
     padded(q, k, v, scale)                           [b, s, heads, d]: rows of one sequence each, right-padded
                                                      (padding comes after the sequence, so causality alone keeps
                                                      it out of every real token's attention: no mask tensor)
     packed(q, k, v, cu_seqlens, max_seqlen, scale)   [t, heads, d]: sequences packed along t, cu_seqlens [n+1]
                                                      int32 their boundaries; no token attends across one
-Both return the attention output in the query's shape and dtype.
+    packed_with_keys(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+                                                     packed, each query sequence with a key sequence of its own, the
+                                                     queries being the last positions of their keys (causality
+                                                     aligned to the end: of lq queries against lk keys, query j sees
+                                                     keys 0 .. j + lk - lq); context parallelism attends a rank's
+                                                     chunks of a sequence this way (relax.train.context_parallel)
+All return the attention output in the query's shape and dtype.
 
 Kernels:
     "sdpa"         torch's scaled_dot_product_attention; packed rows one sequence at a time (the CPU, and any
@@ -28,17 +34,24 @@ KERNELS = ("sdpa", "flash_varlen", "npu_fusion")
 
 
 def _sdpa_padded(q, k, v, scale):
+    """Rows [b, s, heads, d]; with fewer queries than keys, the queries are the last of the keys' positions (SDPA's own
+    is_causal aligns them to the start instead, hence the mask)."""
+    query_len, key_len = q.shape[1], k.shape[1]
+    end_aligned = None
+    if query_len != key_len:
+        end_aligned = torch.ones(query_len, key_len, dtype=torch.bool, device=q.device).tril(key_len - query_len)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=True
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=end_aligned,
+        is_causal=end_aligned is None, scale=scale, enable_gqa=True,
     )
     return out.transpose(1, 2)
 
 
-def _sdpa_packed(q, k, v, cu_seqlens, max_seqlen, scale):
-    bounds = cu_seqlens.tolist()
+def _sdpa_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+    query_bounds, key_bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outputs = [
-        _sdpa_padded(q[None, start:end], k[None, start:end], v[None, start:end], scale)[0]
-        for start, end in zip(bounds[:-1], bounds[1:])
+        _sdpa_padded(q[None, q_start:q_end], k[None, k_start:k_end], v[None, k_start:k_end], scale)[0]
+        for q_start, q_end, k_start, k_end in zip(query_bounds, query_bounds[1:], key_bounds, key_bounds[1:])
     ]
     return torch.cat(outputs)
 
@@ -58,9 +71,9 @@ def _varlen_parameters() -> frozenset:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-def _flash_packed(q, k, v, cu_seqlens, max_seqlen, scale):
+def _flash_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
     if not _half_precision(q):  # flash kernels take fp16 / bf16 only
-        return _sdpa_packed(q, k, v, cu_seqlens, max_seqlen, scale)
+        return _sdpa_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
     from torch.nn.attention.varlen import varlen_attn
 
     takes = _varlen_parameters()
@@ -74,11 +87,13 @@ def _flash_packed(q, k, v, cu_seqlens, max_seqlen, scale):
     elif k.shape[1] != q.shape[1]:  # fewer key/value heads: repeated to the query heads
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **options)
+    # The flash kernels' causal mask is aligned to the end of each key sequence (torch.nn.attention.bias's
+    # causal_lower_right calls them with is_causal=True).
+    return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
 
 
-# npu_fusion_attention's causal mode (sparse_mode=3) reads a fixed 2048 x 2048 upper-triangular mask
-# (True = masked) whatever the sequence lengths; MindSpeed builds the same one.
+# npu_fusion_attention's causal mode (sparse_mode=3, rightDownCausal: aligned to the end of each key sequence) reads a
+# fixed 2048 x 2048 upper-triangular mask (True = masked) whatever the sequence lengths; MindSpeed builds the same one.
 _NPU_CAUSAL_MASK_SIZE = 2048
 
 
@@ -93,24 +108,24 @@ def _npu_causal_mask(device) -> torch.Tensor:
 _NPU_MAX_SEQUENCES = 1024
 
 
-def _npu_packed(q, k, v, cu_seqlens, max_seqlen, scale):
+def _npu_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
     import torch_npu
 
-    bounds = cu_seqlens.tolist()
+    query_bounds, key_bounds = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     outputs = []
-    for first in range(0, len(bounds) - 1, _NPU_MAX_SEQUENCES):
-        part = bounds[first : first + _NPU_MAX_SEQUENCES + 1]
-        start, end = part[0], part[-1]
-        ends = [bound - start for bound in part[1:]]  # the TND layout takes cumulative ends as host lists
+    for first in range(0, len(query_bounds) - 1, _NPU_MAX_SEQUENCES):
+        queries = query_bounds[first : first + _NPU_MAX_SEQUENCES + 1]
+        keys = key_bounds[first : first + _NPU_MAX_SEQUENCES + 1]
         outputs.append(torch_npu.npu_fusion_attention(
-            q[start:end], k[start:end], v[start:end], q.shape[1],
+            q[queries[0] : queries[-1]], k[keys[0] : keys[-1]], v[keys[0] : keys[-1]], q.shape[1],
             input_layout="TND",
             scale=scale,
             keep_prob=1.0,
             sparse_mode=3,
             atten_mask=_npu_causal_mask(q.device),
-            actual_seq_qlen=ends,
-            actual_seq_kvlen=ends,
+            # the TND layout takes cumulative ends as host lists
+            actual_seq_qlen=[bound - queries[0] for bound in queries[1:]],
+            actual_seq_kvlen=[bound - keys[0] for bound in keys[1:]],
         )[0])
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -121,7 +136,7 @@ def _as_packed(packed):
     def padded(q, k, v, scale):
         rows, length = q.shape[:2]
         cu_seqlens = torch.arange(0, (rows + 1) * length, length, dtype=torch.int32, device=q.device)
-        out = packed(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, length, scale)
+        out = packed(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, cu_seqlens, length, length, scale)
         return out.view(q.shape[:-1] + (v.shape[-1],))
 
     return padded
@@ -143,4 +158,10 @@ def padded(kernel: str, q, k, v, scale: float):
 
 def packed(kernel: str, q, k, v, cu_seqlens, max_seqlen: int, scale: float):
     """Causal attention over sequences packed along t ([t, heads, d], boundaries cu_seqlens) with `kernel`."""
-    return _PACKED[kernel](q, k, v, cu_seqlens, max_seqlen, scale)
+    return _PACKED[kernel](q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale)
+
+
+def packed_with_keys(kernel: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, scale):
+    """Causal attention of packed query sequences (boundaries cu_seqlens_q) against key sequences of their own
+    (cu_seqlens_k), each sequence's queries the last positions of its keys, with `kernel`."""
+    return _PACKED[kernel](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)

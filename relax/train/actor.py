@@ -6,7 +6,8 @@
     metrics = actor.train_step(batch_with_advantages_and_logprobs)
 
 Every method is collective over all ranks of the actor. Each data-parallel rank passes its own samples;
-the ranks of one data-parallel replica (its TP and PP ranks) pass the same samples. Results come back on
+the ranks of one data-parallel replica (its TP, PP and CP ranks) pass the same samples. Under context parallelism
+each CP rank runs the model on its part of every packed row (relax.train.context_parallel). Results come back on
 every rank: logprobs for this rank's samples, metrics for the whole batch (all DP ranks).
 
 With TransformerConfig.moe_enable_routing_replay (--use-rollout-routing-replay) every forward sends each token to
@@ -19,6 +20,7 @@ torch.distributed must be initialised (platform backend) before the actor is bui
 megatron's model-parallel groups itself.
 """
 
+import dataclasses
 import datetime
 from functools import partial
 import torch
@@ -26,6 +28,7 @@ import torch
 from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 from relax.metric_names import extreme
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
+from relax.train.context_parallel import REFUSED, split_row, with_row_split
 from relax.train.logprobs import logprobs_and_entropy, platform_launch
 from relax.train.losses import aggregation_denominator
 from relax.train.model import build_gpt_model, load_hf_weights, unwrap
@@ -101,6 +104,10 @@ class MegatronActor:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from megatron.core.transformer.module import Float16Module
 
+        if transformer.context_parallel_size > 1:
+            for refusal in REFUSED:
+                if refusal.applies(transformer):
+                    raise ValueError(f"context parallelism with {refusal.what} is not supported: {refusal.reason}")
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=transformer.tensor_model_parallel_size,
             pipeline_model_parallel_size=transformer.pipeline_model_parallel_size,
@@ -250,8 +257,14 @@ class MegatronActor:
         max_tokens = settings.max_tokens_per_micro_batch
         if forward_only and settings.max_tokens_per_forward is not None:
             max_tokens = settings.max_tokens_per_forward
-        # Sequence parallelism splits each row's tokens over the tensor-parallel ranks.
-        multiple = self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1
+        # Context parallelism cuts each sequence into 2 x CP equal chunks and puts 1/CP of the row on each rank, so
+        # the token budget, one device's, packs CP times as many tokens into a row.
+        cp = self.config.context_parallel_size
+        sequence_multiple = 2 * cp if cp > 1 else 1
+        if max_tokens is not None:
+            max_tokens *= cp
+        # Sequence parallelism splits each rank's tokens of a row over the tensor-parallel ranks.
+        multiple = sequence_multiple * (self.config.tensor_model_parallel_size if self.config.sequence_parallel else 1)
         uniform_shape = None
         # Pipeline stages exchange activations of the one shape the schedule is given; expert-parallel
         # ranks (different DP ranks) exchange tokens in every micro-batch, forward and backward, so they
@@ -272,29 +285,48 @@ class MegatronActor:
             pad_token_id=self.hf_checkpoint.text_config.get("pad_token_id") or 0,
             multiple=multiple,
             uniform_shape=uniform_shape,
+            sequence_multiple=sequence_multiple,
         )
 
     def _token_logprobs(self, output: torch.Tensor, micro_batch: MicroBatch, entropy_grad: bool = False):
         """Per sample: response-token logprobs and entropies (the entropies differentiable with entropy_grad) from
-        the model output [1, t, vocab/TP], which the backward overwrites with its gradient."""
+        the model output [1, t, vocab/TP] (under CP [1, t/CP, vocab/TP], this rank's tokens: their values are
+        gathered into the whole row), which the backward overwrites with its gradient."""
         labels = torch.roll(micro_batch.tokens, shifts=-1, dims=1)  # the last position's label is never read
+        split = micro_batch.row_split
+        if split is not None:
+            labels = split.local(labels)
         logprobs, entropy = vocab_parallel_logprobs(output, labels, self.settings.temperature, self.logprob_launch)
         if not entropy_grad:
             entropy = entropy.detach()
+        if split is not None:
+            logprobs, entropy = split.whole_row(logprobs), split.whole_row(entropy)
         return micro_batch.response_values(logprobs), micro_batch.response_values(entropy)
 
     def _run(self, micro_batches: list[MicroBatch], loss_func, forward_only: bool) -> list[dict]:
         """Megatron's forward(-backward) schedule over the micro-batches; the last stage's loss outputs."""
+        from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        cp = parallel_state.get_context_parallel_world_size()
+
         def forward_step(data_iterator, model):
-            micro_batch = next(data_iterator).to(self.device)
+            micro_batch = next(data_iterator)
+            row_split = None
+            if cp > 1:
+                row_split = split_row(
+                    micro_batch.cu_seqlens.tolist(), cp, parallel_state.get_context_parallel_rank(),
+                    parallel_state.get_context_parallel_group(), self.device,
+                )
+            micro_batch = dataclasses.replace(micro_batch.to(self.device), row_split=row_split)
             if self.routing_replay is not None:
                 self.routing_replay.replay(micro_batch)
-            output = model(
-                micro_batch.tokens, micro_batch.position_ids, None, packed_seq_params=micro_batch.packed_seq_params(),
-                **self.forward_options,
-            )
+            tokens, position_ids = micro_batch.tokens, micro_batch.position_ids
+            packed_seq_params = micro_batch.packed_seq_params()
+            if row_split is not None:  # this rank's part of the row; rotary embedding and attention read the whole row
+                tokens, position_ids = row_split.local(tokens), row_split.local(position_ids)
+                packed_seq_params = with_row_split(packed_seq_params, row_split)
+            output = model(tokens, position_ids, None, packed_seq_params=packed_seq_params, **self.forward_options)
             return output, partial(loss_func, micro_batch)
 
         try:
@@ -392,8 +424,11 @@ class MegatronActor:
         entropy_in_loss = loss_settings.entropy_coef != 0.0  # otherwise the entropy is only reported
         denominator, num_tokens = self._batch_denominators(batch)
         micro_batches = self._micro_batches(batch, forward_only=False)
-        # The schedule divides each micro-batch loss by their number and DDP averages gradients over DP;
-        # each micro-batch's loss here is its share of the whole batch's, so undo both.
+        # The schedule divides each micro-batch loss by their number and DDP averages gradients over DP; each
+        # micro-batch's loss here is its share of the whole batch's, so undo both. Under CP, DDP averages over DP x CP
+        # and the schedule multiplies each loss by the CP size, which undoes the CP part: every CP rank computes its
+        # rows' whole loss and gets the gradient of its own tokens only, and the CP ranks' gradients add up to the
+        # rows' (relax.train.context_parallel).
         loss_scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
 
         def padded(values: list[torch.Tensor]) -> torch.Tensor:

@@ -20,6 +20,9 @@ a [rows, 1, s, s] mask costs s^2 memory per row and makes attention cost s^2 ove
 of each sequence's length^2. With a token budget (dynamic batch size) samples are packed, longest first, into as
 few micro-batches as stay within the budget; without one, `micro_batch_size` consecutive samples make one.
 Padding, where a fixed shape is needed, is one more sequence at the end of the row whose outputs are never read.
+Under context parallelism every sequence is also padded at its end to a multiple of `sequence_multiple` tokens
+(2 x the CP size: relax.train.context_parallel cuts each sequence into that many equal chunks); causality keeps a
+sequence's padding out of its real tokens' outputs, and its outputs are never read.
 """
 
 from dataclasses import dataclass, field
@@ -211,6 +214,8 @@ class MicroBatch:
     # per sample: (first logit position, response length); the logit at position p predicts token p + 1
     spans: list[tuple[int, int]] = field(default_factory=list)
     routed_experts: torch.Tensor | None = None  # routing replay: [t, layers, top-k], each position's experts
+    # context parallelism: this rank's part of the row (relax.train.context_parallel.RowSplit), set by the actor
+    row_split: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -225,6 +230,7 @@ class MicroBatch:
             self.sample_indices,
             self.spans,
             None if self.routed_experts is None else self.routed_experts.to(device),
+            self.row_split,
         )
 
     def packed_seq_params(self):
@@ -244,19 +250,36 @@ class MicroBatch:
         return [per_position[0, start : start + length] for start, length in self.spans]
 
 
-def pack_micro_batch(batch: RolloutBatch, members: list[int], num_tokens: int, pad_token_id: int = 0) -> MicroBatch:
-    """The samples `members` of `batch` in one row of `num_tokens` tokens (the rest padding)."""
+def _rounded_up(count: int, multiple: int) -> int:
+    return -(-count // multiple) * multiple
+
+
+def pack_micro_batch(
+    batch: RolloutBatch, members: list[int], num_tokens: int, pad_token_id: int = 0, sequence_multiple: int = 1
+) -> MicroBatch:
+    """The samples `members` of `batch` in one row of `num_tokens` tokens (the rest padding), each sample padded to a
+    multiple of `sequence_multiple` tokens."""
+    if batch.routed_experts is not None and sequence_multiple != 1:
+        raise ValueError("routing replay lays out the experts of unpadded samples: pack with sequence_multiple=1")
     lengths = [batch.tokens[i].numel() for i in members]
-    padding = num_tokens - sum(lengths)
+    sequences = [_rounded_up(length, sequence_multiple) for length in lengths]
+    padding = num_tokens - sum(sequences)
     if padding < 0:
-        raise ValueError(f"{sum(lengths)} tokens do not fit a micro-batch of {num_tokens}")
-    sequences = lengths + ([padding] if padding else [])
-    parts = [batch.tokens[i] for i in members] + [torch.full((padding,), pad_token_id, dtype=torch.long)]
+        raise ValueError(f"{sum(sequences)} tokens do not fit a micro-batch of {num_tokens}")
+    sequences += [padding] if padding else []
+    parts = [
+        part
+        for i, length, sequence in zip(members, lengths, sequences)
+        for part in (batch.tokens[i], torch.full((sequence - length,), pad_token_id, dtype=torch.long))
+    ]
+    parts.append(torch.full((padding,), pad_token_id, dtype=torch.long))
     cu_seqlens = torch.tensor([0] + sequences, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     position_ids = torch.cat([torch.arange(n) for n in sequences]) if sequences else torch.zeros(0, dtype=torch.long)
     spans = [
-        (int(end) - response_length - 1, response_length)
-        for end, response_length in zip(cu_seqlens[1:].tolist(), (batch.response_lengths[i] for i in members))
+        (start + length - response_length - 1, response_length)
+        for start, length, response_length in zip(
+            cu_seqlens.tolist(), lengths, (batch.response_lengths[i] for i in members)
+        )
     ]
     return MicroBatch(
         tokens=torch.cat(parts).unsqueeze(0),
@@ -287,23 +310,31 @@ def make_micro_batches(
     pad_token_id: int = 0,
     multiple: int = 1,
     uniform_shape: tuple[int, int] | None = None,
+    sequence_multiple: int = 1,
 ) -> list[MicroBatch]:
     """Cut `batch` into packed micro-batches (see module doc), each padded to a multiple of `multiple` tokens
-    (sequence parallelism splits a row's tokens over the tensor-parallel ranks).
+    (sequence parallelism splits a row's tokens over the tensor-parallel ranks) and each sample to a multiple of
+    `sequence_multiple` (context parallelism; `multiple` must then be a multiple of it). The token budget
+    `max_tokens` counts the samples' padded lengths.
 
     uniform_shape=(count, tokens) pads every micro-batch to `tokens` and adds all-padding micro-batches up to
     `count`: pipeline stages exchange activations of one fixed shape, and expert-parallel ranks exchange tokens in
     every micro-batch, so they need as many micro-batches of the same shape.
     """
-    counts = batch.token_counts()
+    if multiple % sequence_multiple:
+        raise ValueError(f"a row multiple of {multiple} tokens leaves padding not a multiple of {sequence_multiple}")
+    counts = [_rounded_up(count, sequence_multiple) for count in batch.token_counts()]
     plan = plan_micro_batches(counts, micro_batch_size, max_tokens)
     if uniform_shape is not None:
         count, num_tokens = uniform_shape
         needed = plan_shape(counts, plan, multiple)
         if needed[0] > count or needed[1] > num_tokens:
             raise ValueError(f"uniform_shape {uniform_shape} is smaller than the batch's {needed}")
-        return [pack_micro_batch(batch, members, num_tokens, pad_token_id) for members in plan + [[]] * (count - len(plan))]
+        return [
+            pack_micro_batch(batch, members, num_tokens, pad_token_id, sequence_multiple)
+            for members in plan + [[]] * (count - len(plan))
+        ]
     return [
-        pack_micro_batch(batch, members, plan_shape(counts, [members], multiple)[1], pad_token_id)
+        pack_micro_batch(batch, members, plan_shape(counts, [members], multiple)[1], pad_token_id, sequence_multiple)
         for members in plan
     ]

@@ -2,7 +2,8 @@
 against HF transformers, and the actor (logprobs, DP/TP/PP training, MoE routing replayed from SGLang's engine).
 
 Every Megatron case runs on two spawned ranks sharing one gloo group, started once for this module:
-TP=1 runs as two data-parallel replicas; TP=2, PP=2 and EP=2 split the model across the two ranks.
+TP=1 runs as two data-parallel replicas; TP=2, PP=2, EP=2 and CP=2 split the model (or the rows) across the two
+ranks. Context parallelism with TP=2 runs on four ranks of their own.
 """
 
 import dataclasses
@@ -175,7 +176,7 @@ def _my_samples(actor):
 
 
 def _actor(
-    hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, distributed_optimizer: bool = False,
+    hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, distributed_optimizer: bool = False,
     memory_saver_stand_in: bool = False, grouped_experts: bool = False, lr: float = 1e-3, routing_replay: bool = False,
     recompute: dict | None = None, bf16: bool = False, **settings,
 ):
@@ -193,6 +194,7 @@ def _actor(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         perform_initialization=False,
@@ -949,3 +951,83 @@ def test_tied_embeddings_train_alike_with_pipeline_stages(ranks, hf_dirs):
     first_stage = pp2[0]["weights"]  # the embedding is exported by the first stage only
     assert "lm_head.weight" not in first_stage and "lm_head.weight" not in pp2[1]["weights"]
     assert (first_stage[embedding] - dp2[0]["weights"][embedding]).abs().max() <= 2 * 1e-3
+
+
+# --- context parallelism -------------------------------------------------------------------------------
+
+# (prompt length, response length): rows of sequences of different lengths, the first (3 tokens) shorter than the
+# 2 x CP = 4 chunks context parallelism cuts each sequence into
+CP_SHAPES = [(2, 1), (7, 4), (5, 6), (9, 5)]
+# Each sequence padded to a multiple of 4 (4, 12, 12, 16 tokens), two per micro-batch: each CP rank runs the model
+# on half of each row
+CP_RANK_TOKENS = [8, 14]
+
+
+def _step_on_the_whole_batch(hf_dir: str, layout: dict) -> dict:
+    """Every rank passes all of CP_SHAPES's samples (so data-parallel replicas repeat one another, and each is the whole
+    batch's step): their logprobs and entropies, one step's metrics at lr=0 and this rank's gradients, with the
+    sequence-mean aggregation, the KL and a differentiable entropy in the loss; and how many tokens each forward of the
+    logprob pass ran on this rank."""
+    from relax.train.batch import RolloutBatch
+    from relax.train.losses import LossSettings
+    from relax.train.model import unwrap
+
+    loss = LossSettings(kl_coef=0.05, entropy_coef=0.01, aggregation="seq_mean_token_mean")
+    actor = _actor(hf_dir, lr=0.0, micro_batch_size=2, loss=loss, **layout)
+    generator = torch.Generator().manual_seed(3)
+    vocab_size = actor.hf_checkpoint.text_config["vocab_size"]
+    batch = RolloutBatch(
+        [torch.randint(0, vocab_size - 1, (p + r,), generator=generator) for p, r in CP_SHAPES],
+        [r for _, r in CP_SHAPES],
+        advantages=[torch.randn(r, generator=generator) for _, r in CP_SHAPES],
+    )
+    tokens_seen = []
+    hook = unwrap(actor.model).embedding.register_forward_hook(
+        lambda _, args, kwargs, output: tokens_seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    logprobs, entropy = actor.compute_logprobs(batch, with_entropy=True)
+    hook.remove()
+    batch.old_logprobs = [values + 0.1 * torch.randn(values.shape, generator=generator) for values in logprobs]
+    batch.ref_logprobs = [values - 0.2 * torch.rand(values.shape, generator=generator) for values in logprobs]
+    metrics = actor.train_step(batch)
+    return {
+        "logprobs": logprobs, "entropy": entropy, "metrics": metrics, "tokens_seen": tokens_seen,
+        "gradients": [param.main_grad.clone() for param in actor.model.parameters()],
+    }
+
+
+def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[dict]) -> None:
+    """Rank r of the CP run against rank r of the CP=1 run: the same TP shard, the same samples."""
+    for got, expected in zip(split, baseline):
+        assert got["tokens_seen"] == CP_RANK_TOKENS, got["tokens_seen"]
+        for name in ("logprobs", "entropy"):
+            for got_values, expected_values in zip(got[name], expected[name]):
+                torch.testing.assert_close(got_values, expected_values, rtol=1e-5, atol=1e-5)
+        assert got["metrics"].keys() == expected["metrics"].keys()
+        for key, value in expected["metrics"].items():
+            assert got["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+        assert len(got["gradients"]) == len(expected["gradients"])
+        assert max(gradient.abs().max().item() for gradient in expected["gradients"]) > 1e-3
+        for got_gradient, expected_gradient in zip(got["gradients"], expected["gradients"]):
+            torch.testing.assert_close(got_gradient, expected_gradient, rtol=1e-4, atol=1e-6)
+
+
+def test_context_parallel_rows_give_the_logprobs_and_gradients_of_one_rank(ranks, hf_dirs):
+    baseline = ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], {})
+    split = ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(cp=2))
+    _assert_context_parallel_equals_one_rank(split, baseline)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    pool = SpawnedRanks(4, TASK_TIMEOUT_S)
+    yield pool
+    pool.close()
+
+
+def test_context_parallel_rows_with_tensor_parallelism_give_the_logprobs_and_gradients_of_one_rank(four_ranks, hf_dirs):
+    """CP=2 x TP=2 against TP=2 (two data-parallel replicas of the whole batch). (Sequence parallelism needs a norm
+    megatron-core has only with TransformerEngine or Apex, so not on the CPU.)"""
+    baseline = four_ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(tp=2))
+    split = four_ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(tp=2, cp=2))
+    _assert_context_parallel_equals_one_rank(split, baseline)

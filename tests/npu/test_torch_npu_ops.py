@@ -124,6 +124,19 @@ def test_packed_npu_attention_equals_sdpa(torch_npu, heads, kv_heads, dtype, tol
         torch.testing.assert_close(got_grad, expected_grad, atol=tolerance, rtol=tolerance)
 
 
+def test_npu_attention_of_queries_at_the_end_of_their_keys_equals_sdpa(torch_npu):
+    """Context parallelism's query chunks against their sequences' keys up to the chunk's end (rightDownCausal)."""
+    query_lengths, key_lengths = [2, 2, 3], [2, 6, 9]
+    q = _qkv(sum(query_lengths))[0].detach()
+    k, v = (t.detach() for t in _qkv(sum(key_lengths), seed=1)[1:])
+    cu_q, cu_k = _cu_seqlens(query_lengths), _cu_seqlens(key_lengths)
+    torch.testing.assert_close(
+        attention.packed_with_keys("npu_fusion", q, k, v, cu_q, cu_k, 3, 9, 0.3),
+        attention.packed_with_keys("sdpa", q, k, v, cu_q, cu_k, 3, 9, 0.3),
+        atol=1e-5, rtol=1e-5,
+    )
+
+
 def test_packed_npu_attention_splits_more_than_1024_sequences_over_calls(torch_npu):
     lengths = [1, 2] * 700  # 1400 sequences: two calls
     q, k, v = (t.detach() for t in _qkv(sum(lengths)))

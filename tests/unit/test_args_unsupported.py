@@ -4,7 +4,7 @@ the table's refusal."""
 
 import pytest
 
-from helpers import DRY_RUN as RUN, parse_error
+from helpers import DRY_RUN as RUN, REQUIRED, parse_error
 from relax.args import build_parser, parse_train_args
 from relax.args.checks import RULES, check_config
 from relax.args.megatron import MODEL_FLAGS, SCHEDULER_FLAGS, checkpoint_architecture, field_flags
@@ -12,10 +12,12 @@ from relax.args.settings import (
     actor_settings, algorithm_settings, eval_settings, output_settings, rollout_settings, run_settings,
 )
 from relax.args.unsupported import (
-    LORA, REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SERVER_ONLY, SERVER_ONLY_FIELDS, SPECULATIVE,
-    UNSUPPORTED_COMBINATIONS, refused_sglang_field, unsupported_combinations,
+    CONTEXT_PARALLEL, LORA, REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SERVER_ONLY, SERVER_ONLY_FIELDS,
+    SPECULATIVE, UNSUPPORTED_COMBINATIONS, refused_sglang_field, unsupported_combinations,
 )
 from relax.hf_checkpoint import read_hf_checkpoint
+from relax.tools.tiny_model import build_tiny_model
+from relax.train.context_parallel import GATED_DELTA_NET
 from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
 
@@ -42,7 +44,16 @@ OTHER_MODEL_FLAG_READERS = {
 COMBINATIONS = {
     "--save / --load with --debug-rollout-only": ["--debug-rollout-only", "--save", "ckpt"],
     "--log-interval other than 1": ["--log-interval", "2"],
-    "--context-parallel-size other than 1": ["--context-parallel-size", "2"],
+    "--context-parallel-size above 1 with Gated DeltaNet layers (Qwen3.5, Qwen3-Next)": [
+        "--context-parallel-size", "2", "--num-devices-per-node", "2", "--experimental-attention-variant",
+        "gated_delta_net", "--linear-attention-freq", "2",
+    ],
+    "--context-parallel-size above 1 with MoE layers": [
+        "--context-parallel-size", "2", "--num-devices-per-node", "2", "--num-experts", "4",
+    ],
+    "--context-parallel-size above 1 with pipeline parallelism": [
+        "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-devices-per-node", "4",
+    ],
     "--recompute-modules moe_act with --moe-grouped-gemm": [
         "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act",
     ],
@@ -58,9 +69,24 @@ def test_each_unsupported_combination_is_refused_at_parse_time_with_what_to_do(e
 
 
 def test_every_unsupported_combination_found_is_named_at_once(capsys):
-    error = parse_error([*RUN, "--sglang-dp-size", "2", "--log-interval", "3", "--context-parallel-size", "2"], capsys)
+    argv = [*RUN, "--sglang-dp-size", "2", "--log-interval", "3", "--context-parallel-size", "2", "--num-experts", "4"]
+    error = parse_error([*argv, "--num-devices-per-node", "2"], capsys)
     assert "--sglang-dp-size 2 is not supported" in error and "--log-interval 3 is not supported" in error
-    assert "--context-parallel-size 2 is not supported" in error
+    assert "--context-parallel-size 2 with MoE layers is not supported" in error
+
+
+def test_context_parallelism_of_a_dense_softmax_attention_model_is_accepted():
+    parsed = parse_train_args([*RUN, "--context-parallel-size", "2", "--num-devices-per-node", "4"])
+    assert parsed.megatron.transformer.context_parallel_size == 2
+
+
+def test_context_parallelism_of_a_qwen35_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
+    checkpoint = build_tiny_model(tmp_path, "qwen3_5")
+    argv = [*REQUIRED, "--dry-run", "--hf-checkpoint", str(checkpoint), "--context-parallel-size", "2"]
+    error = parse_error([*argv, "--num-devices-per-node", "2"], capsys)
+    entry = CONTEXT_PARALLEL[GATED_DELTA_NET.what]
+    assert f"--context-parallel-size 2 with {GATED_DELTA_NET.what} is not supported: {entry.reason}" in error
+    assert entry.instead in error
 
 
 @pytest.mark.parametrize("entry", REFUSED_FLAGS, ids=lambda entry: entry.setting)

@@ -44,6 +44,21 @@ def test_padding_is_a_sequence_of_its_own_at_the_end():
     assert packed.position_ids[0, 12:].tolist() == [0, 1, 2, 3] and packed.sample_indices == [0, 1, 2]
 
 
+def test_context_parallelism_pads_every_sequence_to_a_multiple_of_its_chunks():
+    # 5, 4 and 3 tokens, each padded to a multiple of 4 (2 chunks per rank at CP=2): 8, 4, 4
+    (packed,) = make_micro_batches(_batch(), micro_batch_size=3, multiple=4, sequence_multiple=4)
+    assert packed.cu_seqlens.tolist() == [0, 8, 12, 16] and packed.max_seqlen == 8
+    assert packed.tokens.tolist() == [[1, 2, 3, 4, 5, 0, 0, 0, 6, 7, 8, 9, 10, 11, 12, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 0, 1, 2, 3]]
+    assert packed.spans == [(2, 2), (10, 1), (12, 2)]  # responses read where their real tokens are
+    # the token budget counts padded lengths: 8 + 4 fill a budget of 12, unpadded all three (12 tokens) would
+    assert [mb.sample_indices for mb in make_micro_batches(_batch(), 1, 12, multiple=4, sequence_multiple=4)] == [
+        [0, 1], [2]
+    ]
+    with pytest.raises(ValueError, match="not a multiple of 4"):
+        make_micro_batches(_batch(), micro_batch_size=3, multiple=2, sequence_multiple=4)
+
+
 def test_uniform_shape_pads_every_micro_batch_alike_and_adds_empty_ones():
     micro_batches = make_micro_batches(_batch(), micro_batch_size=2, uniform_shape=(3, 10))
     assert [tuple(mb.tokens.shape) for mb in micro_batches] == [(1, 10)] * 3

@@ -4,7 +4,9 @@ megatron-core's local spec computes attention with DotProductAttention: unfused 
 materialised), with a mask tensor, and no packed (THD) rows. This module takes its place in every layer spec
 relax builds. It computes causal attention with the platform's kernel (relax.platform.attention): over packed
 rows when megatron passes PackedSeqParams (qkv_format "thd": each sequence attends to itself only), else over
-right-padded rows with causality alone. It takes no attention mask: relax never builds one.
+right-padded rows with causality alone. It takes no attention mask: relax never builds one. Under context parallelism
+the packed row's PackedSeqParams carry how the row is split over the CP ranks (relax.train.context_parallel), and
+this rank's queries attend to the keys and values of the whole row, gathered over the CP group.
 """
 
 import math
@@ -35,11 +37,12 @@ class CoreAttention(torch.nn.Module):
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"attention dropout {dropout} is not supported by relax's core attention: use 0")
-        if config.context_parallel_size != 1 or config.window_size is not None:
-            raise ValueError("relax's core attention has no context parallelism or sliding window")
+        if config.window_size is not None:
+            raise ValueError("relax's core attention has no sliding window")
         if attention_type != "self":
             raise ValueError(f"relax's core attention is self-attention only, not {attention_type!r}")
         self.kernel = kernel
+        self.context_parallel = config.context_parallel_size > 1
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(
@@ -52,6 +55,8 @@ class CoreAttention(torch.nn.Module):
                 "relax's core attention is causal and takes packed rows (PackedSeqParams), not an attention mask or "
                 "bias: build micro-batches with relax.train.batch"
             )
+        if self.context_parallel:
+            return self._context_parallel(query, key, value, packed_seq_params)
         if packed_seq_params is None:
             out = attention.padded(
                 self.kernel, query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), self.softmax_scale
@@ -66,6 +71,27 @@ class CoreAttention(torch.nn.Module):
             value,
             packed_seq_params.cu_seqlens_q,
             packed_seq_params.max_seqlen_q,
+            self.softmax_scale,
+        )
+        return out.flatten(1)
+
+    def _context_parallel(self, query, key, value, packed_seq_params):
+        """This rank's queries [t / CP, heads, d] against the keys and values of the whole packed row."""
+        row_split = getattr(packed_seq_params, "row_split", None)
+        if row_split is None:
+            raise ValueError(
+                "context parallelism needs packed rows split over the CP ranks (PackedSeqParams with a row_split, "
+                "relax.train.context_parallel.with_row_split): build micro-batches with relax.train.actor"
+            )
+        out = attention.packed_with_keys(
+            self.kernel,
+            query,
+            row_split.attention_keys(key),
+            row_split.attention_keys(value),
+            row_split.query_cu_seqlens,
+            row_split.key_cu_seqlens,
+            row_split.max_query_len,
+            row_split.max_key_len,
             self.softmax_scale,
         )
         return out.flatten(1)
