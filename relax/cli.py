@@ -53,6 +53,8 @@ def _train(argv: list[str]) -> int:
     bad_input = (InputError, CheckpointError, PromptDataError, RolloutDataError)  # each message names the input
     config = parse_train_args(argv)
     if config.run.dry_run:
+        from relax.args.memory import memory_report
+        from relax.platform import platform_facts
         from relax.ray.placement import placement_plan
 
         run, mode = config.run, config.run.mode
@@ -61,6 +63,8 @@ def _train(argv: list[str]) -> int:
             run.num_nodes, run.num_devices_per_node, config.rollout.devices_per_engine, run.rollout_num_devices,
             mode.has_actor, mode.has_engines,
         )))
+        if mode.has_actor:
+            print("\n".join(memory_report(config.flags, config.megatron, platform_facts(config.flags.device))))
     try:  # before the run's console opens: it would start a new run.log in an --output-dir it refuses
         inputs = read_inputs(config, dry_run=config.run.dry_run)
     except bad_input as error:

@@ -11,6 +11,7 @@ import re
 import typing
 from pathlib import Path
 
+from relax.args.memory import actor_memory, memory_for_training
 from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.args.settings import RunMode, run_mode
 from relax.kernels.gdn_training import KERNEL_PACKAGES
@@ -18,6 +19,7 @@ from relax.args.unsupported import unsupported_combinations
 from relax.rollout.dump import pattern_problem
 from relax.rollout.rollout import rollout_seeds_problem
 from relax.rollout.tools import load_tools
+from relax.train.memory_estimate import GIB
 from relax.train.algorithms import ALGORITHMS, STD_NORMALISED
 
 
@@ -662,6 +664,37 @@ def wandb_imports(config, platform):
         )
 
 
+def actor_memory_fits(config, platform):
+    """--device-memory-gib: the actor's estimated peak per device (relax.args.memory) within what it may use."""
+    r = config.flags
+    if r.device_memory_gib is None:
+        return None
+    if not config.mode.has_actor:
+        return "--device-memory-gib checks the training actor's memory, and this run starts none: drop it"
+    if config.megatron.model.vocab_size is None:
+        return (
+            "--device-memory-gib needs the vocabulary size to estimate the logits: give --hf-checkpoint or "
+            "--vocab-size"
+        )
+    available = memory_for_training(r, config.sglang)
+    if available is None:
+        return (
+            "--device-memory-gib with the engines beside the actor (--no-colocate --rollout-num-devices 0) needs "
+            "their share of the device: give --sglang-mem-fraction-static"
+        )
+    estimate = actor_memory(r, config.megatron, platform)
+    if estimate.total <= available:
+        return None
+    return (
+        f"the training actor is estimated to need {estimate.total / GIB:.1f} GiB per device, more than the "
+        f"{available / GIB:.1f} GiB it may use of --device-memory-gib {r.device_memory_gib:g} ("
+        + "; ".join(line.strip() for line in estimate.lines()[1:])
+        + "): lower --max-tokens-per-device (or --micro-batch-size), split the model further (--tensor-model-"
+        "parallel-size, --context-parallel-size), recompute activations (--recompute-granularity full) or shard "
+        "the optimizer (--use-distributed-optimizer)"
+    )
+
+
 def megatron_features_fit_the_platform(config, platform):
     r = config.flags
     asked = [name for name in MEGATRON_FEATURE_FLAGS if getattr(r, name)]
@@ -722,6 +755,7 @@ RULES = [
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
     gdn_training_kernel_takes_the_dtype,
+    actor_memory_fits,
     wandb_imports,
     sleep_route_exists,
 ]

@@ -491,6 +491,15 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "devices holds that many times as many tokens).",
     )
     g.add_argument(
+        "--device-memory-gib",
+        metavar="GIB",
+        type=_positive_float,
+        help="Memory of one training device: a layout whose estimated training peak per device (parameters, "
+        "gradients, optimizer state, one micro-batch's activations and logits; --dry-run prints it) exceeds it, less "
+        "the engines' --sglang-mem-fraction-static where they stay resident beside the actor, is refused before "
+        "the run starts (default: no check).",
+    )
+    g.add_argument(
         "--gdn-training-kernel",
         choices=["auto", *GDN_TRAINING_KERNELS],
         default="auto",

@@ -1,0 +1,217 @@
+"""The device memory one training rank is expected to allocate at its peak: what `relax train --dry-run` prints and
+what --device-memory-gib is checked against before a run starts.
+
+    estimate = estimate_actor_memory(transformer, vocab_size, untied, tokens, layout, bytes_of)
+    print("\n".join(estimate.lines()))
+
+Counted from the architecture (megatron-core's TransformerConfig) and the layout, per rank:
+- parameters, their gradient buffer (fp32 with --accumulate-allreduce-grads-in-fp32, else the parameters' dtype)
+  and the optimizer's state (Adam: two fp32 moments, plus an fp32 main copy of bf16/fp16 parameters; SGD: one
+  momentum), sharded over data parallel with --use-distributed-optimizer. Tensor parallelism splits the
+  projections and the vocabulary, expert parallelism the experts, pipeline stages the layers.
+- activations of one micro-batch (`tokens` per device) kept for the backward: per layer and token, what the
+  norms keep, the projections' inputs and outputs and the attention / gated-delta output (flash attention:
+  no [s, s] scores); full recompute keeps only each layer's input (and one recomputed group of layers at a time);
+  selective recompute drops its modules' internals. With pipeline parallelism the first stage holds as many
+  micro-batches in flight as there are stages, which amounts to every layer's activations for one micro-batch.
+- the logits: the output layer's logits, their transposed copy and their gradient in the activations' dtype (the
+  logprob and entropy never materialise them in fp32; relax/train/logprobs.py).
+
+It is an estimate of allocated memory, checked against measurements in docs/training.md; the caching allocator
+reserves 5-20% more than it allocates.
+"""
+
+from dataclasses import dataclass
+
+GIB = 2**30
+# Rows of relax.train.logprobs' float32 temporaries live at once when the platform computes the logprobs over
+# pieces of positions (CHUNK_BYTES each): the forward's and the backward's.
+LOGPROB_PIECES_LIVE = 3
+# What a layer's RMSNorm keeps for the backward, in hidden-size vectors per token: its input, the normalised
+# value (for the weight's gradient) and its output (the next projection's input).
+NORM_KEEPS = 3
+
+
+@dataclass(frozen=True)
+class Layout:
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+    data: int = 1  # data-parallel replicas (world / (tensor x pipeline x context))
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parameters: int  # bytes
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    parameter_count: int  # on this rank
+    tokens: int  # of the micro-batch counted
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.logits
+
+    def lines(self) -> list[str]:
+        def gib(value: int) -> str:
+            return f"{value / GIB:.2f} GiB" if value >= GIB / 10 else f"{value / 2**20:.1f} MiB"
+
+        return [
+            f"training memory per device (estimate of the peak allocated, {self.parameter_count:,} parameters "
+            f"on this rank): {gib(self.total)}",
+            f"  parameters {gib(self.parameters)}, gradients {gib(self.gradients)}, optimizer {gib(self.optimizer)}, "
+            f"activations of a micro-batch of {self.tokens:,} tokens {gib(self.activations)}, "
+            f"logits {gib(self.logits)}",
+        ]
+
+
+def layer_kinds(tc) -> list[str]:
+    """Each layer's token mixer: "attention" or "gated_delta_net" (Qwen3.5's linear attention)."""
+    pattern = tc.linear_attention_freq if tc.experimental_attention_variant == "gated_delta_net" else None
+    if pattern is None:
+        return ["attention"] * tc.num_layers
+    if isinstance(pattern, int):  # every pattern-th layer is full attention, as megatron-core reads it
+        return ["attention" if (i + 1) % pattern == 0 else "gated_delta_net" for i in range(tc.num_layers)]
+    return ["gated_delta_net" if linear else "attention" for linear in pattern]
+
+
+def moe_layers(tc) -> list[bool]:
+    if not tc.num_moe_experts:
+        return [False] * tc.num_layers
+    freq = tc.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(tc.num_layers)]
+    return [bool(f) for f in freq]
+
+
+def _attention_widths(tc) -> tuple[int, int]:
+    """(q, k + v) widths of a softmax attention layer's projection (Qwen3.5's output gate doubles q)."""
+    head_dim = tc.kv_channels or tc.hidden_size // tc.num_attention_heads
+    q = tc.num_attention_heads * head_dim * (2 if getattr(tc, "attention_output_gate", False) else 1)
+    return q, 2 * (tc.num_query_groups or tc.num_attention_heads) * head_dim
+
+
+def _gdn_widths(tc) -> tuple[int, int, int]:
+    """(q + k, v, heads) widths of a gated delta net layer."""
+    qk = 2 * tc.linear_num_key_heads * tc.linear_key_head_dim
+    return qk, tc.linear_num_value_heads * tc.linear_value_head_dim, tc.linear_num_value_heads
+
+
+def mixer_parameters(tc, kind: str) -> int:
+    h = tc.hidden_size
+    if kind == "attention":
+        q, kv = _attention_widths(tc)
+        head_dim = tc.kv_channels or h // tc.num_attention_heads
+        out = tc.num_attention_heads * head_dim
+        norms = 2 * head_dim if tc.qk_layernorm else 0
+        bias = q + kv if tc.add_qkv_bias else 0
+        return h * (q + kv) + bias + out * h + norms + h  # + the layer's input norm
+    qk, v, heads = _gdn_widths(tc)
+    in_proj = h * (qk + 2 * v + 2 * heads)  # q, k, v, the output gate z; b and a per head
+    conv = (qk + v) * tc.linear_conv_kernel_dim
+    return in_proj + conv + 2 * heads + tc.linear_value_head_dim + v * h + h  # A, dt bias, the gated norm, out, norm
+
+
+def mlp_parameters(tc, moe: bool) -> tuple[int, int]:
+    """(dense, expert) parameters of one layer's MLP with its norm."""
+    h, gated = tc.hidden_size, 3 if tc.gated_linear_unit else 2
+    if not moe:
+        return gated * h * tc.ffn_hidden_size + h, 0
+    shared = tc.moe_shared_expert_intermediate_size or 0
+    dense = h * tc.num_moe_experts + gated * h * shared + (h if tc.moe_shared_expert_gate else 0) + h
+    return dense, tc.num_moe_experts * gated * h * tc.moe_ffn_hidden_size
+
+
+def parameter_count(tc, vocab_size: int, untied: bool) -> tuple[int, int, int]:
+    """(embedding and output layer, layers' dense, layers' expert) parameters of the whole model."""
+    dense = experts = 0
+    for kind, moe in zip(layer_kinds(tc), moe_layers(tc)):
+        mlp_dense, mlp_experts = mlp_parameters(tc, moe)
+        dense += mixer_parameters(tc, kind) + mlp_dense
+        experts += mlp_experts
+    vocabulary = vocab_size * tc.hidden_size * (2 if untied else 1) + tc.hidden_size  # + the final norm
+    return vocabulary, dense, experts
+
+
+def _mixer_activation_elements(tc, kind: str, tp: int, sp_div: int) -> float:
+    h = tc.hidden_size
+    if kind == "attention":
+        q, kv = _attention_widths(tc)
+        head_dim = tc.kv_channels or h // tc.num_attention_heads
+        out = tc.num_attention_heads * head_dim
+        # the norm, q/k/v (as rotated), the attention's output (the output projection's input)
+        return NORM_KEEPS * h / sp_div + (q + kv + out) / tp
+    qk, v, heads = _gdn_widths(tc)
+    # the norm, q/k/v/z/b/a, the convolution's output, the rule's output and its gated norm
+    return NORM_KEEPS * h / sp_div + (qk + 2 * v + 2 * heads + qk + v + 2 * v) / tp
+
+
+def _mlp_activation_elements(tc, moe: bool, tp: int, etp: int, sp_div: int, modules: set) -> float:
+    h, gated = tc.hidden_size, 3 if tc.gated_linear_unit else 2  # fc1's output (gate and up) and the activation
+    inputs = NORM_KEEPS * h / sp_div
+    if not moe:
+        return inputs + (0 if "mlp" in modules else gated * tc.ffn_hidden_size / tp)
+    k, routed = tc.moe_router_topk, 0.0
+    if "moe" not in modules:
+        per_copy = h + gated * tc.moe_ffn_hidden_size / etp  # each token's copy sent to an expert, its fc1 and act
+        if "moe_act" in modules:
+            per_copy -= tc.moe_ffn_hidden_size / etp
+        routed = k * per_copy + 2 * tc.num_moe_experts  # + the router's float32 scores
+    shared = tc.moe_shared_expert_intermediate_size or 0
+    shared_part = 0 if "shared_experts" in modules else gated * shared / tp
+    return inputs + routed + shared_part
+
+
+def estimate_actor_memory(
+    tc, vocab_size: int, untied: bool, tokens: int, layout: Layout, param_bytes: int, grad_bytes: int,
+    optimizer: str, logprob_pieces_bytes: int = 0,
+) -> MemoryEstimate:
+    """`tc`: megatron-core's TransformerConfig; `tokens`: one micro-batch's tokens on this device; `param_bytes`:
+    2 for bf16/fp16, 4 for fp32; `grad_bytes`: the gradient buffer's; `optimizer`: "adam" or "sgd";
+    `logprob_pieces_bytes`: the float32 temporaries of one piece at most where the platform computes logprobs by
+    pieces of positions (0 where fused kernels do)."""
+    tp, pp, ep = layout.tensor, layout.pipeline, layout.expert
+    etp = tc.expert_tensor_parallel_size or tp
+    vocabulary, dense, experts = parameter_count(tc, vocab_size, untied)
+    # The worst pipeline stage: its share of the layers and the larger of the embedding and the output layer.
+    vocabulary_on_stage = vocabulary if pp == 1 else vocabulary / (2 if untied else 1)
+    on_rank = int(vocabulary_on_stage / tp + dense / (tp * pp) + experts / (etp * ep * pp))
+    master = 4 if param_bytes < 4 else 0
+    state_bytes = master + (8 if optimizer == "adam" else 4)
+    optimizer_shards = layout.data * layout.context if layout.distributed_optimizer else 1
+
+    activation_bytes = param_bytes  # the layers compute in the parameters' dtype
+    sp_div = tp if layout.sequence_parallel else 1
+    modules = set(tc.recompute_modules or ()) if tc.recompute_granularity == "selective" else set()
+    per_layer = [
+        _mixer_activation_elements(tc, kind, tp, sp_div)
+        + _mlp_activation_elements(tc, moe, tp, etp, sp_div, modules)
+        for kind, moe in zip(layer_kinds(tc), moe_layers(tc))
+    ]
+    if tc.recompute_granularity == "full":
+        group = tc.recompute_num_layers or 1
+        kept = tc.hidden_size / sp_div  # each recomputed layer's input
+        if tc.recompute_method == "block":  # the first `group` layers of each stage recompute, the rest keep all
+            per_stage = tc.num_layers // pp
+            elements = sum(kept if i % per_stage < group else per_layer[i] for i in range(tc.num_layers))
+        else:  # uniform: every layer's input kept, one group of layers live while it is recomputed
+            elements = kept * tc.num_layers + max(per_layer) * group
+    else:
+        elements = sum(per_layer)
+    activations = int(elements * tokens * activation_bytes)
+    pieces = LOGPROB_PIECES_LIVE * min(logprob_pieces_bytes, 4 * tokens * vocab_size // tp)
+    logits = int(3 * tokens * vocab_size / tp * activation_bytes + pieces)
+    return MemoryEstimate(
+        parameters=on_rank * param_bytes,
+        gradients=on_rank * grad_bytes,
+        optimizer=on_rank * state_bytes // optimizer_shards,
+        activations=activations,
+        logits=logits,
+        parameter_count=on_rank,
+        tokens=tokens,
+    )

@@ -1,0 +1,105 @@
+"""The training memory estimate (relax.train.memory_estimate) and --device-memory-gib's check."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from helpers import DRY_RUN, parse_error
+from relax.args import parse_train_args
+from relax.args.memory import actor_memory, memory_for_training
+from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
+from relax.platform import platform_facts
+from relax.tools.tiny_model import FAMILIES, build_tiny_model
+from relax.train.memory_estimate import GIB, Layout, estimate_actor_memory, parameter_count
+
+# train_throughput.py's and rl_batch_throughput.py's 1.69B Qwen3 shape (vocabulary 151,936, untied)
+QWEN3_1_7B_SHAPE = dict(
+    num_layers=24, hidden_size=2048, num_attention_heads=16, num_query_groups=4, kv_channels=128,
+    ffn_hidden_size=5504, gated_linear_unit=True, bf16=True, params_dtype=torch.bfloat16,
+)
+VOCAB = 151936
+
+
+def _shape(**overrides) -> TransformerConfig:
+    return TransformerConfig(**{**QWEN3_1_7B_SHAPE, **overrides})
+
+
+def _estimate(tc=None, tokens=16384, layout=Layout(), **kwargs):
+    options = dict(dict(param_bytes=2, grad_bytes=2, optimizer="adam", logprob_pieces_bytes=0), **kwargs)
+    return estimate_actor_memory(tc or _shape(), VOCAB, True, tokens, layout, **options)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_parameter_count_is_the_checkpoints(family, tmp_path):
+    checkpoint = read_hf_checkpoint(build_tiny_model(tmp_path, family))
+    tc = transformer_config(checkpoint, num_layers=checkpoint.transformer_fields.get("num_layers"))
+    counted = sum(parameter_count(tc, checkpoint.model_fields["vocab_size"],
+                                  checkpoint.model_fields["untie_embeddings_and_output_weights"]))
+    assert counted == sum(math.prod(entry.shape) for entry in checkpoint.tensors.values())
+
+
+def test_bf16_adam_state_is_sixteen_bytes_a_parameter_and_activations_grow_with_the_tokens():
+    small, large = _estimate(tokens=8192), _estimate(tokens=16384)
+    assert small.parameter_count == 1_685_686_272
+    static = small.parameters + small.gradients + small.optimizer
+    assert static == 16 * small.parameter_count  # bf16 weights and grads, fp32 main weights and two moments
+    assert (large.activations, large.logits) == (2 * small.activations, 2 * small.logits)
+    # the measured peak of this shape at 16,384 tokens with the logprobs over pieces: 72.4 GB (docs/training.md)
+    measured = _estimate(tokens=16384, logprob_pieces_bytes=256 * 2**20)
+    assert measured.total / 1e9 == pytest.approx(72.4, rel=0.06)
+
+
+def test_parallelism_recompute_and_a_sharded_optimizer_each_lower_what_they_split():
+    base = _estimate()
+    tp2 = _estimate(layout=Layout(tensor=2))
+    assert tp2.parameter_count < base.parameter_count / 1.9 and tp2.logits == base.logits // 2
+    assert tp2.activations < base.activations
+    sharded = _estimate(layout=Layout(data=4, distributed_optimizer=True))
+    assert sharded.optimizer == base.optimizer // 4 and sharded.parameters == base.parameters
+    full = _estimate(_shape(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
+    assert full.activations < base.activations / 5
+    selective = _estimate(_shape(recompute_granularity="selective", recompute_modules=["mlp"]))
+    assert full.activations < selective.activations < base.activations
+
+
+def test_experts_split_over_expert_parallelism():
+    moe = _shape(num_moe_experts=8, moe_ffn_hidden_size=768, moe_router_topk=2, moe_grouped_gemm=True)
+    one, four = _estimate(moe), _estimate(moe, layout=Layout(expert=4))
+    experts_per_rank = 24 * 8 * 3 * 2048 * 768
+    assert one.parameter_count - four.parameter_count == experts_per_rank * 3 // 4
+
+
+def test_the_dry_run_prints_the_estimate(capsys):
+    from relax.cli import main
+
+    assert main(["train", *DRY_RUN, "--vocab-size", "64"]) == 0
+    assert "training memory per device (estimate of the peak allocated" in capsys.readouterr().out
+    assert main(["train", *DRY_RUN]) == 0
+    assert "training memory per device: not estimated without the vocabulary size" in capsys.readouterr().out
+
+
+def test_a_layout_that_does_not_fit_the_device_is_refused_naming_the_fixes(capsys):
+    argv = [*DRY_RUN, "--use-dynamic-batch-size", "--max-tokens-per-device", "65536", "--vocab-size", "151936"]
+    estimate = actor_memory(parse_train_args(argv).flags, parse_train_args(argv).megatron, platform_facts("cpu"))
+    fits = f"{estimate.total / GIB * 1.1:.3f}"
+    assert parse_train_args([*argv, "--device-memory-gib", fits]).flags.device_memory_gib == float(fits)
+    error = parse_error([*argv, "--device-memory-gib", f"{estimate.total / GIB * 0.9:.3f}"], capsys)
+    assert "the training actor is estimated to need" in error and "lower --max-tokens-per-device" in error
+
+
+def test_engines_beside_the_actor_leave_it_the_rest_of_the_device(capsys):
+    argv = [*DRY_RUN, "--vocab-size", "64"]
+    estimate = actor_memory(parse_train_args(argv).flags, parse_train_args(argv).megatron, platform_facts("cpu"))
+    device = ["--device-memory-gib", f"{estimate.total / GIB / 0.9:.4f}"]
+    assert parse_train_args([*argv, *device]).flags.colocate  # colocated: the whole device while it trains
+    beside = [*argv, *device, "--no-colocate", "--rollout-num-devices", "0", "--sglang-mem-fraction-static", "0.5"]
+    assert "the training actor is estimated to need" in parse_error(beside, capsys)
+
+
+def test_an_engine_share_chosen_at_start_up_cannot_be_checked_before():
+    beside = SimpleNamespace(colocate=False, rollout_num_devices=0, device_memory_gib=80.0)
+    assert memory_for_training(beside, SimpleNamespace(mem_fraction_static=None)) is None
+    assert memory_for_training(beside, SimpleNamespace(mem_fraction_static=0.25)) == 60 * GIB
