@@ -47,7 +47,7 @@ def test_bf16_adam_state_is_sixteen_bytes_a_parameter_and_activations_grow_with_
     static = small.parameters + small.gradients + small.optimizer
     assert static == 16 * small.parameter_count  # bf16 weights and grads, fp32 main weights and two moments
     assert (large.activations, large.logits) == (2 * small.activations, 2 * small.logits)
-    # the measured peak of this shape at 16,384 tokens with the logprobs over pieces: 72.4 GB (docs/training.md)
+    # the measured peak of this shape at 16,384 tokens with the logprobs over pieces: 72.4 GB (docs/benchmarks.md)
     measured = _estimate(tokens=16384, logprob_pieces_bytes=256 * 2**20)
     assert measured.total / 1e9 == pytest.approx(72.4, rel=0.06)
 
