@@ -40,6 +40,7 @@ from relax.console import say
 from relax.ray.faults import FaultPlan
 from relax.ray.placement import ActorGroup, WorkerFailed, first_done, wait_for, worker_failure
 from relax.ray.watch import Timeout
+from relax.rollout.data import Prompt
 from relax.rollout.engine import MEMORY_TAGS, Completion, EngineDeadError, SamplingConfig
 from relax.rollout.rollout import offset_seed
 
@@ -56,6 +57,7 @@ class GroupCall(NamedTuple):
     prompt: list[int]
     sampling: SamplingConfig
     prefixes: list[list[int]] | None  # the responses it continues (partial rollout), else sampling.n new ones
+    source: Prompt | None = None  # the prompt's data row, for a custom generate function (the rollout's groups)
     engine: int | None = None  # None: held back (waiting for a restarted engine's weights)
     ref: ray.ObjectRef | None = None
     deadline: float | None = None  # time.monotonic() past which it did not answer in time (--rollout-timeout)
@@ -122,12 +124,12 @@ class Colocation:
     # --- generation: relax.rollout.rollout.EnginePool -----------------------------------------------------
 
     def submit(self, key: int, prompt: list[int], sampling: SamplingConfig,
-               prefixes: list[list[int]] | None = None) -> None:
+               prefixes: list[list[int]] | None = None, source: Prompt | None = None) -> None:
         """Send a prompt group (or the continuations of its responses `prefixes`) to the engine with the fewest
         requests in flight (ties: the lowest index), or hold it back while a restarted engine waits for the
         actor's weights."""
         hold = self._waiting_for_weights() or any(call.ref is None for call in self._groups.values())
-        self._groups[key] = GroupCall(prompt, sampling, prefixes)
+        self._groups[key] = GroupCall(prompt, sampling, prefixes, source)
         if not hold:
             self._send(key)
 
@@ -195,7 +197,7 @@ class Colocation:
                 load[other.engine] += other.requests
         engine = min(range(len(load)), key=lambda index: (load[index], index))
         deadline = None if self.rollout_timeout.seconds is None else time.monotonic() + self.rollout_timeout.seconds
-        ref = self.engines.actors[engine].generate_group.remote(call.prompt, call.sampling, call.prefixes)
+        ref = self.engines.actors[engine].generate_group.remote(call.prompt, call.sampling, call.prefixes, call.source)
         self._groups[key] = call._replace(engine=engine, ref=ref, deadline=deadline)
 
     def _send_held(self) -> None:

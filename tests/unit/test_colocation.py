@@ -80,11 +80,11 @@ class _Group:
 
 
 def _answer(ref):
-    """A call's answer: for generate_group(prompt, sampling, prefixes) one completion per request (a sample, or a
+    """A call's answer: for generate_group(prompt, sampling, prefixes, source) one completion per request (a sample, or a
     prefix continued), else a push report."""
     if ref.method != "generate_group":
         return {"bytes": 1}
-    prompt, sampling, prefixes = ref.args
+    prompt, sampling, prefixes, _source = ref.args
     return ["completion"] * (sampling.n if prefixes is None else len(prefixes))
 
 
@@ -216,7 +216,7 @@ def _weights_to(engines: list[str]) -> list[tuple[str, str]]:
 def _sent(log) -> list[tuple[str, list[int], int]]:
     """Each generate_group call logged: (engine, prompt, first seed)."""
     return [(name, prompt, sampling.seed) for name, method, *args in log if method == "generate_group"
-            for prompt, sampling, _prefixes in [args]]
+            for prompt, sampling, _prefixes, _source in [args]]
 
 
 def test_each_group_goes_whole_to_the_engine_with_the_fewest_requests_in_flight(world):

@@ -32,7 +32,7 @@ class InOrderPool:
     def __init__(self, generate):
         self.generate, self.in_flight = generate, {}
 
-    def submit(self, key, prompt, sampling, prefixes=None):
+    def submit(self, key, prompt, sampling, prefixes=None, source=None):
         assert prefixes is None, "nothing is continued without --partial-rollout"
         self.in_flight[key] = (prompt, sampling)
 

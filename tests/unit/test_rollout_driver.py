@@ -44,7 +44,7 @@ class ScriptedPool:
         self.in_flight: dict[int, tuple[int, SamplingConfig, int]] = {}
         self.aborts = 0
 
-    def submit(self, key, prompt, sampling, prefixes=None):
+    def submit(self, key, prompt, sampling, prefixes=None, source=None):
         self.submitted.append((prompt[0], sampling.seed))
         self.prefixes.append(prefixes)
         self.in_flight[key] = (prompt[0], sampling, sampling.n if prefixes is None else len(prefixes))
