@@ -73,7 +73,7 @@ class Sample:
     status: Status = Status.PENDING
 
 
-FINISH_REASONS = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length", Sample.Status.ABORTED: "abort"}
+FINISH_REASONS = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length"}
 STATUS_OF_FINISH = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED,
                     "abort": Sample.Status.ABORTED, "error": Sample.Status.FAILED}
 
@@ -202,6 +202,8 @@ def completion_of(returned, prompt_ids: list[int]) -> Completion:
         returned = returned[0]
     if not isinstance(returned, Sample):
         return Completion.refused(f"returned {type(returned).__name__}, not a relax.rollout.custom_generate.Sample")
+    if returned.status is Sample.Status.ABORTED:  # unscored, whatever it holds: its prompt goes back
+        return Completion.aborted()
     if returned.status not in FINISH_REASONS:
         return Completion.refused(f"returned a sample with status {returned.status.name}")
     problem = sample_problem(returned, prompt_ids)

@@ -81,6 +81,7 @@ def test_eval_only_takes_the_training_flags_that_have_defaults_and_checks_them_a
         (["--load", "s"], "`relax convert`"),
         (["--debug-rollout-only"], ": --debug-rollout-only would do nothing"),
         (["--over-sampling-batch-size", "64"], ": --over-sampling-batch-size would do nothing"),
+        (["--custom-generate-function-path", "m.f"], ": --custom-generate-function-path would do nothing"),
     ],
 )
 def test_eval_only_refuses_the_flags_that_would_do_nothing(args, message, capsys):
