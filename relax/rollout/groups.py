@@ -23,7 +23,6 @@ class Sample:
     finish_reason: str  # "stop" (EOS or a stop token), "length" (max new tokens) or "abort"
     response_text: str = ""
     reward: float = 0.0
-    reward_preset: bool = False  # a custom generate function set the reward: the reward function is not called
     reward_failed: bool = False  # the reward function raised or timed out for this sample; reward is the failure score
     reward_timed_out: bool = False  # its reward call ran past --reward-timeout (reward_failed too)
     # The experts the engine's routers chose (--use-rollout-routing-replay), relax.rollout.engine.Completion's
@@ -39,6 +38,7 @@ class Sample:
     # The step whose rollout sampled each response token: an earlier step's for the tokens of a response that
     # partial rollout continued (relax.rollout.partial). None: the step's own (and saved samples replayed).
     response_steps: list[int] | None = None
+    reward_preset: bool = False  # a custom generate function set the reward: the reward function is not called
 
     def __post_init__(self):
         if self.loss_mask is None:

@@ -80,8 +80,8 @@ class _Group:
 
 
 def _answer(ref):
-    """A call's answer: for generate_group(prompt, sampling, prefixes, source) one completion per request (a sample, or a
-    prefix continued), else a push report."""
+    """A call's answer: for generate_group(prompt, sampling, prefixes, source) one completion per request (a
+    sample, or a prefix continued), else a push report."""
     if ref.method != "generate_group":
         return {"bytes": 1}
     prompt, sampling, prefixes, _source = ref.args

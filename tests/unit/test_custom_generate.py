@@ -1,10 +1,23 @@
+"""slime's custom generate function (relax.rollout.custom_generate): loading and the signature check, the sample a
+function gets, generate and the append helpers, what comes back (trained, aborted, or failed naming why), and a
+step's groups of such samples through EngineWorker over a scripted engine (the real stack:
+tests/e2e/test_loop_custom_generate.py)."""
+
 import asyncio
 import textwrap
 from dataclasses import dataclass
 
 import pytest
 
-from relax.rollout.custom_generate import load_custom_generate_fn, sample_problem
+from relax.rollout.custom_generate import (
+    CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_sample,
+    load_custom_generate_fn, sample_problem,
+)
+from relax.rollout.data import Prompt, PromptLoader
+from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.rewards import RewardFn
+from relax.rollout.rollout import collect_groups
+from relax.rollout.worker import EngineWorker
 
 FUNCTIONS = '''
 async def generate(args, sample, sampling_params):
@@ -116,15 +129,6 @@ def test_a_misaligned_sample_is_a_problem_named(sample, reason):
 
 
 # --- the function's samples: generate, the append helpers, what comes back ----------------------------------------
-
-from relax.rollout.custom_generate import (  # noqa: E402
-    CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_sample,
-)
-from relax.rollout.data import Prompt, PromptLoader  # noqa: E402
-from relax.rollout.engine import Completion, SamplingConfig  # noqa: E402
-from relax.rollout.rewards import RewardFn  # noqa: E402
-from relax.rollout.rollout import collect_groups  # noqa: E402
-from relax.rollout.worker import EngineWorker  # noqa: E402
 
 TOOL = [50, 51]  # the ids a function appends itself
 
