@@ -143,9 +143,11 @@ def collect_groups(
     While fewer groups are in flight than are still needed, the next `chunk_size` prompts of `loader` are submitted
     (--over-sampling-batch-size: with chunk_size > num_groups, more are generated than the step needs, against the
     long tail). Each completed group is scored and kept, unless a sample of it failed in the engine (dropped and
-    counted: its place is taken by the groups in flight or the next chunk) or, with `dynamic_sampling` (DAPO), its
-    rewards are all equal (dropped). Once num_groups are kept, every group still in flight is aborted and its prompt
-    put back into `loader`, to be served first by the next step (nothing is lost; no prompt comes twice in a step).
+    counted: its place is taken by the groups in flight or the next chunk), a custom generate function returned a
+    sample of it ABORTED (unscored, counted, its prompt put back with the surplus's) or, with `dynamic_sampling`
+    (DAPO), its rewards are all equal (dropped). Once num_groups are kept, every group still in flight is aborted and
+    its prompt put back into `loader`, to be served first by the next step (nothing is lost; no prompt comes twice in
+    a step).
     With `partial`, a group is put back with the tokens its responses generated, and taken again its responses
     continue from there (those that had finished are kept as they are).
 
