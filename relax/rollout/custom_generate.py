@@ -27,12 +27,12 @@ tool's output, the chat template's turn ids: mask 0, logprob 0.0), keeping token
 response_length, response and status aligned.
 
 What it returns carries slime's sample fields: `tokens` (the prompt's ids, then the response's: tool tokens are
-response tokens), `response_length`, `loss_mask` (one per response token, None: all trained), `rollout_log_probs`
-(one per response token), `reward` (set: the reward function is not called for it) and `status`: COMPLETED or
-TRUNCATED are trained, ABORTED goes back to the prompt stream for a later step unscored, FAILED fails the sample.
-A sample that raises, returns something else, or is misaligned (sample_problem) fails too, with the reason: failed
-samples are counted (rollout/failed_samples) and their groups generated anew from other prompts, as the rollout
-does for a request the engine refused.
+response tokens; at most max_new_tokens response tokens in all), `response_length`, `loss_mask` (one per response
+token, None: all trained), `rollout_log_probs` (one per response token), `reward` (set: the reward function is not
+called for it) and `status`: COMPLETED or TRUNCATED are trained, ABORTED goes back to the prompt stream for a later
+step unscored, FAILED fails the sample. A sample that raises, returns something else, or is misaligned
+(sample_problem, completion_of) fails too, with the reason: failed samples are counted (rollout/failed_samples) and
+their groups generated anew from other prompts, as the rollout does for a request the engine refused.
 """
 
 import argparse
@@ -184,15 +184,15 @@ async def generate_sample(fn: CustomGenerateFn, args: argparse.Namespace, prompt
         returned = await fn(args, sample, dict(sampling_params), evaluation=evaluation)
     except Exception as error:  # a user's function may fail in any way: the sample fails, the run goes on
         return Completion.refused(f"{FLAG} {fn.spec} raised {type(error).__name__}: {error}")
-    completion = completion_of(returned, prompt.token_ids)
+    completion = completion_of(returned, prompt.token_ids, sampling_params["max_new_tokens"])
     if completion.error is not None:
         return Completion.refused(f"{FLAG} {fn.spec}: {completion.error}")
     return completion
 
 
-def completion_of(returned, prompt_ids: list[int]) -> Completion:
+def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
     """What a function returned for the prompt `prompt_ids`, as the rollout takes a completion: failed (the reason
-    in `error`) unless it is one Sample with aligned fields and a final status."""
+    in `error`) unless it is one Sample with aligned fields, at most `budget` response tokens and a final status."""
     if isinstance(returned, list):
         if len(returned) != 1:
             return Completion.refused(
@@ -207,6 +207,9 @@ def completion_of(returned, prompt_ids: list[int]) -> Completion:
     if returned.status not in FINISH_REASONS:
         return Completion.refused(f"returned a sample with status {returned.status.name}")
     problem = sample_problem(returned, prompt_ids)
+    if problem is None and returned.response_length > budget:
+        problem = (f"its response has {returned.response_length} tokens, over its budget of {budget} (sampling_params' "
+                   "max_new_tokens: --rollout-max-response-len, the ids the function added included)")
     if problem is None and returned.rollout_log_probs is None:
         problem = "its rollout_log_probs are None: give the engine's logprob of each response token (append_generated)"
     if problem is None and returned.reward is not None and not isinstance(returned.reward, (int, float)):

@@ -229,6 +229,8 @@ async def _raises(args, sample, sampling_params):
     (_returning(lambda s: s), "returned a sample with status PENDING"),
     (_returning(_with(status=Sample.Status.FAILED)), "returned a sample with status FAILED"),
     (_returning(_with(status=Sample.Status.COMPLETED, tokens=[1, 2])), "its tokens do not start with the prompt's"),
+    (_returning(_with(status=Sample.Status.COMPLETED, tokens=PROMPT + [1] * 9, response_length=9,
+                      rollout_log_probs=[-1.0] * 9)), "its response has 9 tokens, over its budget of 8"),
     (_returning(_with(status=Sample.Status.COMPLETED, tokens=PROMPT + [1], response_length=1)),
      "its rollout_log_probs are None: give the engine's logprob of each response token"),
     (_returning(_with(status=Sample.Status.COMPLETED, tokens=PROMPT + [1], response_length=1,
@@ -247,7 +249,7 @@ def test_append_keeps_the_fields_aligned_after_tokens_the_function_set_itself():
     assert (sample.tokens, sample.loss_mask, sample.rollout_log_probs, sample.response_length) == (
         [7, 1, 2, 3], [1, 1, 0], [0.0, 0.0, 0.0], 3
     )
-    assert completion_of(_with(status=Sample.Status.COMPLETED)(sample), [7]).loss_mask == [1, 1, 0]
+    assert completion_of(_with(status=Sample.Status.COMPLETED)(sample), [7], budget=3).loss_mask == [1, 1, 0]
     with pytest.raises(ValueError, match="2 token ids but 1 logprobs"):
         append_generated(sample, Completion([1, 2], [-1.0], "stop", ""))
 
