@@ -335,18 +335,18 @@ EVAL_SAMPLING_FLAGS = (
 EVAL_ONLY_REFUSED = (
     "prompt_data", "rollout_shuffle", "eval_interval", "save", "load", "save_rollout_data", "load_rollout_data",
     "dynamic_sampling", "over_sampling_batch_size", "rollout_max_prompts", "partial_rollout", "max_staleness",
-    "debug_rollout_only", "use_rollout_routing_replay", "custom_generate_function_path",
+    "debug_rollout_only", "use_rollout_routing_replay",
 )
 
 # What --load-rollout-data refuses: the flags that choose how the training's rollouts are generated. And, unless an
 # evaluation reads them (scores_samples), the flags that read and score prompts, unset unless given.
 REPLAY_REFUSED = (
     "prompt_data", "rollout_shuffle", "dynamic_sampling", "over_sampling_batch_size", "rollout_max_prompts",
-    "partial_rollout", "max_staleness", "debug_rollout_only", "custom_generate_function_path",
+    "partial_rollout", "max_staleness", "debug_rollout_only",
 )
 READ_WITH_PROMPTS = (
     "reward_fn", "apply_chat_template", "apply_chat_template_kwargs", "system_prompt", "max_prompt_length",
-    "skip_bad_rows", "rollout_clip_response_to_context", "tools", "max_turns",
+    "skip_bad_rows", "rollout_clip_response_to_context", "tools", "max_turns", "custom_generate_function_path",
 )
 
 

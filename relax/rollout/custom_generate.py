@@ -5,8 +5,9 @@ relax. slime names it `module.path.function`; relax takes that and `module:funct
     async def generate(args, sample, sampling_params): ...                     # returns the sample, or a list of one
     async def generate(args, sample, sampling_params, evaluation=False): ...  # told when it generates for an eval
 
-once per sample (--n-samples-per-prompt calls per prompt), inside the engine actor that the prompt's group went to
-(relax.rollout.worker), and `evaluation` is passed only to a function that declares it. load_custom_generate_fn
+once per sample (--n-samples-per-prompt calls per prompt of a rollout, --eval-n-samples-per-prompt of an
+evaluation), inside the engine actor that the prompt's group went to (relax.rollout.worker); `evaluation` (True in
+an evaluation) is passed only to a function that declares it. load_custom_generate_fn
 imports the function and checks that it can be called so, before a run starts (--dry-run's check).
 
 What the function gets:
@@ -16,7 +17,7 @@ What the function gets:
                      `generate` below
     sample           a Sample with the prompt's text, label and metadata, its `tokens` the prompt's ids
     sampling_params  SGLang's sampling parameters of the sample's request (max_new_tokens: the whole response's
-                     budget; sampling_seed where the run seeds its requests)
+                     budget; sampling_seed where the run seeds its requests: the rollout's and evaluation's are)
 
 How it generates: `await generate(input_ids, sampling_params)` sends one request to the engine of the actor it runs
 in (one sample's turns share its prefix cache; a sample waiting on a tool holds no generation slot) and returns the
@@ -30,9 +31,10 @@ What it returns carries slime's sample fields: `tokens` (the prompt's ids, then 
 response tokens; at most max_new_tokens response tokens in all), `response_length`, `loss_mask` (one per response
 token, None: all trained), `rollout_log_probs` (one per response token), `reward` (set: the reward function is not
 called for it) and `status`: COMPLETED or TRUNCATED are trained, ABORTED goes back to the prompt stream for a later
-step unscored, FAILED fails the sample. A sample that raises, returns something else, or is misaligned
-(sample_problem, completion_of) fails too, with the reason: failed samples are counted (rollout/failed_samples) and
-their groups generated anew from other prompts, as the rollout does for a request the engine refused.
+step unscored (in an evaluation, which puts nothing back, it fails), FAILED fails the sample. A sample that raises,
+returns something else, or is misaligned (sample_problem, completion_of) fails too, with the reason, as a request
+the engine refused does: in a rollout counted (rollout/failed_samples) and its group generated anew from another
+prompt, in an evaluation its prompt left out of the metrics (eval/NAME/failed_prompts).
 """
 
 import argparse
@@ -185,6 +187,9 @@ async def generate_sample(fn: CustomGenerateFn, args: argparse.Namespace, prompt
     except Exception as error:  # a user's function may fail in any way: the sample fails, the run goes on
         return Completion.refused(f"{FLAG} {fn.spec} raised {type(error).__name__}: {error}")
     completion = completion_of(returned, prompt.token_ids, sampling_params["max_new_tokens"])
+    if evaluation and completion.finish_reason == "abort":
+        completion = Completion.refused("returned a sample with status ABORTED in an evaluation, which puts no "
+                                        "prompt back")
     if completion.error is not None:
         return Completion.refused(f"{FLAG} {fn.spec}: {completion.error}")
     return completion

@@ -6,11 +6,11 @@ sends whole to one engine (the one with the least work in flight: relax.run.colo
 prefix cache serves the group's shared prompt), and completed groups come back one by one, in the order they
 complete. collect_groups decides what to submit, keep, drop, abort and put back.
 
-`generate(token_id_prompts, sampling)` (a Generate) answers a whole list of prompts at once, request i of the call
-sampled with seed sampling.seed + i: an in-process RolloutEngine.generate, or Colocation.generate over the engine
-actors (the evaluation's).
+`generate(prompts, sampling)` (a Generate) answers a whole list of prompts (their token ids, and their data rows for
+a custom generate function) at once, prompt p's requests sampled with seeds sampling.seed + p x n + j:
+Colocation.generate over the engine actors (the evaluation's).
 
-    samples = generate_and_score(engine.generate, loader.take(32), sampling, reward_fn)
+    samples = generate_and_score(colocation.generate, loader.take(32), sampling, reward_fn)
     metrics = reward_and_length_metrics(samples)
 """
 
@@ -27,7 +27,7 @@ from relax.rollout.multi_turn import multi_turn_metrics
 from relax.rollout.partial import GroupSoFar, PartialStats
 from relax.rollout.rewards import RewardFn, RewardInput, RewardReport, score
 
-Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
+Generate = Callable[[list[Prompt], SamplingConfig], list[list[Completion]]]
 
 STEP_SEED_SPAN = 2**24  # sampling seeds per step (run_state.sampling_seed): a step's requests must fit
 DEFAULT_MAX_CHUNKS = 10  # --rollout-max-prompts when not given: this many --over-sampling-batch-size chunks
@@ -37,10 +37,12 @@ class EnginePool(Protocol):
     """The engines as a rollout drives them, one prompt group per submission."""
 
     def submit(self, key: int, prompt: list[int], sampling: SamplingConfig,
-               prefixes: list[list[int]] | None = None, source: Prompt | None = None) -> None:
+               prefixes: list[list[int]] | None = None, source: Prompt | None = None,
+               evaluation: bool = False) -> None:
         """Start sampling.n requests of `prompt` (request j seeded sampling.seed + j), known as `key`; or with
         `prefixes` (partial rollout), one request per response begun earlier, continuing it. `source`: the prompt's
-        data row, which a custom generate function reads (relax.rollout.custom_generate)."""
+        data row, which a custom generate function reads (relax.rollout.custom_generate); `evaluation`: the group is
+        an evaluation's, which the function is told."""
 
     def next_done(self) -> tuple[int, list[Completion]]:
         """Wait for the next submitted group to complete: its key and a completion per request."""
@@ -98,7 +100,7 @@ def generate_and_score(
 ) -> list[Sample]:
     """sampling.n samples per prompt, prompt by prompt (n consecutive samples each) in prompt order; each scored, but
     the failed ones (score_samples)."""
-    samples = samples_of(prompts, generate([prompt.token_ids for prompt in prompts], sampling))
+    samples = samples_of(prompts, generate(prompts, sampling))
     say_reward_failures(reward_fn, score_samples(samples, reward_fn))
     return samples
 

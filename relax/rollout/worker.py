@@ -23,8 +23,7 @@ and keeps the groups it finds from starting another.
 With a custom generate function (--custom-generate-function-path: relax.rollout.custom_generate), a rollout group's
 samples are the function's, each sample one call on the engine's event loop, all n of the group at once, for the
 same reasons: the requests it sends through relax.rollout.custom_generate.generate go to this engine, and an abort
-answers those it sends after it as aborted. The evaluation's groups (which carry no prompt data row) are sampled by
-relax's own request.
+answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so.
 """
 
 import asyncio
@@ -82,17 +81,17 @@ class EngineWorker(RolloutEngine):
     @ray.method(concurrency_group=GENERATION)
     def generate_group(
         self, prompt: list[int], sampling: SamplingConfig, prefixes: list[list[int]] | None = None,
-        source: Prompt | None = None,
+        source: Prompt | None = None, evaluation: bool = False,
     ) -> list[Completion]:
         """sampling.n completions of one prompt, or the continuations of its responses `prefixes` (partial
         rollout): RolloutEngine.generate, beside the actor's other groups. With tools, multi-turn samples
         (generate_multi_turn_group; the checks refuse partial rollout with tools). With a custom generate function
-        and the prompt's data row `source` (a rollout's group), the function's samples (generate_custom_group; the
-        checks refuse partial rollout and tools with it)."""
+        and the prompt's data row `source`, the function's samples (generate_custom_group; `evaluation`: the group is
+        an evaluation's; the checks refuse partial rollout and tools with it)."""
         if source is not None and self.custom_generate is not None:
             if prefixes is not None:
                 raise ValueError("a custom generate function does not continue responses begun earlier")
-            return self.generate_custom_group(source, sampling)
+            return self.generate_custom_group(source, sampling, evaluation)
         if self.tool_rollout is None:
             return self.generate([prompt], sampling, None if prefixes is None else [prefixes])[0]
         if prefixes is not None:
@@ -118,7 +117,7 @@ class EngineWorker(RolloutEngine):
 
         return [_completion_of(response, self.chat_turns.tokenizer) for response in self._run(each_sample())]
 
-    def generate_custom_group(self, source: Prompt, sampling: SamplingConfig) -> list[Completion]:
+    def generate_custom_group(self, source: Prompt, sampling: SamplingConfig, evaluation: bool) -> list[Completion]:
         """sampling.n samples of one prompt by the custom generate function, its calls run at once on the engine's
         loop: sample j gets the sampling params of request j of the group (seeded sampling.seed + j)."""
         engine, aborts = self._live(), self.aborts
@@ -132,7 +131,7 @@ class EngineWorker(RolloutEngine):
         async def each_sample():
             params = request_params([source.token_ids] * sampling.n, sampling)
             return await asyncio.gather(*(
-                generate_sample(fn, args, source, sample_params, generate) for sample_params in params
+                generate_sample(fn, args, source, sample_params, generate, evaluation) for sample_params in params
             ))
 
         return self._run(each_sample())

@@ -1,7 +1,7 @@
 """A custom generate function (--custom-generate-function-path) through the real loop on CPU (scripts/run-tiny-cpu.sh):
 tests/e2e/two_turn_generate.py's two turns around a masked "tool" text run in the engine actor, the saved samples
 carry the mask and the engine's logprobs (0.0 where masked), the step trains on them, and the step's failed and
-ABORTED samples are counted."""
+ABORTED samples are counted; the evaluations sample through the function too (one turn each)."""
 
 import json
 import os
@@ -16,14 +16,18 @@ N = 4  # samples per prompt
 def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_masked(tmp_path):
     pattern = str(tmp_path / "rollouts" / "step_{step}.jsonl")
     python_path = os.pathsep.join(filter(None, [str(ROOT / "tests" / "e2e"), os.environ.get("PYTHONPATH")]))
-    records = step_records(run_tiny_job(
+    all_records = run_tiny_job(
         tmp_path, "--num-steps", "2", "--custom-generate-function-path", "two_turn_generate.two_turns",
         "--rollout-batch-size", "2", "--n-samples-per-prompt", str(N), "--global-batch-size", "8",
         "--micro-batch-size", "8", "--rollout-max-response-len", "8", "--eval-max-response-len", "2",
         "--save-rollout-data", pattern,
         env={"PYTHONPATH": python_path},
-    ))
+    )
+    records = step_records(all_records)
     assert len(records) == 2
+    evaluations = [r for r in all_records if "eval/held_out/reward_mean" in r]
+    assert [r["step"] for r in evaluations] == [0, 2]
+    assert all(r["eval/held_out/failed_samples"] == 0 for r in evaluations), evaluations
     for record in records:
         assert record["train/update_successful"] == 1.0
         # each step: the first group failed (generated anew from another prompt), the second came back ABORTED

@@ -1,5 +1,6 @@
 """A custom generate function for tests/e2e/test_loop_custom_generate.py, as a user writes one for
---custom-generate-function-path: two turns around a fixed "tool" text, which is not trained.
+--custom-generate-function-path: two turns around a fixed "tool" text, which is not trained; one turn in an
+evaluation.
 
 A group's requests are seeded from the step's first seed (a multiple of 2**24: relax.run.state.sampling_seed) plus
 k x n + j for sample j of the step's k-th group (relax.rollout.rollout.collect_groups), so each sample knows its
@@ -26,7 +27,10 @@ def tool_ids(hf_checkpoint: str) -> list[int]:
     return _tokenizer(hf_checkpoint).encode(TOOL_TEXT, add_special_tokens=False)
 
 
-async def two_turns(args, sample: Sample, sampling_params: dict) -> Sample:
+async def two_turns(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
+    if evaluation:
+        append_generated(sample, await generate(sample.tokens, sampling_params))
+        return sample
     group = sampling_params["sampling_seed"] % 2**24 // args.n_samples_per_prompt
     if group == 0:
         raise RuntimeError("the test function fails the step's first group")

@@ -343,6 +343,10 @@ def test_a_custom_generate_function_reaches_the_engines_with_slimes_args():
     assert (args.n_samples_per_prompt, args.rollout_max_response_len) == (4, 1024)
     assert (args.sglang_router_ip, args.sglang_router_port) == (None, None)  # relax serves no HTTP endpoint
     assert parse_train_args(RUN).rollout.custom_generate is None
+    # an evaluation samples through it, without a rollout too
+    replay_and_evaluate = [*REPLAY, *EVAL_SET, "--reward-fn", "math"]
+    function = ["--custom-generate-function-path", "test_custom_generate:two_turns"]
+    assert parse_train_args([*replay_and_evaluate, *function]).rollout.custom_generate.spec == function[1]
 
 
 def test_routing_replay_turns_on_the_engines_experts_and_the_actors_replay():
@@ -391,8 +395,8 @@ def test_a_replaying_run_needs_no_prompt_data(argv):
         ([*REPLAY, "--over-sampling-batch-size", "64", "--rollout-max-prompts", "640"],
          ": --over-sampling-batch-size, --rollout-max-prompts would do nothing"),
         ([*REPLAY, "--partial-rollout", "--max-staleness", "1"], ": --partial-rollout, --max-staleness would do nothing"),
-        ([*REPLAY, *EVAL_SET, "--reward-fn", "math", "--custom-generate-function-path", "m.f"],
-         ": --custom-generate-function-path would do nothing"),  # the evaluation is relax's own request
+        ([*TRAIN_ONLY, "--custom-generate-function-path", "m.f"], ": --custom-generate-function-path would do "
+         "nothing"),
     ],
     ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward", "no engine",
          "no over-sampling", "no partial rollout", "no custom generate function"],

@@ -156,8 +156,12 @@ class ScriptedEngine:
 
 def run_sample(fn, engine, prompt_ids=PROMPT, label="7") -> Completion:
     prompt = Prompt(row=1, token_ids=list(prompt_ids), text="copy 7:", label=label)
-    fn = fn if isinstance(fn, CustomGenerateFn) else CustomGenerateFn(fn, "tests:fn", takes_evaluation=False)
-    return asyncio.run(generate_sample(fn, "args", prompt, {"max_new_tokens": 8}, engine))
+    return asyncio.run(generate_sample(_as_custom(fn), "args", prompt, {"max_new_tokens": 8}, engine))
+
+
+def _as_custom(fn) -> CustomGenerateFn:
+    """A test's async function as the flag loads one (a CustomGenerateFn as it is)."""
+    return fn if isinstance(fn, CustomGenerateFn) else CustomGenerateFn(fn, "tests:fn", takes_evaluation=False)
 
 
 def test_a_two_turn_function_trains_its_sampled_tokens_only_with_the_engines_logprobs():
@@ -262,13 +266,12 @@ def test_generate_outside_a_function_says_where_it_works():
 # --- a rollout of the function's samples: EngineWorker's groups, as collect_groups fills a step ------------------
 
 class ScriptedWorker(EngineWorker):
-    """An engine actor with a custom generate function whose engine answers every request with `answer` (ids);
-    records each request's seed. Samples of prompt [0] (label "abort") come back ABORTED, of prompt [1] ("fail") the
-    first raises."""
+    """An engine actor with the custom generate function `fn`, whose engine answers every request with `answer`
+    (ids); records each request's seed."""
 
     def __init__(self, fn, answer=(1, 2)):
         self.aborts, self.answer, self.seeds = 0, list(answer), []
-        self.custom_generate = (CustomGenerateFn(fn, "tests:fn", takes_evaluation=False), "args")
+        self.custom_generate = (_as_custom(fn), "args")
 
     def _live(self):
         return "the engine"
@@ -282,6 +285,8 @@ class ScriptedWorker(EngineWorker):
 
 
 async def by_label(args, sample, sampling_params):
+    """The samples of a prompt labelled "abort" come back ABORTED, of "fail" the first raises, of "scored" with a
+    reward; the others are two_turns'."""
     if sample.label == "abort":
         sample.status = Sample.Status.ABORTED
         return sample
@@ -336,11 +341,26 @@ def test_a_step_of_function_samples_keeps_preset_rewards_puts_aborted_prompts_ba
     assert sorted(worker.seeds) == [3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
 
 
-def test_a_group_without_its_prompt_row_is_relax_s_own_request():
-    """The evaluation's groups carry no data row: relax samples them itself, the function is not called."""
+def test_an_evaluations_group_is_the_functions_told_so_and_an_aborted_sample_fails_there():
+    told = []
+
+    async def for_eval(args, sample, sampling_params, evaluation=False):
+        told.append(evaluation)
+        sample.status = Sample.Status.ABORTED if sample.label == "abort" else Sample.Status.COMPLETED
+        sample.rollout_log_probs = []
+        return sample
+
+    worker = ScriptedWorker(CustomGenerateFn(for_eval, "tests:fn", takes_evaluation=True))
+    (done,) = worker.generate_group([5], SamplingConfig(n=1), None, Prompt(1, [5], "p"), evaluation=True)
+    (aborted,) = worker.generate_group([5], SamplingConfig(n=1), None, Prompt(1, [5], "p", "abort"), evaluation=True)
+    (returned,) = worker.generate_group([5], SamplingConfig(n=1), None, Prompt(1, [5], "p", "abort"))
+    assert told == [True, True, False]
+    assert done.finish_reason == "stop" and done.token_ids == []
+    assert "returned a sample with status ABORTED in an evaluation, which puts no prompt back" in aborted.error
+    assert returned.finish_reason == "abort" and returned.error is None  # a rollout's: its prompt goes back
+
+
+def test_a_function_continues_no_response_begun_earlier():
     worker = ScriptedWorker(_raises)
-    worker.tool_rollout = None
-    worker.generate = lambda prompts, sampling, prefixes: [["relax's own"]]
-    assert worker.generate_group([5], SamplingConfig(n=1)) == ["relax's own"]
     with pytest.raises(ValueError, match="does not continue responses begun earlier"):
         worker.generate_group([5], SamplingConfig(n=1), [[1]], Prompt(1, [5], "p"))
