@@ -199,7 +199,9 @@ class Colocation:
                 load[other.engine] += other.requests
         engine = min(range(len(load)), key=lambda index: (load[index], index))
         deadline = None if self.rollout_timeout.seconds is None else time.monotonic() + self.rollout_timeout.seconds
-        ref = self.engines.actors[engine].generate_group.remote(call.prompt, call.sampling, call.prefixes, call.source, call.evaluation)
+        ref = self.engines.actors[engine].generate_group.remote(
+            call.prompt, call.sampling, call.prefixes, call.source, call.evaluation
+        )
         self._groups[key] = call._replace(engine=engine, ref=ref, deadline=deadline)
 
     def _send_held(self) -> None:
