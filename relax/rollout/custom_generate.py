@@ -7,14 +7,14 @@ relax. slime names it `module.path.function`; relax takes that and `module:funct
 
 once per sample (--n-samples-per-prompt calls per prompt of a rollout, --eval-n-samples-per-prompt of an
 evaluation), inside the engine actor that the prompt's group went to (relax.rollout.worker); `evaluation` (True in
-an evaluation) is passed only to a function that declares it. load_custom_generate_fn
-imports the function and checks that it can be called so, before a run starts (--dry-run's check).
+an evaluation) is passed only to a function that declares it. load_custom_generate_fn imports the function and
+checks that it can be called so, before a run starts (--dry-run's check).
 
 What the function gets:
-    args             SlimeArgs: slime's names for the settings such functions read (hf_checkpoint,
-                     rollout_max_response_len, rollout_temperature, n_samples_per_prompt, ...); sglang_router_ip and
-                     sglang_router_port are None: relax serves no HTTP endpoint, the function generates through
-                     `generate` below
+    args             a namespace of slime's names for the settings such functions read (hf_checkpoint,
+                     rollout_max_response_len, rollout_temperature, n_samples_per_prompt, ...: slime_args);
+                     sglang_router_ip and sglang_router_port are None: relax serves no HTTP endpoint, the function
+                     generates through `generate` below
     sample           a Sample with the prompt's text, label and metadata, its `tokens` the prompt's ids
     sampling_params  SGLang's sampling parameters of the sample's request (max_new_tokens: the whole response's
                      budget; sampling_seed where the run seeds its requests: the rollout's and evaluation's are)
@@ -93,12 +93,14 @@ class SlimeArgs:
 
 
 def slime_args(spec: str, flags: argparse.Namespace) -> SlimeArgs:
-    """The function's `args` from relax's parsed flags, under slime's names (relax spells these as slime does)."""
+    """The function's `args` from relax's parsed flags, under slime's names (relax spells these as slime does, but
+    --eval-n-samples-per-prompt; the eval settings are None without --eval-prompt-data)."""
     names = ("hf_checkpoint", "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
              "rollout_stop_token_ids", "n_samples_per_prompt", "rollout_batch_size", "apply_chat_template",
-             "apply_chat_template_kwargs", "seed")
+             "apply_chat_template_kwargs", "seed", "eval_max_response_len", "eval_temperature", "eval_top_p")
     # No HTTP endpoint reaches the engines: a function generates through relax.rollout.custom_generate.generate
     return SlimeArgs(spec, {**{name: getattr(flags, name) for name in names},
+                            "n_samples_per_eval_prompt": flags.eval_n_samples_per_prompt,
                             "sglang_router_ip": None, "sglang_router_port": None})
 
 

@@ -341,6 +341,7 @@ def test_a_custom_generate_function_reaches_the_engines_with_slimes_args():
     args = generate.as_namespace()
     assert generate.spec == "test_custom_generate.two_turns"
     assert (args.n_samples_per_prompt, args.rollout_max_response_len) == (4, 1024)
+    assert args.n_samples_per_eval_prompt is None  # no --eval-prompt-data
     assert (args.sglang_router_ip, args.sglang_router_port) == (None, None)  # relax serves no HTTP endpoint
     assert parse_train_args(RUN).rollout.custom_generate is None
     # an evaluation samples through it, without a rollout too
