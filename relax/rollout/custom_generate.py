@@ -168,13 +168,14 @@ def append_masked(sample: Sample, token_ids: list[int], text: str) -> None:
 
 
 def _append(sample: Sample, token_ids: list[int], text: str, mask: int, logprobs: list[float]) -> None:
-    response_length = sample.response_length
-    sample.loss_mask = [1] * response_length if sample.loss_mask is None else sample.loss_mask
-    sample.rollout_log_probs = [0.0] * response_length if sample.rollout_log_probs is None else sample.rollout_log_probs
+    if sample.rollout_log_probs is None and sample.response_length:
+        raise ValueError(f"the sample has {sample.response_length} response tokens but no rollout_log_probs: set "
+                         "them with its tokens (or build the whole response with append_generated/append_masked)")
+    mask_so_far = [1] * sample.response_length if sample.loss_mask is None else sample.loss_mask  # None: all trained
     sample.tokens = sample.tokens + list(token_ids)
-    sample.loss_mask = sample.loss_mask + [mask] * len(token_ids)
-    sample.rollout_log_probs = sample.rollout_log_probs + list(logprobs)
-    sample.response_length = response_length + len(token_ids)
+    sample.loss_mask = mask_so_far + [mask] * len(token_ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + list(logprobs)
+    sample.response_length += len(token_ids)
     sample.response += text
 
 
@@ -215,8 +216,8 @@ def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
         return Completion.refused(f"returned a sample with status {returned.status.name}")
     problem = sample_problem(returned, prompt_ids)
     if problem is None and returned.response_length > budget:
-        problem = (f"its response has {returned.response_length} tokens, over its budget of {budget} (sampling_params' "
-                   "max_new_tokens: --rollout-max-response-len, the ids the function added included)")
+        problem = (f"its response has {returned.response_length} tokens, over its budget of {budget} "
+                   "(sampling_params' max_new_tokens, the ids the function added included)")
     if problem is None and returned.rollout_log_probs is None:
         problem = "its rollout_log_probs are None: give the engine's logprob of each response token (append_generated)"
     if problem is None and returned.reward is not None and not isinstance(returned.reward, (int, float)):

@@ -248,14 +248,16 @@ def test_a_sample_the_function_fails_or_misaligns_is_failed_naming_why(fn, reaso
 
 
 def test_append_keeps_the_fields_aligned_after_tokens_the_function_set_itself():
-    sample = Sample("p", tokens=[7, 1, 2], response_length=2)  # slime's defaults: no mask, no logprobs
+    sample = Sample("p", tokens=[7, 1, 2], response_length=2, rollout_log_probs=[-1.0, -2.0])  # no mask: all trained
     append_masked(sample, [3], "x")
     assert (sample.tokens, sample.loss_mask, sample.rollout_log_probs, sample.response_length) == (
-        [7, 1, 2, 3], [1, 1, 0], [0.0, 0.0, 0.0], 3
+        [7, 1, 2, 3], [1, 1, 0], [-1.0, -2.0, 0.0], 3
     )
     assert completion_of(_with(status=Sample.Status.COMPLETED)(sample), [7], budget=3).loss_mask == [1, 1, 0]
     with pytest.raises(ValueError, match="2 token ids but 1 logprobs"):
         append_generated(sample, Completion([1, 2], [-1.0], "stop", ""))
+    with pytest.raises(ValueError, match="the sample has 1 response tokens but no rollout_log_probs"):
+        append_masked(Sample("p", tokens=[7, 1], response_length=1), [3], "x")
 
 
 def test_generate_outside_a_function_says_where_it_works():
