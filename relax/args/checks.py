@@ -17,6 +17,7 @@ from relax.args.settings import RunMode, run_mode
 from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.args.unsupported import unsupported_combinations
 from relax.rollout.dump import pattern_problem
+from relax.rollout.custom_generate import load_custom_generate_fn
 from relax.rollout.rollout import rollout_seeds_problem
 from relax.rollout.tools import load_tools
 from relax.train.memory_estimate import GIB
@@ -347,7 +348,7 @@ REPLAY_REFUSED = (
 )
 READ_WITH_PROMPTS = (
     "reward_fn", "apply_chat_template", "apply_chat_template_kwargs", "system_prompt", "max_prompt_length",
-    "skip_bad_rows", "rollout_clip_response_to_context", "tools", "max_turns",
+    "skip_bad_rows", "rollout_clip_response_to_context", "tools", "max_turns", "custom_generate_function_path",
 )
 
 
@@ -494,6 +495,31 @@ def tools_apply(config, platform):
         )
     try:
         load_tools(r.tools, "--tools")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def custom_generate_applies(config, platform):
+    """--custom-generate-function-path is imported and its signature checked here, so --dry-run finds a bad one."""
+    r = config.flags
+    if r.custom_generate_function_path is None:
+        return None
+    flag = f"--custom-generate-function-path {r.custom_generate_function_path}"
+    if r.tools:
+        return f"{flag} with --tools: both say how a sample is generated (the function runs its own tools); drop one"
+    if r.partial_rollout:
+        return (
+            f"{flag} with --partial-rollout: a sample of the function is not continued from where it was aborted "
+            "(its calls would run again from the prompt); drop --partial-rollout"
+        )
+    if r.use_rollout_routing_replay:
+        return (
+            f"{flag} with --use-rollout-routing-replay: the function's samples do not carry the experts the engine "
+            "chose; drop --use-rollout-routing-replay"
+        )
+    try:
+        load_custom_generate_fn(r.custom_generate_function_path)
     except ValueError as error:
         return str(error)
     return None
@@ -747,6 +773,7 @@ RULES = [
     replay_flags_consistent,
     chat_template_options_need_the_template,
     tools_apply,
+    custom_generate_applies,
     checkpoint_flags_consistent,
     restarts_resume_from_checkpoints,
     grouped_experts_apply,

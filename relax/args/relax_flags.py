@@ -268,6 +268,15 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         f"(finish reason length) (default: {DEFAULT_MAX_TURNS}).",
     )
     g.add_argument(
+        "--custom-generate-function-path",
+        metavar="FUNCTION",
+        help="slime's custom generate function, module.path.function or module:function: an async function called "
+        "as fn(args, sample, sampling_params) (evaluation=... too where it declares it) once per sample in place "
+        "of relax's own request; it generates through relax.rollout.custom_generate.generate and returns the "
+        "sample with its tokens, loss_mask and rollout_log_probs (docs/training.md). Evaluations sample through it "
+        "too.",
+    )
+    g.add_argument(
         "--rollout-max-prompts",
         type=_positive_int,
         metavar="N",

@@ -20,6 +20,7 @@ from relax.args.relax_flags import MEGATRON_FEATURE_FLAGS
 from relax.hf_checkpoint import HFCheckpoint
 from relax.platform import platform_facts
 from relax.ray.watch import Timeout
+from relax.rollout.custom_generate import SlimeArgs, slime_args
 from relax.rollout.data import PromptDataConfig
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.multi_turn import DEFAULT_MAX_TURNS, ToolRollout
@@ -138,6 +139,8 @@ class RolloutSettings:
     routing_replay: bool  # samples carry the experts the engine chose (saved and loaded with them) for the actor
     context: ContextLength | None  # the engines' context length; None: unknown (a dry run without the checkpoint)
     tools: ToolRollout | None = None  # --tools: multi-turn samples with tool calls; None: one turn per sample
+    # --custom-generate-function-path: the function and its `args`, for the engine actors; None: relax's own request
+    custom_generate: SlimeArgs | None = None
 
     @property
     def max_response_len(self) -> int:
@@ -244,6 +247,10 @@ def rollout_settings(flags: argparse.Namespace, context: ContextLength | None) -
         routing_replay=flags.use_rollout_routing_replay,
         context=context,
         tools=tool_rollout(flags),
+        custom_generate=(
+            None if flags.custom_generate_function_path is None
+            else slime_args(flags.custom_generate_function_path, flags)
+        ),
     )
 
 

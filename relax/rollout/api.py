@@ -18,6 +18,10 @@ length metrics, the overlong penalty.
                       replaced by a group of a new prompt; with --partial-rollout, the aborted groups are put back
                       with what they generated, and continued
     Replay            --load-rollout-data: the samples a run saved for the step
+
+A user's function that generates each sample itself (slime's --custom-generate-function-path) runs inside
+GenerateAndScore's engine actors; its API (the Sample it gets and returns, `generate` to the engine beside it, the
+helpers that append a turn keeping the loss mask and logprobs aligned) is relax.rollout.custom_generate.
 """
 
 from dataclasses import dataclass

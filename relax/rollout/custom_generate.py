@@ -1,27 +1,107 @@
 """slime's custom generate function (--custom-generate-function-path): a user's async function that generates one
-prompt's sample in place of relax's own request, so a rollout written for slime (multi-turn, tools, agents) runs in
-relax. slime names it `module.path.function`; relax takes that and `module:function`. slime calls it as
+sample of a prompt in place of relax's own request, so a rollout written for slime (multi-turn, tools, agents) runs in
+relax. slime names it `module.path.function`; relax takes that and `module:function`. It is called as
 
-    async def generate(args, sample, sampling_params): ...                     # returns the sample, or a list
+    async def generate(args, sample, sampling_params): ...                     # returns the sample, or a list of one
     async def generate(args, sample, sampling_params, evaluation=False): ...  # told when it generates for an eval
 
-and passes `evaluation` only to a function that declares it. load_custom_generate_fn imports the function and checks
-that it can be called so, before a run starts (--dry-run's check): a function that cannot is refused, naming why.
+once per sample (--n-samples-per-prompt calls per prompt of a rollout, --eval-n-samples-per-prompt of an
+evaluation), inside the engine actor that the prompt's group went to (relax.rollout.worker); `evaluation` (True in
+an evaluation) is passed only to a function that declares it. load_custom_generate_fn imports the function and
+checks that it can be called so, before a run starts (--dry-run's check).
+
+What the function gets:
+    args             a namespace of slime's names for the settings such functions read (hf_checkpoint,
+                     rollout_max_response_len, rollout_temperature, n_samples_per_prompt, ...: slime_args);
+                     sglang_router_ip and sglang_router_port are None: relax serves no HTTP endpoint, the function
+                     generates through `generate` below
+    sample           a Sample with the prompt's text, label and metadata, its `tokens` the prompt's ids
+    sampling_params  SGLang's sampling parameters of the sample's request (max_new_tokens: the whole response's
+                     budget; sampling_seed where the run seeds its requests: the rollout's and evaluation's are)
+
+How it generates: `await generate(input_ids, sampling_params)` sends one request to the engine of the actor it runs
+in (one sample's turns share its prefix cache; a sample waiting on a tool holds no generation slot) and returns the
+engine's relax.rollout.engine.Completion: token_ids, logprobs (one per token), finish_reason ("stop", "length",
+"abort" once the step's batch is full, "error" with error saying why). append_generated and append_masked extend a
+sample's response by a turn the engine sampled (loss mask 1, its logprobs) or by ids the function adds itself (a
+tool's output, the chat template's turn ids: mask 0, logprob 0.0), keeping tokens, loss_mask, rollout_log_probs,
+response_length, response and status aligned.
 
 What it returns carries slime's sample fields: `tokens` (the prompt's ids, then the response's: tool tokens are
-response tokens), `response_length`, `loss_mask` (one per response token: 1 sampled, 0 tool or template tokens) and
-`rollout_log_probs` (one per response token). sample_problem says why a returned sample cannot be trained on, so
-the rollout fails and counts it instead of training on misaligned tokens.
+response tokens; at most max_new_tokens response tokens in all), `response_length`, `loss_mask` (one per response
+token, None: all trained), `rollout_log_probs` (one per response token), `reward` (set: the reward function is not
+called for it) and `status`: COMPLETED or TRUNCATED are trained, ABORTED goes back to the prompt stream for a later
+step unscored (in an evaluation, which puts nothing back, it fails), FAILED fails the sample. A sample that raises,
+returns something else, or is misaligned (sample_problem, completion_of) fails too, with the reason, as a request
+the engine refused does: in a rollout counted (rollout/failed_samples) and its group generated anew from another
+prompt, in an evaluation its prompt left out of the metrics (eval/NAME/failed_prompts).
 """
 
+import argparse
+import contextvars
+import enum
 import inspect
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
 
+from relax.rollout.data import Prompt
+from relax.rollout.engine import Completion
 from relax.rollout.user_functions import import_user_function
 
 FLAG = "--custom-generate-function-path"
 CONTRACT = "async def fn(args, sample, sampling_params) (and optionally evaluation=False)"
+
+
+@dataclass
+class Sample:
+    """One sample as a custom generate function reads and returns it: slime's field names."""
+
+    class Status(enum.Enum):
+        PENDING = "pending"  # as the function gets it
+        COMPLETED = "completed"
+        TRUNCATED = "truncated"
+        ABORTED = "aborted"
+        FAILED = "failed"
+
+    prompt: str  # the prompt as the model sees it (the chat template applied with --apply-chat-template)
+    label: Any = None
+    metadata: dict = field(default_factory=dict)
+    tokens: list[int] = field(default_factory=list)  # the prompt's ids, then the response's
+    response: str = ""  # the response's text: what the reward function reads
+    response_length: int = 0  # tokens of the response (len(tokens) - the prompt's)
+    loss_mask: list[int] | None = None  # per response token: 1 trained, 0 not (None: all trained)
+    rollout_log_probs: list[float] | None = None  # per response token: the engine's, 0.0 where masked
+    reward: float | None = None  # set by the function: the reward function is not called for the sample
+    status: Status = Status.PENDING
+
+
+FINISH_REASONS = {Sample.Status.COMPLETED: "stop", Sample.Status.TRUNCATED: "length"}
+STATUS_OF_FINISH = {"stop": Sample.Status.COMPLETED, "length": Sample.Status.TRUNCATED,
+                    "abort": Sample.Status.ABORTED, "error": Sample.Status.FAILED}
+
+
+@dataclass(frozen=True)
+class SlimeArgs:
+    """What the engine actors need to give a custom generate function its `args` (as_namespace): the function's
+    spec and slime's names of the run's settings."""
+
+    spec: str  # as the flag gave it
+    settings: dict  # slime's name -> value
+
+    def as_namespace(self) -> argparse.Namespace:
+        return argparse.Namespace(**self.settings)
+
+
+def slime_args(spec: str, flags: argparse.Namespace) -> SlimeArgs:
+    """The function's `args` from relax's parsed flags, under slime's names (relax spells these as slime does, but
+    --eval-n-samples-per-prompt; the eval settings are None without --eval-prompt-data)."""
+    names = ("hf_checkpoint", "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
+             "rollout_stop_token_ids", "n_samples_per_prompt", "rollout_batch_size", "apply_chat_template",
+             "apply_chat_template_kwargs", "seed", "eval_max_response_len", "eval_temperature", "eval_top_p")
+    # No HTTP endpoint reaches the engines: a function generates through relax.rollout.custom_generate.generate
+    return SlimeArgs(spec, {**{name: getattr(flags, name) for name in names},
+                            "n_samples_per_eval_prompt": flags.eval_n_samples_per_prompt,
+                            "sglang_router_ip": None, "sglang_router_port": None})
 
 
 @dataclass(frozen=True)
@@ -49,6 +129,107 @@ def load_custom_generate_fn(spec: str) -> CustomGenerateFn:
         raise ValueError(f"{FLAG} {spec}: its signature {signature} cannot be called as {call} ({e}); "
                          f"write it as {CONTRACT}") from e
     return CustomGenerateFn(fn, spec, takes_evaluation)
+
+
+# --- generating: the engine a function runs beside ---------------------------------------------------------
+
+EngineRequest = Callable[[list[int], dict], Awaitable[Completion]]
+_ENGINE: contextvars.ContextVar[EngineRequest] = contextvars.ContextVar("relax_custom_generate_engine")
+
+
+async def generate(input_ids: list[int], sampling_params: dict) -> Completion:
+    """One request of token ids with SGLang's `sampling_params` to the engine of the actor the calling function runs
+    in: the response's token_ids, logprobs (one per token), finish_reason and text. A request the engine refuses
+    comes back with finish_reason "error" and the reason in `error`."""
+    try:
+        engine = _ENGINE.get()
+    except LookupError:
+        raise RuntimeError(
+            "relax.rollout.custom_generate.generate reaches an engine only from a function that relax calls for "
+            f"{FLAG} (it runs in the engine's actor)"
+        ) from None
+    return await engine(list(input_ids), dict(sampling_params))
+
+
+def append_generated(sample: Sample, result: Completion) -> None:
+    """The engine's answer to a request (generate's) as the sample's next response tokens: trained (loss mask 1), with
+    the engine's logprobs; the sample's status follows the request's finish reason."""
+    if len(result.logprobs) != len(result.token_ids):
+        raise ValueError(f"the engine's answer has {len(result.token_ids)} token ids but {len(result.logprobs)} "
+                         "logprobs")
+    _append(sample, result.token_ids, result.text, 1, result.logprobs)
+    sample.status = STATUS_OF_FINISH.get(result.finish_reason, Sample.Status.FAILED)
+
+
+def append_masked(sample: Sample, token_ids: list[int], text: str) -> None:
+    """Ids the function adds to the response itself (a tool's output, the chat template's turn ids), `text` their
+    text: not trained (loss mask 0, logprob 0.0); the status stays."""
+    _append(sample, token_ids, text, 0, [0.0] * len(token_ids))
+
+
+def _append(sample: Sample, token_ids: list[int], text: str, mask: int, logprobs: list[float]) -> None:
+    if sample.rollout_log_probs is None and sample.response_length:
+        raise ValueError(f"the sample has {sample.response_length} response tokens but no rollout_log_probs: set "
+                         "them with its tokens (or build the whole response with append_generated/append_masked)")
+    mask_so_far = [1] * sample.response_length if sample.loss_mask is None else sample.loss_mask  # None: all trained
+    sample.tokens = sample.tokens + list(token_ids)
+    sample.loss_mask = mask_so_far + [mask] * len(token_ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + list(logprobs)
+    sample.response_length += len(token_ids)
+    sample.response += text
+
+
+async def generate_sample(fn: CustomGenerateFn, args: argparse.Namespace, prompt: Prompt, sampling_params: dict,
+                          engine: EngineRequest, evaluation: bool = False) -> Completion:
+    """One sample of `prompt` by the function, its requests sent to `engine`, as the rollout takes a completion. A
+    sample the function fails, or cannot be trained on, is a failed completion saying why."""
+    sample = Sample(prompt.text, prompt.label, dict(prompt.metadata), list(prompt.token_ids))
+    _ENGINE.set(engine)  # in this coroutine's own context: each sample of a group runs as a task of its own
+    try:
+        returned = await fn(args, sample, dict(sampling_params), evaluation=evaluation)
+    except Exception as error:  # a user's function may fail in any way: the sample fails, the run goes on
+        return Completion.refused(f"{FLAG} {fn.spec} raised {type(error).__name__}: {error}")
+    completion = completion_of(returned, prompt.token_ids, sampling_params["max_new_tokens"])
+    if evaluation and completion.finish_reason == "abort":
+        completion = Completion.refused("returned a sample with status ABORTED in an evaluation, which puts no "
+                                        "prompt back")
+    if completion.error is not None:
+        return Completion.refused(f"{FLAG} {fn.spec}: {completion.error}")
+    return completion
+
+
+def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
+    """What a function returned for the prompt `prompt_ids`, as the rollout takes a completion: failed (the reason
+    in `error`) unless it is one Sample with aligned fields, at most `budget` response tokens and a final status."""
+    if isinstance(returned, list):
+        if len(returned) != 1:
+            return Completion.refused(
+                f"returned {len(returned)} samples; relax trains --n-samples-per-prompt samples per prompt, one per "
+                "call: return one sample"
+            )
+        returned = returned[0]
+    if not isinstance(returned, Sample):
+        return Completion.refused(f"returned {type(returned).__name__}, not a relax.rollout.custom_generate.Sample")
+    if returned.status is Sample.Status.ABORTED:  # unscored, whatever it holds: its prompt goes back
+        return Completion.aborted()
+    if returned.status not in FINISH_REASONS:
+        return Completion.refused(f"returned a sample with status {returned.status.name}")
+    problem = sample_problem(returned, prompt_ids)
+    if problem is None and returned.response_length > budget:
+        problem = (f"its response has {returned.response_length} tokens, over its budget of {budget} "
+                   "(sampling_params' max_new_tokens, the ids the function added included)")
+    if problem is None and returned.rollout_log_probs is None:
+        problem = "its rollout_log_probs are None: give the engine's logprob of each response token (append_generated)"
+    if problem is None and returned.reward is not None and not isinstance(returned.reward, (int, float)):
+        problem = f"its reward is {type(returned.reward).__name__}, not a number"
+    if problem:
+        return Completion.refused(problem)
+    return Completion(
+        token_ids=returned.tokens[len(prompt_ids):], logprobs=list(returned.rollout_log_probs),
+        finish_reason=FINISH_REASONS[returned.status], text=returned.response,
+        loss_mask=None if returned.loss_mask is None else list(returned.loss_mask),
+        reward=None if returned.reward is None else float(returned.reward),
+    )
 
 
 def sample_problem(sample, prompt_ids: list[int]) -> str | None:

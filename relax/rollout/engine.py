@@ -135,6 +135,8 @@ class Completion:
     # did (relax.rollout.tool_calls.ToolUse).
     loss_mask: list[int] | None = None
     tool_use: ToolUse | None = None
+    # The reward a custom generate function set (relax.rollout.custom_generate): the reward function is not called
+    reward: float | None = None
 
     @classmethod
     def refused(cls, error: str) -> "Completion":

@@ -38,6 +38,7 @@ class Sample:
     # The step whose rollout sampled each response token: an earlier step's for the tokens of a response that
     # partial rollout continued (relax.rollout.partial). None: the step's own (and saved samples replayed).
     response_steps: list[int] | None = None
+    reward_preset: bool = False  # a custom generate function set the reward: the reward function is not called
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -111,6 +112,7 @@ class FillStats:
     dropped_by_reward: dict[float, int] = field(default_factory=dict)  # the shared reward of dropped groups
     samples_generated: int = 0
     samples_failed: int = 0
+    samples_aborted_by_function: int = 0  # a custom generate function returned them ABORTED: their prompts put back
     failures: list[str] = field(default_factory=list)  # the first distinct reasons (MAX_REPORTED_FAILURES)
 
     def metrics(self, dynamic_sampling: bool) -> dict[str, float]:
@@ -123,6 +125,8 @@ class FillStats:
             "rollout/aborted_groups": self.groups_aborted,
             "rollout/returned_prompts": self.prompts_returned,
         }
+        if self.samples_aborted_by_function:  # only a custom generate function returns samples ABORTED
+            counts["rollout/function_aborted_samples"] = self.samples_aborted_by_function
         if not dynamic_sampling:
             return counts
         scored = self.groups_completed - self.groups_failed

@@ -40,6 +40,7 @@ class ResponseSoFar:
     # its turns did. Not saved: partial rollout does not carry multi-turn responses (the checks refuse it with tools).
     loss_mask: list[int] | None = None
     tool_use: ToolUse | None = None
+    reward: float | None = None  # a custom generate function's (Completion's); not carried (the checks refuse it)
 
     def extended(self, completion: "Completion", step: int) -> "ResponseSoFar":
         """This response continued by `completion` (its new tokens, sampled in `step`'s rollout)."""
@@ -49,6 +50,7 @@ class ResponseSoFar:
             self.token_ids + completion.token_ids, self.logprobs + completion.logprobs,
             self.steps + [step] * len(completion.token_ids), completion.finish_reason, self.text + completion.text,
             completion.error, completion.routed_experts, loss_mask if masked else None, completion.tool_use,
+            completion.reward,
         )
 
     def to_continue_later(self) -> "ResponseSoFar":

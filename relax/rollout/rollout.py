@@ -6,11 +6,11 @@ sends whole to one engine (the one with the least work in flight: relax.run.colo
 prefix cache serves the group's shared prompt), and completed groups come back one by one, in the order they
 complete. collect_groups decides what to submit, keep, drop, abort and put back.
 
-`generate(token_id_prompts, sampling)` (a Generate) answers a whole list of prompts at once, request i of the call
-sampled with seed sampling.seed + i: an in-process RolloutEngine.generate, or Colocation.generate over the engine
-actors (the evaluation's).
+`generate(prompts, sampling)` (a Generate) answers a whole list of prompts (their token ids, and their data rows for
+a custom generate function) at once, prompt p's requests sampled with seeds sampling.seed + p x n + j:
+Colocation.generate over the engine actors (the evaluation's).
 
-    samples = generate_and_score(engine.generate, loader.take(32), sampling, reward_fn)
+    samples = generate_and_score(colocation.generate, loader.take(32), sampling, reward_fn)
     metrics = reward_and_length_metrics(samples)
 """
 
@@ -27,7 +27,7 @@ from relax.rollout.multi_turn import multi_turn_metrics
 from relax.rollout.partial import GroupSoFar, PartialStats
 from relax.rollout.rewards import RewardFn, RewardInput, RewardReport, score
 
-Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
+Generate = Callable[[list[Prompt], SamplingConfig], list[list[Completion]]]
 
 STEP_SEED_SPAN = 2**24  # sampling seeds per step (run_state.sampling_seed): a step's requests must fit
 DEFAULT_MAX_CHUNKS = 10  # --rollout-max-prompts when not given: this many --over-sampling-batch-size chunks
@@ -37,9 +37,12 @@ class EnginePool(Protocol):
     """The engines as a rollout drives them, one prompt group per submission."""
 
     def submit(self, key: int, prompt: list[int], sampling: SamplingConfig,
-               prefixes: list[list[int]] | None = None) -> None:
+               prefixes: list[list[int]] | None = None, source: Prompt | None = None,
+               evaluation: bool = False) -> None:
         """Start sampling.n requests of `prompt` (request j seeded sampling.seed + j), known as `key`; or with
-        `prefixes` (partial rollout), one request per response begun earlier, continuing it."""
+        `prefixes` (partial rollout), one request per response begun earlier, continuing it. `source`: the prompt's
+        data row, which a custom generate function reads (relax.rollout.custom_generate); `evaluation`: the group is
+        an evaluation's, which the function is told."""
 
     def next_done(self) -> tuple[int, list[Completion]]:
         """Wait for the next submitted group to complete: its key and a completion per request."""
@@ -54,17 +57,23 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]]) -> li
     return [
         Sample(
             prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts,
-            loss_mask=c.loss_mask, tool_use=c.tool_use, failure=c.error,
+            loss_mask=c.loss_mask, tool_use=c.tool_use, failure=c.error, **_preset_reward(c.reward),
         )
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
     ]
 
 
+def _preset_reward(reward: float | None) -> dict:
+    """A Sample's reward fields for a reward a custom generate function set (None: none set)."""
+    return {} if reward is None else {"reward": reward, "reward_preset": True}
+
+
 def score_samples(samples: list[Sample], reward_fn: RewardFn) -> RewardReport:
     """Score each sample in place, but the failed ones (the engine refused their request: Sample.failure, no
-    response), which the caller handles; the reward function's failures are reported, not printed."""
-    responses = [s for s in samples if s.failure is None]
+    response), which the caller handles, and those whose custom generate function set their reward; the reward
+    function's failures are reported, not printed."""
+    responses = [s for s in samples if s.failure is None and not s.reward_preset]
     scores, failed, report = score(reward_fn, [
         RewardInput(s.prompt.text, s.response_text, s.prompt.label, s.prompt.metadata, s.finish_reason)
         for s in responses
@@ -91,7 +100,7 @@ def generate_and_score(
 ) -> list[Sample]:
     """sampling.n samples per prompt, prompt by prompt (n consecutive samples each) in prompt order; each scored, but
     the failed ones (score_samples)."""
-    samples = samples_of(prompts, generate([prompt.token_ids for prompt in prompts], sampling))
+    samples = samples_of(prompts, generate(prompts, sampling))
     say_reward_failures(reward_fn, score_samples(samples, reward_fn))
     return samples
 
@@ -136,9 +145,11 @@ def collect_groups(
     While fewer groups are in flight than are still needed, the next `chunk_size` prompts of `loader` are submitted
     (--over-sampling-batch-size: with chunk_size > num_groups, more are generated than the step needs, against the
     long tail). Each completed group is scored and kept, unless a sample of it failed in the engine (dropped and
-    counted: its place is taken by the groups in flight or the next chunk) or, with `dynamic_sampling` (DAPO), its
-    rewards are all equal (dropped). Once num_groups are kept, every group still in flight is aborted and its prompt
-    put back into `loader`, to be served first by the next step (nothing is lost; no prompt comes twice in a step).
+    counted: its place is taken by the groups in flight or the next chunk), a custom generate function returned a
+    sample of it ABORTED (unscored, counted, its prompt put back with the surplus's) or, with `dynamic_sampling`
+    (DAPO), its rewards are all equal (dropped). Once num_groups are kept, every group still in flight is aborted and
+    its prompt put back into `loader`, to be served first by the next step (nothing is lost; no prompt comes twice in
+    a step).
     With `partial`, a group is put back with the tokens its responses generated, and taken again its responses
     continue from there (those that had finished are kept as they are).
 
@@ -156,6 +167,7 @@ def collect_groups(
     continued: dict[int, list[int]] = {}  # the responses each group in flight (or ready) generates, by key
     ready: list[int] = []  # groups taken back complete: nothing to generate, in flight all the same
     kept: dict[int, Group] = {}
+    aborted_by_function: list[int] = []  # groups with a sample a custom generate function returned ABORTED
 
     def submit_chunk():
         count = min(chunk_size, max_prompts - len(submitted))
@@ -174,7 +186,7 @@ def collect_groups(
                 ready.append(key)
                 continue
             prefixes = [so_far.responses[j].token_ids for j in continued[key]] if so_far.begun else None
-            pool.submit(key, prompt.token_ids, offset_seed(sampling, key * sampling.n), prefixes)
+            pool.submit(key, prompt.token_ids, offset_seed(sampling, key * sampling.n), prefixes, source=prompt)
         stats.groups_submitted = len(submitted)
 
     def take_back(key: int, completions: list[Completion]) -> GroupSoFar:
@@ -190,7 +202,7 @@ def collect_groups(
     def abort_and_put_back():
         """Abort the groups in flight, wait for each to come back and put them back, in submission order: their
         prompts, and with `partial` what their responses generated."""
-        returned = sorted(continued)  # with the groups ready
+        returned = sorted([*continued, *aborted_by_function])  # with the groups ready
         for key in ready:
             take_back(key, [])
         ready.clear()
@@ -218,6 +230,11 @@ def collect_groups(
             stats.samples_generated += len(group.samples)
             if group.failed:
                 stats.count_failures(group)
+            elif any(sample.finish_reason == "abort" for sample in group.samples):
+                # Only a custom generate function's ABORTED sample comes back so before the step's abort: unscored,
+                # its prompt goes back for a later step (abort_and_put_back)
+                stats.samples_aborted_by_function += sum(s.finish_reason == "abort" for s in group.samples)
+                aborted_by_function.append(key)
             else:
                 rewards.add(score_samples(group.samples, reward_fn))
                 if dynamic_sampling and group.rewards_all_equal():
@@ -254,7 +271,7 @@ def samples_of_group(prompt: Prompt, group: GroupSoFar, step: int) -> list[Sampl
     return [
         Sample(
             prompt, r.token_ids, r.logprobs, r.finish_reason, r.text, routed_experts=r.routed_experts,
-            loss_mask=r.loss_mask, tool_use=r.tool_use, failure=r.error,
+            loss_mask=r.loss_mask, tool_use=r.tool_use, failure=r.error, **_preset_reward(r.reward),
             response_steps=r.steps if r.steps and r.steps[0] < step else None,
         )
         for r in group.responses
@@ -274,6 +291,9 @@ def _short_batch(stats: FillStats, kept: int, num_groups: int, max_prompts: int,
     if ran_out:
         return f"prompt data ran out while filling the step's groups with {kept} of {num_groups} kept"
     why = [f"{stats.failures_text()}; their groups were dropped"] if stats.groups_failed else []
+    if stats.samples_aborted_by_function:
+        why.append(f"the custom generate function returned {stats.samples_aborted_by_function} samples ABORTED; "
+                   "their prompts were put back")
     if dynamic_sampling:
         why.append(
             f"{stats.groups_dropped} of {stats.groups_completed} groups had equal rewards (by shared reward: "

@@ -19,6 +19,11 @@ run as one coroutine on the engine's event loop, all n of the group at once, so 
 engine (its prefix cache holds the conversation so far) and a sample waiting on a tool holds no generation slot (the
 tool runs in a thread; the engine batches the other samples' turns meanwhile). An abort ends the turns in flight
 and keeps the groups it finds from starting another.
+
+With a custom generate function (--custom-generate-function-path: relax.rollout.custom_generate), a rollout group's
+samples are the function's, each sample one call on the engine's event loop, all n of the group at once, for the
+same reasons: the requests it sends through relax.rollout.custom_generate.generate go to this engine, and an abort
+answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so.
 """
 
 import asyncio
@@ -26,6 +31,8 @@ import asyncio
 import ray
 
 from relax.ray.placement import local_device_index
+from relax.rollout.custom_generate import SlimeArgs, generate_sample, load_custom_generate_fn
+from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params
 from relax.rollout.multi_turn import MultiTurnResponse, ToolRollout, generate_multi_turn
 from relax.rollout.rollout import offset_seed
@@ -39,7 +46,7 @@ class EngineWorker(RolloutEngine):
     RAY_OPTIONS = {"concurrency_groups": {GENERATION: MAX_CONCURRENT_GROUPS}}
 
     def __init__(self, server_args, model_path: str, device: str, tp_size: int, enable_memory_saver: bool,
-                 tool_rollout: ToolRollout | None = None):
+                 tool_rollout: ToolRollout | None = None, custom_generate: SlimeArgs | None = None):
         from relax.platform import get_platform
 
         super().__init__(
@@ -51,6 +58,10 @@ class EngineWorker(RolloutEngine):
             enable_memory_saver=enable_memory_saver,
         )
         self.tool_rollout = tool_rollout
+        # The custom generate function and its `args`, or None
+        self.custom_generate = None if custom_generate is None else (
+            load_custom_generate_fn(custom_generate.spec), custom_generate.as_namespace()
+        )
         self.aborts = 0  # abort_requests calls so far: a multi-turn group started before the last one ends
         if tool_rollout is not None:
             from transformers import AutoTokenizer
@@ -69,11 +80,18 @@ class EngineWorker(RolloutEngine):
 
     @ray.method(concurrency_group=GENERATION)
     def generate_group(
-        self, prompt: list[int], sampling: SamplingConfig, prefixes: list[list[int]] | None = None
+        self, prompt: list[int], sampling: SamplingConfig, prefixes: list[list[int]] | None = None,
+        source: Prompt | None = None, evaluation: bool = False,
     ) -> list[Completion]:
         """sampling.n completions of one prompt, or the continuations of its responses `prefixes` (partial
         rollout): RolloutEngine.generate, beside the actor's other groups. With tools, multi-turn samples
-        (generate_multi_turn_group; the checks refuse partial rollout with tools)."""
+        (generate_multi_turn_group; the checks refuse partial rollout with tools). With a custom generate function
+        and the prompt's data row `source`, the function's samples (generate_custom_group; `evaluation`: the group is
+        an evaluation's; the checks refuse partial rollout and tools with it)."""
+        if source is not None and self.custom_generate is not None:
+            if prefixes is not None:
+                raise ValueError("a custom generate function does not continue responses begun earlier")
+            return self.generate_custom_group(source, sampling, evaluation)
         if self.tool_rollout is None:
             return self.generate([prompt], sampling, None if prefixes is None else [prefixes])[0]
         if prefixes is not None:
@@ -98,6 +116,25 @@ class EngineWorker(RolloutEngine):
             ))
 
         return [_completion_of(response, self.chat_turns.tokenizer) for response in self._run(each_sample())]
+
+    def generate_custom_group(self, source: Prompt, sampling: SamplingConfig, evaluation: bool) -> list[Completion]:
+        """sampling.n samples of one prompt by the custom generate function, its calls run at once on the engine's
+        loop: sample j gets the sampling params of request j of the group (seeded sampling.seed + j)."""
+        engine, aborts = self._live(), self.aborts
+        fn, args = self.custom_generate
+
+        async def generate(input_ids: list[int], params: dict) -> Completion:
+            if self.aborts != aborts:  # aborted while the function did something else (a tool ran)
+                return Completion.aborted()
+            return await self.generate_request(engine, input_ids, params)
+
+        async def each_sample():
+            params = request_params([source.token_ids] * sampling.n, sampling)
+            return await asyncio.gather(*(
+                generate_sample(fn, args, source, sample_params, generate, evaluation) for sample_params in params
+            ))
+
+        return self._run(each_sample())
 
     @ray.method(concurrency_group=GENERATION)
     def abort_requests(self):

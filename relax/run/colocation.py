@@ -40,6 +40,7 @@ from relax.console import say
 from relax.ray.faults import FaultPlan
 from relax.ray.placement import ActorGroup, WorkerFailed, first_done, wait_for, worker_failure
 from relax.ray.watch import Timeout
+from relax.rollout.data import Prompt
 from relax.rollout.engine import MEMORY_TAGS, Completion, EngineDeadError, SamplingConfig
 from relax.rollout.rollout import offset_seed
 
@@ -56,6 +57,8 @@ class GroupCall(NamedTuple):
     prompt: list[int]
     sampling: SamplingConfig
     prefixes: list[list[int]] | None  # the responses it continues (partial rollout), else sampling.n new ones
+    source: Prompt | None = None  # the prompt's data row, for a custom generate function
+    evaluation: bool = False  # an evaluation's group (the function is told)
     engine: int | None = None  # None: held back (waiting for a restarted engine's weights)
     ref: ray.ObjectRef | None = None
     deadline: float | None = None  # time.monotonic() past which it did not answer in time (--rollout-timeout)
@@ -122,12 +125,13 @@ class Colocation:
     # --- generation: relax.rollout.rollout.EnginePool -----------------------------------------------------
 
     def submit(self, key: int, prompt: list[int], sampling: SamplingConfig,
-               prefixes: list[list[int]] | None = None) -> None:
+               prefixes: list[list[int]] | None = None, source: Prompt | None = None,
+               evaluation: bool = False) -> None:
         """Send a prompt group (or the continuations of its responses `prefixes`) to the engine with the fewest
         requests in flight (ties: the lowest index), or hold it back while a restarted engine waits for the
         actor's weights."""
         hold = self._waiting_for_weights() or any(call.ref is None for call in self._groups.values())
-        self._groups[key] = GroupCall(prompt, sampling, prefixes)
+        self._groups[key] = GroupCall(prompt, sampling, prefixes, source, evaluation)
         if not hold:
             self._send(key)
 
@@ -174,12 +178,12 @@ class Colocation:
         call = self._groups.pop(key)
         self._aborted_groups.append((key, [Completion.aborted() for _ in range(call.requests)]))
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+    def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> list[list[Completion]]:
         """A relax.rollout.rollout.Generate over the engines (the evaluation's): each prompt one group, submitted
         as the rollout submits, prompt p's requests seeded from sampling.seed + p x n; completions in prompt
         order."""
         for p, prompt in enumerate(prompts):
-            self.submit(p, prompt, offset_seed(sampling, p * sampling.n))
+            self.submit(p, prompt.token_ids, offset_seed(sampling, p * sampling.n), source=prompt, evaluation=True)
         answers = dict(self.next_done() for _ in prompts)
         return [answers[p] for p in range(len(prompts))]
 
@@ -195,7 +199,9 @@ class Colocation:
                 load[other.engine] += other.requests
         engine = min(range(len(load)), key=lambda index: (load[index], index))
         deadline = None if self.rollout_timeout.seconds is None else time.monotonic() + self.rollout_timeout.seconds
-        ref = self.engines.actors[engine].generate_group.remote(call.prompt, call.sampling, call.prefixes)
+        ref = self.engines.actors[engine].generate_group.remote(
+            call.prompt, call.sampling, call.prefixes, call.source, call.evaluation
+        )
         self._groups[key] = call._replace(engine=engine, ref=ref, deadline=deadline)
 
     def _send_held(self) -> None:

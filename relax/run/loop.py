@@ -432,7 +432,7 @@ def _start_engines(workers: Workers, config, platform, placement: Placement, mem
         EngineWorker, placement,
         devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
         args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on,
-              rollout.tools),
+              rollout.tools, rollout.custom_generate),
     )
     engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
 

@@ -249,7 +249,8 @@ def test_rollout_on_a_synthetic_task(engine, models, tmp_path):
     loader = PromptLoader(prompts, seed=0)
     sampling = SamplingConfig(n=4, temperature=1.0, max_new_tokens=4)
     taken = take_prompts(loader, 6)
-    samples = generate_and_score(engine.generate, taken, sampling, load_reward_fn("copy_digit"))
+    samples = generate_and_score(lambda prompts, sampling: engine.generate([p.token_ids for p in prompts], sampling),
+                                 taken, sampling, load_reward_fn("copy_digit"))
     assert loader.position.index == 6
     groups = group_by_prompt(samples, 4)
     assert [group.prompt for group in groups] == taken and [len(group.samples) for group in groups] == [4] * 6

@@ -25,6 +25,7 @@ from relax.ray.placement import (
     WorkerFailed, create_engine_actors, create_placement, create_training_actors, wait_for,
 )
 from relax.ray.watch import Timeout
+from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.ray.faults import FaultPlan
 from relax.run.colocation import Colocation
@@ -68,7 +69,8 @@ class SlowEngine(ChildKeeper):
         pid = str(os.getpid())
         return [[Completion([next(seeds)], [0.0], "stop", pid) for _ in range(sampling.n)] for _ in prompts]
 
-    def generate_group(self, prompt: list[int], sampling: SamplingConfig, prefixes=None) -> list[Completion]:
+    def generate_group(self, prompt: list[int], sampling: SamplingConfig, prefixes=None, source=None,
+                       evaluation=False) -> list[Completion]:
         assert prefixes is None, "nothing is continued without --partial-rollout"
         return self.generate([prompt], sampling)[0]
 
@@ -184,6 +186,11 @@ def _restarting(engines, max_restarts: int) -> Colocation:
     return Colocation(None, engines, 1, settings, FaultPlan())
 
 
+def _prompts(count: int) -> list[Prompt]:
+    """Prompts [1], [2], ... as the evaluation's generate takes them."""
+    return [Prompt(row, [row], f"p{row}") for row in range(1, count + 1)]
+
+
 def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_groups_sent_again(placement):
     engines = create_engine_actors(SlowEngine, placement, devices_per_engine=1)
     old_pids = wait_for(engines.call("pid"), placement)
@@ -192,7 +199,7 @@ def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_g
     generate = colocation.generate
     _kill_soon(child_pid, delay_s=1.0)  # engine 1's, while both engines generate
     sampling = SamplingConfig(n=2, seed=100)
-    completions = generate([[1], [2], [3], [4]], sampling)
+    completions = generate(_prompts(4), sampling)
     # Every request answered once, with its own seed, in prompt order; the groups engine 1 held were sent again
     # (to whichever engine had the least in flight: engine 0 or the new actor), none answered by the dead one.
     seeds = [[c.token_ids[0] for c in group] for group in completions]
@@ -211,4 +218,4 @@ def test_an_engine_whose_child_dies_mid_generate_is_restarted_in_place_and_its_g
     _kill_soon(child_pid, delay_s=1.0)
     used_up = r"^engine 1 \(SlowEngine, pid .*no engine restart left: --max-engine-restarts 1\)$"
     with pytest.raises(WorkerFailed, match=used_up):
-        generate([[1], [2]], sampling)
+        generate(_prompts(2), sampling)

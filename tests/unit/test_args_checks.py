@@ -160,6 +160,29 @@ RULES = {
         [*RUN, "--apply-chat-template", "--tools", "no_such_module:tool"],
         "--tools no_such_module:tool: cannot import module 'no_such_module'",
     ),
+    "custom generate function without tools": (
+        [*RUN, "--custom-generate-function-path", "test_custom_generate:two_turns", "--apply-chat-template",
+         "--tools", "calculator"],
+        "--custom-generate-function-path test_custom_generate:two_turns with --tools: both say how a sample is "
+        "generated",
+    ),
+    "custom generate function without partial rollout": (
+        [*RUN, "--custom-generate-function-path", "test_custom_generate:two_turns", "--partial-rollout"],
+        "with --partial-rollout: a sample of the function is not continued from where it was aborted",
+    ),
+    "custom generate function without routing replay": (
+        [*RUN, "--num-experts", "4", "--custom-generate-function-path", "test_custom_generate:two_turns",
+         "--use-rollout-routing-replay"],
+        "with --use-rollout-routing-replay: the function's samples do not carry the experts the engine chose",
+    ),
+    "custom generate function imports": (
+        [*RUN, "--custom-generate-function-path", "no_such_module.generate"],
+        "--custom-generate-function-path no_such_module.generate: cannot import module 'no_such_module'",
+    ),
+    "custom generate function is async": (
+        [*RUN, "--custom-generate-function-path", "json.dumps"],
+        "--custom-generate-function-path json.dumps: not an async function",
+    ),
     "overlong penalty factor needs the buffer": (
         [*RUN, "--overlong-penalty-factor", "0.5"],
         "--overlong-penalty-factor only applies with --overlong-buffer-len",
@@ -312,6 +335,21 @@ def test_tools_reach_the_engines_and_the_prompts():
     assert parse_train_args(RUN).rollout.tools is None and parse_train_args(RUN).rollout.data.tools == ()
 
 
+def test_a_custom_generate_function_reaches_the_engines_with_slimes_args():
+    generate = parse_train_args([*RUN, "--custom-generate-function-path", "test_custom_generate.two_turns",
+                                 "--n-samples-per-prompt", "4"]).rollout.custom_generate
+    args = generate.as_namespace()
+    assert generate.spec == "test_custom_generate.two_turns"
+    assert (args.n_samples_per_prompt, args.rollout_max_response_len) == (4, 1024)
+    assert args.n_samples_per_eval_prompt is None  # no --eval-prompt-data
+    assert (args.sglang_router_ip, args.sglang_router_port) == (None, None)  # relax serves no HTTP endpoint
+    assert parse_train_args(RUN).rollout.custom_generate is None
+    # an evaluation samples through it, without a rollout too
+    replay_and_evaluate = [*REPLAY, *EVAL_SET, "--reward-fn", "math"]
+    function = ["--custom-generate-function-path", "test_custom_generate:two_turns"]
+    assert parse_train_args([*replay_and_evaluate, *function]).rollout.custom_generate.spec == function[1]
+
+
 def test_routing_replay_turns_on_the_engines_experts_and_the_actors_replay():
     config = parse_train_args([*RUN, "--num-experts", "4", "--use-rollout-routing-replay"])
     assert config.sglang.enable_return_routed_experts and config.megatron.transformer.moe_enable_routing_replay
@@ -358,9 +396,11 @@ def test_a_replaying_run_needs_no_prompt_data(argv):
         ([*REPLAY, "--over-sampling-batch-size", "64", "--rollout-max-prompts", "640"],
          ": --over-sampling-batch-size, --rollout-max-prompts would do nothing"),
         ([*REPLAY, "--partial-rollout", "--max-staleness", "1"], ": --partial-rollout, --max-staleness would do nothing"),
+        ([*TRAIN_ONLY, "--custom-generate-function-path", "m.f"], ": --custom-generate-function-path would do "
+         "nothing"),
     ],
     ids=["generating flags", "no actor", "unscored", "prompt format", "evaluating", "eval needs reward", "no engine",
-         "no over-sampling", "no partial rollout"],
+         "no over-sampling", "no partial rollout", "no custom generate function"],
 )
 def test_a_replaying_run_refuses_what_it_does_not_read(argv, message, capsys):
     assert message in parse_error(argv, capsys)

@@ -63,6 +63,12 @@ def test_eval_only_needs_no_training_data_or_learning_rate():
     assert config.run.mode is RunMode.EVAL_ONLY and config.rollout.data is None
 
 
+def test_eval_only_samples_through_a_custom_generate_function():
+    config = parse_train_args([*EVAL_ONLY, "--custom-generate-function-path", "test_custom_generate.two_turns"])
+    assert config.rollout.custom_generate.spec == "test_custom_generate.two_turns"
+    assert config.rollout.custom_generate.as_namespace().n_samples_per_eval_prompt == 1  # slime's name
+
+
 def test_eval_only_takes_the_training_flags_that_have_defaults_and_checks_them_as_for_a_run(capsys):
     """(unused: the loop runs no step; the dry-run says so)"""
     config = parse_train_args([*EVAL_ONLY, "--num-steps", "3", "--lr", "1e-6", "--rollout-batch-size", "4"])

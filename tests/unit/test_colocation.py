@@ -11,6 +11,7 @@ import relax.run.colocation
 from relax.ray.faults import FaultPlan
 from relax.ray.placement import WorkerFailed
 from relax.ray.watch import Timeout
+from relax.rollout.data import Prompt
 from relax.rollout.engine import EngineDeadError, SamplingConfig
 from relax.rollout.rollout import most_requests_per_engine
 from relax.run.colocation import Colocation, is_engine_death
@@ -80,11 +81,11 @@ class _Group:
 
 
 def _answer(ref):
-    """A call's answer: for generate_group(prompt, sampling, prefixes) one completion per request (a sample, or a
-    prefix continued), else a push report."""
+    """A call's answer: for generate_group(prompt, sampling, prefixes, source) one completion per request (a
+    sample, or a prefix continued), else a push report."""
     if ref.method != "generate_group":
         return {"bytes": 1}
-    prompt, sampling, prefixes = ref.args
+    prompt, sampling, prefixes, _source, _evaluation = ref.args
     return ["completion"] * (sampling.n if prefixes is None else len(prefixes))
 
 
@@ -193,12 +194,16 @@ def test_an_engine_dead_in_a_memory_call_is_called_again_once_restarted_and_give
     assert world.colocation.stale == {1}  # it holds --hf-checkpoint's weights
     world.log.clear()
     world.colocation.engine_memory = {"weights", "kv_cache", "cuda_graph"}
-    completions = world.colocation.generate([[1], [2]], SamplingConfig(n=2, seed=5))
+    completions = world.colocation.generate([Prompt(1, [1], "a"), Prompt(2, [2], "b")], SamplingConfig(n=2, seed=5))
     assert [entry[:2] for entry in world.log] == [  # the actor's weights to every engine first: two hand-overs
         *_weights_to(["engine 0", "engine 1'"]),
         ("engine 0", "generate_group"), ("engine 1'", "generate_group"),  # then the requests
     ]
     assert completions == [["completion"] * 2] * 2 and world.colocation.stale == set()
+    # each group carries its prompt's data row, marked an evaluation's (a custom generate function is told)
+    assert [args[3:] for _, method, *args in world.log if method == "generate_group"] == [
+        [Prompt(1, [1], "a"), True], [Prompt(2, [2], "b"), True]
+    ]
 
 
 def _weights_to(engines: list[str]) -> list[tuple[str, str]]:
@@ -216,7 +221,7 @@ def _weights_to(engines: list[str]) -> list[tuple[str, str]]:
 def _sent(log) -> list[tuple[str, list[int], int]]:
     """Each generate_group call logged: (engine, prompt, first seed)."""
     return [(name, prompt, sampling.seed) for name, method, *args in log if method == "generate_group"
-            for prompt, sampling, _prefixes in [args]]
+            for prompt, sampling, *_ in [args]]
 
 
 def test_each_group_goes_whole_to_the_engine_with_the_fewest_requests_in_flight(world):

@@ -1,10 +1,23 @@
+"""slime's custom generate function (relax.rollout.custom_generate): loading and the signature check, the sample a
+function gets, generate and the append helpers, what comes back (trained, aborted, or failed naming why), and a
+step's groups of such samples through EngineWorker over a scripted engine (the real stack:
+tests/e2e/test_loop_custom_generate.py)."""
+
 import asyncio
 import textwrap
 from dataclasses import dataclass
 
 import pytest
 
-from relax.rollout.custom_generate import load_custom_generate_fn, sample_problem
+from relax.rollout.custom_generate import (
+    CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_sample,
+    load_custom_generate_fn, sample_problem,
+)
+from relax.rollout.data import Prompt, PromptLoader
+from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.rewards import RewardFn
+from relax.rollout.rollout import collect_groups
+from relax.rollout.worker import EngineWorker
 
 FUNCTIONS = '''
 async def generate(args, sample, sampling_params):
@@ -113,3 +126,243 @@ def test_an_aligned_sample_has_no_problem():
 ])
 def test_a_misaligned_sample_is_a_problem_named(sample, reason):
     assert reason in sample_problem(sample, PROMPT)
+
+
+# --- the function's samples: generate, the append helpers, what comes back ----------------------------------------
+
+TOOL = [50, 51]  # the ids a function appends itself
+
+
+async def two_turns(args, sample, sampling_params):
+    """Generate, append the TOOL ids (not trained), generate again: what a multi-turn function does."""
+    append_generated(sample, await generate(sample.tokens, {**sampling_params, "max_new_tokens": 2}))
+    append_masked(sample, TOOL, "<tool>")
+    append_generated(sample, await generate(sample.tokens, sampling_params))
+    return sample
+
+
+class ScriptedEngine:
+    """An engine request (relax.rollout.custom_generate.EngineRequest) answering the k-th request with the ids
+    answers[k], each token's logprob -1 - k; records what it was sent."""
+
+    def __init__(self, answers: list[list[int]], finish_reason: str = "stop"):
+        self.answers, self.finish_reason, self.requests = answers, finish_reason, []
+
+    async def __call__(self, input_ids, params):
+        ids = self.answers[len(self.requests)]
+        self.requests.append((input_ids, params))
+        return Completion(ids, [-1.0 - len(self.requests) + 1] * len(ids), self.finish_reason, f"<{len(ids)} ids>")
+
+
+def run_sample(fn, engine, prompt_ids=PROMPT, label="7") -> Completion:
+    prompt = Prompt(row=1, token_ids=list(prompt_ids), text="copy 7:", label=label)
+    return asyncio.run(generate_sample(_as_custom(fn), "args", prompt, {"max_new_tokens": 8}, engine))
+
+
+def _as_custom(fn) -> CustomGenerateFn:
+    """A test's async function as the flag loads one (a CustomGenerateFn as it is)."""
+    return fn if isinstance(fn, CustomGenerateFn) else CustomGenerateFn(fn, "tests:fn", takes_evaluation=False)
+
+
+def test_a_two_turn_function_trains_its_sampled_tokens_only_with_the_engines_logprobs():
+    engine = ScriptedEngine([[1, 2], [3]])
+    completion = run_sample(two_turns, engine)
+    assert completion.token_ids == [1, 2, *TOOL, 3] and completion.error is None
+    assert completion.loss_mask == [1, 1, 0, 0, 1]
+    assert completion.logprobs == [-1.0, -1.0, 0.0, 0.0, -2.0]
+    assert completion.text == "<2 ids><tool><1 ids>" and completion.finish_reason == "stop"
+    assert completion.reward is None  # the reward function scores it
+    # each turn is sent the prompt and the response so far, as token ids
+    assert [ids for ids, _ in engine.requests] == [PROMPT, PROMPT + [1, 2, *TOOL]]
+    assert engine.requests[0][1]["max_new_tokens"] == 2
+
+
+def test_the_sample_a_function_gets_holds_the_prompt_and_the_status_follows_the_last_turn():
+    seen = []
+
+    async def look(args, sample, sampling_params):
+        seen.append((sample.prompt, sample.label, sample.tokens, sample.status, sample.response_length))
+        append_generated(sample, await generate(sample.tokens, sampling_params))
+        return [sample]  # a list of one sample is the sample
+
+    completion = run_sample(look, ScriptedEngine([[4, 5]], finish_reason="length"))
+    assert seen == [("copy 7:", "7", PROMPT, Sample.Status.PENDING, 0)]
+    assert completion.finish_reason == "length" and completion.loss_mask == [1, 1]
+
+
+def test_a_preset_reward_is_kept():
+    async def scored(args, sample, sampling_params):
+        sample = await two_turns(args, sample, sampling_params)
+        sample.reward = 1
+        return sample
+
+    assert run_sample(scored, ScriptedEngine([[1], [2]])).reward == 1.0
+
+
+def test_an_aborted_sample_comes_back_aborted_whatever_it_holds():
+    async def aborts(args, sample, sampling_params):
+        sample.tokens, sample.status = sample.tokens + [9], Sample.Status.ABORTED
+        return sample
+
+    completion = run_sample(aborts, ScriptedEngine([]))
+    assert completion.finish_reason == "abort" and completion.token_ids == [] and completion.error is None
+
+
+def _returning(value):
+    async def fn(args, sample, sampling_params):
+        return value(sample) if callable(value) else value
+    return fn
+
+
+def _with(**fields):
+    def change(sample):
+        for name, value in fields.items():
+            setattr(sample, name, value)
+        return sample
+    return change
+
+
+async def _raises(args, sample, sampling_params):
+    raise KeyError("label")
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (_raises, "--custom-generate-function-path tests:fn raised KeyError: 'label'"),
+    (_returning(None), "returned NoneType, not a relax.rollout.custom_generate.Sample"),
+    (_returning(lambda s: [s, s]), "returned 2 samples; relax trains --n-samples-per-prompt samples per prompt"),
+    (_returning(lambda s: s), "returned a sample with status PENDING"),
+    (_returning(_with(status=Sample.Status.FAILED)), "returned a sample with status FAILED"),
+    (_returning(_with(status=Sample.Status.COMPLETED, tokens=[1, 2])), "its tokens do not start with the prompt's"),
+    (_returning(_with(status=Sample.Status.COMPLETED, tokens=PROMPT + [1] * 9, response_length=9,
+                      rollout_log_probs=[-1.0] * 9)), "its response has 9 tokens, over its budget of 8"),
+    (_returning(_with(status=Sample.Status.COMPLETED, tokens=PROMPT + [1], response_length=1)),
+     "its rollout_log_probs are None: give the engine's logprob of each response token"),
+    (_returning(_with(status=Sample.Status.COMPLETED, tokens=PROMPT + [1], response_length=1,
+                      rollout_log_probs=[-1.0], reward={"acc": 1})), "its reward is dict, not a number"),
+])
+def test_a_sample_the_function_fails_or_misaligns_is_failed_naming_why(fn, reason):
+    completion = run_sample(fn, ScriptedEngine([]))
+    assert completion.finish_reason == "error" and completion.token_ids == []
+    assert completion.error.startswith("--custom-generate-function-path tests:fn")
+    assert reason in completion.error
+
+
+def test_append_keeps_the_fields_aligned_after_tokens_the_function_set_itself():
+    sample = Sample("p", tokens=[7, 1, 2], response_length=2, rollout_log_probs=[-1.0, -2.0])  # no mask: all trained
+    append_masked(sample, [3], "x")
+    assert (sample.tokens, sample.loss_mask, sample.rollout_log_probs, sample.response_length) == (
+        [7, 1, 2, 3], [1, 1, 0], [-1.0, -2.0, 0.0], 3
+    )
+    assert completion_of(_with(status=Sample.Status.COMPLETED)(sample), [7], budget=3).loss_mask == [1, 1, 0]
+    with pytest.raises(ValueError, match="2 token ids but 1 logprobs"):
+        append_generated(sample, Completion([1, 2], [-1.0], "stop", ""))
+    with pytest.raises(ValueError, match="the sample has 1 response tokens but no rollout_log_probs"):
+        append_masked(Sample("p", tokens=[7, 1], response_length=1), [3], "x")
+
+
+def test_generate_outside_a_function_says_where_it_works():
+    with pytest.raises(RuntimeError, match="reaches an engine only from a function that relax calls"):
+        asyncio.run(generate([1], {}))
+
+
+# --- a rollout of the function's samples: EngineWorker's groups, as collect_groups fills a step ------------------
+
+class ScriptedWorker(EngineWorker):
+    """An engine actor with the custom generate function `fn`, whose engine answers every request with `answer`
+    (ids); records each request's seed."""
+
+    def __init__(self, fn, answer=(1, 2)):
+        self.aborts, self.answer, self.seeds = 0, list(answer), []
+        self.custom_generate = (_as_custom(fn), "args")
+
+    def _live(self):
+        return "the engine"
+
+    def _run(self, coroutine):
+        return asyncio.run(coroutine)
+
+    async def generate_request(self, engine, request, params):
+        self.seeds.append(params["sampling_seed"])
+        return Completion(self.answer, [-0.5] * len(self.answer), "stop", "ab")
+
+
+async def by_label(args, sample, sampling_params):
+    """The samples of a prompt labelled "abort" come back ABORTED, of "fail" the first raises, of "scored" with a
+    reward; the others are two_turns'."""
+    if sample.label == "abort":
+        sample.status = Sample.Status.ABORTED
+        return sample
+    if sample.label == "fail" and sampling_params["sampling_seed"] % 2 == 0:
+        raise RuntimeError("no tool")
+    sample = await two_turns(args, sample, sampling_params)
+    if sample.label == "scored":
+        sample.reward = 0.25
+    return sample
+
+
+class WorkerPool:
+    """An engine pool (relax.rollout.rollout.EnginePool) over one ScriptedWorker: each group answered at submit."""
+
+    def __init__(self, worker):
+        self.worker, self.done, self.aborts = worker, [], 0
+
+    def submit(self, key, prompt, sampling, prefixes=None, source=None):
+        self.done.append((key, self.worker.generate_group(prompt, sampling, prefixes, source)))
+
+    def next_done(self):
+        return self.done.pop(0)
+
+    def abort(self):
+        self.aborts += 1
+
+
+def test_a_step_of_function_samples_keeps_preset_rewards_puts_aborted_prompts_back_and_counts_failures():
+    labels = ["abort", "fail", "scored", "plain", "plain"]
+    loader = PromptLoader([Prompt(i + 1, [100 + i], f"p{i}", label) for i, label in enumerate(labels)], shuffle=False)
+    scored = []
+
+    def reward(sample):
+        scored.append(sample.label)
+        return 1.0
+
+    worker = ScriptedWorker(by_label)
+    samples, metrics = collect_groups(
+        WorkerPool(worker), loader, SamplingConfig(n=2, seed=0, max_new_tokens=8),
+        RewardFn(reward, "r", per_batch=False, is_async=False), num_groups=2, chunk_size=1, dynamic_sampling=False,
+        max_prompts=5,
+    )
+    assert [s.prompt.label for s in samples] == ["scored", "scored", "plain", "plain"]
+    assert [s.reward for s in samples] == [0.25, 0.25, 1.0, 1.0] and scored == ["plain", "plain"]
+    assert [s.loss_mask for s in samples] == [[1, 1, 0, 0, 1, 1]] * 4
+    assert [s.response_logprobs for s in samples] == [[-0.5, -0.5, 0.0, 0.0, -0.5, -0.5]] * 4
+    assert metrics["rollout/failed_samples"] == 1 and metrics["rollout/failed_groups"] == 1
+    assert metrics["rollout/function_aborted_samples"] == 2 and metrics["rollout/returned_prompts"] == 1
+    assert loader.take(1)[0].label == "abort"  # back first for the next step
+    # the k-th group's sample j is seeded 2k + j in each of its turns: the failing group's second sample (its first
+    # raised before a request), then both samples of groups 2 and 3, two turns each
+    assert sorted(worker.seeds) == [3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+
+
+def test_an_evaluations_group_is_the_functions_told_so_and_an_aborted_sample_fails_there():
+    told = []
+
+    async def for_eval(args, sample, sampling_params, evaluation=False):
+        told.append(evaluation)
+        sample.status = Sample.Status.ABORTED if sample.label == "abort" else Sample.Status.COMPLETED
+        sample.rollout_log_probs = []
+        return sample
+
+    worker = ScriptedWorker(CustomGenerateFn(for_eval, "tests:fn", takes_evaluation=True))
+    (done,) = worker.generate_group([5], SamplingConfig(n=1), None, Prompt(1, [5], "p"), evaluation=True)
+    (aborted,) = worker.generate_group([5], SamplingConfig(n=1), None, Prompt(1, [5], "p", "abort"), evaluation=True)
+    (returned,) = worker.generate_group([5], SamplingConfig(n=1), None, Prompt(1, [5], "p", "abort"))
+    assert told == [True, True, False]
+    assert done.finish_reason == "stop" and done.token_ids == []
+    assert "returned a sample with status ABORTED in an evaluation, which puts no prompt back" in aborted.error
+    assert returned.finish_reason == "abort" and returned.error is None  # a rollout's: its prompt goes back
+
+
+def test_a_function_continues_no_response_begun_earlier():
+    worker = ScriptedWorker(_raises)
+    with pytest.raises(ValueError, match="does not continue responses begun earlier"):
+        worker.generate_group([5], SamplingConfig(n=1), [[1]], Prompt(1, [5], "p"))

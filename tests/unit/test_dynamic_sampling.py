@@ -36,7 +36,7 @@ class ScriptedPool:
         self.rewards, self.refused = rewards, set(refused)
         self.submitted, self.in_flight, self.aborts = [], {}, 0
 
-    def submit(self, key, prompt, sampling, prefixes=None):
+    def submit(self, key, prompt, sampling, prefixes=None, source=None):
         assert prefixes is None, "nothing is continued without --partial-rollout"
         self.submitted.append(prompt[0])
         self.in_flight[key] = prompt[0]

@@ -306,7 +306,7 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
         run=settings,
         rollout=SimpleNamespace(
             sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None, dynamic_sampling=False,
-            shuffle=False, over_sampling_batch_size=1, max_prompts=10, partial=None, tools=None,
+            shuffle=False, over_sampling_batch_size=1, max_prompts=10, partial=None, tools=None, custom_generate=None,
         ),
         evaluation=SimpleNamespace(), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=outputs,

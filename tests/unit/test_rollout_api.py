@@ -21,8 +21,8 @@ def _loader() -> PromptLoader:
 
 
 def _generate(prompts, sampling):
-    return [[Completion([prompt[0], 9], [-0.5, -1.0], "stop", str(prompt[0])) for _ in range(sampling.n)]
-            for prompt in prompts]
+    return [[Completion([prompt.token_ids[0], 9], [-0.5, -1.0], "stop", str(prompt.token_ids[0]))
+             for _ in range(sampling.n)] for prompt in prompts]
 
 
 class InOrderPool:
@@ -32,9 +32,10 @@ class InOrderPool:
     def __init__(self, generate):
         self.generate, self.in_flight = generate, {}
 
-    def submit(self, key, prompt, sampling, prefixes=None):
+    def submit(self, key, prompt, sampling, prefixes=None, source=None):
         assert prefixes is None, "nothing is continued without --partial-rollout"
-        self.in_flight[key] = (prompt, sampling)
+        assert source.token_ids == prompt
+        self.in_flight[key] = (source, sampling)
 
     def next_done(self):
         key = min(self.in_flight)

@@ -44,7 +44,7 @@ class ScriptedPool:
         self.in_flight: dict[int, tuple[int, SamplingConfig, int]] = {}
         self.aborts = 0
 
-    def submit(self, key, prompt, sampling, prefixes=None):
+    def submit(self, key, prompt, sampling, prefixes=None, source=None):
         self.submitted.append((prompt[0], sampling.seed))
         self.prefixes.append(prefixes)
         self.in_flight[key] = (prompt[0], sampling, sampling.n if prefixes is None else len(prefixes))
@@ -78,8 +78,9 @@ class ScriptedGenerate:
         self.calls = []
 
     def __call__(self, prompts, sampling):
-        self.calls.append(([prompt[0] for prompt in prompts], sampling.seed))
-        return [[scripted_completion(text, sampling) for text in self.script[prompt[0]]] for prompt in prompts]
+        self.calls.append(([prompt.token_ids[0] for prompt in prompts], sampling.seed))
+        return [[scripted_completion(text, sampling) for text in self.script[prompt.token_ids[0]]]
+                for prompt in prompts]
 
 
 def prompts(count):
@@ -107,7 +108,7 @@ def test_samples_come_scored_prompt_by_prompt_with_their_metrics():
 def test_a_generate_that_loses_a_prompt_is_an_error():
     generate = ScriptedGenerate({0: ["0"], 1: ["1"]})
     with pytest.raises(ValueError, match="zip"):
-        generate_and_score(lambda ids, sampling: generate(ids, sampling)[:1], prompts(2), SamplingConfig(n=1),
+        generate_and_score(lambda prompts, sampling: generate(prompts, sampling)[:1], prompts(2), SamplingConfig(n=1),
                            load_reward_fn("exact_match"))
 
 

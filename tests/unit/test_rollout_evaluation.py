@@ -85,7 +85,8 @@ def test_a_prompt_with_a_failed_sample_is_counted_and_left_out_of_the_eval_metri
 def test_evaluate_reports_the_engine_refusing_samples_and_goes_on(capsys):
     def generate(prompts, sampling):  # refuses prompt [9]
         return [
-            [Completion.refused("ValueError: too long") if p[0] == 9 else Completion([7], [0.0], "stop", str(p[0]))]
+            [Completion.refused("ValueError: too long") if p.token_ids[0] == 9
+             else Completion([7], [0.0], "stop", str(p.token_ids[0]))]
             * sampling.n
             for p in prompts
         ]
@@ -110,7 +111,8 @@ def test_evaluate_samples_each_set_with_its_own_seeds_every_time():
     def generate(prompts, sampling):  # answers every prompt with its own digit then the digit 1
         calls.append((prompts, sampling.seed, sampling.n))
         return [
-            [Completion([7], [0.0], "stop", str(p[0])), Completion([7, 7], [0.0, 0.0], "length", "1")] for p in prompts
+            [Completion([7], [0.0], "stop", str(p.token_ids[0])), Completion([7, 7], [0.0, 0.0], "length", "1")]
+            for p in prompts
         ]
 
     sets = [
