@@ -1,7 +1,13 @@
 """SIGTERM to the `relax train` driver mid-run (scripts/run-tiny-cpu.sh, the real stack): the step in progress
 finishes, its state is saved to --save, engines, actors and the local Ray end, the run's summary is printed,
 and the driver exits 143 with one line saying so. The run over-samples with partial rollout: the groups the step
-put back are saved with the loader, with what their responses generated."""
+put back are saved with the loader, with what their responses generated.
+
+The same run shows partial rollout itself (the signal comes once two steps are logged): with responses of up to
+48 tokens, the groups in flight when step 0's batch is full have tokens (or are complete), which go back with their
+prompts; step 1 takes them first and continues what they began (how many were cut short mid-response depends on
+timing: tests/e2e/test_engine.py shows the engine continuing a response as the uninterrupted request would,
+tests/unit/test_rollout_driver.py the rollout's bookkeeping)."""
 
 import json
 import signal
@@ -9,31 +15,37 @@ import subprocess
 import time
 from pathlib import Path
 
+from relax.rollout.dump import rollout_data_path
 from relax.run.state import read_checkpoint
 from processes import describe, kill_marked, leftover_processes, run_marker
 from tiny_runs import tiny_job
 
 
-def wait_for_first_step(metrics: Path, driver: subprocess.Popen, stderr: Path, timeout_s: float = 600.0) -> None:
+def wait_for_steps(count: int, metrics: Path, driver: subprocess.Popen, stderr: Path, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and driver.poll() is None:
-        if metrics.is_file() and metrics.read_text().endswith("\n"):
+        if metrics.is_file() and metrics.read_text().count("\n") >= count:
             return
         time.sleep(0.5)
-    raise AssertionError(f"no step was logged (driver exit status {driver.poll()}):\n{stderr.read_text()[-5000:]}")
+    raise AssertionError(
+        f"fewer than {count} steps were logged (driver exit status {driver.poll()}):\n{stderr.read_text()[-5000:]}"
+    )
 
 
 def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path):
     marker = run_marker()
-    saves = tmp_path / "checkpoints"
+    saves, pattern = tmp_path / "checkpoints", str(tmp_path / "rollouts" / "step_{step}.jsonl")
     command, env = tiny_job(tmp_path, "--num-steps", "50", "--save", str(saves), "--over-sampling-batch-size", "16",
-                            "--partial-rollout", env=marker)
+                            "--partial-rollout", "--max-staleness", "1", "--rollout-max-response-len", "48",
+                            "--save-rollout-data", pattern, env=marker)
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     # run-tiny-cpu.sh execs the driver: the Popen's pid is the driver's.
     with open(stdout, "w") as out, open(stderr, "w") as err:
         driver = subprocess.Popen(command, env=env, stdout=out, stderr=err)
     try:
-        wait_for_first_step(tmp_path / "output" / "metrics.jsonl", driver, stderr)
+        # Two steps, so that the record has two even when the signal comes before the driver has looked for one
+        # after the step it logged last (the run then stops after that step).
+        wait_for_steps(2, tmp_path / "output" / "metrics.jsonl", driver, stderr)
         driver.send_signal(signal.SIGTERM)
         driver.wait(timeout=300)
     finally:
@@ -45,7 +57,8 @@ def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path)
 
     last_line = stderr.read_text().strip().splitlines()[-1]
     assert last_line.startswith("relax train: stopped by SIGTERM after step "), stderr.read_text()[-3000:]
-    steps = [json.loads(line)["step"] for line in (tmp_path / "output" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "output" / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in records]
     # The step that was running when the signal came finished (and was logged) before the save.
     assert last_line.endswith(f"after step {steps[-1]}; checkpoint in {saves / f'step_{steps[-1]:06d}'}")
     checkpoint = read_checkpoint(saves, tmp_path / "model", seed=1234, num_steps=50)
@@ -61,3 +74,18 @@ def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path)
     summary = stdout.read_text().split("relax run summary\n", 1)[1]
     assert summary.startswith(f"  steps         {len(steps)} (steps 0-{steps[-1]})\n")
     assert f"  checkpoints   {saves}\n" in summary
+
+    # Partial rollout: step 0 put back 8 groups with their tokens so far; step 1 took them first.
+    first, second = records[:2]
+    assert first["rollout/returned_prompts"] == 8 and first["rollout/partial_carried_tokens"] > 0, first
+    assert first["rollout/partial_resumed_samples"] == 0 and first["rollout/partial_oldest_token_age"] == 0
+    # Whether the carried groups complete before 8 others (they had a head start) or are cut short again, with more
+    # tokens, depends on the engine's timing; nothing is lost either way.
+    assert second["rollout/partial_stale_samples"] == 0  # one step old: within --max-staleness
+    if second["rollout/partial_resumed_samples"]:
+        assert second["rollout/partial_oldest_token_age"] == 1 and second["rollout/partial_old_token_fraction"] > 0
+    else:
+        assert second["rollout/partial_carried_tokens"] > 0, second
+    assert second["train/update_successful"] == 1.0 and "mismatch/logprob_abs_diff_mean" in second
+    groups = [json.loads(line) for line in rollout_data_path(pattern, 1).read_text().splitlines()[1:]]
+    assert len({group["prompt"]["row"] for group in groups}) == 8  # a full batch, no prompt twice in a step
