@@ -76,6 +76,7 @@ def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path)
     assert f"  checkpoints   {saves}\n" in summary
 
     # Partial rollout: step 0 put back 8 groups with their tokens so far; step 1 took them first.
+    assert steps[:2] == [0, 1]
     first, second = records[:2]
     assert first["rollout/returned_prompts"] == 8 and first["rollout/partial_carried_tokens"] > 0, first
     assert first["rollout/partial_resumed_samples"] == 0 and first["rollout/partial_oldest_token_age"] == 0
