@@ -35,6 +35,7 @@ EVERY_TOOL_FEATURE = ["--apply-chat-template", "--tools", "calculator", "--max-t
 # Flags whose only effect is at parse time, and why that is their whole job.
 READ_AT_PARSE_TIME_ONLY = {
     "log_interval": "every step is logged: any other value is refused by the table",
+    "device_memory_gib": "the device the layout's estimated training memory is checked against before the run",
 }
 # Model-level Megatron flags that config.json does not fix, and what reads them.
 OTHER_MODEL_FLAG_READERS = {
