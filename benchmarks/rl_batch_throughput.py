@@ -30,9 +30,10 @@ cost the most attention, are the ones left out: its throughput is then, if anyth
 
 Per side: --warmup steps, then the mean of --steps timed steps (device synchronized): seconds per step, real
 tokens per second (prompt + response tokens trained, no padding), MFU on real tokens and peak device memory. MFU
-counts Megatron's FLOPs (train_throughput.flops_per_step) of each sequence at its own length, so attention is the sum
-over sequences of length^2 (whole, not halved for causality), against 989 TFLOP/s; padding and attention across
-sequence boundaries count nothing. The ratios relax / relax_before and relax / megatron_core of real tokens per
+counts the FLOPs (train_throughput.flops_per_step) of each sequence at its own length against 989 TFLOP/s, in both
+attention conventions: mfu_attention_full (Megatron's formula, the sum over sequences of length^2 whole) and
+mfu_attention_causal (half of it, as Megatron-LM's and torchtitan's published figures count); padding and attention
+across sequence boundaries count nothing. The ratios relax / relax_before and relax / megatron_core of real tokens per
 second are printed last.
 
 --memory-at TOKENS [TOKENS ...]: relax's train step only, for each TOKENS on one micro-batch of exactly that many
@@ -49,9 +50,9 @@ from pathlib import Path
 import torch
 
 from train_throughput import (
-    PEAK_FLOPS,
     SHAPES,
     flops_per_step,
+    mfu,
     megatron_configs,
     parameter_count,
     plain_gpt,
@@ -301,7 +302,8 @@ def throughput(args) -> dict:
             trained = [n for n in lengths if n <= result["max_tokens"]]
             result["samples_left_out"] = len(lengths) - len(trained)
             result["real_tokens_per_s"] = sum(trained) / result["seconds_per_step"]
-            result["mfu"] = sum(flops_per_step(shape, n, n) for n in trained) / result["seconds_per_step"] / PEAK_FLOPS
+            result.update(mfu(lambda attention: sum(flops_per_step(shape, n, n, attention) for n in trained),
+                              result["seconds_per_step"]))
         results[name] = result
         print(name, json.dumps(result), flush=True)
     for baseline in ("relax_before", "megatron_core"):

@@ -14,8 +14,10 @@ optimizer, and the same tokens per step (micro-batches of full-length rows):
                    response): each micro-batch's sequences packed into one row (THD) and attended with the
                    platform's kernel, fp32 per-token logprobs over the vocabulary, the PPO-clip policy loss
 Each side: 3 warm-up steps, then the mean of --steps timed steps (device synchronized). MFU counts the model
-FLOPs as Megatron's own formula does (matmuls x 3 for forward + backward, causal attention counted whole)
-against 989 TFLOP/s (H100/H200 dense bf16); the ratio relax / megatron-core is the figure to read.
+FLOPs (matmuls x 3 for forward + backward) against 989 TFLOP/s (H100/H200 dense bf16) in two attention conventions:
+mfu_attention_full, Megatron's own formula (causal attention counted whole), and mfu_attention_causal (half of the
+s x s, the count Megatron-LM's and torchtitan's published MFU figures use); the ratio relax / megatron-core is the
+figure to read.
 
 --profile adds, per side, after the timed steps: (1) torch.profiler over --profile-steps steps: device busy time
 against wall time, the top kernels and the top ops (by device time, or host time on the CPU); (2) the step cut
@@ -73,13 +75,25 @@ def write_checkpoint(out_dir: Path, shape: dict, device: torch.device, max_posit
     return out_dir
 
 
-def flops_per_step(shape: dict, seq: int, tokens: int) -> float:
-    """Megatron's count: 2 FLOPs per multiply-add, x3 for forward + backward, attention over the whole s x s."""
+# How the attention's scores and weighted sum are counted in an MFU figure: "full", Megatron's formula over the
+# whole s x s (the figure relax's earlier records give), or "causal", half of it: the work a causal kernel does and
+# the count Megatron-LM's and torchtitan's published MFU figures use. Every MFU relax reports names its convention.
+ATTENTION_CONVENTIONS = {"full": 1.0, "causal": 0.5}
+
+
+def flops_per_step(shape: dict, seq: int, tokens: int, attention: str = "full") -> float:
+    """2 FLOPs per multiply-add, x3 for forward + backward; the attention over s x s times the convention's share."""
     h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     q = shape["num_attention_heads"] * shape["head_dim"]
     kv = shape["num_key_value_heads"] * shape["head_dim"]
-    per_token_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * shape["intermediate_size"] + 2 * 2 * seq * q
+    scores = 2 * 2 * seq * q * ATTENTION_CONVENTIONS[attention]
+    per_token_layer = 2 * h * (q + 2 * kv) + 2 * q * h + 2 * 3 * h * shape["intermediate_size"] + scores
     return 3 * tokens * (layers * per_token_layer + 2 * h * vocab)
+
+
+def mfu(flops_of, seconds: float) -> dict:
+    """The MFU under each attention convention: `flops_of(convention)` FLOPs in `seconds` against PEAK_FLOPS."""
+    return {f"mfu_attention_{name}": flops_of(name) / seconds / PEAK_FLOPS for name in ATTENTION_CONVENTIONS}
 
 
 def parameter_count(shape: dict) -> int:
@@ -474,14 +488,14 @@ def main(argv=None) -> None:
     shape = SHAPES[args.shape]
     write_checkpoint(Path(args.work_dir) / f"qwen3_{args.shape}", shape, get_platform(args.device).current_device())
     tokens = args.seq * args.micro_batch_size * args.micro_batches
-    flops = flops_per_step(shape, args.seq, tokens)
     results = {"parameters_b": parameter_count(shape) / 1e9, "tokens_per_step": tokens}
     print(json.dumps(results), flush=True)
     profiles = {}
     for name in args.sides:
         result = run_in_own_process(name, args.device, run_side, name, args)
         result["tokens_per_s"] = tokens / result["seconds_per_step"]
-        result["mfu"] = flops / result["seconds_per_step"] / PEAK_FLOPS
+        flops_of = lambda attention: flops_per_step(shape, args.seq, tokens, attention)  # noqa: E731
+        result.update(mfu(flops_of, result["seconds_per_step"]))
         profiles[name] = result.pop("profile", None)
         results[name] = result
         print(name, json.dumps(result), flush=True)
