@@ -167,6 +167,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
             device=platform.name,
             enable_memory_saver=relax.colocate and platform.has_memory_saver,
             enable_return_routed_experts=relax.use_rollout_routing_replay,
+            enable_priority_scheduling=relax.partial_rollout,
         ),
         defaults=server_defaults(platform, engine_logs=relax.engine_logs),
     )

@@ -17,6 +17,7 @@ from relax.args.settings import RunMode, run_mode
 from relax.kernels.gdn_training import KERNEL_PACKAGES
 from relax.args.unsupported import unsupported_combinations
 from relax.rollout.dump import pattern_problem
+from relax.rollout.engine import PRIORITY_SCHEDULE_POLICIES
 from relax.rollout.custom_generate import load_custom_generate_fn
 from relax.rollout.rollout import rollout_seeds_problem
 from relax.rollout.tools import load_tools
@@ -454,6 +455,12 @@ def sampling_flags_consistent(config, platform):
             return problem
     if r.max_staleness is not None and not r.partial_rollout:
         return "--max-staleness bounds the age of --partial-rollout's continued responses: give --partial-rollout too"
+    if r.partial_rollout and config.sglang.schedule_policy not in PRIORITY_SCHEDULE_POLICIES:
+        return (
+            f"--partial-rollout sends continued responses before new ones through SGLang's priority scheduling, "
+            f"which --sglang-schedule-policy {config.sglang.schedule_policy} does not take: use one of "
+            f"{', '.join(PRIORITY_SCHEDULE_POLICIES)}"
+        )
     if r.partial_rollout and r.use_rollout_routing_replay:
         return (
             "--partial-rollout with --use-rollout-routing-replay: a checkpoint does not save the routed experts of "

@@ -77,6 +77,10 @@ MANAGED_BY_RELAX = {
     "enable_memory_saver": "use --colocate (on by default; the memory saver follows it where the platform has one)",
     "device": "use --device",
     "enable_return_routed_experts": "use --use-rollout-routing-replay (the actor then replays what the engine returns)",
+    "enable_priority_scheduling": (
+        "relax turns it on with --partial-rollout (a continued response's request goes before new ones)"
+    ),
+    "schedule_low_priority_values_first": "relax gives continued responses the higher priority value",
     "default_chat_template_kwargs": (
         "use --apply-chat-template-kwargs (relax renders the prompts and sends the engine token ids)"
     ),

@@ -51,6 +51,11 @@ LIVENESS_POLL_S = 0.5
 LOOP_STOP_TIMEOUT_S = 30.0
 # relax's own defaults for engine fields nobody else sets: SGLang's "info" logs every batch.
 RELAX_SERVER_DEFAULTS = {"log_level": "warning"}
+# A request that continues a response (partial rollout) goes before new requests: SGLang's priority scheduling,
+# which relax turns on with --partial-rollout, takes higher values first; a request without a priority gets the
+# lowest. So a continued group is not queued behind the step's new ones and aborted again, growing older.
+CONTINUED_RESPONSE_PRIORITY = 1
+PRIORITY_SCHEDULE_POLICIES = ("fcfs", "lof")  # the policies SGLang's priority scheduling works with
 ENGINE_LOGS_DEFAULTS = {"log_level": "info"}  # --engine-logs: SGLang's batch lines (throughput, cache hits)
 # Routed expert ids in memory (Completion.routed_experts): they fit, at half the memory of SGLang's int32.
 ROUTED_EXPERTS_DTYPE = torch.int16
@@ -487,10 +492,14 @@ class RolloutEngine:
         params = request_params(requests, sampling, [len(prefix) for group in prefixes for prefix in group])
         engine = self._live()
 
+        # (an engine without priority scheduling aborts a request that has a priority)
+        continued = CONTINUED_RESPONSE_PRIORITY if self.server_args.enable_priority_scheduling else None
+        priorities = [continued if prefix else None for group in prefixes for prefix in group]
+
         async def each_request():  # gather wraps the coroutines in tasks of the running (the engine's) loop
             return await asyncio.gather(
-                *(self.generate_request(engine, request, request_params)
-                  for request, request_params in zip(requests, params)),
+                *(self.generate_request(engine, request, request_params, priority)
+                  for request, request_params, priority in zip(requests, params, priorities)),
                 return_exceptions=True,
             )
 
@@ -501,12 +510,14 @@ class RolloutEngine:
         answers = iter(completions)
         return [list(itertools.islice(answers, len(group))) for group in prefixes]
 
-    def generate_request(self, engine, request: list[int], params: dict) -> Awaitable[Completion]:
+    def generate_request(self, engine, request: list[int], params: dict, priority: int | None = None
+                         ) -> Awaitable[Completion]:
         """One request of token ids with SGLang's sampling `params` (request_params'), to await on the engine's loop
         (in a coroutine that _run runs; `engine`: self._live()'s). A request SGLang refuses is a failed Completion;
         a cancellation raises. A plain method returning the coroutine: Ray makes a class with an `async def` method
-        an async actor (relax.rollout.worker says why EngineWorker must not be one)."""
-        return _generate_request(engine, request, params, self._routed_experts_row)
+        an async actor (relax.rollout.worker says why EngineWorker must not be one). `priority`: SGLang's, for a
+        request that continues a response (CONTINUED_RESPONSE_PRIORITY); None for the rest."""
+        return _generate_request(engine, request, params, self._routed_experts_row, priority)
 
     def flush_cache(self):
         result = self._run(self._live().tokenizer_manager.flush_cache())
@@ -745,14 +756,15 @@ def _checked_tags(tags) -> list[str]:
     return tags
 
 
-async def _generate_request(engine, request: list[int], params: dict, routed_experts_row: tuple[int, int] | None
-                            ) -> Completion:
+async def _generate_request(engine, request: list[int], params: dict, routed_experts_row: tuple[int, int] | None,
+                            priority: int | None = None) -> Completion:
     try:
         output = await engine.async_generate(
             input_ids=request,
             sampling_params=params,
             return_logprob=True,
             return_routed_experts=routed_experts_row is not None,  # of prompt and response
+            priority=priority,
         )
     except Exception as error:
         return Completion.refused(f"{type(error).__name__}: {error}")

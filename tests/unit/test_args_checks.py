@@ -135,7 +135,15 @@ RULES = {
         [*RUN, "--max-staleness", "2"],
         "--max-staleness bounds the age of --partial-rollout's continued responses: give --partial-rollout too",
     ),
-    "partial rollout without routing replay": (
+    "partial rollout with a schedule policy priority scheduling does not take": (
+        [*RUN, "--partial-rollout", "--sglang-schedule-policy", "lpm"],
+        "which --sglang-schedule-policy lpm does not take: use one of fcfs, lof",
+    ),
+    "a user's priority scheduling switch": (
+        [*RUN, "--sglang-enable-priority-scheduling"],
+        "is set by relax: relax turns it on with --partial-rollout",
+    ),
+    "partial rollout with routing replay": (
         [*RUN, "--num-experts", "4", "--partial-rollout", "--use-rollout-routing-replay"],
         "--partial-rollout with --use-rollout-routing-replay: a checkpoint does not save the routed experts",
     ),
@@ -309,6 +317,11 @@ def test_mindspeed_switch_rules_on_npu(rule, capsys):
 def test_rule_fires_naming_the_flags(rule, capsys):
     argv, message = RULES[rule]
     assert message in parse_error(argv, capsys)
+
+
+def test_partial_rollout_schedules_continued_responses_first():
+    assert parse_train_args([*RUN, "--partial-rollout"]).sglang.enable_priority_scheduling
+    assert not parse_train_args(RUN).sglang.enable_priority_scheduling
 
 
 def test_a_consistent_multi_device_run_passes():
