@@ -12,7 +12,8 @@ Counted from the architecture (megatron-core's TransformerConfig) and the layout
 - activations of one micro-batch (`tokens` per device) kept for the backward: per layer and token, what the
   norms keep, the projections' inputs and outputs and the attention / gated-delta output (flash attention:
   no [s, s] scores); full recompute keeps only each layer's input (and one recomputed group of layers at a time);
-  selective recompute drops its modules' internals. With pipeline parallelism the first stage holds as many
+  selective recompute drops its modules' internals; under context parallelism the attention keeps the keys and
+  values it gathered from every CP rank. With pipeline parallelism the first stage holds as many
   micro-batches in flight as there are stages, which amounts to every layer's activations for one micro-batch.
 - the logits: the output layer's logits, their transposed copy and their gradient in the activations' dtype (the
   logprob and entropy never materialise them in fp32; relax/train/logprobs.py).
@@ -138,14 +139,15 @@ def parameter_count(tc, vocab_size: int, untied: bool) -> tuple[int, int, int]:
     return vocabulary, dense, experts
 
 
-def _mixer_activation_elements(tc, kind: str, tp: int, sp_div: int) -> float:
+def _mixer_activation_elements(tc, kind: str, tp: int, sp_div: int, cp: int) -> float:
     h = tc.hidden_size
     if kind == "attention":
         q, kv = _attention_widths(tc)
         head_dim = tc.kv_channels or h // tc.num_attention_heads
         out = tc.num_attention_heads * head_dim
-        # the norm, q/k/v (as rotated), the attention's output (the output projection's input)
-        return NORM_KEEPS * h / sp_div + (q + kv + out) / tp
+        # the norm, q/k/v (as rotated; under context parallelism the keys and values gathered from every CP rank),
+        # the attention's output (the output projection's input)
+        return NORM_KEEPS * h / sp_div + (q + kv * cp + out) / tp
     qk, v, heads = _gdn_widths(tc)
     # the norm, q/k/v/z/b/a, the convolution's output, the rule's output and its gated norm
     return NORM_KEEPS * h / sp_div + (qk + 2 * v + 2 * heads + qk + v + 2 * v) / tp
@@ -189,7 +191,7 @@ def estimate_actor_memory(
     sp_div = tp if layout.sequence_parallel else 1
     modules = set(tc.recompute_modules or ()) if tc.recompute_granularity == "selective" else set()
     per_layer = [
-        _mixer_activation_elements(tc, kind, tp, sp_div)
+        _mixer_activation_elements(tc, kind, tp, sp_div, layout.context)
         + _mlp_activation_elements(tc, moe, tp, etp, sp_div, modules)
         for kind, moe in zip(layer_kinds(tc), moe_layers(tc))
     ]

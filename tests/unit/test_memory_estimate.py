@@ -57,6 +57,8 @@ def test_parallelism_recompute_and_a_sharded_optimizer_each_lower_what_they_spli
     tp2 = _estimate(layout=Layout(tensor=2))
     assert tp2.parameter_count < base.parameter_count / 1.9 and tp2.logits == base.logits // 2
     assert tp2.activations < base.activations
+    cp4 = _estimate(layout=Layout(context=4))  # the same tokens per device: each layer keeps the gathered K/V
+    assert cp4.activations - base.activations == 24 * (4 - 1) * 2 * 4 * 128 * 16384 * 2
     sharded = _estimate(layout=Layout(data=4, distributed_optimizer=True))
     assert sharded.optimizer == base.optimizer // 4 and sharded.parameters == base.parameters
     full = _estimate(_shape(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
