@@ -15,6 +15,8 @@ scored by the run's reward function; the metrics of set NAME are, under eval/NAM
     failed_prompts         prompts with a failed sample: left out of every other metric, whose pass@k needs all K
                            samples of a prompt (the first reasons are printed); a set whose every prompt failed
                            logs these two only
+    turns_mean, tool_calls, tool_failures, tool_timeouts, masked_token_share
+                           with --tools, as the rollout's (relax.rollout.multi_turn.multi_turn_metrics)
 
 A sample passes when it earns the full reward, PASSING_REWARD (the built-in rewards give 1.0 to a right answer
 and less otherwise).
@@ -33,6 +35,7 @@ from relax.console import say
 from relax.rollout.data import LoadReport, Prompt, PromptDataConfig, PromptDataError, load_prompts
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.groups import Sample, failure_reasons, group_by_prompt
+from relax.rollout.multi_turn import multi_turn_metrics
 from relax.rollout.rewards import RewardFn
 from relax.rollout.rollout import Generate, generate_and_score
 
@@ -96,6 +99,8 @@ def eval_metrics(name: str, samples: list[Sample], samples_per_prompt: int) -> d
     metrics[f"{prefix}truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
     metrics[f"{prefix}reward_failures"] = float(sum(s.reward_failed for s in samples))
     metrics[f"{prefix}reward_timeouts"] = float(sum(s.reward_timed_out for s in samples))
+    if samples[0].tool_use is not None:  # multi-turn samples (--tools)
+        metrics.update(multi_turn_metrics([s.tool_use for s in samples], [s.loss_mask for s in samples], prefix))
     return metrics
 
 

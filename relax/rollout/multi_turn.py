@@ -106,13 +106,15 @@ async def generate_multi_turn(
         response.add(appended, None)
 
 
-def multi_turn_metrics(uses: list[ToolUse], loss_masks: list[list[int]]) -> dict[str, float]:
-    """The rollout/ metrics of a step's multi-turn samples: each one's ToolUse and response loss mask."""
+def multi_turn_metrics(uses: list[ToolUse], loss_masks: list[list[int]], prefix: str = "rollout/"
+                       ) -> dict[str, float]:
+    """The metrics of multi-turn samples (a step's rollout, or an evaluation's under `prefix` eval/<set>/): each
+    one's ToolUse and response loss mask."""
     tokens = sum(len(mask) for mask in loss_masks)
     return {
-        "rollout/turns_mean": sum(use.turns for use in uses) / len(uses),
-        "rollout/tool_calls": float(sum(use.tool_calls for use in uses)),
-        "rollout/tool_failures": float(sum(use.tool_failures for use in uses)),
-        "rollout/tool_timeouts": float(sum(use.tool_timeouts for use in uses)),
-        "rollout/masked_token_share": sum(mask.count(0) for mask in loss_masks) / max(tokens, 1),
+        f"{prefix}turns_mean": sum(use.turns for use in uses) / len(uses),
+        f"{prefix}tool_calls": float(sum(use.tool_calls for use in uses)),
+        f"{prefix}tool_failures": float(sum(use.tool_failures for use in uses)),
+        f"{prefix}tool_timeouts": float(sum(use.tool_timeouts for use in uses)),
+        f"{prefix}masked_token_share": sum(mask.count(0) for mask in loss_masks) / max(tokens, 1),
     }

@@ -8,6 +8,7 @@ from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.evaluation import EvalSet, eval_due, eval_metrics, eval_seed, evaluate, pass_at_k, pass_ks
 from relax.rollout.groups import Sample
 from relax.rollout.rewards import load_reward_fn
+from relax.rollout.tool_calls import ToolUse
 
 
 @pytest.mark.parametrize(
@@ -40,6 +41,9 @@ def test_pass_ks_are_powers_of_two_up_to_k():
     assert pass_ks(8) == [1, 2, 4, 8]
 
 
+MULTI_TURN = {"turns_mean", "tool_calls", "tool_failures", "tool_timeouts", "masked_token_share"}
+
+
 def _samples(prompt_rewards: dict[str, list[float]]) -> list[Sample]:
     samples = []
     for i, (label, rewards) in enumerate(prompt_rewards.items()):
@@ -67,6 +71,19 @@ def test_eval_metrics_by_hand():
         "eval/held_out/failed_samples": 0.0,
         "eval/held_out/failed_prompts": 0.0,
     })
+
+
+def test_an_evaluation_of_multi_turn_samples_counts_their_turns_and_tool_calls():
+    samples = _samples({"a": [1.0, 0.0]})
+    for sample, calls in zip(samples, (1, 2)):
+        sample.tool_use = ToolUse(turns=calls + 1, tool_calls=calls, tool_failures=calls - 1)
+        sample.loss_mask = [1] + [0] * (len(sample.response_token_ids) - 1)  # 1 and 2 tokens: 1 of 3 masked
+    metrics = eval_metrics("tools", samples, 2)
+    assert {k: v for k, v in metrics.items() if k.split("/")[-1] in MULTI_TURN} == pytest.approx({
+        "eval/tools/turns_mean": 2.5, "eval/tools/tool_calls": 3.0, "eval/tools/tool_failures": 1.0,
+        "eval/tools/tool_timeouts": 0.0, "eval/tools/masked_token_share": 1 / 3,
+    })
+    assert not MULTI_TURN & {k.split("/")[-1] for k in eval_metrics("plain", _samples({"a": [1.0, 0.0]}), 2)}
 
 
 def test_a_prompt_with_a_failed_sample_is_counted_and_left_out_of_the_eval_metrics():
