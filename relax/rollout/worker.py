@@ -32,6 +32,7 @@ back (relax.rollout.rollout.collect_groups), so those requests are all the abort
 """
 
 import asyncio
+import functools
 from collections import Counter
 
 import ray
@@ -71,7 +72,7 @@ class EngineWorker(RolloutEngine):
         # The custom generate function and its `args`, or None; with it, the /generate endpoint its args name
         self.custom_generate, self.generate_server = None, None
         if custom_generate is not None:
-            self.generate_server = GenerateServer(self.answer_http_request, free_port(HOST))
+            self.generate_server = GenerateServer(functools.partial(answer_http_request, self), free_port(HOST))
             self._run(self.generate_server.start())
             args = custom_generate.as_namespace(HOST, self.generate_server.port)
             self.custom_generate = (load_custom_generate_fn(custom_generate.spec), args)
@@ -152,18 +153,6 @@ class EngineWorker(RolloutEngine):
 
         return self._run(each_sample())
 
-    async def answer_http_request(self, request: GenerateRequest) -> dict:
-        """SGLang's output for a request to the /generate endpoint, on the engine's loop; aborted while an abort
-        ends the groups that ran at it (the module's docstring says why)."""
-        engine = self._engine  # not _live(): on the loop, its shutdown of a dead engine would wait on this loop
-        if engine is None:
-            raise EngineUnavailable(self._end_reason)
-        if any(count and started != self.aborts for started, count in self.custom_groups.items()):
-            prompt = request.prompt
-            prompt_ids = engine.tokenizer_manager.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-            return aborted_output(len(prompt_ids), request.return_logprob)
-        return await sglang_generate(engine, request.prompt, request.sampling_params, request.return_logprob)
-
     @ray.method(concurrency_group=GENERATION)
     def abort_requests(self):
         """RolloutEngine.abort_requests, in the group of the generations it ends; a multi-turn sample between turns
@@ -177,6 +166,20 @@ class EngineWorker(RolloutEngine):
         if self.generate_server is not None and engine is not None:
             asyncio.run_coroutine_threadsafe(self.generate_server.stop(), engine.loop).result()
         super().shutdown()
+
+
+async def answer_http_request(worker: EngineWorker, request: GenerateRequest) -> dict:
+    """SGLang's output for a request to `worker`'s /generate endpoint, on its engine's loop; aborted while an abort
+    ends the groups that ran at it (the module's docstring says why). Not a method: Ray makes a class with an
+    `async def` method an async actor (the module's docstring says why EngineWorker must not be one)."""
+    engine = worker._engine  # not _live(): on the loop, its shutdown of a dead engine would wait on this loop
+    if engine is None:
+        raise EngineUnavailable(worker._end_reason)
+    if any(count and started != worker.aborts for started, count in worker.custom_groups.items()):
+        prompt = request.prompt
+        prompt_ids = engine.tokenizer_manager.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return aborted_output(len(prompt_ids), request.return_logprob)
+    return await sglang_generate(engine, request.prompt, request.sampling_params, request.return_logprob)
 
 
 def _completion_of(response: MultiTurnResponse, tokenizer) -> Completion:

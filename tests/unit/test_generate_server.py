@@ -19,7 +19,7 @@ from relax.rollout.generate_server import (
     aborted_output,
     parse_request,
 )
-from relax.rollout.worker import EngineWorker
+from relax.rollout.worker import EngineWorker, answer_http_request
 
 PARAMS = {"max_new_tokens": 4, "temperature": 1.0, "stop": ["</tool>"], "no_stop_trim": True}
 
@@ -135,19 +135,19 @@ def actor(aborts: int, groups: Counter) -> EngineWorker:
 
 def test_the_actor_sends_a_request_as_relaxs_own_and_answers_aborted_until_the_aborted_groups_are_back():
     worker = actor(aborts=0, groups=Counter({0: 2}))
-    assert asyncio.run(worker.answer_http_request(GenerateRequest([5, 6], PARAMS, True))) == sglang_output([5, 6], [3])
-    asyncio.run(worker.answer_http_request(GenerateRequest("ab", PARAMS, False)))
+    assert asyncio.run(answer_http_request(worker, GenerateRequest([5, 6], PARAMS, True))) == sglang_output([5, 6], [3])
+    asyncio.run(answer_http_request(worker, GenerateRequest("ab", PARAMS, False)))
     assert worker._engine.calls == [
         {"input_ids": [5, 6], "sampling_params": PARAMS, "return_logprob": True, "return_routed_experts": False},
         {"prompt": "ab", "sampling_params": PARAMS, "return_logprob": False, "return_routed_experts": False},
     ]
     worker.aborts = 1  # abort_requests: the two groups that ran at it still run
     worker.custom_groups[1] += 1  # a group started after it does not lift the abort
-    assert asyncio.run(worker.answer_http_request(GenerateRequest("ab", PARAMS, True))) == aborted_output(2, True)
+    assert asyncio.run(answer_http_request(worker, GenerateRequest("ab", PARAMS, True))) == aborted_output(2, True)
     worker.custom_groups[0] = 0  # back
-    assert asyncio.run(worker.answer_http_request(GenerateRequest([5], PARAMS, True)))["meta_info"][
+    assert asyncio.run(answer_http_request(worker, GenerateRequest([5], PARAMS, True)))["meta_info"][
         "finish_reason"] == {"type": "stop"}
     assert len(worker._engine.calls) == 3
     worker._engine, worker._end_reason = None, "the engine for /model was shut down"
     with pytest.raises(EngineUnavailable, match="shut down"):
-        asyncio.run(worker.answer_http_request(GenerateRequest([5], PARAMS, True)))
+        asyncio.run(answer_http_request(worker, GenerateRequest([5], PARAMS, True)))
