@@ -37,10 +37,10 @@ from collections import Counter
 
 import ray
 
+from relax.ports import free_port
 from relax.ray.placement import local_device_index
 from relax.rollout.custom_generate import SlimeArgs, generate_sample, load_custom_generate_fn
 from relax.rollout.data import Prompt
-from relax.ports import free_port
 from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params, sglang_generate
 from relax.rollout.generate_server import HOST, EngineUnavailable, GenerateRequest, GenerateServer, aborted_output
 from relax.rollout.multi_turn import MultiTurnResponse, ToolRollout, generate_multi_turn
