@@ -12,17 +12,19 @@ checks that it can be called so, before a run starts (--dry-run's check).
 
 What the function gets:
     args             a namespace of slime's names for the settings such functions read (hf_checkpoint,
-                     rollout_max_response_len, rollout_temperature, n_samples_per_prompt, ...: slime_args);
-                     sglang_router_ip and sglang_router_port are None: relax serves no HTTP endpoint, the function
-                     generates through `generate` below
+                     rollout_max_response_len, rollout_temperature, n_samples_per_prompt, ...: slime_args), and
+                     sglang_router_ip and sglang_router_port: the SGLang-compatible /generate endpoint that the engine
+                     actor serves in front of its own engine (relax.rollout.generate_server), where a function
+                     written for slime posts its requests
     sample           a Sample with the prompt's text, label and metadata, its `tokens` the prompt's ids
     sampling_params  SGLang's sampling parameters of the sample's request (max_new_tokens: the whole response's
                      budget; sampling_seed where the run seeds its requests: the rollout's and evaluation's are)
 
-How it generates: `await generate(input_ids, sampling_params)` sends one request to the engine of the actor it runs
-in (one sample's turns share its prefix cache; a sample waiting on a tool holds no generation slot) and returns the
-engine's relax.rollout.engine.Completion: token_ids, logprobs (one per token), finish_reason ("stop", "length",
-"abort" once the step's batch is full, "error" with error saying why). append_generated and append_masked extend a
+How it generates: a POST to args' /generate endpoint, or `await generate(input_ids, sampling_params)`, which sends
+one request to the engine of the actor it runs in; either way one sample's turns share that engine's prefix cache,
+and a sample waiting on a tool holds no generation slot. generate returns the engine's
+relax.rollout.engine.Completion: token_ids, logprobs (one per token), finish_reason ("stop", "length", "abort" once
+the step's batch is full, "error" with error saying why). append_generated and append_masked extend a
 sample's response by a turn the engine sampled (loss mask 1, its logprobs) or by ids the function adds itself (a
 tool's output, the chat template's turn ids: mask 0, logprob 0.0), keeping tokens, loss_mask, rollout_log_probs,
 response_length, response and status aligned.
@@ -88,8 +90,10 @@ class SlimeArgs:
     spec: str  # as the flag gave it
     settings: dict  # slime's name -> value
 
-    def as_namespace(self) -> argparse.Namespace:
-        return argparse.Namespace(**self.settings)
+    def as_namespace(self, router_ip: str, router_port: int) -> argparse.Namespace:
+        """The `args` of a function run in the engine actor whose /generate endpoint is at router_ip:router_port
+        (relax.rollout.generate_server), under slime's names of its router's address."""
+        return argparse.Namespace(**self.settings, sglang_router_ip=router_ip, sglang_router_port=router_port)
 
 
 def slime_args(spec: str, flags: argparse.Namespace) -> SlimeArgs:
@@ -98,10 +102,8 @@ def slime_args(spec: str, flags: argparse.Namespace) -> SlimeArgs:
     names = ("hf_checkpoint", "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
              "rollout_stop_token_ids", "n_samples_per_prompt", "rollout_batch_size", "apply_chat_template",
              "apply_chat_template_kwargs", "seed", "eval_max_response_len", "eval_temperature", "eval_top_p")
-    # No HTTP endpoint reaches the engines: a function generates through relax.rollout.custom_generate.generate
     return SlimeArgs(spec, {**{name: getattr(flags, name) for name in names},
-                            "n_samples_per_eval_prompt": flags.eval_n_samples_per_prompt,
-                            "sglang_router_ip": None, "sglang_router_port": None})
+                            "n_samples_per_eval_prompt": flags.eval_n_samples_per_prompt})
 
 
 @dataclass(frozen=True)

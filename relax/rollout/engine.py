@@ -756,15 +756,27 @@ def _checked_tags(tags) -> list[str]:
     return tags
 
 
+def sglang_generate(engine, prompt: list[int] | str, params: dict, return_logprob: bool = True,
+                    return_routed_experts: bool = False, priority: int | None = None) -> Awaitable[dict]:
+    """One request to the SGLang `engine` (RolloutEngine._live()'s), to await on its loop: the prompt's token ids or
+    its text (the engine tokenizes it), SGLang's sampling `params`, SGLang's `priority` (None: the lowest). Its
+    answer is SGLang's output, as SGLang's HTTP /generate returns it; SGLang raises for a request it refuses.
+    relax's requests (_generate_request) and those of the /generate endpoint (relax.rollout.generate_server) both go
+    through here."""
+    return engine.async_generate(
+        **({"prompt": prompt} if isinstance(prompt, str) else {"input_ids": prompt}),
+        sampling_params=params,
+        return_logprob=return_logprob,
+        return_routed_experts=return_routed_experts,  # of prompt and response
+        priority=priority,
+    )
+
+
 async def _generate_request(engine, request: list[int], params: dict, routed_experts_row: tuple[int, int] | None,
                             priority: int | None = None) -> Completion:
     try:
-        output = await engine.async_generate(
-            input_ids=request,
-            sampling_params=params,
-            return_logprob=True,
-            return_routed_experts=routed_experts_row is not None,  # of prompt and response
-            priority=priority,
+        output = await sglang_generate(
+            engine, request, params, return_routed_experts=routed_experts_row is not None, priority=priority
         )
     except Exception as error:
         return Completion.refused(f"{type(error).__name__}: {error}")

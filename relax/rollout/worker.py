@@ -23,17 +23,26 @@ and keeps the groups it finds from starting another.
 With a custom generate function (--custom-generate-function-path: relax.rollout.custom_generate), a rollout group's
 samples are the function's, each sample one call on the engine's event loop, all n of the group at once, for the
 same reasons: the requests it sends through relax.rollout.custom_generate.generate go to this engine, and an abort
-answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so.
+answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so. The
+actor then also serves SGLang's /generate over HTTP in front of its engine (relax.rollout.generate_server, on the
+engine's loop; its address is the function's args.sglang_router_ip and sglang_router_port), for functions written for
+slime. An HTTP request carries nothing of the group it belongs to, so after an abort every HTTP request is answered
+aborted until each group that ran at the abort has returned: the rollout starts no group before the aborted ones are
+back (relax.rollout.rollout.collect_groups), so those requests are all the aborted groups'.
 """
 
 import asyncio
+import functools
+from collections import Counter
 
 import ray
 
+from relax.ports import free_port
 from relax.ray.placement import local_device_index
 from relax.rollout.custom_generate import SlimeArgs, generate_sample, load_custom_generate_fn
 from relax.rollout.data import Prompt
-from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params
+from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params, sglang_generate
+from relax.rollout.generate_server import HOST, EngineUnavailable, GenerateRequest, GenerateServer, aborted_output
 from relax.rollout.multi_turn import MultiTurnResponse, ToolRollout, generate_multi_turn
 from relax.rollout.rollout import offset_seed
 
@@ -58,11 +67,15 @@ class EngineWorker(RolloutEngine):
             enable_memory_saver=enable_memory_saver,
         )
         self.tool_rollout = tool_rollout
-        # The custom generate function and its `args`, or None
-        self.custom_generate = None if custom_generate is None else (
-            load_custom_generate_fn(custom_generate.spec), custom_generate.as_namespace()
-        )
         self.aborts = 0  # abort_requests calls so far: a multi-turn group started before the last one ends
+        self.custom_groups = Counter()  # custom generate groups running, by the aborts there were at their start
+        # The custom generate function and its `args`, or None; with it, the /generate endpoint its args name
+        self.custom_generate, self.generate_server = None, None
+        if custom_generate is not None:
+            self.generate_server = GenerateServer(functools.partial(answer_http_request, self), free_port(HOST))
+            self._run(self.generate_server.start())
+            args = custom_generate.as_namespace(HOST, self.generate_server.port)
+            self.custom_generate = (load_custom_generate_fn(custom_generate.spec), args)
         if tool_rollout is not None:
             from transformers import AutoTokenizer
 
@@ -130,9 +143,13 @@ class EngineWorker(RolloutEngine):
 
         async def each_sample():
             params = request_params([source.token_ids] * sampling.n, sampling)
-            return await asyncio.gather(*(
-                generate_sample(fn, args, source, sample_params, generate, evaluation) for sample_params in params
-            ))
+            self.custom_groups[aborts] += 1  # on the engine's loop, as the HTTP requests' check
+            try:
+                return await asyncio.gather(*(
+                    generate_sample(fn, args, source, sample_params, generate, evaluation) for sample_params in params
+                ))
+            finally:
+                self.custom_groups[aborts] -= 1
 
         return self._run(each_sample())
 
@@ -142,6 +159,27 @@ class EngineWorker(RolloutEngine):
         then ends before its next one."""
         self.aborts += 1
         super().abort_requests()
+
+    def shutdown(self):
+        """The /generate endpoint stops before the engine (RolloutEngine.shutdown): its requests in flight end."""
+        engine = self._engine
+        if self.generate_server is not None and engine is not None:
+            asyncio.run_coroutine_threadsafe(self.generate_server.stop(), engine.loop).result()
+        super().shutdown()
+
+
+async def answer_http_request(worker: EngineWorker, request: GenerateRequest) -> dict:
+    """SGLang's output for a request to `worker`'s /generate endpoint, on its engine's loop; aborted while an abort
+    ends the groups that ran at it (the module's docstring says why). Not a method: Ray makes a class with an
+    `async def` method an async actor (the module's docstring says why EngineWorker must not be one)."""
+    engine = worker._engine  # not _live(): on the loop, its shutdown of a dead engine would wait on this loop
+    if engine is None:
+        raise EngineUnavailable(worker._end_reason)
+    if any(count and started != worker.aborts for started, count in worker.custom_groups.items()):
+        prompt = request.prompt
+        prompt_ids = engine.tokenizer_manager.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return aborted_output(len(prompt_ids), request.return_logprob)
+    return await sglang_generate(engine, request.prompt, request.sampling_params, request.return_logprob)
 
 
 def _completion_of(response: MultiTurnResponse, tokenizer) -> Completion:

@@ -1,10 +1,14 @@
 """A custom generate function (--custom-generate-function-path) through the real loop on CPU (scripts/run-tiny-cpu.sh):
 tests/e2e/two_turn_generate.py's two turns around a masked "tool" text run in the engine actor, the saved samples
 carry the mask and the engine's logprobs (0.0 where masked), the step trains on them, and the step's failed and
-ABORTED samples are counted; the evaluations sample through the function too (one turn each)."""
+ABORTED samples are counted; the evaluations sample through the function too (one turn each). Half of the trained
+samples are those of a function written for slime (tests/e2e/slime_style_generate.py), which posts its turns to the
+engine actor's /generate endpoint at args.sglang_router_ip:port: they are trained as the engine returned them."""
 
 import json
 import os
+
+import pytest
 
 from relax.rollout.dump import rollout_data_path
 from tiny_runs import ROOT, run_tiny_job, step_records
@@ -16,12 +20,13 @@ N = 4  # samples per prompt
 def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_masked(tmp_path):
     pattern = str(tmp_path / "rollouts" / "step_{step}.jsonl")
     python_path = os.pathsep.join(filter(None, [str(ROOT / "tests" / "e2e"), os.environ.get("PYTHONPATH")]))
+    over_http = tmp_path / "http_samples.jsonl"  # what the engine returned to slime_style_generate's requests
     all_records = run_tiny_job(
-        tmp_path, "--num-steps", "2", "--custom-generate-function-path", "two_turn_generate.two_turns",
+        tmp_path, "--num-steps", "2", "--custom-generate-function-path", "slime_style_generate.half_over_http",
         "--rollout-batch-size", "2", "--n-samples-per-prompt", str(N), "--global-batch-size", "8",
         "--micro-batch-size", "8", "--rollout-max-response-len", "8", "--eval-max-response-len", "2",
         "--save-rollout-data", pattern,
-        env={"PYTHONPATH": python_path},
+        env={"PYTHONPATH": python_path, "RELAX_TEST_HTTP_SAMPLES": str(over_http)},
     )
     records = step_records(all_records)
     assert len(records) == 2
@@ -35,10 +40,19 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
         assert record["rollout/function_aborted_samples"] == N, record
 
     tool = tool_ids(str(tmp_path / "model"))
+    returned = [json.loads(line) for line in over_http.read_text().splitlines()]
     for step in range(2):
         groups = [json.loads(line) for line in rollout_data_path(pattern, step).read_text().splitlines()[1:]]
         samples = [sample for group in groups for sample in group["samples"]]
         assert len(samples) == 2 * N
+        for group in groups:  # its odd samples posted to /generate: trained as the engine returned them
+            for j in range(1, N, 2):
+                trained = group["samples"][j]
+                answers = [r for r in returned if r["prompt_ids"] == group["prompt"]["token_ids"]
+                           and r["sampling_seed"] % N == j and r["response_token_ids"] == trained["response_token_ids"]]
+                assert answers, (step, j, trained)
+                assert trained["loss_mask"] == answers[0]["loss_mask"]
+                assert trained["response_logprobs"] == pytest.approx(answers[0]["response_logprobs"], abs=1e-6)
         for sample in samples:
             ids, mask, logprobs = sample["response_token_ids"], sample["loss_mask"], sample["response_logprobs"]
             first = mask.index(0)  # the first turn's tokens, then the tool text, then the second turn's

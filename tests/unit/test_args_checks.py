@@ -351,11 +351,11 @@ def test_tools_reach_the_engines_and_the_prompts():
 def test_a_custom_generate_function_reaches_the_engines_with_slimes_args():
     generate = parse_train_args([*RUN, "--custom-generate-function-path", "test_custom_generate.two_turns",
                                  "--n-samples-per-prompt", "4"]).rollout.custom_generate
-    args = generate.as_namespace()
+    args = generate.as_namespace("127.0.0.1", 30000)  # the engine actor's /generate endpoint
     assert generate.spec == "test_custom_generate.two_turns"
     assert (args.n_samples_per_prompt, args.rollout_max_response_len) == (4, 1024)
     assert args.n_samples_per_eval_prompt is None  # no --eval-prompt-data
-    assert (args.sglang_router_ip, args.sglang_router_port) == (None, None)  # relax serves no HTTP endpoint
+    assert (args.sglang_router_ip, args.sglang_router_port) == ("127.0.0.1", 30000)
     assert parse_train_args(RUN).rollout.custom_generate is None
     # an evaluation samples through it, without a rollout too
     replay_and_evaluate = [*REPLAY, *EVAL_SET, "--reward-fn", "math"]

@@ -66,7 +66,7 @@ def test_eval_only_needs_no_training_data_or_learning_rate():
 def test_eval_only_samples_through_a_custom_generate_function():
     config = parse_train_args([*EVAL_ONLY, "--custom-generate-function-path", "test_custom_generate.two_turns"])
     assert config.rollout.custom_generate.spec == "test_custom_generate.two_turns"
-    assert config.rollout.custom_generate.as_namespace().n_samples_per_eval_prompt == 1  # slime's name
+    assert config.rollout.custom_generate.as_namespace("127.0.0.1", 30000).n_samples_per_eval_prompt == 1  # slime's name
 
 
 def test_eval_only_takes_the_training_flags_that_have_defaults_and_checks_them_as_for_a_run(capsys):

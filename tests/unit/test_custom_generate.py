@@ -5,6 +5,7 @@ tests/e2e/test_loop_custom_generate.py)."""
 
 import asyncio
 import textwrap
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -272,7 +273,7 @@ class ScriptedWorker(EngineWorker):
     (ids); records each request's seed."""
 
     def __init__(self, fn, answer=(1, 2)):
-        self.aborts, self.answer, self.seeds = 0, list(answer), []
+        self.aborts, self.answer, self.seeds, self.custom_groups = 0, list(answer), [], Counter()
         self.custom_generate = (_as_custom(fn), "args")
 
     def _live(self):
