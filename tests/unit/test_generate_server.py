@@ -138,8 +138,10 @@ def test_the_actor_sends_a_request_as_relaxs_own_and_answers_aborted_until_the_a
     assert asyncio.run(answer_http_request(worker, GenerateRequest([5, 6], PARAMS, True))) == sglang_output([5, 6], [3])
     asyncio.run(answer_http_request(worker, GenerateRequest("ab", PARAMS, False)))
     assert worker._engine.calls == [
-        {"input_ids": [5, 6], "sampling_params": PARAMS, "return_logprob": True, "return_routed_experts": False},
-        {"prompt": "ab", "sampling_params": PARAMS, "return_logprob": False, "return_routed_experts": False},
+        {"input_ids": [5, 6], "sampling_params": PARAMS, "return_logprob": True, "return_routed_experts": False,
+         "priority": None},
+        {"prompt": "ab", "sampling_params": PARAMS, "return_logprob": False, "return_routed_experts": False,
+         "priority": None},
     ]
     worker.aborts = 1  # abort_requests: the two groups that ran at it still run
     worker.custom_groups[1] += 1  # a group started after it does not lift the abort
