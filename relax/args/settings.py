@@ -249,7 +249,7 @@ def rollout_settings(flags: argparse.Namespace, context: ContextLength | None) -
         tools=tool_rollout(flags),
         custom_generate=(
             None if flags.custom_generate_function_path is None
-            else slime_args(flags.custom_generate_function_path, flags)
+            else slime_args(flags.custom_generate_function_path, flags, rollout_requests_per_engine(flags))
         ),
     )
 

@@ -96,14 +96,18 @@ class SlimeArgs:
         return argparse.Namespace(**self.settings, sglang_router_ip=router_ip, sglang_router_port=router_port)
 
 
-def slime_args(spec: str, flags: argparse.Namespace) -> SlimeArgs:
+def slime_args(spec: str, flags: argparse.Namespace, requests_per_engine: int) -> SlimeArgs:
     """The function's `args` from relax's parsed flags, under slime's names (relax spells these as slime does, but
-    --eval-n-samples-per-prompt; the eval settings are None without --eval-prompt-data)."""
+    --eval-n-samples-per-prompt; the eval settings are None without --eval-prompt-data). `requests_per_engine`: the
+    most requests an engine runs at once in a rollout, which slime's functions read as sglang_server_concurrency
+    (their semaphore's size)."""
     names = ("hf_checkpoint", "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
              "rollout_stop_token_ids", "n_samples_per_prompt", "rollout_batch_size", "apply_chat_template",
-             "apply_chat_template_kwargs", "seed", "eval_max_response_len", "eval_temperature", "eval_top_p")
+             "apply_chat_template_kwargs", "seed", "eval_max_response_len", "eval_temperature", "eval_top_p",
+             "use_rollout_routing_replay", "partial_rollout")  # the last two are refused with a function: False
     return SlimeArgs(spec, {**{name: getattr(flags, name) for name in names},
-                            "n_samples_per_eval_prompt": flags.eval_n_samples_per_prompt})
+                            "n_samples_per_eval_prompt": flags.eval_n_samples_per_prompt,
+                            "sglang_server_concurrency": requests_per_engine})
 
 
 @dataclass(frozen=True)

@@ -356,6 +356,9 @@ def test_a_custom_generate_function_reaches_the_engines_with_slimes_args():
     assert (args.n_samples_per_prompt, args.rollout_max_response_len) == (4, 1024)
     assert args.n_samples_per_eval_prompt is None  # no --eval-prompt-data
     assert (args.sglang_router_ip, args.sglang_router_port) == ("127.0.0.1", 30000)
+    # slime's switches functions branch on, and the requests an engine runs at once (one engine: every group x 4)
+    assert (args.use_rollout_routing_replay, args.partial_rollout) == (False, False)
+    assert args.sglang_server_concurrency == args.rollout_batch_size * 4
     assert parse_train_args(RUN).rollout.custom_generate is None
     # an evaluation samples through it, without a rollout too
     replay_and_evaluate = [*REPLAY, *EVAL_SET, "--reward-fn", "math"]
