@@ -58,13 +58,14 @@ def demonstration(tokenizer, turns: ChatTurns, row: dict, use_tool: bool) -> tup
 
 
 def warm_start(model, tokenizer, steps: int, batch_size: int, lr: float, direct_share: float, seed: int,
-               log_every: int = 0) -> float:
-    """Train `model` in place on `steps` batches of demonstrations drawn with `seed`; returns the last batch's loss
-    (the mean over its trained tokens)."""
+               log_every: int = 0) -> list[float]:
+    """Train `model` in place on `steps` batches of demonstrations drawn with `seed`; returns each batch's loss (the
+    mean over its trained tokens, before its update)."""
     rng = random.Random(seed)
     turns = ChatTurns(tokenizer)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    losses = []
     for step in range(steps):
         batch = [demonstration(tokenizer, turns, multiply_row(rng), rng.random() >= direct_share)
                  for _ in range(batch_size)]
@@ -77,10 +78,11 @@ def warm_start(model, tokenizer, steps: int, batch_size: int, lr: float, direct_
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        losses.append(loss.item())
         if log_every and (step % log_every == 0 or step == steps - 1):
             right = ((logits.argmax(-1) == ids[:, 1:]) | (mask == 0)).all(-1).float().mean().item()
             print(f"warm start step {step}: loss {loss.item():.3f}, conversations all right {right:.2f}", flush=True)
-    return loss.item()
+    return losses
 
 
 def build_warm_started_model(out: str | Path, steps: int = 800, batch_size: int = 16, lr: float = 3e-3,
