@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The tiny multi-turn tool-use run on CPU: a tiny tool-chat Qwen3-style model, warm-started on demonstrations
-# (relax.tools.tool_task: it calls the calculator in about half its answers), learns by RL to multiply two 2-digit
+# (relax.tools.tool_task: it calls the calculator in about 40% of its answers), learns by RL to multiply two 2-digit
 # numbers (relax.rollout.synthetic's multiply task, exact-answer reward) by calling the calculator, through the real
 # loop (SGLang engine, Megatron actor, local Ray, multi-turn rollout) on 2 CPU cores.
 #   EXP_DIR         where the model, data and run outputs go (default: runs/tiny-tool-cpu in the repository)
@@ -32,7 +32,7 @@ if [[ -n "${TOOL_MODEL_DIR:-}" ]]; then
 elif [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then
     "$python" -m relax.tools.tool_task --out "$model_dir" --steps 0 >/dev/null  # the dry run trains nothing
 else
-    "$python" -m relax.tools.tool_task --out "$model_dir"  # deterministic, a few minutes on one core
+    "$python" -m relax.tools.tool_task --out "$model_dir"  # seeded; about 6 minutes on a shared 2-core machine
 fi
 "$python" -m relax.rollout.synthetic --task multiply --num-rows 2000 --out "$data" >/dev/null
 

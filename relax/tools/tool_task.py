@@ -6,13 +6,15 @@ prompt as relax renders it with `--apply-chat-template --tools calculator` (the 
 turn), the call `<tool_call>\\n{"name": "calculator", "arguments": {"expression": "37*58"}}\\n</tool_call>`, the tool
 turn with the calculator's result, and the result as the answer; only the model's own tokens are trained. A share of
 the demonstrations (`direct_share`) answers at once, with no call: the product, which a tiny model cannot compute in
-its head. The warm-started model calls the calculator in about the rest of its answers, so RL has something to
-learn: to call it every time.
+its head. The warm-started model calls the calculator in fewer than half its answers, so RL has something to learn:
+to call it every time (docs/benchmarks.md, "Tool use on CPU").
 
 What the default model (hidden 64, 2 layers) learned in a probe (batch 16, Adam lr 3e-3, every demonstration with a
 call): the fixed format in about 100 steps; copying the question's operands into the call at about step 300 and the
-tool's result into the answer at about step 400, suddenly, once it had found how to copy. Copying needs the offsets
-fixed: every question has two 2-digit operands and a 4-digit product (relax.rollout.synthetic.MULTIPLY_OPERANDS).
+tool's result into the answer at about step 400, suddenly, once it had found how to copy. With half the
+demonstrations answering at once (the defaults) the copying came at about step 600-800 of 1000. Copying needs the
+offsets fixed: every question has two 2-digit operands and a 4-digit product
+(relax.rollout.synthetic.MULTIPLY_OPERANDS).
 
     python -m relax.tools.tool_task --out runs/tiny-tool-cpu/model
 """
@@ -85,7 +87,7 @@ def warm_start(model, tokenizer, steps: int, batch_size: int, lr: float, direct_
     return losses
 
 
-def build_warm_started_model(out: str | Path, steps: int = 800, batch_size: int = 16, lr: float = 3e-3,
+def build_warm_started_model(out: str | Path, steps: int = 1000, batch_size: int = 16, lr: float = 3e-3,
                              direct_share: float = 0.5, seed: int = 0, log_every: int = 0) -> Path:
     """A tiny tool-chat qwen3 model (seeded), warm-started on the calculator task and saved to `out`."""
     torch.manual_seed(seed)
@@ -101,7 +103,7 @@ def build_warm_started_model(out: str | Path, steps: int = 800, batch_size: int 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a tiny tool-chat model warm-started on the calculator task.")
     parser.add_argument("--out", required=True, help="directory to write (created if missing)")
-    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--direct-share", type=float, default=0.5,
