@@ -90,7 +90,6 @@ def warm_start(model, tokenizer, steps: int, batch_size: int, lr: float, direct_
 def build_warm_started_model(out: str | Path, steps: int = 1000, batch_size: int = 16, lr: float = 3e-3,
                              direct_share: float = 0.5, seed: int = 0, log_every: int = 0) -> Path:
     """A tiny tool-chat qwen3 model (seeded), warm-started on the calculator task and saved to `out`."""
-    torch.manual_seed(seed)
     directory = build_tiny_model(out, "qwen3", seed=seed, tool_chat=True,
                                  max_position_embeddings=MAX_POSITION_EMBEDDINGS)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
