@@ -52,7 +52,8 @@ def test_a_demonstration_is_the_rollouts_prompt_call_tool_turn_and_answer(tmp_pa
     assert (parsed.name, parsed.arguments) == ("calculator", {"expression": "37*58"})
     appended = turns.after_assistant(call, ["2146"])
     assert response[call_length:call_length + len(appended)] == appended
-    assert response_mask == [1] * call_length + [0] * len(appended) + [1] * (len(response) - call_length - len(appended))
+    answer_length = len(response) - call_length - len(appended)
+    assert response_mask == [1] * call_length + [0] * len(appended) + [1] * answer_length
     # the reward reads the answer from the response as the rollout decodes it
     text = tokenizer.decode(response, skip_special_tokens=True)
     assert score(load_reward_fn("multiply"), [RewardInput(prompt="", response=text, label="2146")])[0] == [1.0]
