@@ -32,7 +32,7 @@ if [[ -n "${TOOL_MODEL_DIR:-}" ]]; then
 elif [[ "${RELAX_DRY_RUN:-0}" == 1 ]]; then
     "$python" -m relax.tools.tool_task --out "$model_dir" --steps 0 >/dev/null  # the dry run trains nothing
 else
-    "$python" -m relax.tools.tool_task --out "$model_dir"  # seeded; about 6 minutes on a shared 2-core machine
+    "$python" -m relax.tools.tool_task --out "$model_dir"  # seeded; about 9 minutes on a shared 2-core machine
 fi
 "$python" -m relax.rollout.synthetic --task multiply --num-rows 2000 --out "$data" >/dev/null
 
