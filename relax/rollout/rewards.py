@@ -16,7 +16,7 @@ one replaces. An async function runs in the driver's event loop, each call cance
 calls stay concurrent; what it awaits is bounded, a blocking call inside it is not.
 
 Built-ins (pass the short name): `math` (DAPO-Math style boxed answers, math-verify equivalence),
-`exact_match`, and the synthetic tasks of relax.rollout.synthetic (`copy_digit`, `reverse3`).
+`exact_match`, and the synthetic tasks of relax.rollout.synthetic (`copy_digit`, `reverse3`, `multiply`).
 """
 
 import asyncio

@@ -4,6 +4,8 @@ Both use only characters of relax.tools.tiny_model's alphabet (one token per cha
 
 - copy_digit: "copy 1:" -> "1"        (attend to one prompt position; digits from COPY_DIGITS)
 - reverse3:   "reverse abc:" -> "cba" (three positional copies in reverse order; the harder one)
+- multiply:   "37*58" -> "2146"   (two 2-digit numbers: beyond a tiny model's head, a calculator call away; for the
+                                   tool-chat tokenizer, whose alphabet is printable ASCII; relax.tools.tool_task)
 
 What a tiny random Qwen3 (relax.tools.tiny_model, ~80k parameters) learned in a probe with plain GRPO (HF
 generate + a torch policy-gradient step, 8 prompts x 8 samples per step, AdamW lr 1e-2, up to 4 new
@@ -31,6 +33,9 @@ from typing import Callable
 
 COPY_DIGITS = "01"  # see the module docstring: a wider set is not learned in a few dozen steps
 REVERSE_LETTERS = "abcdefgh"  # a small set keeps the task inside a tiny model's reach
+# multiply's operands: two digits each, at least 32 so that every product has four digits and every conversation
+# the same length (the call and the answer copy digits from fixed offsets)
+MULTIPLY_OPERANDS = range(32, 100)
 
 
 def char_match_score(response: str, answer: str) -> float:
@@ -49,6 +54,11 @@ def _copy_digit_row(rng: random.Random) -> dict:
 def _reverse3_row(rng: random.Random) -> dict:
     letters = "".join(rng.choice(REVERSE_LETTERS) for _ in range(3))
     return {"prompt": f"reverse {letters}:", "label": letters[::-1]}
+
+
+def multiply_row(rng: random.Random) -> dict:
+    a, b = rng.choice(MULTIPLY_OPERANDS), rng.choice(MULTIPLY_OPERANDS)
+    return {"prompt": f"{a}*{b}", "label": str(a * b)}
 
 
 def shaped_score(response: str, answer: str, alphabet: str) -> float:
@@ -72,6 +82,17 @@ def reverse3_reward(sample) -> float:
     return shaped_score(sample.response, str(sample.label), REVERSE_LETTERS)
 
 
+def final_answer(response: str) -> str:
+    """The last line of a response: in a multi-turn one (decoded without its special tokens) what the model wrote
+    after the last tool turn; a response that ends on a tool call ends on its JSON."""
+    return response.strip().rsplit("\n", 1)[-1].strip()
+
+
+def multiply_reward(sample) -> float:
+    """1 for the exact product as the final answer, else 0."""
+    return float(final_answer(sample.response) == str(sample.label))
+
+
 @dataclass(frozen=True)
 class SyntheticTask:
     make_row: Callable[[random.Random], dict]
@@ -81,6 +102,7 @@ class SyntheticTask:
 TASKS = {
     "copy_digit": SyntheticTask(_copy_digit_row, copy_digit_reward),
     "reverse3": SyntheticTask(_reverse3_row, reverse3_reward),
+    "multiply": SyntheticTask(multiply_row, multiply_reward),
 }
 
 
