@@ -34,6 +34,7 @@ def mean(records: list[dict], key: str) -> float:
     return sum(r[key] for r in records) / len(records)
 
 
+@pytest.mark.learning  # not in the default run (pytest.ini)
 @pytest.mark.timeout(1800)  # the warm start and two runs: 13-15 minutes on 2 shared cores
 def test_the_reward_with_the_calculator_rises_well_above_the_reward_without_it(tmp_path):
     with_tool = run_tool_task(tmp_path / "with_tool")
