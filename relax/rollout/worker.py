@@ -114,12 +114,10 @@ class EngineWorker(RolloutEngine):
     def generate_multi_turn_group(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
         """sampling.n multi-turn samples of one prompt, their turns run at once on the engine's loop: sample j's
         requests seeded sampling.seed + j, as the single-turn requests of a group are."""
-        engine, aborts = self._live(), self.aborts
+        request = _request_unless_aborted(self)
 
         async def generate(input_ids: list[int], turn_sampling: SamplingConfig) -> Completion:
-            if self.aborts != aborts:  # aborted while the sample was between turns (a tool ran)
-                return Completion.aborted()
-            return await self.generate_request(engine, input_ids, request_params([input_ids], turn_sampling)[0])
+            return await request(input_ids, request_params([input_ids], turn_sampling)[0])
 
         async def each_sample():
             return await asyncio.gather(*(
@@ -133,13 +131,8 @@ class EngineWorker(RolloutEngine):
     def generate_custom_group(self, source: Prompt, sampling: SamplingConfig, evaluation: bool) -> list[Completion]:
         """sampling.n samples of one prompt by the custom generate function, its calls run at once on the engine's
         loop: sample j gets the sampling params of request j of the group (seeded sampling.seed + j)."""
-        engine, aborts = self._live(), self.aborts
-        fn, args = self.custom_generate
-
-        async def generate(input_ids: list[int], params: dict) -> Completion:
-            if self.aborts != aborts:  # aborted while the function did something else (a tool ran)
-                return Completion.aborted()
-            return await self.generate_request(engine, input_ids, params)
+        aborts, fn, args = self.aborts, *self.custom_generate
+        generate = _request_unless_aborted(self)
 
         async def each_sample():
             params = request_params([source.token_ids] * sampling.n, sampling)
@@ -166,6 +159,20 @@ class EngineWorker(RolloutEngine):
         if self.generate_server is not None and engine is not None:
             asyncio.run_coroutine_threadsafe(self.generate_server.stop(), engine.loop).result()
         super().shutdown()
+
+
+def _request_unless_aborted(worker: EngineWorker):
+    """The requests of a group starting now on `worker`'s engine: (input ids, SGLang's sampling params) -> awaitable
+    Completion, aborted at once after an abort_requests that came once the group started (its sample was between
+    requests: a tool or the function's own work ran, so no request of it was in the engine to abort)."""
+    engine, aborts = worker._live(), worker.aborts
+
+    async def request(input_ids: list[int], params: dict) -> Completion:
+        if worker.aborts != aborts:
+            return Completion.aborted()
+        return await worker.generate_request(engine, input_ids, params)
+
+    return request
 
 
 async def answer_http_request(worker: EngineWorker, request: GenerateRequest) -> dict:
