@@ -90,11 +90,13 @@ def moe_layers(tc) -> list[bool]:
     return [bool(f) for f in freq]
 
 
-def _attention_widths(tc) -> tuple[int, int]:
-    """(q, k + v) widths of a softmax attention layer's projection (Qwen3.5's output gate doubles q)."""
+def _attention_widths(tc) -> tuple[int, int, int, int]:
+    """(q, k + v, output) widths of a softmax attention layer's projections (Qwen3.5's output gate doubles q) and
+    its head size."""
     head_dim = tc.kv_channels or tc.hidden_size // tc.num_attention_heads
-    q = tc.num_attention_heads * head_dim * (2 if getattr(tc, "attention_output_gate", False) else 1)
-    return q, 2 * (tc.num_query_groups or tc.num_attention_heads) * head_dim
+    out = tc.num_attention_heads * head_dim
+    q = out * (2 if getattr(tc, "attention_output_gate", False) else 1)
+    return q, 2 * (tc.num_query_groups or tc.num_attention_heads) * head_dim, out, head_dim
 
 
 def _gdn_widths(tc) -> tuple[int, int, int]:
@@ -106,9 +108,7 @@ def _gdn_widths(tc) -> tuple[int, int, int]:
 def mixer_parameters(tc, kind: str) -> int:
     h = tc.hidden_size
     if kind == "attention":
-        q, kv = _attention_widths(tc)
-        head_dim = tc.kv_channels or h // tc.num_attention_heads
-        out = tc.num_attention_heads * head_dim
+        q, kv, out, head_dim = _attention_widths(tc)
         norms = 2 * head_dim if tc.qk_layernorm else 0
         bias = q + kv if tc.add_qkv_bias else 0
         return h * (q + kv) + bias + out * h + norms + h  # + the layer's input norm
@@ -142,9 +142,7 @@ def parameter_count(tc, vocab_size: int, untied: bool) -> tuple[int, int, int]:
 def _mixer_activation_elements(tc, kind: str, tp: int, sp_div: int, cp: int) -> float:
     h = tc.hidden_size
     if kind == "attention":
-        q, kv = _attention_widths(tc)
-        head_dim = tc.kv_channels or h // tc.num_attention_heads
-        out = tc.num_attention_heads * head_dim
+        q, kv, out, _ = _attention_widths(tc)
         # the norm, q/k/v (as rotated; under context parallelism the keys and values gathered from every CP rank),
         # the attention's output (the output projection's input)
         return NORM_KEEPS * h / sp_div + (q + kv * cp + out) / tp
