@@ -39,9 +39,8 @@ import typing
 import warnings
 
 from relax.args.strict import RefusedFlag
-from relax.args.unsupported import CONTEXT_PARALLEL, REFUSED_FLAGS
-from relax.hf_checkpoint import HFCheckpoint, transformer_config
-from relax.train.context_parallel import GATED_DELTA_NET
+from relax.args.unsupported import REFUSED_FLAGS
+from relax.hf_checkpoint import HFCheckpoint, megatron_config, transformer_config
 
 PREFIX = "megatron"
 
@@ -358,11 +357,6 @@ def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
             "over the tensor-parallel group, and megatron-core refuses it without tensor parallelism; drop "
             "--sequence-parallel or raise --tensor-model-parallel-size"
         )
-    context_parallel = values.get("context_parallel_size") or 1
-    if context_parallel > 1 and values.get("experimental_attention_variant") == "gated_delta_net":
-        # megatron-core's TransformerConfig refuses it too, without the reason or the fix
-        given = f"--context-parallel-size {context_parallel} with {GATED_DELTA_NET.what}"
-        error(CONTEXT_PARALLEL[GATED_DELTA_NET.what].message(given))
     derived = {"params_dtype": dtype, "pipeline_dtype": dtype}
     if values.get("swiglu"):
         derived.update(gated_linear_unit=True, activation_func=F.silu)
@@ -375,7 +369,7 @@ def build_megatron_config(resolved: MegatronValues, error) -> MegatronConfig:
                 if "cuda_graph_scope" not in values:
                     # TransformerConfig warns about its own default ("full"), which it then replaces.
                     warnings.filterwarnings("ignore", message="full scope is deprecated")
-                built[key] = cls(**kwargs)
+                built[key] = megatron_config(cls, **kwargs)
         except (ValueError, AssertionError, TypeError) as exc:
             error(f"megatron-core {cls.__name__} rejects these flags: {exc}")
     model = argparse.Namespace(**{name: values.get(name) for name in MODEL_FLAGS})

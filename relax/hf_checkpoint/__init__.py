@@ -164,7 +164,20 @@ def transformer_config(checkpoint: HFCheckpoint, base=None, **overrides):
     given = {}
     if base is not None:
         given = {f.name: getattr(base, f.name) for f in dataclasses.fields(TransformerConfig) if f.init}
-    return TransformerConfig(**{**given, **checkpoint.transformer_fields, **overrides})
+    return megatron_config(TransformerConfig, **{**given, **checkpoint.transformer_fields, **overrides})
+
+
+def megatron_config(config_class, **fields):
+    """config_class(**fields) (one of megatron-core's config dataclasses); a TransformerConfig also for Gated DeltaNet
+    layers under context parallelism: megatron-core 0.16.1 asserts context_parallel_size == 1 with them because its
+    own GatedDeltaNet forward passes no state between CP ranks; relax's does (relax.train.model.gdn_spec), so the
+    config is built at 1 and then given the size (no other check of TransformerConfig's reads it for these models)."""
+    context_parallel = fields.get("context_parallel_size") or 1
+    if context_parallel == 1 or fields.get("experimental_attention_variant") != "gated_delta_net":
+        return config_class(**fields)
+    config = config_class(**{**fields, "context_parallel_size": 1})
+    config.context_parallel_size = context_parallel
+    return config
 
 
 class TensorReader:

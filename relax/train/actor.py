@@ -309,6 +309,8 @@ class MegatronActor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         cp = parallel_state.get_context_parallel_world_size()
+        gated_delta_net = self.config.experimental_attention_variant == "gated_delta_net"
+        conv_width = self.config.linear_conv_kernel_dim if gated_delta_net else None
 
         def forward_step(data_iterator, model):
             micro_batch = next(data_iterator)
@@ -316,7 +318,7 @@ class MegatronActor:
             if cp > 1:
                 row_split = split_row(
                     micro_batch.cu_seqlens.tolist(), cp, parallel_state.get_context_parallel_rank(),
-                    parallel_state.get_context_parallel_group(), self.device,
+                    parallel_state.get_context_parallel_group(), self.device, conv_width,
                 )
             micro_batch = dataclasses.replace(micro_batch.to(self.device), row_split=row_split)
             if self.routing_replay is not None:

@@ -147,8 +147,10 @@ def _mixer_activation_elements(tc, kind: str, tp: int, sp_div: int, cp: int) -> 
         # the attention's output (the output projection's input)
         return NORM_KEEPS * h / sp_div + (q + kv * cp + out) / tp
     qk, v, heads = _gdn_widths(tc)
-    # the norm, q/k/v/z/b/a, the convolution's output, the rule's output and its gated norm
-    return NORM_KEEPS * h / sp_div + (qk + 2 * v + 2 * heads + qk + v + 2 * v) / tp
+    # the norm, q/k/v/z/b/a, the convolution's output, the rule's output and its gated norm; under context parallelism
+    # the rule runs on values widened by a key head's width per value head (relax.train.context_parallel)
+    widened = heads * tc.linear_key_head_dim if cp > 1 else 0
+    return NORM_KEEPS * h / sp_div + (qk + 2 * v + 2 * heads + qk + v + widened + 2 * v) / tp
 
 
 def _mlp_activation_elements(tc, moe: bool, tp: int, etp: int, sp_div: int, modules: set) -> float:

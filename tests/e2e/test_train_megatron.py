@@ -1012,9 +1012,10 @@ def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[d
             torch.testing.assert_close(got_gradient, expected_gradient, rtol=1e-4, atol=1e-6)
 
 
-def test_context_parallel_rows_give_the_logprobs_and_gradients_of_one_rank(ranks, hf_dirs):
-    baseline = ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], {})
-    split = ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(cp=2))
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])  # softmax attention; Qwen3.5's GDN layers pass state
+def test_context_parallel_rows_give_the_logprobs_and_gradients_of_one_rank(ranks, hf_dirs, family):
+    baseline = ranks.run(_step_on_the_whole_batch, hf_dirs[family], {})
+    split = ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(cp=2))
     _assert_context_parallel_equals_one_rank(split, baseline)
 
 
@@ -1025,9 +1026,12 @@ def four_ranks():
     pool.close()
 
 
-def test_context_parallel_rows_with_tensor_parallelism_give_the_logprobs_and_gradients_of_one_rank(four_ranks, hf_dirs):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_context_parallel_rows_with_tensor_parallelism_give_the_logprobs_and_gradients_of_one_rank(
+    four_ranks, hf_dirs, family
+):
     """CP=2 x TP=2 against TP=2 (two data-parallel replicas of the whole batch). (Sequence parallelism needs a norm
     megatron-core has only with TransformerEngine or Apex, so not on the CPU.)"""
-    baseline = four_ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(tp=2))
-    split = four_ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3"], dict(tp=2, cp=2))
+    baseline = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(tp=2))
+    split = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(tp=2, cp=2))
     _assert_context_parallel_equals_one_rank(split, baseline)

@@ -12,12 +12,11 @@ from relax.args.settings import (
     actor_settings, algorithm_settings, eval_settings, output_settings, rollout_settings, run_settings,
 )
 from relax.args.unsupported import (
-    CONTEXT_PARALLEL, LORA, REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SERVER_ONLY, SERVER_ONLY_FIELDS,
+    LORA, REFUSED_FLAGS, REFUSED_SGLANG_FIELDS, REFUSED_VALUES, SERVER_ONLY, SERVER_ONLY_FIELDS,
     SPECULATIVE, UNSUPPORTED_COMBINATIONS, refused_sglang_field, unsupported_combinations,
 )
 from relax.hf_checkpoint import read_hf_checkpoint
 from relax.tools.tiny_model import build_tiny_model
-from relax.train.context_parallel import GATED_DELTA_NET
 from relax.run.metrics import METRICS_FILE
 from relax.platform import platform_facts
 
@@ -81,13 +80,13 @@ def test_context_parallelism_of_a_dense_softmax_attention_model_is_accepted():
     assert parsed.megatron.transformer.context_parallel_size == 2
 
 
-def test_context_parallelism_of_a_qwen35_checkpoint_is_refused_with_the_reason(tmp_path, capsys):
+def test_context_parallelism_of_a_qwen35_checkpoint_is_accepted(tmp_path):
+    """megatron-core's TransformerConfig asserts CP = 1 for Gated DeltaNet layers; relax's layers pass their state."""
     checkpoint = build_tiny_model(tmp_path, "qwen3_5")
     argv = [*REQUIRED, "--dry-run", "--hf-checkpoint", str(checkpoint), "--context-parallel-size", "2"]
-    error = parse_error([*argv, "--num-devices-per-node", "2"], capsys)
-    entry = CONTEXT_PARALLEL[GATED_DELTA_NET.what]
-    assert f"--context-parallel-size 2 with {GATED_DELTA_NET.what} is not supported: {entry.reason}" in error
-    assert entry.instead in error
+    parsed = parse_train_args([*argv, "--num-devices-per-node", "2"])
+    transformer = parsed.megatron.transformer
+    assert transformer.context_parallel_size == 2 and transformer.experimental_attention_variant == "gated_delta_net"
 
 
 @pytest.mark.parametrize("entry", REFUSED_FLAGS, ids=lambda entry: entry.setting)

@@ -113,8 +113,10 @@ def _packed_gated_delta_net():
     class PackedGatedDeltaNet(GatedDeltaNet):
         """megatron's GatedDeltaNet (its parameters, projections and output norm) with a forward that takes packed
         rows: the causal conv and the recurrent state restart at every sequence boundary (megatron-core 0.16.1's
-        own forward refuses PackedSeqParams and ignores masks). Without packed rows each row is one sequence. The
-        chunked rule and l2norm are the named training kernel's (relax.kernels.gdn_training)."""
+        own forward refuses PackedSeqParams and ignores masks). Without packed rows each row is one sequence. Under
+        context parallelism the row's split carries how this rank's chunks get the tokens and the state before them
+        (relax.train.context_parallel.RecurrenceSplit). The chunked rule and l2norm are the named training kernel's
+        (relax.kernels.gdn_training)."""
 
         def __init__(self, *args, training_kernel: str = "reference", **kwargs):
             # megatron's constructor refuses to build without fla, which its own forward calls; this forward calls
@@ -134,7 +136,10 @@ def _packed_gated_delta_net():
             qkvzba, _ = self.in_proj(hidden_states)  # [s, b, d]; sequence parallelism gathers s here
             length, rows = qkvzba.shape[:2]
             total = length * rows
-            cu_seqlens = sequence_boundaries(packed_seq_params, rows, length, qkvzba.device)
+            # Under context parallelism this rank's chunks of the row, whose state comes from the other CP ranks
+            recurrence = getattr(packed_seq_params, "row_split", None) and packed_seq_params.row_split.recurrence
+            if recurrence is None:
+                cu_seqlens = sequence_boundaries(packed_seq_params, rows, length, qkvzba.device)
             qkvzba = qkvzba.transpose(0, 1).reshape(total, -1)  # rows one after another
             tp = self.tp_size
             qkv, gate, beta, alpha = torch.split(
@@ -143,9 +148,13 @@ def _packed_gated_delta_net():
                  self.num_value_heads // tp],
                 dim=-1,
             )
-            conv = packed_causal_conv1d(
-                qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, positions_in_sequence(cu_seqlens, total)
-            )
+            if recurrence is None:
+                conv_inputs, positions = qkv, positions_in_sequence(cu_seqlens, total)
+            else:
+                conv_inputs, positions = recurrence.causal_conv_inputs(qkv)
+            conv = packed_causal_conv1d(conv_inputs, self.conv1d.weight.squeeze(1), self.conv1d.bias, positions)
+            if recurrence is not None:
+                conv = conv[recurrence.local_rows]
             qkv = self.act_fn(conv).to(qkv.dtype)
             query, key, value = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
             query = query.reshape(1, total, -1, self.key_head_dim)
@@ -157,11 +166,15 @@ def _packed_gated_delta_net():
             if group > 1:
                 query, key = query.repeat_interleave(group, dim=2), key.repeat_interleave(group, dim=2)
             g = -self.A_log.exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias)  # float32
-            core_out, _ = self.chunk_rule(
-                query.contiguous(), key.contiguous(), value.contiguous(),
-                g=g.unsqueeze(0), beta=beta.sigmoid().unsqueeze(0),
-                initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens,
-            )
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+            g, beta = g.unsqueeze(0), beta.sigmoid().unsqueeze(0)
+            if recurrence is None:
+                core_out, _ = self.chunk_rule(
+                    query, key, value, g=g, beta=beta,
+                    initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens,
+                )
+            else:
+                core_out = recurrence.gated_delta_rule(self.chunk_rule, query, key, value, g, beta)
             normed = self._apply_gated_norm(core_out, gate.reshape(total, -1, self.value_head_dim))
             normed = normed.reshape(rows, length, -1).transpose(0, 1).contiguous()
             return self.out_proj(normed)
