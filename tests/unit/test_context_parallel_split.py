@@ -6,6 +6,7 @@ CPU test of the actor over gloo ranks is tests/e2e/test_train_megatron.py's."""
 import pytest
 import torch
 
+from helpers import gdn_rows_split_over_ranks
 from relax.platform import attention
 from relax.train.context_parallel import split_row
 
@@ -50,54 +51,14 @@ def test_each_ranks_attention_is_its_part_of_the_whole_rows(size, lengths):
         torch.testing.assert_close(out, whole[split.token_index], atol=1e-5, rtol=1e-5)
 
 
-def _gated_delta_inputs(total: int, generator):
-    heads, key_dim, value_dim = 2, 4, 6
-    query, key = (torch.nn.functional.normalize(torch.randn(1, total, heads, key_dim, generator=generator), dim=-1)
-                  for _ in range(2))
-    value = torch.randn(1, total, heads, value_dim, generator=generator)
-    g = -torch.rand(1, total, heads, generator=generator)
-    beta = torch.rand(1, total, heads, generator=generator)
-    return [tensor.requires_grad_() for tensor in (query, key, value, g, beta)]
-
-
 # Sequences of 4 tokens at CP=2 and 6 at CP=3 have chunks of one token: the convolution's 3 tokens before such a chunk
 # come from three chunks on as many ranks
 @pytest.mark.parametrize("size, lengths", [(2, [4, 12, 8]), (3, [6, 18, 12])])
 def test_gdn_chunks_passing_state_give_each_ranks_part_of_the_whole_rows(size, lengths):
     from relax.kernels.gdn_reference import chunk_gated_delta_rule
-    from relax.train.model.gdn_spec import packed_causal_conv1d, positions_in_sequence
 
-    generator = torch.Generator().manual_seed(1)
-    cu_seqlens = _cu_seqlens(lengths)
-    total, width = sum(lengths), 4
-    features = torch.randn(total, 5, generator=generator, requires_grad=True)
-    weight, bias = torch.randn(5, width, generator=generator), torch.randn(5, generator=generator)
-    inputs = _gated_delta_inputs(total, generator)
-    row = torch.tensor(cu_seqlens, dtype=torch.int32)
-    whole_conv = packed_causal_conv1d(features, weight, bias, positions_in_sequence(row, total))
-    whole_rule, _ = chunk_gated_delta_rule(*inputs[:3], g=inputs[3], beta=inputs[4], cu_seqlens=row, chunk_size=4)
+    def rule(*args, **kwargs):  # chunks of 4 tokens: several per CP chunk, and a state carried between them
+        return chunk_gated_delta_rule(*args, **kwargs, chunk_size=4)
 
-    splits = [split_row(cu_seqlens, size, rank, None, "cpu", conv_width=width) for rank in range(size)]
-    tails = torch.cat([features[split.token_index][split.recurrence.tail_index] for split in splits])
-    chunk_states = [split.recurrence.chunk_states(
-        lambda *args, **kwargs: chunk_gated_delta_rule(*args, **kwargs, chunk_size=4),
-        *(tensor[:, split.token_index] for tensor in inputs),
-    ) for split in splits]
-    states = torch.cat([final for _, final in chunk_states])  # the all-gather, in rank order
-    conv_parts, rule_parts = [], []
-    for split, (outputs, _) in zip(splits, chunk_states):
-        rows, positions = split.recurrence.with_preceding_tokens(features[split.token_index], tails)
-        conv_parts.append(packed_causal_conv1d(rows, weight, bias, positions)[split.recurrence.local_rows])
-        rule_parts.append(split.recurrence.with_incoming_states(outputs, states))
-        torch.testing.assert_close(conv_parts[-1], whole_conv[split.token_index], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(rule_parts[-1], whole_rule[:, split.token_index], atol=1e-5, rtol=1e-5)
-
-    # the gradients of every input through the ranks' parts equal those through the whole rows
-    weights = torch.randn(whole_rule.shape, generator=generator), torch.randn(whole_conv.shape, generator=generator)
-    index = torch.cat([split.token_index for split in splits])
-    split_loss = (torch.cat(rule_parts, 1) * weights[0][:, index]).sum()
-    split_loss = split_loss + (torch.cat(conv_parts) * weights[1][index]).sum()
-    whole_loss = (whole_rule * weights[0]).sum() + (whole_conv * weights[1]).sum()
-    leaves = [features, *inputs]
-    for got, expected in zip(torch.autograd.grad(split_loss, leaves), torch.autograd.grad(whole_loss, leaves)):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for name, split, whole in gdn_rows_split_over_ranks(size, lengths, rule):
+        torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5, msg=name)
