@@ -50,10 +50,15 @@ class Refusal(typing.NamedTuple):
 
 REFUSED = [
     Refusal(
-        "MoE layers",
-        lambda config: bool(config.num_moe_experts),
-        "composing context parallelism with expert parallelism and routing replay (whose experts are laid out per "
-        "unpadded sample) is not done yet",
+        "routing replay",
+        lambda config: config.moe_enable_routing_replay,
+        "the replayed experts are laid out per unpadded sample, not yet per CP rank's chunks",
+    ),
+    Refusal(
+        "MoE router losses (--moe-aux-loss-coeff, --moe-z-loss-coeff above 0)",
+        lambda config: _router_losses(config),
+        "megatron-core computes them over each CP rank's own tokens, and the router's gradient then differs from one "
+        "rank's (checked on the CPU); RL recipes train MoE models with --moe-aux-loss-coeff 0",
     ),
     Refusal(
         "pipeline parallelism",
@@ -70,6 +75,11 @@ def _gather(local: torch.Tensor, group) -> torch.Tensor:
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
     return gather_from_sequence_parallel_region(local, tensor_parallel_output_grad=True, group=group)
+
+
+def _router_losses(config) -> bool:
+    aux = config.moe_aux_loss_coeff
+    return any(coeff > 0 for coeff in (aux if isinstance(aux, list) else [aux])) or bool(config.moe_z_loss_coeff)
 
 
 @dataclasses.dataclass(frozen=True)

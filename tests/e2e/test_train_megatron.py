@@ -957,10 +957,7 @@ def test_tied_embeddings_train_alike_with_pipeline_stages(ranks, hf_dirs):
 
 # (prompt length, response length): rows of sequences of different lengths, the first (3 tokens) shorter than the
 # 2 x CP = 4 chunks context parallelism cuts each sequence into
-CP_SHAPES = [(2, 1), (7, 4), (5, 6), (9, 5)]
-# Each sequence padded to a multiple of 4 (4, 12, 12, 16 tokens), two per micro-batch: each CP rank runs the model
-# on half of each row
-CP_RANK_TOKENS = [8, 14]
+CP_SHAPES = [(2, 1), (7, 4), (5, 6), (9, 5)]  # padded under CP=2 to a multiple of 4: 4, 12, 12, 16 tokens
 
 
 def _step_on_the_whole_batch(hf_dir: str, layout: dict) -> dict:
@@ -996,10 +993,11 @@ def _step_on_the_whole_batch(hf_dir: str, layout: dict) -> dict:
     }
 
 
-def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[dict]) -> None:
-    """Rank r of the CP run against rank r of the CP=1 run: the same TP shard, the same samples."""
+def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[dict], rows=(16, 28)) -> None:
+    """Rank r of the CP=2 run against rank r of the CP=1 run: the same TP shard, the same samples. Each CP rank runs
+    the model on half of each row: `rows` tokens, two padded sequences each."""
     for got, expected in zip(split, baseline):
-        assert got["tokens_seen"] == CP_RANK_TOKENS, got["tokens_seen"]
+        assert got["tokens_seen"] == [tokens // 2 for tokens in rows], got["tokens_seen"]
         for name in ("logprobs", "entropy"):
             for got_values, expected_values in zip(got[name], expected[name]):
                 torch.testing.assert_close(got_values, expected_values, rtol=1e-5, atol=1e-5)
@@ -1012,7 +1010,7 @@ def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[d
             torch.testing.assert_close(got_gradient, expected_gradient, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])  # softmax attention; Qwen3.5's GDN layers pass state
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe"])  # GDN, MoE: both pass under CP
 def test_context_parallel_rows_give_the_logprobs_and_gradients_of_one_rank(ranks, hf_dirs, family):
     baseline = ranks.run(_step_on_the_whole_batch, hf_dirs[family], {})
     split = ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(cp=2))
@@ -1026,12 +1024,17 @@ def four_ranks():
     pool.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_context_parallel_rows_with_tensor_parallelism_give_the_logprobs_and_gradients_of_one_rank(
-    four_ranks, hf_dirs, family
+@pytest.mark.parametrize(
+    "family, layout", [("qwen3", dict(tp=2)), ("qwen3_5", dict(tp=2)), ("qwen3_moe", dict(ep=2)),
+                       ("qwen3_5_moe", dict(ep=2))],
+)
+def test_context_parallel_rows_with_model_parallelism_give_the_logprobs_and_gradients_of_one_rank(
+    four_ranks, hf_dirs, family, layout
 ):
-    """CP=2 x TP=2 against TP=2 (two data-parallel replicas of the whole batch). (Sequence parallelism needs a norm
-    megatron-core has only with TransformerEngine or Apex, so not on the CPU.)"""
-    baseline = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(tp=2))
-    split = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(tp=2, cp=2))
-    _assert_context_parallel_equals_one_rank(split, baseline)
+    """CP=2 x TP=2 against TP=2 (two data-parallel replicas of the whole batch), and CP=2 x EP=2 against EP=2 (the
+    experts' tokens exchanged over ranks that are CP ranks of one replica and DP ranks of two). (Sequence parallelism
+    needs a norm megatron-core has only with TransformerEngine or Apex, so not on the CPU.)"""
+    baseline = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], layout)
+    split = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(layout, cp=2))
+    # expert-parallel ranks run micro-batches of one shape: both rows padded to the longer
+    _assert_context_parallel_equals_one_rank(split, baseline, rows=(28, 28) if "ep" in layout else (16, 28))

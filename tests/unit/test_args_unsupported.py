@@ -44,12 +44,13 @@ OTHER_MODEL_FLAG_READERS = {
 COMBINATIONS = {
     "--save / --load with --debug-rollout-only": ["--debug-rollout-only", "--save", "ckpt"],
     "--log-interval other than 1": ["--log-interval", "2"],
-    "--context-parallel-size above 1 with Gated DeltaNet layers (Qwen3.5, Qwen3-Next)": [
-        "--context-parallel-size", "2", "--num-devices-per-node", "2", "--experimental-attention-variant",
-        "gated_delta_net", "--linear-attention-freq", "2",
-    ],
-    "--context-parallel-size above 1 with MoE layers": [
+    "--context-parallel-size above 1 with routing replay": [
         "--context-parallel-size", "2", "--num-devices-per-node", "2", "--num-experts", "4",
+        "--use-rollout-routing-replay",
+    ],
+    "--context-parallel-size above 1 with MoE router losses (--moe-aux-loss-coeff, --moe-z-loss-coeff above 0)": [
+        "--context-parallel-size", "2", "--num-devices-per-node", "2", "--num-experts", "4",
+        "--moe-aux-loss-coeff", "0.01",
     ],
     "--context-parallel-size above 1 with pipeline parallelism": [
         "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-devices-per-node", "4",
@@ -70,13 +71,14 @@ def test_each_unsupported_combination_is_refused_at_parse_time_with_what_to_do(e
 
 def test_every_unsupported_combination_found_is_named_at_once(capsys):
     argv = [*RUN, "--sglang-dp-size", "2", "--log-interval", "3", "--context-parallel-size", "2", "--num-experts", "4"]
-    error = parse_error([*argv, "--num-devices-per-node", "2"], capsys)
+    error = parse_error([*argv, "--moe-z-loss-coeff", "0.001", "--num-devices-per-node", "2"], capsys)
     assert "--sglang-dp-size 2 is not supported" in error and "--log-interval 3 is not supported" in error
-    assert "--context-parallel-size 2 with MoE layers is not supported" in error
+    assert "--context-parallel-size 2 with MoE router losses" in error
 
 
-def test_context_parallelism_of_a_dense_softmax_attention_model_is_accepted():
-    parsed = parse_train_args([*RUN, "--context-parallel-size", "2", "--num-devices-per-node", "4"])
+@pytest.mark.parametrize("model", [[], ["--num-experts", "4", "--moe-aux-loss-coeff", "0"]], ids=["dense", "moe"])
+def test_context_parallelism_of_a_softmax_attention_model_is_accepted(model):
+    parsed = parse_train_args([*RUN, *model, "--context-parallel-size", "2", "--num-devices-per-node", "4"])
     assert parsed.megatron.transformer.context_parallel_size == 2
 
 
