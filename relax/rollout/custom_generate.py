@@ -147,14 +147,19 @@ async def generate(input_ids: list[int], sampling_params: dict) -> Completion:
     """One request of token ids with SGLang's `sampling_params` to the engine of the actor the calling function runs
     in: the response's token_ids, logprobs (one per token), finish_reason and text. A request the engine refuses
     comes back with finish_reason "error" and the reason in `error`."""
+    return await current_engine("relax.rollout.custom_generate.generate")(list(input_ids), dict(sampling_params))
+
+
+def current_engine(caller: str) -> EngineRequest:
+    """The requests of the sample the calling function generates (answered aborted after an abort), for `caller`
+    named in the error when no function of relax's runs."""
     try:
-        engine = _ENGINE.get()
+        return _ENGINE.get()
     except LookupError:
         raise RuntimeError(
-            "relax.rollout.custom_generate.generate reaches an engine only from a function that relax calls for "
-            f"{FLAG} (it runs in the engine's actor)"
+            f"{caller} reaches an engine only from a function that relax calls for {FLAG} (it runs in the engine's "
+            "actor)"
         ) from None
-    return await engine(list(input_ids), dict(sampling_params))
 
 
 def append_generated(sample: Sample, result: Completion) -> None:
