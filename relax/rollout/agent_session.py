@@ -255,9 +255,9 @@ class ChatSessions:
             session.ended = f"its response's token budget of {budget} (sampling_params' max_new_tokens) is spent"
             sample.status = Sample.Status.TRUNCATED
             return _chat_completion(session, model, {"role": "assistant", "content": ""}, "length", 0)
+        completion = await session.engine(sample.tokens + appended, self._params(session, request, left))
+        session.calls += 1  # the sample changes once the engine answered: a call given up before is not half-recorded
         append_masked(sample, appended, self.turns.tokenizer.decode(appended, skip_special_tokens=True))
-        completion = await session.engine(list(sample.tokens), self._params(session, request, left))
-        session.calls += 1
         append_generated(sample, completion)
         if completion.finish_reason == "abort":
             session.ended = "the engine aborted its request (the step's batch is full): the sample is ABORTED"
