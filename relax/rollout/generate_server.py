@@ -144,7 +144,7 @@ class GenerateServer:
         except BadRequest as error:
             return _error(400, str(error))
         except UnknownPath as error:
-            return _error(404, str(error.args[0]))
+            return _error(404, str(error))
 
 
 async def _json_body(request: web.Request):

@@ -5,6 +5,7 @@ and an agent written with the openai client through the engine actor's HTTP serv
 
 import asyncio
 
+import aiohttp
 import pytest
 
 from relax.ports import free_port
@@ -259,6 +260,31 @@ def test_an_openai_client_agent_runs_its_session_through_the_server_and_the_func
     assert completion.loss_mask == [1] * len(sampled_call) + [0] * len(tool_turn) + [1] * len(encode(turns, ANSWER))
     assert engine.requests[1][0] == prompt.token_ids + sampled_call + tool_turn
     assert sessions.sessions == {}
+
+
+def test_over_http_a_call_relax_cannot_serve_gets_400_and_a_session_that_is_not_open_404(model_path, turns):
+    sessions, session_id, _ = opened(model_path, ScriptedEngine(turns, []))
+    port = free_port(HOST)
+
+    async def post_all(paths_and_bodies) -> list[tuple[int, dict]]:
+        server = GenerateServer(None, port, sessions.complete)
+        await server.start()
+        try:
+            async with aiohttp.ClientSession() as client:
+                answers = []
+                for path, body in paths_and_bodies:
+                    async with client.post(f"http://{HOST}:{port}{path}", json=body) as response:
+                        answers.append((response.status, await response.json()))
+                return answers
+        finally:
+            await server.stop()
+
+    streamed, unknown = asyncio.run(post_all([
+        (f"/sessions/{session_id}/v1/chat/completions", {"messages": QUESTION, "stream": True}),
+        ("/sessions/s7/v1/chat/completions", {"messages": QUESTION}),
+    ]))
+    assert streamed == (400, {"error": {"message": "stream: only false is served (relax answers each call whole)"}})
+    assert unknown[0] == 404 and unknown[1]["error"]["message"].startswith("no open agent session s7")
 
 
 def test_open_session_serves_only_a_function_relax_calls():
