@@ -21,8 +21,9 @@ What the function gets:
                      budget; sampling_seed where the run seeds its requests: the rollout's and evaluation's are)
 
 How it generates: a POST to args' /generate endpoint, or `await generate(input_ids, sampling_params)`, which sends
-one request to the engine of the actor it runs in; either way one sample's turns share that engine's prefix cache,
-and a sample waiting on a tool holds no generation slot. generate returns the engine's
+one request to the engine of the actor it runs in, or an agent's chat completions in an agent session
+(relax.rollout.agent_session); any way one sample's turns share that engine's prefix cache, and a sample waiting on a
+tool holds no generation slot. generate returns the engine's
 relax.rollout.engine.Completion: token_ids, logprobs (one per token), finish_reason ("stop", "length", "abort" once
 the step's batch is full, "error" with error saying why). append_generated and append_masked extend a
 sample's response by a turn the engine sampled (loss mask 1, its logprobs) or by ids the function adds itself (a
