@@ -21,8 +21,9 @@ What the function gets:
                      budget; sampling_seed where the run seeds its requests: the rollout's and evaluation's are)
 
 How it generates: a POST to args' /generate endpoint, or `await generate(input_ids, sampling_params)`, which sends
-one request to the engine of the actor it runs in; either way one sample's turns share that engine's prefix cache,
-and a sample waiting on a tool holds no generation slot. generate returns the engine's
+one request to the engine of the actor it runs in, or an agent's chat completions in an agent session
+(relax.rollout.agent_session); any way one sample's turns share that engine's prefix cache, and a sample waiting on a
+tool holds no generation slot. generate returns the engine's
 relax.rollout.engine.Completion: token_ids, logprobs (one per token), finish_reason ("stop", "length", "abort" once
 the step's batch is full, "error" with error saying why). append_generated and append_masked extend a
 sample's response by a turn the engine sampled (loss mask 1, its logprobs) or by ids the function adds itself (a
@@ -147,14 +148,19 @@ async def generate(input_ids: list[int], sampling_params: dict) -> Completion:
     """One request of token ids with SGLang's `sampling_params` to the engine of the actor the calling function runs
     in: the response's token_ids, logprobs (one per token), finish_reason and text. A request the engine refuses
     comes back with finish_reason "error" and the reason in `error`."""
+    return await current_engine("relax.rollout.custom_generate.generate")(list(input_ids), dict(sampling_params))
+
+
+def current_engine(caller: str) -> EngineRequest:
+    """The requests of the sample the calling function generates (answered aborted after an abort), for `caller`
+    named in the error when no function of relax's runs."""
     try:
-        engine = _ENGINE.get()
+        return _ENGINE.get()
     except LookupError:
         raise RuntimeError(
-            "relax.rollout.custom_generate.generate reaches an engine only from a function that relax calls for "
-            f"{FLAG} (it runs in the engine's actor)"
+            f"{caller} reaches an engine only from a function that relax calls for {FLAG} (it runs in the engine's "
+            "actor)"
         ) from None
-    return await engine(list(input_ids), dict(sampling_params))
 
 
 def append_generated(sample: Sample, result: Completion) -> None:

@@ -22,6 +22,9 @@ The answer is SGLang's own output as its HTTP server returns it: `text`, `output
 `weight_version` and, with return_logprob, `output_token_logprobs` ([logprob, token_id, text] per output token). A
 request that the engine refuses, or that is malformed, gets HTTP 400 with {"error": {"message": ...}} naming the
 field; one sent while the engine is shut down gets 503.
+
+The same server answers OpenAI's chat completions of the agent sessions a function opens
+(/sessions/<id>/v1/chat/completions: relax.rollout.agent_session), 404 for a session that is not open.
 """
 
 from collections.abc import Awaitable, Callable
@@ -40,6 +43,10 @@ FIELDS = ("input_ids", "text", "sampling_params", "return_logprob", "return_rout
 
 class BadRequest(ValueError):
     """A request this endpoint cannot serve: HTTP 400, the message naming the field."""
+
+
+class UnknownPath(LookupError):
+    """A request for something the server does not hold (an agent session not open): HTTP 404."""
 
 
 @dataclass(frozen=True)
@@ -94,15 +101,20 @@ class EngineUnavailable(RuntimeError):
 class GenerateServer:
     """The /generate endpoint on HOST and `port`, each request answered by `answer` (an awaitable of SGLang's output
     dict) on the event loop the server runs on. `answer` raises EngineUnavailable when the engine is gone; any other
-    exception is the engine refusing the request (HTTP 400)."""
+    exception is the engine refusing the request (HTTP 400). With `chat` (relax.rollout.agent_session's
+    ChatSessions.complete: a session id and a JSON body -> an awaitable of OpenAI's chat completion), also the agent
+    sessions' /sessions/<id>/v1/chat/completions."""
 
-    def __init__(self, answer: Callable[[GenerateRequest], Awaitable[dict]], port: int):
-        self.answer, self.port = answer, port
+    def __init__(self, answer: Callable[[GenerateRequest], Awaitable[dict]], port: int,
+                 chat: Callable[[str, object], Awaitable[dict]] | None = None):
+        self.answer, self.port, self.chat = answer, port, chat
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_post("/generate", self._generate)
+        if self.chat is not None:
+            app.router.add_post("/sessions/{session}/v1/chat/completions", self._chat_completion)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_WAIT_S)
         await self._runner.setup()
         await web.TCPSite(self._runner, HOST, self.port).start()
@@ -114,9 +126,7 @@ class GenerateServer:
 
     async def _generate(self, request: web.Request) -> web.Response:
         try:
-            parsed = parse_request(orjson.loads(await request.read()))
-        except orjson.JSONDecodeError as error:
-            return _error(400, f"the body is not JSON: {error}")
+            parsed = parse_request(await _json_body(request))
         except BadRequest as error:
             return _error(400, str(error))
         try:
@@ -126,6 +136,22 @@ class GenerateServer:
         except Exception as error:  # SGLang raises for a request it refuses (sampling params, an over-long prompt)
             return _error(400, f"the engine refused the request: {type(error).__name__}: {error}")
         return _json(200, output)
+
+
+    async def _chat_completion(self, request: web.Request) -> web.Response:
+        try:
+            return _json(200, await self.chat(request.match_info["session"], await _json_body(request)))
+        except BadRequest as error:
+            return _error(400, str(error))
+        except UnknownPath as error:
+            return _error(404, str(error))
+
+
+async def _json_body(request: web.Request):
+    try:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as error:
+        raise BadRequest(f"the body is not JSON: {error}") from None
 
 
 def _error(status: int, message: str) -> web.Response:

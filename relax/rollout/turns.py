@@ -37,14 +37,26 @@ class ChatTurns:
         """The ids to append after an assistant turn the engine sampled (`sampled_ids`) whose tool calls returned
         `tool_outputs` (one text per call, in call order): the rest of the end of turn, the tool turn(s) as the
         template writes them (consecutive tool messages as it merges them), and the next assistant header."""
-        ids = self._ids_after_assistant([{"role": "tool", "content": text} for text in tool_outputs])
+        return self.after_assistant_messages(sampled_ids, [{"role": "tool", "content": text} for text in tool_outputs])
+
+    def after_assistant_messages(self, sampled_ids: list[int], messages: list[dict]) -> list[int]:
+        """after_assistant for any chat messages that follow the sampled turn (tool results, a user's next message,
+        as an agent sends them: relax.rollout.agent_session)."""
+        ids = self._ids_after_assistant(messages)
         if ids[: len(self.end_of_turn_ids)] != self.end_of_turn_ids:
             raise ValueError(
-                "the chat template ends an assistant turn differently when tool messages follow it "
+                "the chat template ends an assistant turn differently when these messages follow it "
                 f"({self._decode(ids[:len(self.end_of_turn_ids)])!r} instead of "
                 f"{self._decode(self.end_of_turn_ids)!r}); relax cannot tell which ids end a turn"
             )
         return ids[self.sampled_end_of_turn(sampled_ids):]
+
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The ids of a conversation's prompt as relax.rollout.data renders a row of chat messages: the template with
+        its generation prompt, tokenized without special tokens added."""
+        text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True, **self.chat_template_kwargs)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def sampled_end_of_turn(self, sampled_ids: list[int]) -> int:
         """How many of the end-of-turn ids the sampled turn ends with (the EOS it stopped on), longest first."""

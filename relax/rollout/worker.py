@@ -26,9 +26,11 @@ same reasons: the requests it sends through relax.rollout.custom_generate.genera
 answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so. The
 actor then also serves SGLang's /generate over HTTP in front of its engine (relax.rollout.generate_server, on the
 engine's loop; its address is the function's args.sglang_router_ip and sglang_router_port), for functions written for
-slime. An HTTP request carries nothing of the group it belongs to, so after an abort every HTTP request is answered
-aborted until each group that ran at the abort has returned: the rollout starts no group before the aborted ones are
-back (relax.rollout.rollout.collect_groups), so those requests are all the aborted groups'.
+slime, and OpenAI's chat completions of the agent sessions the function opens (relax.rollout.agent_session). An
+HTTP request to /generate carries nothing of the group it belongs to, so after an abort every such request is
+answered aborted until each group that ran at the abort has returned: the rollout starts no group before the aborted
+ones are back (relax.rollout.rollout.collect_groups), so those requests are all the aborted groups'. (A session's
+chat completions go to the engine as its group's requests: aborted after an abort that came once the group started.)
 """
 
 import asyncio
@@ -39,6 +41,7 @@ import ray
 
 from relax.ports import free_port
 from relax.ray.placement import local_device_index
+from relax.rollout.agent_session import ChatSessions
 from relax.rollout.custom_generate import SlimeArgs, generate_sample, load_custom_generate_fn
 from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params, sglang_generate
@@ -72,7 +75,11 @@ class EngineWorker(RolloutEngine):
         # The custom generate function and its `args`, or None; with it, the /generate endpoint its args name
         self.custom_generate, self.generate_server = None, None
         if custom_generate is not None:
-            self.generate_server = GenerateServer(functools.partial(answer_http_request, self), free_port(HOST))
+            port = free_port(HOST)
+            self.chat_sessions = ChatSessions(model_path, custom_generate.settings["apply_chat_template_kwargs"] or {},
+                                              f"http://{HOST}:{port}")
+            self.generate_server = GenerateServer(functools.partial(answer_http_request, self), port,
+                                                  self.chat_sessions.complete)
             self._run(self.generate_server.start())
             args = custom_generate.as_namespace(HOST, self.generate_server.port)
             self.custom_generate = (load_custom_generate_fn(custom_generate.spec), args)
@@ -138,9 +145,11 @@ class EngineWorker(RolloutEngine):
             params = request_params([source.token_ids] * sampling.n, sampling)
             self.custom_groups[aborts] += 1  # on the engine's loop, as the HTTP requests' check
             try:
-                return await asyncio.gather(*(
-                    generate_sample(fn, args, source, sample_params, generate, evaluation) for sample_params in params
-                ))
+                with self.chat_sessions.serving():  # the agent sessions the group's samples open
+                    return await asyncio.gather(*(
+                        generate_sample(fn, args, source, sample_params, generate, evaluation)
+                        for sample_params in params
+                    ))
             finally:
                 self.custom_groups[aborts] -= 1
 

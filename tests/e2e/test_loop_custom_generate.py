@@ -3,30 +3,42 @@ tests/e2e/two_turn_generate.py's two turns around a masked "tool" text run in th
 carry the mask and the engine's logprobs (0.0 where masked), the step trains on them, and the step's failed and
 ABORTED samples are counted; the evaluations sample through the function too (one turn each). Half of the trained
 samples are those of a function written for slime (tests/e2e/slime_style_generate.py), which posts its turns to the
-engine actor's /generate endpoint at args.sglang_router_ip:port: they are trained as the engine returned them."""
+engine actor's /generate endpoint at args.sglang_router_ip:port: they are trained as the engine returned them. One
+in four is an agent's written with the openai client (tests/e2e/chat_agent_generate.py), two chat completions of an
+agent session with a tool message between them: trained as the ids the engine sampled around the chat template's tool
+turn, which is masked. The prompts are rendered with the chat template (--apply-chat-template), as the agent's
+conversation is."""
 
 import json
 import os
 
 import pytest
 
+import transformers
+
+from chat_agent_generate import AGENT_SAMPLE
 from relax.rollout.dump import rollout_data_path
+from relax.rollout.turns import ChatTurns
 from tiny_runs import ROOT, run_tiny_job, step_records
-from two_turn_generate import FIRST_TURN_TOKENS, tool_ids
+from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT, tool_ids
 
 N = 4  # samples per prompt
+# The response's budget: room for the agent's first turn, the chat template's tool turn (about 25 tokens) and more
+BUDGET = 32
 
 
 def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_masked(tmp_path):
     pattern = str(tmp_path / "rollouts" / "step_{step}.jsonl")
     python_path = os.pathsep.join(filter(None, [str(ROOT / "tests" / "e2e"), os.environ.get("PYTHONPATH")]))
     over_http = tmp_path / "http_samples.jsonl"  # what the engine returned to slime_style_generate's requests
+    by_agent = tmp_path / "agent_samples.jsonl"  # what the chat completions answered chat_agent_generate's agent
     all_records = run_tiny_job(
-        tmp_path, "--num-steps", "2", "--custom-generate-function-path", "slime_style_generate.half_over_http",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", str(N), "--global-batch-size", "8",
-        "--micro-batch-size", "8", "--rollout-max-response-len", "8", "--eval-max-response-len", "2",
-        "--save-rollout-data", pattern,
-        env={"PYTHONPATH": python_path, "RELAX_TEST_HTTP_SAMPLES": str(over_http)},
+        tmp_path, "--num-steps", "2", "--custom-generate-function-path", "chat_agent_generate.with_an_agent",
+        "--apply-chat-template", "--rollout-batch-size", "2", "--n-samples-per-prompt", str(N),
+        "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", str(BUDGET),
+        "--eval-max-response-len", "2", "--save-rollout-data", pattern,
+        env={"PYTHONPATH": python_path, "RELAX_TEST_HTTP_SAMPLES": str(over_http),
+             "RELAX_TEST_AGENT_SAMPLES": str(by_agent)},
     )
     records = step_records(all_records)
     assert len(records) == 2
@@ -40,7 +52,9 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
         assert record["rollout/function_aborted_samples"] == N, record
 
     tool = tool_ids(str(tmp_path / "model"))
+    turns = ChatTurns(transformers.AutoTokenizer.from_pretrained(tmp_path / "model"))
     returned = [json.loads(line) for line in over_http.read_text().splitlines()]
+    agent_sessions = [json.loads(line) for line in by_agent.read_text().splitlines()]
     for step in range(2):
         groups = [json.loads(line) for line in rollout_data_path(pattern, step).read_text().splitlines()[1:]]
         samples = [sample for group in groups for sample in group["samples"]]
@@ -53,11 +67,32 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
                 assert answers, (step, j, trained)
                 assert trained["loss_mask"] == answers[0]["loss_mask"]
                 assert trained["response_logprobs"] == pytest.approx(answers[0]["response_logprobs"], abs=1e-6)
-        for sample in samples:
+            check_agent_sample(turns, group, group["samples"][AGENT_SAMPLE], agent_sessions)
+        for sample in (sample for group in groups for j, sample in enumerate(group["samples"]) if j != AGENT_SAMPLE):
             ids, mask, logprobs = sample["response_token_ids"], sample["loss_mask"], sample["response_logprobs"]
             first = mask.index(0)  # the first turn's tokens, then the tool text, then the second turn's
-            assert 1 <= first <= FIRST_TURN_TOKENS and len(ids) <= 8
+            assert 1 <= first <= FIRST_TURN_TOKENS and len(ids) <= BUDGET
             assert ids[first:first + len(tool)] == tool
             assert mask == [1] * first + [0] * len(tool) + [1] * (len(ids) - first - len(tool))
             assert logprobs[first:first + len(tool)] == [0.0] * len(tool)
             assert all(value < 0.0 for value, trained in zip(logprobs, mask) if trained)
+
+
+def check_agent_sample(turns: ChatTurns, group: dict, trained: dict, agent_sessions: list[dict]) -> None:
+    """The agent's sample is the ids its first call sampled, the chat template's tool turn after them (mask 0,
+    logprob 0.0) and the ids its second call sampled, as the chat completions answered them."""
+    prompt, ids, mask = group["prompt"]["token_ids"], trained["response_token_ids"], trained["loss_mask"]
+    (session,) = [r for r in agent_sessions if r["prompt_ids"] == prompt and r["sampling_seed"] % N == AGENT_SAMPLE
+                  and r["response_token_ids"] == ids]
+    first, second = session["calls"]
+    sampled = ids[:first["completion_tokens"]]
+    assert 1 <= len(sampled) <= FIRST_TURN_TOKENS and first["prompt_tokens"] == len(prompt)
+    assert turns.tokenizer.decode(sampled[:len(sampled) - turns.sampled_end_of_turn(sampled)]) == first["content"]
+    appended = turns.after_assistant_messages(sampled, [{"role": "tool", "content": TOOL_TEXT}])
+    assert ids[len(sampled):len(sampled) + len(appended)] == appended
+    assert second["prompt_tokens"] == len(prompt) + len(sampled) + len(appended)  # the engine's second request
+    assert len(ids) == len(sampled) + len(appended) + second["completion_tokens"] <= BUDGET
+    assert mask == [1] * len(sampled) + [0] * len(appended) + [1] * second["completion_tokens"]
+    logprobs = trained["response_logprobs"]
+    assert logprobs[len(sampled):len(sampled) + len(appended)] == [0.0] * len(appended)
+    assert all(value < 0.0 for value, trained_token in zip(logprobs, mask) if trained_token)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from relax.rollout.agent_session import ChatSessions
 from relax.rollout.custom_generate import (
     CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_sample,
     load_custom_generate_fn, sample_problem,
@@ -275,6 +276,7 @@ class ScriptedWorker(EngineWorker):
     def __init__(self, fn, answer=(1, 2)):
         self.aborts, self.answer, self.seeds, self.custom_groups = 0, list(answer), [], Counter()
         self.custom_generate = (_as_custom(fn), "args")
+        self.chat_sessions = ChatSessions("the model", {}, "http://127.0.0.1:1")  # the function opens none
 
     def _live(self):
         return "the engine"
