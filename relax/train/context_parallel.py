@@ -8,7 +8,7 @@ so every rank gets about the same work. megatron-core's rotary embedding over pa
 sequence.
 
 Attention (relax.train.model.core_attention): each rank all-gathers the keys and values of the whole row over the CP
-group (the backward reduce-scatters their gradients), then its queries attend with the platform's varlen kernel:
+group, in one collective (the backward reduce-scatters their gradients), then its queries attend with the platform's varlen kernel:
 each local chunk is a query sequence whose keys are its sequence's tokens up to the chunk's end, causality aligned to
 the end (relax.platform.attention.packed_with_keys), so a query at position p of its sequence sees that sequence's
 keys at positions <= p. The all-gather holds the whole row's keys and values on every rank; passing them around a
@@ -173,10 +173,12 @@ class RowSplit:
         gathered = gather_from_sequence_parallel_region(local[0], tensor_parallel_output_grad=False, group=self.group)
         return gathered[self.gathered_order][None]
 
-    def attention_keys(self, keys: torch.Tensor) -> torch.Tensor:
-        """The keys (or values) [t / CP, heads, d] of this rank's tokens become each local chunk's keys, gathered from
-        the whole row; the backward reduce-scatters their gradients to the ranks whose tokens they are."""
-        return _gather(keys, self.group)[self.key_index]
+    def attention_keys_and_values(self, keys: torch.Tensor, values: torch.Tensor):
+        """The keys and values [t / CP, heads, d] of this rank's tokens become each local chunk's keys and values,
+        gathered from the whole row in one all-gather; the backward reduce-scatters their gradients to the ranks whose
+        tokens they are."""
+        gathered = _gather(torch.cat([keys, values], dim=-1), self.group)
+        return tuple(part[self.key_index] for part in gathered.split([keys.shape[-1], values.shape[-1]], dim=-1))
 
 
 def _recurrence_split(cu_seqlens: list[int], size: int, rank: int, group, conv_width: int, device) -> RecurrenceSplit:

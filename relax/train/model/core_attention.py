@@ -83,11 +83,12 @@ class CoreAttention(torch.nn.Module):
                 "context parallelism needs packed rows split over the CP ranks (PackedSeqParams with a row_split, "
                 "relax.train.context_parallel.with_row_split): build micro-batches with relax.train.actor"
             )
+        keys, values = row_split.attention_keys_and_values(key, value)
         out = attention.packed_with_keys(
             self.kernel,
             query,
-            row_split.attention_keys(key),
-            row_split.attention_keys(value),
+            keys,
+            values,
             row_split.query_cu_seqlens,
             row_split.key_cu_seqlens,
             row_split.max_query_len,
