@@ -68,7 +68,8 @@ def test_the_documented_format(tmp_path):
     }
     assert groups[1]["samples"][1]["prompt_token_ids"] == [11, 12, 4]
     assert groups[1]["samples"][0] == {
-        "prompt_token_ids": None, "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0], "loss_mask": [1, 0, 1],
+        "prompt_token_ids": None, "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0],
+        "loss_mask": [1, 0, 1],
         "finish_reason": "abort", "response_text": "", "reward": -1.5, "reward_failed": False,
     }
 
