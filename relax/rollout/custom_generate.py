@@ -32,7 +32,7 @@ response_length, response and status aligned.
 
 What it returns carries slime's sample fields: `tokens` (the prompt's ids, then the response's: tool tokens are
 response tokens; at most max_new_tokens response tokens in all), `response_length` (the response's count: the prompt
-is tokens[:-response_length], at least one id), `loss_mask` (one per response token, None: all trained),
+is tokens[:len(tokens) - response_length], at least one id), `loss_mask` (one per response token, None: all trained),
 `rollout_log_probs` (one per response token), `reward` (set: the reward function is not called for it) and `status`:
 COMPLETED or TRUNCATED are trained, ABORTED goes back to the prompt stream for a later step unscored (in an
 evaluation, which puts nothing back, it fails), FAILED fails the sample. A sample that raises, returns something else,

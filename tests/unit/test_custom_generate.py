@@ -116,7 +116,7 @@ PROMPT = [7, 8, 9]
 def test_an_aligned_sample_has_no_problem():
     assert sample_problem(SlimeSample(PROMPT + [1, 2, 3], 3, [1, 0, 1], [-0.5, 0.0, -0.1])) is None
     assert sample_problem(SlimeSample(PROMPT + [1], 1)) is None  # no mask, no logprobs: slime's defaults
-    assert sample_problem(SlimeSample([4, 5, 1], 1)) is None  # a prompt of its own: tokens[:-response_length]
+    assert sample_problem(SlimeSample([4, 5, 1], 1)) is None  # a prompt of its own: the tokens before the response
     assert sample_problem(SlimeSample([4], 0)) is None  # no response yet
 
 
