@@ -17,10 +17,12 @@ How, and why so:
   {base_url}/chat/completions, so the path says which sample a call belongs to, and every call of the sample reaches
   the engine that holds its conversation in its prefix cache. The calls go to the engine as the function's own
   requests do (relax.rollout.custom_generate.generate): answered aborted after an abort.
-- The first call's messages must render (the chat template with the call's tools and its generation prompt) to the
-  sample's prompt ids, since the rollout trains each sample on its data row's prompt ids: the agent sends the
-  conversation the prompt was rendered from (--apply-chat-template). A call whose conversation renders otherwise
-  (its own system prompt, tool descriptions the data's prompts lack) is refused, naming where the ids part.
+- The first call's messages, rendered (the chat template with the call's tools and its generation prompt), are the
+  sample's prompt ids: an agent brings its own system prompt and tool descriptions, as real agents do, and the sample
+  trains on that prompt and its response (a custom generate function's sample may start from other ids than its
+  data row's: relax.rollout.custom_generate). The data row still gives the function its question, and the reward
+  function its prompt text, label and metadata. A prompt the engine's context cannot hold with the session's budget
+  makes the engine refuse the call, which fails the sample.
 - Each later call must extend the session's conversation: its messages are the previous call's messages, then the
   assistant message relax returned, unchanged, then new tool or user messages. relax appends only the template's
   rendering of the new messages after the ids it sampled (relax.rollout.turns.ChatTurns: not trained, loss mask 0,
@@ -156,7 +158,7 @@ class ChatSession:
     id: str
     engine: EngineRequest  # the function's requests, answered aborted after an abort
     sampling_params: dict  # the function's; max_new_tokens is the budget of the session's whole response
-    sample: Sample  # the prompt and the response so far (append_generated, append_masked)
+    sample: Sample  # the first call's rendering (its prompt), then the response so far
     conversation: list[dict] | None = None  # the messages a next call starts with; None before the first call
     tools: list[dict] | None = None  # the first call's: the prompt's ids hold their descriptions
     last_sampled: list[int] = field(default_factory=list)  # the last call's sampled ids, which the next ids follow
@@ -202,9 +204,7 @@ class ChatSessions:
         if sampling_params.get("ignore_eos"):
             raise ValueError("ignore_eos: an agent session needs each turn to end where the model ends it")
         session_id = f"s{next(self._ids)}"
-        self.sessions[session_id] = ChatSession(
-            session_id, engine, dict(sampling_params), Sample(sample.prompt, tokens=list(sample.tokens))
-        )
+        self.sessions[session_id] = ChatSession(session_id, engine, dict(sampling_params), Sample(sample.prompt))
         return session_id
 
     def url(self, session_id: str) -> str:
@@ -240,8 +240,8 @@ class ChatSessions:
             session.in_call = False
 
     async def _complete(self, session: ChatSession, request: ChatRequest, model: str) -> dict:
-        if session.conversation is None:
-            self._check_first_prompt(session, request)
+        if session.conversation is None:  # the first call: its conversation rendered is the sample's prompt
+            session.sample.tokens = self.turns.prompt_ids(request.messages, request.tools)
             appended, session.tools = [], request.tools
         else:
             added = new_messages(session.conversation, request.messages)
@@ -272,19 +272,6 @@ class ChatSessions:
         finish_reason = "tool_calls" if "tool_calls" in message and completion.finish_reason == "stop" else (
             completion.finish_reason)
         return _chat_completion(session, model, message, finish_reason, len(completion.token_ids))
-
-    def _check_first_prompt(self, session: ChatSession, request: ChatRequest) -> None:
-        prompt, rendered = session.sample.tokens, self.turns.prompt_ids(request.messages, request.tools)
-        if rendered == prompt:
-            return
-        at = next((i for i, (a, b) in enumerate(zip(rendered, prompt)) if a != b), min(len(rendered), len(prompt)))
-        decode = functools.partial(self.turns.tokenizer.decode, skip_special_tokens=False)
-        raise BadRequest(
-            f"messages: the first call's conversation renders to {len(rendered)} prompt ids, which part from the "
-            f"sample's {len(prompt)} at id {at} ({decode(rendered[at:at + 24])!r} instead of "
-            f"{decode(prompt[at:at + 24])!r}); the sample trains on its prompt's ids: send the conversation its prompt "
-            "was rendered from (its data row's, with --apply-chat-template)"
-        )
 
     def _params(self, session: ChatSession, request: ChatRequest, left: int) -> dict:
         """SGLang's sampling parameters of a call: the function's, the call's own, at most `left` new tokens, and
@@ -344,9 +331,9 @@ def open_session(sample: Sample, sampling_params: dict) -> str:
 
 
 def finish_session(base_url: str, sample: Sample) -> Sample:
-    """The session at `base_url` (open_session's) as the function's sample: `sample` with the prompt and response
-    ids, loss mask (1 sampled, 0 appended), rollout_log_probs, response_length, response text and status
-    (COMPLETED, TRUNCATED, or ABORTED when the engine aborted a call); the session ends."""
+    """The session at `base_url` (open_session's) as the function's sample: `sample` with the first call's prompt
+    ids and the response's, loss mask (1 sampled, 0 appended), rollout_log_probs, response_length, response text and
+    status (COMPLETED, TRUNCATED, or ABORTED when the engine aborted a call); the session ends."""
     try:
         sessions, _ = _SERVING.get()
     except LookupError:

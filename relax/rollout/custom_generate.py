@@ -16,7 +16,7 @@ What the function gets:
                      sglang_router_ip and sglang_router_port: the SGLang-compatible /generate endpoint that the engine
                      actor serves in front of its own engine (relax.rollout.generate_server), where a function
                      written for slime posts its requests
-    sample           a Sample with the prompt's text, label and metadata, its `tokens` the prompt's ids
+    sample           a Sample with the prompt's text, label and metadata, its `tokens` the data row's prompt ids
     sampling_params  SGLang's sampling parameters of the sample's request (max_new_tokens: the whole response's
                      budget; sampling_seed where the run seeds its requests: the rollout's and evaluation's are)
 
@@ -31,13 +31,21 @@ tool's output, the chat template's turn ids: mask 0, logprob 0.0), keeping token
 response_length, response and status aligned.
 
 What it returns carries slime's sample fields: `tokens` (the prompt's ids, then the response's: tool tokens are
-response tokens; at most max_new_tokens response tokens in all), `response_length`, `loss_mask` (one per response
-token, None: all trained), `rollout_log_probs` (one per response token), `reward` (set: the reward function is not
-called for it) and `status`: COMPLETED or TRUNCATED are trained, ABORTED goes back to the prompt stream for a later
-step unscored (in an evaluation, which puts nothing back, it fails), FAILED fails the sample. A sample that raises,
-returns something else, or is misaligned (sample_problem, completion_of) fails too, with the reason, as a request
-the engine refused does: in a rollout counted (rollout/failed_samples) and its group generated anew from another
-prompt, in an evaluation its prompt left out of the metrics (eval/NAME/failed_prompts).
+response tokens; at most max_new_tokens response tokens in all), `response_length` (the response's count: the prompt
+is tokens[:len(tokens) - response_length], at least one id), `loss_mask` (one per response token, None: all trained),
+`rollout_log_probs` (one per response token), `reward` (set: the reward function is not called for it) and `status`:
+COMPLETED or TRUNCATED are trained, ABORTED goes back to the prompt stream for a later step unscored (in an
+evaluation, which puts nothing back, it fails), FAILED fails the sample. A sample that raises, returns something else,
+or is misaligned (sample_problem, completion_of) fails too, with the reason, as a request the engine refused does: in a
+rollout counted (rollout/failed_samples) and its group generated anew from another prompt, in an evaluation its prompt
+left out of the metrics (eval/NAME/failed_prompts).
+
+The prompt a sample trains on is its own: the function may start from other ids than the data row's (it rewrote the
+prompt, added a system prompt or tool descriptions: an agent's own first call in an agent session). relax then trains
+on the sample's prompt ids and its response, the loss mask and logprobs over the response only, as any sample, and
+carries those ids wherever the sample goes (Completion.prompt_ids, relax.rollout.groups.Sample.prompt_ids, the saved
+rollout data). The reward function still reads the data row (its prompt text, label and metadata); the engine refuses
+a request whose prompt with its budget exceeds the context length, which fails the sample.
 """
 
 import argparse
@@ -211,8 +219,9 @@ async def generate_sample(fn: CustomGenerateFn, args: argparse.Namespace, prompt
 
 
 def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
-    """What a function returned for the prompt `prompt_ids`, as the rollout takes a completion: failed (the reason
-    in `error`) unless it is one Sample with aligned fields, at most `budget` response tokens and a final status."""
+    """What a function returned for the data row's prompt `prompt_ids`, as the rollout takes a completion: failed
+    (the reason in `error`) unless it is one Sample with aligned fields, at most `budget` response tokens and a final
+    status. A sample whose prompt (its tokens before the response) is not `prompt_ids` carries its own (prompt_ids)."""
     if isinstance(returned, list):
         if len(returned) != 1:
             return Completion.refused(
@@ -226,7 +235,7 @@ def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
         return Completion.aborted()
     if returned.status not in FINISH_REASONS:
         return Completion.refused(f"returned a sample with status {returned.status.name}")
-    problem = sample_problem(returned, prompt_ids)
+    problem = sample_problem(returned)
     if problem is None and returned.response_length > budget:
         problem = (f"its response has {returned.response_length} tokens, over its budget of {budget} "
                    "(sampling_params' max_new_tokens, the ids the function added included)")
@@ -236,26 +245,31 @@ def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
         problem = f"its reward is {type(returned.reward).__name__}, not a number"
     if problem:
         return Completion.refused(problem)
+    prompt_length = len(returned.tokens) - returned.response_length
+    own_prompt = returned.tokens[:prompt_length]
     return Completion(
-        token_ids=returned.tokens[len(prompt_ids):], logprobs=list(returned.rollout_log_probs),
+        token_ids=returned.tokens[prompt_length:], logprobs=list(returned.rollout_log_probs),
         finish_reason=FINISH_REASONS[returned.status], text=returned.response,
         loss_mask=None if returned.loss_mask is None else list(returned.loss_mask),
         reward=None if returned.reward is None else float(returned.reward),
+        prompt_ids=None if own_prompt == list(prompt_ids) else own_prompt,
     )
 
 
-def sample_problem(sample, prompt_ids: list[int]) -> str | None:
-    """Why the fields of `sample`, returned for the prompt `prompt_ids`, are not aligned; None when they are. A
-    loss_mask or rollout_log_probs of None is absent (slime's default: every response token trained)."""
+def sample_problem(sample) -> str | None:
+    """Why the fields of `sample` are not aligned; None when they are. Its prompt is its tokens before its last
+    response_length: at least one id. A loss_mask or rollout_log_probs of None is absent (slime's default: every
+    response token trained)."""
     tokens = getattr(sample, "tokens", None)
     if not isinstance(tokens, list):
         return f"its tokens are {type(tokens).__name__}, not a list of token ids"
-    if tokens[: len(prompt_ids)] != list(prompt_ids):
-        return f"its tokens do not start with the prompt's {len(prompt_ids)} ids"
-    response_length = len(tokens) - len(prompt_ids)
-    if getattr(sample, "response_length", None) != response_length:
-        return (f"its response_length is {getattr(sample, 'response_length', None)!r}, but its tokens hold "
-                f"{response_length} after the prompt")
+    if not all(isinstance(token, int) and not isinstance(token, bool) for token in tokens):
+        return "its tokens hold values other than integer token ids"
+    response_length = getattr(sample, "response_length", None)
+    if not (isinstance(response_length, int) and 0 <= response_length < len(tokens)):
+        return (f"its response_length is {response_length!r}, but its {len(tokens)} tokens must hold the prompt's "
+                "ids (at least one), then the response's: give tokens = prompt ids + response ids and "
+                "response_length = the response's count")
     for name in ("loss_mask", "rollout_log_probs"):
         values = getattr(sample, name, None)
         if values is not None and len(values) != response_length:

@@ -6,13 +6,18 @@ or with a format spec, `dumps/step_{step:04d}.jsonl`).
 A pattern without `{step}` names one file: saving refuses it for runs of more than one step; loading
 replays that same rollout at every step.
 
-Format (version 3): JSON lines, UTF-8. The first line is a header, then one line per prompt group:
+Format (version 4): JSON lines, UTF-8. The first line is a header, then one line per prompt group:
 
-    {"format": "relax.rollout_data", "version": 3, "step": 3, "num_groups": 8, "samples_per_prompt": 8,
+    {"format": "relax.rollout_data", "version": 4, "step": 3, "num_groups": 8, "samples_per_prompt": 8,
      "routed_experts": "step_3.jsonl.experts.safetensors"}
     {"prompt": {"row": 17, "token_ids": [...], "text": "...", "label": ..., "metadata": {...}},
-     "samples": [{"response_token_ids": [...], "response_logprobs": [...], "loss_mask": [1, ...],
-                  "finish_reason": "stop", "response_text": "...", "reward": 1.0, "reward_failed": false}, ...]}
+     "samples": [{"prompt_token_ids": null, "response_token_ids": [...], "response_logprobs": [...],
+                  "loss_mask": [1, ...], "finish_reason": "stop", "response_text": "...", "reward": 1.0,
+                  "reward_failed": false}, ...]}
+
+A sample's "prompt_token_ids" are the ids its response follows where they are not its prompt row's (a custom generate
+function's sample with its own prompt: relax.rollout.groups.Sample.own_prompt_ids), null where they are: a replay
+trains each sample on the same sequence.
 
 Rewards are the reward function's scores, before any overlong penalty (the loop applies that after
 loading, from the response lengths). Floats are written as Python's repr, so they read back bit for bit.
@@ -30,6 +35,8 @@ Both files are written to a temporary name and then renamed, the experts first: 
 no half file under the step's name, and a step's JSON lines, once there, have their experts complete beside them.
 Version 1 files (before routed experts were kept; no "routed_experts" in the header) load as a step without them.
 Version 1 and 2 files (before loss masks were kept) hold no "loss_mask": every response token was trained then.
+Version 1 to 3 files (before samples had prompts of their own) hold no "prompt_token_ids": each sample followed its
+prompt row's ids then. A relax that reads up to version 3 refuses version 4 files rather than train other sequences.
 
 Before a replaying run touches a device, check_rollout_data checks every step's file it will read: `relax train
 --dry-run` reads each one whole, the run itself only its header (and that its experts are there), as it reads each
@@ -51,8 +58,9 @@ from relax.rollout.groups import Sample, group_by_prompt
 from relax.train.batch import check_routed_experts
 
 FORMAT = "relax.rollout_data"
-VERSION = 3  # what saving writes
-READABLE_VERSIONS = (1, 2, 3)  # version 1: no routed experts; versions 1 and 2: no loss masks
+VERSION = 4  # what saving writes
+# version 1: no routed experts; versions 1 and 2: no loss masks; versions 1 to 3: no samples' own prompt ids
+READABLE_VERSIONS = (1, 2, 3, 4)
 EXPERTS_SUFFIX = ".experts.safetensors"
 STORED_DTYPES = (torch.uint8, ROUTED_EXPERTS_DTYPE)  # routed experts on disk: the first that holds every id
 
@@ -104,6 +112,7 @@ def save_rollout_data(pattern: str, step: int, samples: list[Sample], samples_pe
             },
             "samples": [
                 {
+                    "prompt_token_ids": s.own_prompt_ids,
                     "response_token_ids": s.response_token_ids,
                     "response_logprobs": s.response_logprobs,
                     "loss_mask": s.loss_mask,
@@ -148,7 +157,7 @@ def _experts_file(samples: list[Sample], where: str) -> bytes:
 
 
 def _token_counts(samples: list[Sample]) -> list[int]:
-    return [len(s.prompt.token_ids) + len(s.response_token_ids) for s in samples]
+    return [len(s.prompt_ids) + len(s.response_token_ids) for s in samples]
 
 
 def load_rollout_data(
@@ -324,6 +333,8 @@ def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:
             raise TypeError("response_logprobs must be numbers")
         # Files of versions 1 and 2 hold no loss mask: every response token was trained when they were written.
         loss_mask = _int_list(s, "loss_mask") if "loss_mask" in s else None  # Sample's default: every token
+        # Files of versions 1 to 3 hold no prompt ids of a sample's own: it followed the row's.
+        own_prompt_ids = _int_list(s, "prompt_token_ids") if s.get("prompt_token_ids") is not None else None
         reward = _typed(s, "reward", (int, float))
         if isinstance(reward, bool) or not math.isfinite(reward):
             raise ValueError(f"reward {reward!r} is not a finite number")
@@ -331,7 +342,7 @@ def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:
             Sample(
                 prompt, tokens, [float(v) for v in logprobs], _typed(s, "finish_reason", str),
                 _typed(s, "response_text", str), float(reward), _typed(s, "reward_failed", bool),
-                loss_mask=loss_mask,
+                loss_mask=loss_mask, own_prompt_ids=own_prompt_ids,
             )
         )
     return samples

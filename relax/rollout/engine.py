@@ -142,6 +142,9 @@ class Completion:
     tool_use: ToolUse | None = None
     # The reward a custom generate function set (relax.rollout.custom_generate): the reward function is not called
     reward: float | None = None
+    # A custom generate function's sample that starts from other prompt ids than its data row's (it rewrote the
+    # prompt; an agent's own system prompt and tools): those ids, which the sample trains on. None: the row's.
+    prompt_ids: list[int] | None = None
 
     @classmethod
     def refused(cls, error: str) -> "Completion":

@@ -39,8 +39,18 @@ class Sample:
     # partial rollout continued (relax.rollout.partial). None: the step's own (and saved samples replayed).
     response_steps: list[int] | None = None
     reward_preset: bool = False  # a custom generate function set the reward: the reward function is not called
+    # The sample's own prompt ids where they are not its data row's (a custom generate function's sample that starts
+    # from other ids: relax.rollout.custom_generate); None: prompt.token_ids. Read them as prompt_ids.
+    own_prompt_ids: list[int] | None = None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The ids the response follows, which the sample trains on with it."""
+        return self.prompt.token_ids if self.own_prompt_ids is None else self.own_prompt_ids
 
     def __post_init__(self):
+        if self.own_prompt_ids is not None and not self.own_prompt_ids:
+            raise ValueError("a sample's own prompt ids are empty: a response follows at least one prompt id")
         if self.loss_mask is None:
             self.loss_mask = [1] * len(self.response_token_ids)
         if len(self.loss_mask) != len(self.response_token_ids) or not set(self.loss_mask) <= {0, 1}:

@@ -41,6 +41,10 @@ class ResponseSoFar:
     loss_mask: list[int] | None = None
     tool_use: ToolUse | None = None
     reward: float | None = None  # a custom generate function's (Completion's); not carried (the checks refuse it)
+    # A custom generate function's sample's own prompt ids (Completion's), None: the data row's. Only a finished
+    # sample ("stop", "length") has them, and a finished response is never continued: a continuation (an aborted or
+    # refused request's) is sampled after the row's prompt, and its tokens follow those.
+    prompt_ids: list[int] | None = None
 
     def extended(self, completion: "Completion", step: int) -> "ResponseSoFar":
         """This response continued by `completion` (its new tokens, sampled in `step`'s rollout)."""
@@ -50,7 +54,7 @@ class ResponseSoFar:
             self.token_ids + completion.token_ids, self.logprobs + completion.logprobs,
             self.steps + [step] * len(completion.token_ids), completion.finish_reason, self.text + completion.text,
             completion.error, completion.routed_experts, loss_mask if masked else None, completion.tool_use,
-            completion.reward,
+            completion.reward, completion.prompt_ids,
         )
 
     def to_continue_later(self) -> "ResponseSoFar":

@@ -58,6 +58,7 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]]) -> li
         Sample(
             prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts,
             loss_mask=c.loss_mask, tool_use=c.tool_use, failure=c.error, **_preset_reward(c.reward),
+            own_prompt_ids=c.prompt_ids,
         )
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
@@ -272,7 +273,7 @@ def samples_of_group(prompt: Prompt, group: GroupSoFar, step: int) -> list[Sampl
         Sample(
             prompt, r.token_ids, r.logprobs, r.finish_reason, r.text, routed_experts=r.routed_experts,
             loss_mask=r.loss_mask, tool_use=r.tool_use, failure=r.error, **_preset_reward(r.reward),
-            response_steps=r.steps if r.steps and r.steps[0] < step else None,
+            response_steps=r.steps if r.steps and r.steps[0] < step else None, own_prompt_ids=r.prompt_ids,
         )
         for r in group.responses
     ]
@@ -324,6 +325,6 @@ def reward_and_length_metrics(samples: list[Sample]) -> dict[str, float]:
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/response_tokens": lengths.sum().item(),
-        "rollout/prompt_tokens": float(sum(len(s.prompt.token_ids) for s in samples)),  # each sample's prompt
+        "rollout/prompt_tokens": float(sum(len(s.prompt_ids) for s in samples)),  # each sample's own prompt
         "rollout/truncated_fraction": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }

@@ -350,7 +350,7 @@ def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> Rollou
         normalize_std=algorithm.normalize_advantages_by_std,
     )
     return RolloutBatch(
-        tokens=[s.prompt.token_ids + s.response_token_ids for s in samples],
+        tokens=[s.prompt_ids + s.response_token_ids for s in samples],
         response_lengths=lengths,
         loss_mask=loss_mask,
         advantages=[advantages[i, :length] for i, length in enumerate(lengths)],

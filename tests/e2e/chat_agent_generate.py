@@ -1,11 +1,13 @@
 """An agent written against OpenAI's Chat Completions API (the openai client), run as a custom generate function
 through an agent session (relax.rollout.agent_session), for tests/e2e/test_loop_custom_generate.py: it asks the
-copy_digit question as its data row holds it, answers the model's first turn (at most FIRST_TURN_TOKENS) with a tool
-result, and takes the second turn. The random tiny model writes no tool calls: the agent sends its tool message after
+copy_digit question as its data row holds it after a system prompt of its own (SYSTEM_PROMPT: its first call's
+rendering becomes the sample's prompt), answers the model's first turn (at most FIRST_TURN_TOKENS) with a tool result,
+and takes the second turn. The random tiny model writes no tool calls: the agent sends its tool message after
 whatever the model wrote, as a harness that always runs a tool would.
 
 Each session it completes is appended to the JSON-lines file RELAX_TEST_AGENT_SAMPLES names: what the API answered
-(each call's content, finish reason and token counts) and the ids finish_session gave, for the test to check them."""
+(each call's content, finish reason and token counts) and the prompt and response ids finish_session gave, for the test
+to check them."""
 
 import json
 import os
@@ -18,14 +20,20 @@ from slime_style_generate import half_over_http
 from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT
 
 AGENT_SAMPLE = 2  # sample j of a group that the agent generates (the odd ones post to /generate)
+SYSTEM_PROMPT = "You copy digits."  # the agent's own: the data rows have none
 TOOLS = [{"type": "function", "function": {"name": "copy", "description": "copies a digit",
                                            "parameters": {"type": "object", "properties": {"digit": {}}}}}]
+
+
+def first_messages(label) -> list[dict]:
+    """The agent's first call's conversation: its own system prompt, then the row's question."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"copy {label}:"}]
 
 
 async def chat_agent(args, sample: Sample, sampling_params: dict) -> Sample:
     base_url = open_session(sample, sampling_params)
     client = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-    messages = [{"role": "user", "content": f"copy {sample.label}:"}]  # the row's prompt (--apply-chat-template)
+    messages = first_messages(sample.label)
     answers = []
     try:
         for max_tokens in (FIRST_TURN_TOKENS, None):
@@ -36,8 +44,8 @@ async def chat_agent(args, sample: Sample, sampling_params: dict) -> Sample:
     except BadRequestError as error:
         if "aborted" not in str(error):  # the step's batch is full: the session's sample is ABORTED
             raise
-    prompt_length = len(sample.tokens)
     sample = finish_session(base_url, sample)
+    prompt_length = len(sample.tokens) - sample.response_length  # the agent's first call rendered
     if sample.status is not Sample.Status.ABORTED:
         with open(os.environ["RELAX_TEST_AGENT_SAMPLES"], "a") as records:
             records.write(json.dumps({

@@ -5,8 +5,9 @@ ABORTED samples are counted; the evaluations sample through the function too (on
 samples are those of a function written for slime (tests/e2e/slime_style_generate.py), which posts its turns to the
 engine actor's /generate endpoint at args.sglang_router_ip:port: they are trained as the engine returned them. One
 in four is an agent's written with the openai client (tests/e2e/chat_agent_generate.py), two chat completions of an
-agent session with a tool message between them: trained as the ids the engine sampled around the chat template's tool
-turn, which is masked. The prompts are rendered with the chat template (--apply-chat-template), as the agent's
+agent session with a tool message between them, its own system prompt first: trained as its first call's rendering
+(the sample's own prompt ids, saved with it), then the ids the engine sampled around the chat template's tool turn,
+which is masked. The prompts are rendered with the chat template (--apply-chat-template), as the agent's
 conversation is."""
 
 import json
@@ -16,7 +17,7 @@ import pytest
 
 import transformers
 
-from chat_agent_generate import AGENT_SAMPLE
+from chat_agent_generate import AGENT_SAMPLE, TOOLS, first_messages
 from relax.rollout.dump import rollout_data_path
 from relax.rollout.turns import ChatTurns
 from tiny_runs import ROOT, run_tiny_job, step_records
@@ -69,6 +70,7 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
                 assert trained["response_logprobs"] == pytest.approx(answers[0]["response_logprobs"], abs=1e-6)
             check_agent_sample(turns, group, group["samples"][AGENT_SAMPLE], agent_sessions)
         for sample in (sample for group in groups for j, sample in enumerate(group["samples"]) if j != AGENT_SAMPLE):
+            assert sample["prompt_token_ids"] is None  # the data row's prompt ids
             ids, mask, logprobs = sample["response_token_ids"], sample["loss_mask"], sample["response_logprobs"]
             first = mask.index(0)  # the first turn's tokens, then the tool text, then the second turn's
             assert 1 <= first <= FIRST_TURN_TOKENS and len(ids) <= BUDGET
@@ -79,9 +81,11 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
 
 
 def check_agent_sample(turns: ChatTurns, group: dict, trained: dict, agent_sessions: list[dict]) -> None:
-    """The agent's sample is the ids its first call sampled, the chat template's tool turn after them (mask 0,
-    logprob 0.0) and the ids its second call sampled, as the chat completions answered them."""
-    prompt, ids, mask = group["prompt"]["token_ids"], trained["response_token_ids"], trained["loss_mask"]
+    """The agent's sample is its first call's rendering (its own system prompt, the row's question, its tools: the
+    sample's prompt ids), the ids its first call sampled, the chat template's tool turn after them (mask 0, logprob
+    0.0) and the ids its second call sampled, as the chat completions answered them."""
+    prompt, ids, mask = trained["prompt_token_ids"], trained["response_token_ids"], trained["loss_mask"]
+    assert prompt == turns.prompt_ids(first_messages(group["prompt"]["label"]), TOOLS) != group["prompt"]["token_ids"]
     (session,) = [r for r in agent_sessions if r["prompt_ids"] == prompt and r["sampling_seed"] % N == AGENT_SAMPLE
                   and r["response_token_ids"] == ids]
     first, second = session["calls"]

@@ -10,7 +10,7 @@ import pytest
 
 from relax.ports import free_port
 from relax.rollout.agent_session import ChatSessions, finish_session, new_messages, open_session, parse_chat_request
-from relax.rollout.custom_generate import CustomGenerateFn, Sample, generate_sample
+from relax.rollout.custom_generate import CustomGenerateFn, Sample, completion_of, generate_sample
 from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion
 from relax.rollout.generate_server import HOST, BadRequest, GenerateServer, UnknownPath
@@ -172,14 +172,23 @@ def test_two_turns_with_a_tool_are_the_sampled_ids_and_the_templates_tool_turn_b
     assert session_id not in sessions.sessions
 
 
-def test_a_first_call_whose_conversation_renders_other_ids_than_the_samples_prompt_is_refused(model_path, turns):
-    sessions, session_id, _ = opened(model_path, ScriptedEngine(turns, [ANSWER]))
-    system = [{"role": "system", "content": "you are an agent"}, *QUESTION]
-    with pytest.raises(BadRequest, match="^messages: the first call's conversation renders to .* prompt ids, which "
-                                         "part from the sample's .* at id 8 "):
-        call(sessions, session_id, system)
-    with pytest.raises(BadRequest, match="which part from the sample's"):  # no tools: their descriptions missing
-        asyncio.run(sessions.complete(session_id, {"messages": QUESTION}))
+def test_the_first_calls_own_system_prompt_and_tools_rendered_are_the_samples_prompt_which_it_trains_on(
+        model_path, turns):
+    engine = ScriptedEngine(turns, [ANSWER])
+    sessions, session_id, sample = opened(model_path, engine)
+    row_prompt = list(sample.tokens)
+    own = [{"role": "system", "content": "you are an agent"}, *QUESTION]
+    own_tools = TOOLS + [{"type": "function", "function": {"name": "search", "description": "finds a page",
+                                                           "parameters": {"type": "object", "properties": {}}}}]
+    answer = call(sessions, session_id, own, tools=own_tools)
+    rendered, sampled = turns.prompt_ids(own, own_tools), encode(turns, ANSWER)
+    assert rendered[:len(row_prompt)] != row_prompt and answer["usage"]["prompt_tokens"] == len(rendered)
+    assert engine.requests[0][0] == rendered
+    sessions.finish(session_id, sample)
+    assert sample.tokens == rendered + sampled and sample.response_length == len(sampled)
+    assert sample.loss_mask == [1] * len(sampled) and sample.rollout_log_probs == [-0.5] * len(sampled)
+    completion = completion_of(sample, row_prompt, budget=200)  # as the rollout takes it: the agent's prompt ids
+    assert completion.prompt_ids == rendered and completion.token_ids == sampled and completion.error is None
     with pytest.raises(UnknownPath, match="no open agent session s9"):
         call(sessions, "s9", QUESTION)
 

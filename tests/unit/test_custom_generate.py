@@ -18,7 +18,7 @@ from relax.rollout.custom_generate import (
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.rewards import RewardFn
-from relax.rollout.rollout import collect_groups
+from relax.rollout.rollout import collect_groups, reward_and_length_metrics, samples_of
 from relax.rollout.worker import EngineWorker
 
 FUNCTIONS = '''
@@ -114,20 +114,25 @@ PROMPT = [7, 8, 9]
 
 
 def test_an_aligned_sample_has_no_problem():
-    assert sample_problem(SlimeSample(PROMPT + [1, 2, 3], 3, [1, 0, 1], [-0.5, 0.0, -0.1]), PROMPT) is None
-    assert sample_problem(SlimeSample(PROMPT + [1], 1), PROMPT) is None  # no mask, no logprobs: slime's defaults
+    assert sample_problem(SlimeSample(PROMPT + [1, 2, 3], 3, [1, 0, 1], [-0.5, 0.0, -0.1])) is None
+    assert sample_problem(SlimeSample(PROMPT + [1], 1)) is None  # no mask, no logprobs: slime's defaults
+    assert sample_problem(SlimeSample([4, 5, 1], 1)) is None  # a prompt of its own: the tokens before the response
+    assert sample_problem(SlimeSample([4], 0)) is None  # no response yet
 
 
 @pytest.mark.parametrize("sample, reason", [
     (SlimeSample((7, 8, 9, 1), 1), "its tokens are tuple, not a list of token ids"),
-    (SlimeSample([7, 8, 1, 2], 1), "its tokens do not start with the prompt's 3 ids"),
-    (SlimeSample(PROMPT + [1, 2], 3), "its response_length is 3, but its tokens hold 2 after the prompt"),
+    (SlimeSample([7, 8.0, 1], 1), "its tokens hold values other than integer token ids"),
+    (SlimeSample([1, 2], 2), "its response_length is 2, but its 2 tokens must hold the prompt's ids (at least one)"),
+    (SlimeSample(PROMPT + [1, 2], 6), "its response_length is 6, but its 5 tokens must hold the prompt's ids"),
+    (SlimeSample(PROMPT + [1, 2], -1), "its response_length is -1, but its 5 tokens must hold the prompt's ids"),
+    (SlimeSample(PROMPT + [1, 2], None), "its response_length is None, but its 5 tokens must hold the prompt's"),
     (SlimeSample(PROMPT + [1, 2], 2, [1]), "its loss_mask has 1 entries for 2 response tokens"),
     (SlimeSample(PROMPT + [1, 2], 2, None, [-1.0, -1.0, -1.0]), "its rollout_log_probs has 3 entries for 2 response"),
     (SlimeSample(PROMPT + [1, 2], 2, [1, 2]), "its loss_mask holds values other than 0 and 1"),
 ])
 def test_a_misaligned_sample_is_a_problem_named(sample, reason):
-    assert reason in sample_problem(sample, PROMPT)
+    assert reason in sample_problem(sample)
 
 
 # --- the function's samples: generate, the append helpers, what comes back ----------------------------------------
@@ -210,6 +215,20 @@ def test_an_aborted_sample_comes_back_aborted_whatever_it_holds():
     assert completion.finish_reason == "abort" and completion.token_ids == [] and completion.error is None
 
 
+def test_a_sample_that_starts_from_its_own_prompt_ids_carries_them_and_its_response_after_them():
+    async def rewrites_the_prompt(args, sample, sampling_params):
+        sample.tokens = [4, 4] + sample.tokens  # slime's functions set tokens themselves: a system prompt before it
+        return await two_turns(args, sample, sampling_params)
+
+    engine = ScriptedEngine([[1, 2], [3]])
+    completion = run_sample(rewrites_the_prompt, engine)
+    assert completion.error is None and completion.prompt_ids == [4, 4, *PROMPT]
+    assert completion.token_ids == [1, 2, *TOOL, 3] and completion.loss_mask == [1, 1, 0, 0, 1]
+    assert completion.logprobs == [-1.0, -1.0, 0.0, 0.0, -2.0]
+    assert engine.requests[0][0] == [4, 4, *PROMPT]
+    assert run_sample(two_turns, ScriptedEngine([[1, 2], [3]])).prompt_ids is None  # the row's prompt ids
+
+
 def _returning(value):
     async def fn(args, sample, sampling_params):
         return value(sample) if callable(value) else value
@@ -234,7 +253,8 @@ async def _raises(args, sample, sampling_params):
     (_returning(lambda s: [s, s]), "returned 2 samples; relax trains --n-samples-per-prompt samples per prompt"),
     (_returning(lambda s: s), "returned a sample with status PENDING"),
     (_returning(_with(status=Sample.Status.FAILED)), "returned a sample with status FAILED"),
-    (_returning(_with(status=Sample.Status.COMPLETED, tokens=[1, 2])), "its tokens do not start with the prompt's"),
+    (_returning(_with(status=Sample.Status.COMPLETED, tokens=[1, 2], response_length=2,
+                      rollout_log_probs=[-1.0] * 2)), "its 2 tokens must hold the prompt's ids (at least one)"),
     (_returning(_with(status=Sample.Status.COMPLETED, tokens=PROMPT + [1] * 9, response_length=9,
                       rollout_log_probs=[-1.0] * 9)), "its response has 9 tokens, over its budget of 8"),
     (_returning(_with(status=Sample.Status.COMPLETED, tokens=PROMPT + [1], response_length=1)),
@@ -344,6 +364,27 @@ def test_a_step_of_function_samples_keeps_preset_rewards_puts_aborted_prompts_ba
     # the k-th group's sample j is seeded 2k + j in each of its turns: the failing group's second sample (its first
     # raised before a request), then both samples of groups 2 and 3, two turns each
     assert sorted(worker.seeds) == [3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+
+
+def test_a_step_trains_the_samples_of_a_function_that_rewrites_the_prompt_on_their_own_prompt_ids():
+    async def with_a_system_prompt(args, sample, sampling_params):
+        sample.tokens = [4, 4] + sample.tokens
+        return await two_turns(args, sample, sampling_params)
+
+    prompts = [Prompt(1, [100], "p0"), Prompt(2, [101], "p1")]
+    samples, metrics = collect_groups(
+        WorkerPool(ScriptedWorker(with_a_system_prompt)), PromptLoader(prompts, shuffle=False),
+        SamplingConfig(n=2, seed=0, max_new_tokens=8), RewardFn(lambda sample: 1.0, "r", per_batch=False,
+                                                                   is_async=False),
+        num_groups=2, chunk_size=2, dynamic_sampling=False, max_prompts=2,
+    )
+    assert [s.prompt_ids for s in samples] == [[4, 4, 100]] * 2 + [[4, 4, 101]] * 2
+    assert [s.prompt.token_ids for s in samples] == [[100]] * 2 + [[101]] * 2  # the data rows, as they were
+    assert [s.response_token_ids for s in samples] == [[1, 2, *TOOL, 1, 2]] * 4
+    assert reward_and_length_metrics(samples)["rollout/prompt_tokens"] == 12  # each sample's own prompt
+    # An evaluation's samples (samples_of) carry them too
+    (evaluated,) = samples_of(prompts[:1], [[Completion([5], [-1.0], "stop", "", prompt_ids=[4, 100])]])
+    assert evaluated.prompt_ids == [4, 100] and evaluated.prompt.token_ids == [100]
 
 
 def test_an_evaluations_group_is_the_functions_told_so_and_an_aborted_sample_fails_there():

@@ -51,6 +51,17 @@ def test_rollout_batch_concatenates_prompt_and_response_and_normalises_rewards_p
     assert batch.advantages[2].tolist() == [0.0, 0.0, 0.0] and batch.advantages[3].tolist() == [0.0]
 
 
+def test_a_sample_with_its_own_prompt_ids_trains_on_them_and_its_response_with_the_mask_over_the_response():
+    prompt = Prompt(1, [1, 2], "ab")
+    samples = [Sample(prompt, [5, 6], [-0.5, 0.0], "stop", loss_mask=[1, 0], own_prompt_ids=[9, 8, 1, 2]),
+               _sample(prompt, [7], 0.0)]
+    batch = rollout_batch(samples, GRPO_IN_PAIRS)
+    assert [t.tolist() for t in batch.tokens] == [[9, 8, 1, 2, 5, 6], [1, 2, 7]]
+    assert batch.response_lengths == [2, 1]
+    assert [m.tolist() for m in batch.loss_mask] == [[1.0, 0.0], [1.0]]
+    assert [t.tolist() for t in batch.rollout_logprobs] == [[-0.5, 0.0], [0.0]]
+
+
 def test_phase_timer_records_each_phase_even_when_it_raises():
     timer = PhaseTimer()
     with timer("a"):

@@ -19,6 +19,7 @@ from relax.rollout.rollout import (
     collect_groups,
     generate_and_score,
     reward_and_length_metrics,
+    samples_of_group,
     take_prompts,
 )
 
@@ -192,6 +193,15 @@ def test_a_group_of_finished_and_aborted_responses_continues_only_the_aborted_on
     assert (refused.token_ids, refused.error) == ([3], "E")
     assert refused.to_continue_later() == ResponseSoFar([3], [-0.3], [0])  # goes on from its tokens later
     assert GroupSoFar.from_state_dict(so_far.state_dict()) == so_far
+
+
+def test_a_response_of_a_sample_with_its_own_prompt_ids_keeps_them_to_its_sample():
+    own = ResponseSoFar().extended(Completion([5, 6], [-0.5, -0.6], "stop", "x", prompt_ids=[9, 1]), step=3)
+    assert own.prompt_ids == [9, 1] and own.to_continue_later() is own  # finished: never continued
+    (sample,) = samples_of_group(Prompt(1, [1], "p"), GroupSoFar([own]), step=3)
+    assert (sample.prompt_ids, sample.prompt.token_ids, sample.response_token_ids) == ([9, 1], [1], [5, 6])
+    row = ResponseSoFar().extended(Completion([5], [-0.5], "stop", "x"), step=3)
+    assert samples_of_group(Prompt(1, [1], "p"), GroupSoFar([row]), step=3)[0].prompt_ids == [1]
 
 
 def test_a_refused_request_is_a_failed_sample_that_is_not_scored():

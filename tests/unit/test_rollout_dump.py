@@ -37,7 +37,7 @@ def _samples():
         Sample(a, [5, 6], [0.1 + 0.2, -1e-300], "stop", "7\n", reward=1 / 3, reward_failed=False),
         Sample(a, [8], [float("-inf")], "length", "x", reward=0.0, reward_failed=True),
         Sample(b, [9, 9, 9], [-0.5, -0.25, -2.0], "abort", "", reward=-1.5, loss_mask=[1, 0, 1]),  # a tool's token
-        Sample(b, [7], [-3.0], "stop", "y", reward=2.0),
+        Sample(b, [7], [-3.0], "stop", "y", reward=2.0, own_prompt_ids=[11, 12, 4]),  # an agent's own prompt
     ]
 
 
@@ -66,8 +66,10 @@ def test_the_documented_format(tmp_path):
     assert groups[0]["prompt"] == {
         "row": 3, "token_ids": [1, 2], "text": "écris 7", "label": {"answer": [7, "7"]}, "metadata": {"source": "t", "k": 1}
     }
+    assert groups[1]["samples"][1]["prompt_token_ids"] == [11, 12, 4]
     assert groups[1]["samples"][0] == {
-        "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0], "loss_mask": [1, 0, 1],
+        "prompt_token_ids": None, "response_token_ids": [9, 9, 9], "response_logprobs": [-0.5, -0.25, -2.0],
+        "loss_mask": [1, 0, 1],
         "finish_reason": "abort", "response_text": "", "reward": -1.5, "reward_failed": False,
     }
 
@@ -134,8 +136,11 @@ def test_bad_files_fail_naming_the_path_and_step(tmp_path, make, error):
         (lambda g: g["prompt"].update(metadata=[]), "metadata is list, expected dict"),
         (lambda g: g["samples"].append(dict(g["samples"][0])), "2 samples, the header says 1"),
         (lambda g: g["samples"][0].update(loss_mask=[1, 1]), "a loss_mask of 2 values: it must hold a 0 or 1 for each"),
+        (lambda g: g["samples"][0].update(prompt_token_ids=[]), "a sample's own prompt ids are empty"),
+        (lambda g: g["samples"][0].update(prompt_token_ids=[1.5]), "prompt_token_ids must be a list of integers"),
     ],
-    ids=["missing-key", "logprob-count", "token-type", "reward-type", "metadata-type", "group-size", "loss-mask"],
+    ids=["missing-key", "logprob-count", "token-type", "reward-type", "metadata-type", "group-size", "loss-mask",
+         "empty-prompt", "prompt-type"],
 )
 def test_malformed_groups_name_their_line(tmp_path, corrupt, error):
     path = tmp_path / "d.jsonl"
@@ -150,7 +155,7 @@ def _with_experts(samples, highest_id):
     """Each sample with int16 routed experts (as the engine returns them) for every token but the last, 2 layers by
     top-2, ids up to `highest_id`."""
     for i, s in enumerate(samples):
-        rows = len(s.prompt.token_ids) + len(s.response_token_ids) - 1
+        rows = len(s.prompt_ids) + len(s.response_token_ids) - 1
         s.routed_experts = (torch.arange(rows * 4).reshape(rows, 2, 2) * 37 + i) % (highest_id + 1)
         s.routed_experts = s.routed_experts.to(torch.int16)
         s.routed_experts[-1, -1, -1] = highest_id
@@ -245,6 +250,9 @@ def test_the_loop_replays_a_saved_step_and_penalises_overlong_responses_after_lo
     assert metrics["rollout/reward_failures"] == 1.0
     # 3 tokens of at most 3 with a 1-token buffer: -1; shorter responses keep their reward
     assert [s.reward for s in samples] == [1 / 3, 0.0, -2.5, 2.0]
+    # Each replayed sample trains on the sequence it was saved with: its own prompt ids where it had them
+    assert [s.prompt_ids + s.response_token_ids for s in samples] == [[1, 2, 5, 6], [1, 2, 8], [4, 9, 9, 9],
+                                                                      [11, 12, 4, 7]]
     with pytest.raises(RolloutDataError, match=r"step 2: .*in_2\.jsonl does not exist"):
         collect_rollout(2, replay, loader=None, sampling=rollout.sampling, rollout=rollout)
 
@@ -292,3 +300,12 @@ def test_files_before_loss_masks_load_with_every_response_token_trained(tmp_path
     assert "loss_mask" not in group["samples"][0]  # as those versions wrote them
     (sample,) = load_rollout_data(str(path), 0, num_groups=1, samples_per_prompt=1)
     assert sample.loss_mask == [1]
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_files_before_samples_own_prompts_load_each_sample_after_its_rows_prompt(tmp_path, version):
+    path = tmp_path / "old.jsonl"
+    group = _write(path, {"version": version})
+    assert "prompt_token_ids" not in group["samples"][0]  # as those versions wrote them
+    (sample,) = load_rollout_data(str(path), 0, num_groups=1, samples_per_prompt=1)
+    assert sample.own_prompt_ids is None and sample.prompt_ids == group["prompt"]["token_ids"] == [1]
