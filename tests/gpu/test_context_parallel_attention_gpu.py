@@ -11,7 +11,7 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-LENGTHS = [4, 36, 600, 1028, 8]  # multiples of 2 x CP
+LENGTHS = [8, 40, 600, 1032, 16]  # multiples of 2 x CP for CP 2 and 4
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -17,7 +17,7 @@ from helpers import gdn_rows_split_over_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-LENGTHS = [4, 36, 600, 1028, 8]  # multiples of 2 x CP for CP 2 and 4 (4 and 8 tokens: one-token chunks)
+LENGTHS = [8, 40, 600, 1032, 16]  # multiples of 2 x CP for CP 2 and 4 (8 tokens at CP=4: one-token chunks)
 
 
 @pytest.mark.parametrize("cp", [2, 4])
