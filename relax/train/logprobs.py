@@ -237,15 +237,9 @@ class _OutputLogprobsAndEntropy(torch.autograd.Function):
         return hidden_grad.to(hidden.dtype), weight_grad, None, None, None, None, None
 
 
-def output_logprobs_and_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float = 1.0,
-    vocab_start: int = 0,
-    all_reduce: AllReduce | None = None,
-    launch: TritonLaunch | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def output_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                temperature: float = 1.0, vocab_start: int = 0, all_reduce: AllReduce | None = None,
+                                launch: TritonLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logprobs_and_entropy(hidden @ weight.T, labels, ...) without the logits [positions, local vocab]: the output
     projection fused with the statistics, float32 [positions] each, from hidden states [positions, hidden] and this
     rank's rows of the output weight [local vocab, hidden] (the vocabulary from token `vocab_start`; all_reduce as for
