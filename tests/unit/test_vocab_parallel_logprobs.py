@@ -142,9 +142,10 @@ def test_a_temperature_that_is_not_positive_is_refused():
         logprobs_and_entropy(torch.randn(2, 4), torch.zeros(2, dtype=torch.long), 0.0)
 
 
-def fused_gradients(hidden, weight, labels, ranks, objective, temperature):
+def fused_gradients(hidden, weight, labels, ranks, objective, temperature, launch=None):
     """output_logprobs_and_entropy on `ranks` simulated ranks, each with its rows of the weight: rank 0's (logprobs,
-    entropy), the hidden states' gradient (the ranks' parts added up) and the weight's (the ranks' rows together)."""
+    entropy), the hidden states' gradient (the ranks' parts added up) and the weight's (the ranks' rows together).
+    With a launch record, through the Triton kernels."""
     tp = SimulatedTensorParallel(ranks)
     shards = [shard.clone().requires_grad_() for shard in weight.chunk(ranks, dim=0)]
     inputs = [hidden.clone().requires_grad_() for _ in range(ranks)]
@@ -152,7 +153,7 @@ def fused_gradients(hidden, weight, labels, ranks, objective, temperature):
     def rank_step(rank):
         logprobs, entropy = output_logprobs_and_entropy(
             inputs[rank], shards[rank], labels, temperature, vocab_start=rank * shards[rank].shape[0],
-            all_reduce=lambda tensor, op: tp.all_reduce(rank, tensor, op),
+            all_reduce=lambda tensor, op: tp.all_reduce(rank, tensor, op), launch=launch,
         )
         objective(logprobs, entropy).backward()
         return logprobs.detach(), entropy.detach()
