@@ -491,8 +491,8 @@ class MegatronActor:
         def loss_func(micro_batch, output):
             if not micro_batch.sample_indices:  # all padding (expert parallelism): runs for its collectives
                 zero = output.sum() * 0.0
-                if self.settings.fused_output_logprobs:  # the output weight is not in the model's forward then
-                    zero = zero + self.output_weight().sum() * 0.0  # and DDP waits for its gradient too
+                if self.settings.fused_output_logprobs:  # the model's forward leaves the output weight out, and
+                    zero = zero + self.output_weight().sum() * 0.0  # DDP waits for its gradient too
                 return zero, {}
             logprobs, entropy = self._token_logprobs(output, micro_batch, entropy_grad=entropy_in_loss)
             pick = micro_batch.sample_indices
