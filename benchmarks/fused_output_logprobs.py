@@ -16,9 +16,9 @@ value of each.
 """
 
 import argparse
-import time
 
 import torch
+from single_rank import time_and_peak
 
 from relax.platform import get_platform
 from relax.train.logprobs import logprobs_and_entropy, output_logprobs_and_entropy, platform_launch
@@ -48,27 +48,6 @@ def step(side, hidden, weight, labels, weights, temperature, launch, backward: b
     objective = (weights[0] * logprobs).sum() + (weights[1] * entropy).sum()
     hidden_grad, weight_grad = torch.autograd.grad(objective, (hidden, weight))
     return logprobs.detach(), entropy.detach(), hidden_grad, weight_grad
-
-
-def measure(side, inputs, platform, warmup: int, steps: int, backward: bool) -> tuple[float, int | None]:
-    """(seconds per step, peak bytes allocated during a step beyond those allocated before it; None on the CPU)."""
-    device = platform.device_module if platform.device_type != "cpu" else None
-    for _ in range(warmup):
-        step(side, *inputs, backward=backward)
-    seconds, peak = 0.0, None
-    for _ in range(steps):
-        if device is not None:
-            device.synchronize()
-            device.reset_peak_memory_stats()
-            before = device.memory_allocated()
-        start = time.perf_counter()
-        results = step(side, *inputs, backward=backward)
-        if device is not None:
-            device.synchronize()
-            peak = max(peak or 0, device.max_memory_allocated() - before)
-        seconds += time.perf_counter() - start
-        del results
-    return seconds / steps, peak
 
 
 def main(argv=None) -> None:
@@ -101,7 +80,8 @@ def main(argv=None) -> None:
           f"GiB), temperature {args.temperature}, {platform.name}, logprob kernels: {platform.logprob_kernel}")
     for name, side in SIDES.items():
         for backward in (True, False):
-            seconds, peak = measure(side, inputs, platform, args.warmup, args.steps, backward)
+            seconds, peak = time_and_peak(lambda: step(side, *inputs, backward=backward), platform, args.warmup,
+                                          args.steps)
             what = "forward+backward" if backward else "forward alone"
             line = f"{name:>7}: {seconds * 1e3:9.2f} ms per {what:<16}"
             print(line + (f", peak {peak / 2**30:6.2f} GiB beyond the inputs" if peak is not None else ""))
