@@ -26,11 +26,10 @@ objective) against it.
 
 import argparse
 import dataclasses
-import time
 from typing import Callable
 
 import torch
-from single_rank import init_distributed
+from single_rank import init_distributed, time_and_peak
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -106,31 +105,6 @@ def step(side: Side, logits, labels, weights, temperature):
     return logprobs.detach(), None if entropy is None else entropy.detach(), gradient
 
 
-def measure(side: Side, base, labels, weights, temperature, platform, warmup: int,
-            steps: int) -> tuple[float, int | None]:
-    """(seconds per step, peak bytes allocated during a step beyond those allocated before it, the step's logits
-    already among the latter; None off a device)."""
-    device = platform.device_module if platform.device_type != "cpu" else None
-    for _ in range(warmup):
-        step(side, fresh(base), labels, weights, temperature)
-    seconds = 0.0
-    peak = None
-    for _ in range(steps):
-        logits = fresh(base)
-        if device is not None:
-            device.synchronize()
-            device.reset_peak_memory_stats()
-            before = device.memory_allocated()
-        start = time.perf_counter()
-        step(side, logits, labels, weights, temperature)
-        if device is not None:
-            device.synchronize()
-            peak = max(peak or 0, device.max_memory_allocated() - before)
-        seconds += time.perf_counter() - start
-        del logits
-    return seconds / steps, peak
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "npu", "cpu"), default="cuda")
@@ -166,7 +140,9 @@ def main(argv=None) -> None:
     print(f"{args.tokens} tokens x vocab {args.vocab}, {args.dtype} logits "
           f"({base.numel() * base.element_size() / 2**30:.2f} GiB), temperature {args.temperature}, {platform.name}")
     for name, side in sides.items():
-        seconds, peak = measure(side, base, labels, weights, args.temperature, platform, args.warmup, args.steps)
+        # the logits, fresh before each step (relax's backward writes the gradient into them), are not timed
+        seconds, peak = time_and_peak(lambda logits: step(side, logits, labels, weights, args.temperature), platform,
+                                      args.warmup, args.steps, prepare=lambda: (fresh(base),))
         line = f"{name:>22}: {seconds * 1e3:9.2f} ms per forward+backward"
         print(line + (f", peak {peak / 2**30:7.2f} GiB beyond the logits" if peak is not None else ""))
     if "log_softmax" not in sides:

@@ -1,7 +1,9 @@
-"""This process as the only rank of a process group, for the single-device benchmarks and GPU tests."""
+"""This process as the only rank of a process group, for the single-device benchmarks and GPU tests, and the
+benchmarks' timing of a call."""
 
 import os
 import socket
+import time
 
 import torch
 
@@ -24,3 +26,26 @@ def init_distributed(device: str):
             platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
         )
     return platform
+
+
+def time_and_peak(run, platform, warmup: int, steps: int, prepare=tuple) -> tuple[float, int | None]:
+    """(seconds per call of run(*prepare()), the peak device bytes allocated during a call beyond those allocated
+    before it; None on the CPU): the mean of `steps` calls after `warmup` ones, prepare() made before each, untimed."""
+    device = platform.device_module if platform.device_type != "cpu" else None
+    for _ in range(warmup):
+        run(*prepare())
+    seconds, peak = 0.0, None
+    for _ in range(steps):
+        arguments = prepare()
+        if device is not None:
+            device.synchronize()
+            device.reset_peak_memory_stats()
+            before = device.memory_allocated()
+        start = time.perf_counter()
+        result = run(*arguments)
+        if device is not None:
+            device.synchronize()
+            peak = max(peak or 0, device.max_memory_allocated() - before)
+        seconds += time.perf_counter() - start
+        del arguments, result  # before the next call's arguments are made
+    return seconds / steps, peak

@@ -338,7 +338,7 @@ EVAL_SAMPLING_FLAGS = (
 EVAL_ONLY_REFUSED = (
     "prompt_data", "rollout_shuffle", "eval_interval", "save", "load", "save_rollout_data", "load_rollout_data",
     "dynamic_sampling", "over_sampling_batch_size", "rollout_max_prompts", "partial_rollout", "max_staleness",
-    "debug_rollout_only", "use_rollout_routing_replay",
+    "debug_rollout_only", "use_rollout_routing_replay", "fused_output_logprobs",
 )
 
 # What --load-rollout-data refuses: the flags that choose how the training's rollouts are generated. And, unless an
@@ -615,6 +615,14 @@ def recompute_flags_apply(config, platform):
         )
 
 
+def fused_output_logprobs_applies(config, platform):
+    if config.flags.fused_output_logprobs and config.megatron.transformer.defer_embedding_wgrad_compute:
+        return (
+            "--fused-output-logprobs computes the output weight's gradient itself, while --defer-embedding-wgrad-"
+            "compute defers the output layer's, which then never runs: drop one of them"
+        )
+
+
 def routing_replay_applies(config, platform):
     """--use-rollout-routing-replay: the engine returns each token's experts and the actor's routers replay them
     (relax.train.routing_replay), in every forward of a step, forward and backward alike."""
@@ -785,6 +793,7 @@ RULES = [
     restarts_resume_from_checkpoints,
     grouped_experts_apply,
     recompute_flags_apply,
+    fused_output_logprobs_applies,
     routing_replay_applies,
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,

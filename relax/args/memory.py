@@ -49,6 +49,7 @@ def actor_memory(flags, megatron, platform) -> MemoryEstimate:
         grad_bytes=4 if megatron.ddp.grad_reduce_in_fp32 else param_bytes,
         optimizer=megatron.optimizer.optimizer,
         logprob_pieces_bytes=CHUNK_BYTES if platform.logprob_kernel == "torch" else 0,
+        fused_output_piece_bytes=CHUNK_BYTES if flags.fused_output_logprobs else 0,
     )
 
 

@@ -524,6 +524,14 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "which keep no activations for backward, on one device as --max-tokens-per-device (default: that one).",
     )
     g.add_argument(
+        "--fused-output-logprobs",
+        action="store_true",
+        help="Compute the logprobs and entropies from the output layer's input and weight, a piece of positions at a "
+        "time, never holding the [tokens, vocab / TP] logits, their transposed copy or their gradient (the backward "
+        "recomputes each piece's logits). Saves the largest activation of long sequences; its speed on a GPU is not "
+        "measured yet (default: off).",
+    )
+    g.add_argument(
         "--seed", type=int, default=1234, help="Seed for data order, sampling and Megatron init (default: %(default)s)."
     )
 

@@ -362,6 +362,7 @@ def actor_settings(flags: argparse.Namespace, scheduler: argparse.Namespace) -> 
         max_tokens_per_forward=flags.log_probs_max_tokens_per_device,
         gdn_training_kernel=flags.gdn_training_kernel,
         temperature=flags.rollout_temperature or 1.0,
+        fused_output_logprobs=flags.fused_output_logprobs,
         seed=flags.seed,
         keep_reference=uses_reference(flags),
         memory_saver=flags.colocate and actor_sleep_route(flags) == "memory-saver",

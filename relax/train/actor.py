@@ -29,7 +29,7 @@ from relax.hf_checkpoint import read_hf_checkpoint, transformer_config
 from relax.metric_names import extreme
 from relax.train.batch import MicroBatch, RolloutBatch, make_micro_batches, plan_micro_batches, plan_shape
 from relax.train.context_parallel import REFUSED, split_row, with_row_split
-from relax.train.logprobs import logprobs_and_entropy, platform_launch
+from relax.train.logprobs import logprobs_and_entropy, output_logprobs_and_entropy, platform_launch
 from relax.train.losses import aggregation_denominator
 from relax.train.model import build_gpt_model, load_hf_weights, unwrap
 from relax.train.off_policy import corrected_policy_loss
@@ -56,22 +56,50 @@ def _whole_batch_metrics(outputs: list[dict[str, torch.Tensor]], data_parallel_g
     return dict(zip(shares + extremes, torch.cat(values).tolist()))
 
 
+def _vocab_slice(local_vocab: int) -> dict:
+    """relax.train.logprobs' vocab_start and all_reduce for this tensor-parallel rank's slice of the vocabulary
+    (none at TP 1)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return {}
+    return dict(
+        vocab_start=parallel_state.get_tensor_model_parallel_rank() * local_vocab,
+        all_reduce=partial(torch.distributed.all_reduce, group=parallel_state.get_tensor_model_parallel_group()),
+    )
+
+
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, launch=None):
     """log p(label) and the entropy per position, both differentiable, from logits [..., vocab / TP] whose vocab is
     split across megatron's tensor-parallel ranks (relax.train.logprobs; the backward overwrites `logits`); with the
     fused Triton kernels given a launch record (relax.train.logprobs.platform_launch)."""
-    from megatron.core import parallel_state
+    return logprobs_and_entropy(logits, labels, temperature, launch=launch, **_vocab_slice(logits.shape[-1]))
 
-    if parallel_state.get_tensor_model_parallel_world_size() == 1:
-        return logprobs_and_entropy(logits, labels, temperature, launch=launch)
-    return logprobs_and_entropy(
-        logits,
-        labels,
-        temperature,
-        vocab_start=parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1],
-        all_reduce=partial(torch.distributed.all_reduce, group=parallel_state.get_tensor_model_parallel_group()),
-        launch=launch,
+
+def vocab_parallel_output_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                   sequence_parallel: bool, temperature: float = 1.0, launch=None):
+    """vocab_parallel_logprobs of the output layer's logits, [...] as labels, from its input hidden [1, t, hidden]
+    (under sequence parallelism this rank's [1, t / TP, hidden]) and its weight [vocab / TP, hidden], without the
+    logits (relax.train.logprobs.output_logprobs_and_entropy). The hidden states pass megatron's own mappings as in
+    its ColumnParallelLinear: all-gathered over the TP ranks under sequence parallelism (the backward
+    reduce-scatters their gradient), else copied (the backward all-reduces it): each rank's gradient is its slice of
+    the vocabulary's part."""
+    from megatron.core import tensor_parallel
+
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if sequence_parallel:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden)
+    else:
+        hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    logprobs, entropy = output_logprobs_and_entropy(
+        hidden, weight, labels, temperature, launch=launch, **_vocab_slice(weight.shape[0])
     )
+    return logprobs.view(labels.shape), entropy.view(labels.shape)
+
+
+def _hidden_states_out(input_, weight=None, runtime_gather_output=None):
+    """The output layer's forward with fused output logprobs: its input, as (output, bias)."""
+    return input_, None
 
 
 class MegatronActor:
@@ -126,6 +154,14 @@ class MegatronActor:
             gdn_kernel=self.settings.gdn_training_kernel,
         ).to(self.device)
         load_hf_weights(model, self.hf_checkpoint)
+        if self.settings.fused_output_logprobs and model.post_process:
+            # megatron-core 0.16.1's GPTModel cannot return the last stage's hidden states: its _postprocess always
+            # applies output_layer (to the embedding's weight where the two are tied) and returns the logits [1, t,
+            # vocab / TP]. This instance's output layer returns its input instead, so the model returns the final
+            # norm's output [1, t, hidden] (under sequence parallelism this rank's part, not gathered), and the
+            # logprobs project it piece by piece (_token_logprobs). The layer keeps its weight where checkpoints,
+            # the weight export and DDP's buffers have it; output_weight reads it as _postprocess does.
+            model.output_layer.forward = _hidden_states_out
         # --use-rollout-routing-replay: every forward routes as the rollout engine did (relax.train.routing_replay)
         self.routing_replay = (
             RoutingReplay(model, self.config.sequence_parallel) if self.config.moe_enable_routing_replay else None
@@ -288,15 +324,31 @@ class MegatronActor:
             sequence_multiple=sequence_multiple,
         )
 
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight [vocab / TP, hidden] on the last pipeline stage, as GPTModel's _postprocess reads
+        it: the word embedding's where the two are tied (a stage without the embedding: the output layer's copy,
+        which megatron keeps equal to it)."""
+        model = unwrap(self.model)
+        if model.share_embeddings_and_output_weights:
+            return model.shared_embedding_or_output_weight()
+        return model.output_layer.weight
+
     def _token_logprobs(self, output: torch.Tensor, micro_batch: MicroBatch, entropy_grad: bool = False):
         """Per sample: response-token logprobs and entropies (the entropies differentiable with entropy_grad) from
         the model output [1, t, vocab/TP] (under CP [1, t/CP, vocab/TP], this rank's tokens: their values are
-        gathered into the whole row), which the backward overwrites with its gradient."""
+        gathered into the whole row), which the backward overwrites with its gradient; with fused output logprobs
+        the output is the output layer's input [1, t, hidden] (relax.train.logprobs.output_logprobs_and_entropy)."""
         labels = torch.roll(micro_batch.tokens, shifts=-1, dims=1)  # the last position's label is never read
         split = micro_batch.row_split
         if split is not None:
             labels = split.local(labels)
-        logprobs, entropy = vocab_parallel_logprobs(output, labels, self.settings.temperature, self.logprob_launch)
+        temperature, launch = self.settings.temperature, self.logprob_launch
+        if self.settings.fused_output_logprobs:
+            logprobs, entropy = vocab_parallel_output_logprobs(
+                output, self.output_weight(), labels, self.config.sequence_parallel, temperature, launch
+            )
+        else:
+            logprobs, entropy = vocab_parallel_logprobs(output, labels, temperature, launch)
         if not entropy_grad:
             entropy = entropy.detach()
         if split is not None:
@@ -438,7 +490,10 @@ class MegatronActor:
 
         def loss_func(micro_batch, output):
             if not micro_batch.sample_indices:  # all padding (expert parallelism): runs for its collectives
-                return output.sum() * 0.0, {}
+                zero = output.sum() * 0.0
+                if self.settings.fused_output_logprobs:  # the model's forward leaves the output weight out, and
+                    zero = zero + self.output_weight().sum() * 0.0  # DDP waits for its gradient too
+                return zero, {}
             logprobs, entropy = self._token_logprobs(output, micro_batch, entropy_grad=entropy_in_loss)
             pick = micro_batch.sample_indices
             logprobs = padded(logprobs)

@@ -5,6 +5,7 @@ float32 [tokens, vocab] tensor.
     logprobs, entropy = logprobs_and_entropy(shard, labels, vocab_start=rank * shard.shape[-1],
                                              all_reduce=partial(torch.distributed.all_reduce, group=tp_group))
     logprobs, entropy = logprobs_and_entropy(logits, labels, launch=platform_launch(platform, device_index))
+    logprobs, entropy = output_logprobs_and_entropy(hidden, output_weight_shard, labels, ...)  # no logits at all
 
 The forward keeps per position only the log-normaliser and the entropy, from four statistics of this rank's slice
 (its maximum, the sums of e^(s - max) and of e^(s - max) (s - max), the label's s) that two all-reduces combine over
@@ -15,6 +16,11 @@ is the only one, as in Megatron's vocab-parallel cross entropy, which keeps its 
 Both passes over the logits come in two forms: torch over pieces of positions (CHUNK_BYTES of float32 per
 temporary; the reference, and what runs where Triton does not), and relax.kernels.logprobs_triton's kernels, one
 pass over the logits each, which a platform names by Platform.logprob_kernel.
+
+output_logprobs_and_entropy goes one step further (the idea of Liger-Kernel's fused linear cross entropy): it takes
+the output layer's input and weight, and the [tokens, vocab] logits are never held, only a piece of them at a time,
+recomputed in the backward. The statistics, their combination over the ranks and the gradient formula are the same
+functions on each piece.
 """
 
 from typing import Callable
@@ -91,6 +97,59 @@ def _write_gradient(flat: torch.Tensor, labels: torch.Tensor, vocab_start: int, 
         flat[rows] = grad.div_(temperature)
 
 
+def _stats(flat: torch.Tensor, labels: torch.Tensor, vocab_start: int, temperature: float,
+           launch: TritonLaunch | None) -> torch.Tensor:
+    """_row_stats, or relax.kernels.logprobs_triton's one-pass kernel with a launch record."""
+    if launch is None:
+        return _row_stats(flat, labels, vocab_start, temperature)
+    from relax.kernels import logprobs_triton  # Triton imported only where a launch record asks for it
+
+    return logprobs_triton.row_stats(flat, labels, vocab_start, temperature, launch)
+
+
+def _gradient(flat: torch.Tensor, labels: torch.Tensor, vocab_start: int, temperature: float, launch, saved,
+              logprobs_grad, entropy_grad) -> None:
+    """Overwrite flat [positions, local vocab] with its gradient (_write_gradient, or the Triton kernel), given the
+    forward's saved log-normaliser and entropy and the outputs' gradients (None: no gradient)."""
+    log_normaliser, entropy = saved
+    zeros = torch.zeros_like(entropy)
+    logprobs_grad = zeros if logprobs_grad is None else logprobs_grad.reshape(-1).float().contiguous()
+    entropy_grad = zeros if entropy_grad is None else entropy_grad.reshape(-1).float().contiguous()
+    arguments = (flat, labels, vocab_start, temperature, log_normaliser, entropy, logprobs_grad, entropy_grad)
+    if launch is None:
+        _write_gradient(*arguments)
+    else:
+        from relax.kernels import logprobs_triton
+
+        logprobs_triton.write_gradient(*arguments, launch)
+
+
+def _combine(stats: torch.Tensor, in_slice: torch.Tensor, all_reduce: AllReduce | None):
+    """(logprobs, entropy, log-normaliser) per position from this rank's _row_stats and whether its slice holds
+    each label.
+
+    Over the ranks sharing the vocabulary: the maximum first (an all-reduce of its own), then each rank's sums moved
+    from its own maximum to the common one and added up, with the label's s - maximum from the one rank that holds it.
+    On one rank the move multiplies by e^0 = 1 and adds 0: the sums are this rank's."""
+    local_maximum, local_partition, local_weighted, label_scaled = stats
+    maximum = local_maximum.clone()
+    if all_reduce is not None:
+        all_reduce(maximum, op=ReduceOp.MAX)
+    offset = local_maximum - maximum  # <= 0
+    rescale = offset.exp()
+    sums = torch.stack([
+        rescale * local_partition,
+        rescale * (local_weighted + offset * local_partition),  # sum e^(s - M) (s - M), s - M = s - m + offset
+        (label_scaled - maximum) * in_slice,
+    ])
+    if all_reduce is not None:
+        all_reduce(sums, op=ReduceOp.SUM)
+    partition, weighted, label_shifted = sums
+    log_z = partition.log()
+    entropy = log_z - weighted / partition  # -sum_v p_v log p_v, with log p_v = s_v - log Z
+    return label_shifted - log_z, entropy, maximum + log_z
+
+
 class _LogprobsAndEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature: float, vocab_start: int, all_reduce: AllReduce | None,
@@ -98,35 +157,10 @@ class _LogprobsAndEntropy(torch.autograd.Function):
         logits = logits.contiguous()  # the backward writes into it through a [positions, local vocab] view
         flat = logits.detach().view(-1, logits.shape[-1])
         flat_labels = labels.reshape(-1)
-        if launch is None:
-            stats = _row_stats(flat, flat_labels, vocab_start, temperature)
-        else:
-            from relax.kernels import logprobs_triton  # Triton imported only where a launch record asks for it
-
-            stats = logprobs_triton.row_stats(flat, flat_labels, vocab_start, temperature, launch)
-        local_maximum, local_partition, local_weighted, label_scaled = stats
-
-        # Over the ranks sharing the vocabulary: the maximum first (an all-reduce of its own), then each rank's sums
-        # moved from its own maximum to the common one and added up, with the label's s - maximum from the one rank
-        # that holds it. On one rank the move multiplies by e^0 = 1 and adds 0: the sums are this rank's.
-        maximum = local_maximum.clone()
-        if all_reduce is not None:
-            all_reduce(maximum, op=ReduceOp.MAX)
-        _, in_slice = _local_labels(labels, vocab_start, flat.shape[-1])
-        offset = local_maximum - maximum  # <= 0
-        rescale = offset.exp()
-        sums = torch.stack([
-            rescale * local_partition,
-            rescale * (local_weighted + offset * local_partition),  # sum e^(s - M) (s - M), s - M = s - m + offset
-            (label_scaled - maximum) * in_slice,
-        ])
-        if all_reduce is not None:
-            all_reduce(sums, op=ReduceOp.SUM)
-        partition, weighted, label_shifted = sums
-        log_z = partition.log()
-        logprobs = label_shifted - log_z
-        entropy = log_z - weighted / partition  # -sum_v p_v log p_v, with log p_v = s_v - log Z
-        ctx.save_for_backward(logits, labels, maximum + log_z, entropy)
+        stats = _stats(flat, flat_labels, vocab_start, temperature, launch)
+        _, in_slice = _local_labels(flat_labels, vocab_start, flat.shape[-1])
+        logprobs, entropy, log_normaliser = _combine(stats, in_slice, all_reduce)
+        ctx.save_for_backward(logits, flat_labels, log_normaliser, entropy)
         ctx.temperature, ctx.vocab_start, ctx.launch = temperature, vocab_start, launch
         ctx.set_materialize_grads(False)
         return logprobs.view(labels.shape), entropy.view(labels.shape)
@@ -135,18 +169,8 @@ class _LogprobsAndEntropy(torch.autograd.Function):
     def backward(ctx, logprobs_grad, entropy_grad):
         logits, labels, log_normaliser, entropy = ctx.saved_tensors
         gradient = logits.detach()  # the logits' own buffer
-        flat = gradient.view(-1, logits.shape[-1])
-        zeros = torch.zeros_like(entropy)
-        logprobs_grad = zeros if logprobs_grad is None else logprobs_grad.reshape(-1).float().contiguous()
-        entropy_grad = zeros if entropy_grad is None else entropy_grad.reshape(-1).float().contiguous()
-        arguments = (flat, labels.reshape(-1), ctx.vocab_start, ctx.temperature, log_normaliser, entropy,
-                     logprobs_grad, entropy_grad)
-        if ctx.launch is None:
-            _write_gradient(*arguments)
-        else:
-            from relax.kernels import logprobs_triton
-
-            logprobs_triton.write_gradient(*arguments, ctx.launch)
+        _gradient(gradient.view(-1, logits.shape[-1]), labels, ctx.vocab_start, ctx.temperature, ctx.launch,
+                  (log_normaliser, entropy), logprobs_grad, entropy_grad)
         return gradient, None, None, None, None, None
 
 
@@ -172,6 +196,64 @@ def logprobs_and_entropy(
     if temperature <= 0.0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     return _LogprobsAndEntropy.apply(logits, labels, temperature, vocab_start, all_reduce, launch)
+
+
+class _OutputLogprobsAndEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature: float, vocab_start: int, all_reduce: AllReduce | None,
+                launch: TritonLaunch | None):
+        positions, local_vocab = hidden.shape[0], weight.shape[0]
+        rows = max(1, CHUNK_BYTES // (hidden.element_size() * local_vocab))
+        stats = torch.cat([
+            _stats(hidden[start:start + rows] @ weight.T, labels[start:start + rows], vocab_start, temperature, launch)
+            for start in range(0, positions, rows)
+        ], dim=1)
+        _, in_slice = _local_labels(labels, vocab_start, local_vocab)
+        logprobs, entropy, log_normaliser = _combine(stats, in_slice, all_reduce)
+        ctx.save_for_backward(hidden, weight, labels, log_normaliser, entropy)
+        ctx.temperature, ctx.vocab_start, ctx.launch = temperature, vocab_start, launch
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, logprobs_grad, entropy_grad):
+        # Pieces of the vocabulary here, not of positions: a piece's logits [positions, columns] hold every position,
+        # so the weight's gradient of its columns is one matmul over all positions (rounded once to the weight's
+        # dtype, as the output layer's own backward rounds it), and only the hidden states' gradient, [positions,
+        # hidden], adds up over the pieces, in float32. The saved log-normaliser and entropy make each piece's
+        # softmax gradient whole by itself.
+        hidden, weight, labels, log_normaliser, entropy = ctx.saved_tensors
+        positions, local_vocab = hidden.shape[0], weight.shape[0]
+        hidden_grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        weight_grad = torch.empty_like(weight)
+        columns = max(1, CHUNK_BYTES // (hidden.element_size() * positions))
+        for start in range(0, local_vocab, columns):
+            piece = slice(start, start + columns)
+            logits = hidden @ weight[piece].T
+            _gradient(logits, labels, ctx.vocab_start + start, ctx.temperature, ctx.launch, (log_normaliser, entropy),
+                      logprobs_grad, entropy_grad)
+            torch.mm(logits.T, hidden, out=weight_grad[piece])
+            hidden_grad += logits @ weight[piece]
+        return hidden_grad.to(hidden.dtype), weight_grad, None, None, None, None, None
+
+
+def output_logprobs_and_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                temperature: float = 1.0, vocab_start: int = 0, all_reduce: AllReduce | None = None,
+                                launch: TritonLaunch | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprobs_and_entropy(hidden @ weight.T, labels, ...) without the logits [positions, local vocab]: the output
+    projection fused with the statistics, float32 [positions] each, from hidden states [positions, hidden] and this
+    rank's rows of the output weight [local vocab, hidden] (the vocabulary from token `vocab_start`; all_reduce as for
+    logprobs_and_entropy). The forward multiplies pieces of positions (CHUNK_BYTES of logits in the hidden states'
+    dtype each) and keeps per position only the log-normaliser and the entropy; the backward recomputes the logits
+    a piece of the vocabulary at a time. Both outputs are differentiable, with respect to `hidden` (this rank's part
+    of its gradient: the ranks sharing the vocabulary add theirs up) and `weight`."""
+    if temperature <= 0.0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden states {tuple(hidden.shape)} and output weight {tuple(weight.shape)} must be "
+                         "[positions, hidden] and [local vocab, hidden]")
+    return _OutputLogprobsAndEntropy.apply(hidden, weight, labels.reshape(-1), temperature, vocab_start, all_reduce,
+                                           launch)
 
 
 def platform_launch(platform, device_index: int) -> TritonLaunch | None:

@@ -16,7 +16,8 @@ Counted from the architecture (megatron-core's TransformerConfig) and the layout
   values it gathered from every CP rank. With pipeline parallelism the first stage holds as many
   micro-batches in flight as there are stages, which amounts to every layer's activations for one micro-batch.
 - the logits: the output layer's logits, their transposed copy and their gradient in the activations' dtype (the
-  logprob and entropy never materialise them in fp32; relax/train/logprobs.py).
+  logprob and entropy never materialise them in fp32; relax/train/logprobs.py). With --fused-output-logprobs, one
+  piece of them instead, and the output layer's input gradient, added up over the pieces in fp32.
 
 It is an estimate of allocated memory, checked against measurements in docs/training.md; the caching allocator
 reserves 5-20% more than it allocates.
@@ -53,6 +54,7 @@ class MemoryEstimate:
     logits: int
     parameter_count: int  # on this rank
     tokens: int  # of the micro-batch counted
+    fused_output: bool = False  # `logits` counts a piece of them (--fused-output-logprobs)
 
     @property
     def total(self) -> int:
@@ -67,7 +69,7 @@ class MemoryEstimate:
             f"on this rank): {gib(self.total)}",
             f"  parameters {gib(self.parameters)}, gradients {gib(self.gradients)}, optimizer {gib(self.optimizer)}, "
             f"activations of a micro-batch of {self.tokens:,} tokens {gib(self.activations)}, "
-            f"logits {gib(self.logits)}",
+            f"{'fused output layer (a piece of the logits)' if self.fused_output else 'logits'} {gib(self.logits)}",
         ]
 
 
@@ -171,12 +173,14 @@ def _mlp_activation_elements(tc, moe: bool, tp: int, etp: int, sp_div: int, modu
 
 def estimate_actor_memory(
     tc, vocab_size: int, untied: bool, tokens: int, layout: Layout, param_bytes: int, grad_bytes: int,
-    optimizer: str, logprob_pieces_bytes: int = 0,
+    optimizer: str, logprob_pieces_bytes: int = 0, fused_output_piece_bytes: int = 0,
 ) -> MemoryEstimate:
     """`tc`: megatron-core's TransformerConfig; `tokens`: one micro-batch's tokens on this device; `param_bytes`:
     2 for bf16/fp16, 4 for fp32; `grad_bytes`: the gradient buffer's; `optimizer`: "adam" or "sgd";
     `logprob_pieces_bytes`: the float32 temporaries of one piece at most where the platform computes logprobs by
-    pieces of positions (0 where fused kernels do)."""
+    pieces of positions (0 where fused kernels do); `fused_output_piece_bytes`: with the output projection fused with
+    the logprobs (relax.train.logprobs.output_logprobs_and_entropy), the bytes of one piece of the logits (0: the
+    logits are whole)."""
     tp, pp, ep = layout.tensor, layout.pipeline, layout.expert
     etp = tc.expert_tensor_parallel_size or tp
     vocabulary, dense, experts = parameter_count(tc, vocab_size, untied)
@@ -207,7 +211,13 @@ def estimate_actor_memory(
         elements = sum(per_layer)
     activations = int(elements * tokens * activation_bytes)
     pieces = LOGPROB_PIECES_LIVE * min(logprob_pieces_bytes, 4 * tokens * vocab_size // tp)
-    logits = int(3 * tokens * vocab_size / tp * activation_bytes + pieces)
+    logits_bytes = tokens * vocab_size / tp * activation_bytes
+    if fused_output_piece_bytes:
+        # one piece of logits at a time; the backward's gradient of the hidden states in fp32, and each piece's part
+        logits = int(min(fused_output_piece_bytes, logits_bytes) + tokens * tc.hidden_size * (4 + activation_bytes)
+                     + pieces)
+    else:
+        logits = int(3 * logits_bytes + pieces)
     return MemoryEstimate(
         parameters=on_rank * param_bytes,
         gradients=on_rank * grad_bytes,
@@ -216,4 +226,5 @@ def estimate_actor_memory(
         logits=logits,
         parameter_count=on_rank,
         tokens=tokens,
+        fused_output=bool(fused_output_piece_bytes),
     )

@@ -21,6 +21,9 @@ class ActorSettings:
     max_tokens_per_forward: int | None = None
     gdn_training_kernel: str = "reference"  # GDN layers' chunked rule (relax.kernels.gdn_training)
     temperature: float = 1.0  # logits are divided by it, as the rollout engine sampled
+    # The output layer's projection fused with the logprob and entropy, pieces of positions at a time: the [tokens,
+    # vocab / TP] logits are never held (relax.train.logprobs.output_logprobs_and_entropy)
+    fused_output_logprobs: bool = False
     seed: int = 1234
     keep_reference: bool = True  # keep a host copy of the initial weights for reference logprobs
     # Sleep through the platform's memory saver where it has one (relax.train.offload), else host copies.

@@ -943,14 +943,16 @@ def test_megatron_checkpoints_load_across_grouped_and_sequential_experts(
 
 def test_tied_embeddings_train_alike_with_pipeline_stages(ranks, hf_dirs):
     """With tied embeddings and PP=2 the first stage's embedding and the last stage's output layer are two
-    copies whose gradients megatron sums; training then equals DP=2 with one shared matrix."""
+    copies whose gradients megatron sums; training then equals DP=2 with one shared matrix. So it does with
+    --fused-output-logprobs, where the last stage's copy gets its gradient from the fused output layer."""
     dp2 = ranks.run(_train, hf_dirs["qwen3_tied"], dict(micro_batch_size=2), 2)
-    pp2 = ranks.run(_train, hf_dirs["qwen3_tied"], dict(pp=2, micro_batch_size=3), 2)
-    _assert_same_training(pp2, dp2)
-    embedding = "model.embed_tokens.weight"
-    first_stage = pp2[0]["weights"]  # the embedding is exported by the first stage only
-    assert "lm_head.weight" not in first_stage and "lm_head.weight" not in pp2[1]["weights"]
-    assert (first_stage[embedding] - dp2[0]["weights"][embedding]).abs().max() <= 2 * 1e-3
+    for fused in (False, True):
+        pp2 = ranks.run(_train, hf_dirs["qwen3_tied"], dict(pp=2, micro_batch_size=3, fused_output_logprobs=fused), 2)
+        _assert_same_training(pp2, dp2)
+        embedding = "model.embed_tokens.weight"
+        first_stage = pp2[0]["weights"]  # the embedding is exported by the first stage only
+        assert "lm_head.weight" not in first_stage and "lm_head.weight" not in pp2[1]["weights"]
+        assert (first_stage[embedding] - dp2[0]["weights"][embedding]).abs().max() <= 2 * 1e-3
 
 
 # --- context parallelism -------------------------------------------------------------------------------
@@ -993,11 +995,11 @@ def _step_on_the_whole_batch(hf_dir: str, layout: dict) -> dict:
     }
 
 
-def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[dict], rows=(16, 28)) -> None:
-    """Rank r of the CP=2 run against rank r of the CP=1 run: the same TP shard, the same samples. Each CP rank runs
-    the model on half of each row: `rows` tokens, two padded sequences each."""
-    for got, expected in zip(split, baseline):
-        assert got["tokens_seen"] == [tokens // 2 for tokens in rows], got["tokens_seen"]
+def _assert_same_step(runs: list[dict], baseline: list[dict], tokens_seen: list[int]) -> None:
+    """Rank r of a run of _step_on_the_whole_batch against rank r of the baseline's: the same TP shard, the same
+    samples, the same values and gradients; each forward of the logprob pass ran on `tokens_seen` tokens."""
+    for got, expected in zip(runs, baseline):
+        assert got["tokens_seen"] == tokens_seen, got["tokens_seen"]
         for name in ("logprobs", "entropy"):
             for got_values, expected_values in zip(got[name], expected[name]):
                 torch.testing.assert_close(got_values, expected_values, rtol=1e-5, atol=1e-5)
@@ -1008,6 +1010,12 @@ def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[d
         assert max(gradient.abs().max().item() for gradient in expected["gradients"]) > 1e-3
         for got_gradient, expected_gradient in zip(got["gradients"], expected["gradients"]):
             torch.testing.assert_close(got_gradient, expected_gradient, rtol=1e-4, atol=1e-6)
+
+
+def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[dict], rows=(16, 28)) -> None:
+    """Rank r of the CP=2 run against rank r of the CP=1 run. Each CP rank runs the model on half of each row: `rows`
+    tokens, two padded sequences each."""
+    _assert_same_step(split, baseline, [tokens // 2 for tokens in rows])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe"])  # GDN, MoE: both pass under CP
@@ -1038,3 +1046,39 @@ def test_context_parallel_rows_with_model_parallelism_give_the_logprobs_and_grad
     split = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(layout, cp=2))
     # expert-parallel ranks run micro-batches of one shape: both rows padded to the longer
     _assert_context_parallel_equals_one_rank(split, baseline, rows=(28, 28) if "ep" in layout else (16, 28))
+
+
+# --- the output layer fused with the logprobs ----------------------------------------------------------------------
+
+
+def _fused_step_in_pieces(hf_dir: str, layout: dict) -> dict:
+    """_step_on_the_whole_batch with --fused-output-logprobs, its logits a few pieces of each row: of 2 positions
+    forward (4 at TP=2), of about a third of the vocabulary backward."""
+    from relax.train import logprobs
+
+    whole = logprobs.CHUNK_BYTES
+    logprobs.CHUNK_BYTES = 4 * read_hf_checkpoint(hf_dir).text_config["vocab_size"] * 2
+    try:
+        return _step_on_the_whole_batch(hf_dir, dict(layout, fused_output_logprobs=True))
+    finally:
+        logprobs.CHUNK_BYTES = whole
+
+
+@pytest.mark.parametrize(
+    "model, layout",
+    [("qwen3", {}), ("qwen3_tied", {}), ("qwen3", dict(tp=2)), ("qwen3_tied", dict(tp=2))],
+)
+def test_fused_output_logprobs_give_the_step_of_the_logits(ranks, hf_dirs, model, layout):
+    """--fused-output-logprobs against the model's logits: the same logprobs, entropies, loss metrics and gradients
+    of every parameter (the output weight, or the embedding it is tied to, and every layer), with the entropy and
+    the KL in the loss, at TP=1 (two data-parallel replicas) and TP=2 (each rank its half of the vocabulary)."""
+    baseline = ranks.run(_step_on_the_whole_batch, hf_dirs[model], layout)
+    fused = ranks.run(_fused_step_in_pieces, hf_dirs[model], layout)
+    _assert_same_step(fused, baseline, [14, 25])  # two rows of two samples, unpadded
+
+
+def test_fused_output_logprobs_under_context_parallelism_give_the_step_of_one_rank(ranks, hf_dirs):
+    """Each CP rank projects and scores its own tokens; their values are gathered into the rows as without fusion."""
+    baseline = ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3_tied"], {})
+    split = ranks.run(_fused_step_in_pieces, hf_dirs["qwen3_tied"], dict(cp=2))
+    _assert_context_parallel_equals_one_rank(split, baseline)

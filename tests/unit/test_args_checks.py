@@ -261,6 +261,11 @@ RULES = {
         [*RUN, "--num-experts", "4", "--recompute-activations", "--recompute-modules", "shared_experts"],
         "--recompute-modules shared_experts: this model has nothing of that kind to recompute",
     ),
+    "the fused output layer computes its weight's gradient itself": (
+        [*RUN, "--fused-output-logprobs", "--defer-embedding-wgrad-compute", "--gradient-accumulation-fusion",
+         "--pipeline-model-parallel-size", "2", "--num-devices-per-node", "2"],
+        "--fused-output-logprobs computes the output weight's gradient itself",
+    ),
     "megatron's replay switch alone": (
         [*RUN, "--num-experts", "4", "--moe-enable-routing-replay"],
         "--moe-enable-routing-replay alone replays nothing",

@@ -12,19 +12,24 @@ import torch
 from test_kernels_triton import run_interpreted
 
 
-def check_fused_matches_torch(ranks: int, dtype_name: str):
+def _kernels_one_at_a_time() -> None:
+    """Triton's interpreter runs a kernel by patching triton.language for the call: one kernel at a time among the
+    simulated ranks' threads."""
     from relax.kernels import logprobs_triton
-    from relax.kernels.launch import TritonLaunch
-    from test_vocab_parallel_logprobs import entropy_only, logprobs_only, sharded_gradients, weighted, whole_vocabulary
 
-    # Triton's interpreter runs a kernel by patching triton.language for the call: one kernel at a time among the
-    # simulated ranks' threads.
     interpreter = threading.Lock()
     for name in ("row_stats", "write_gradient"):
         def one_at_a_time(*args, kernel=getattr(logprobs_triton, name)):
             with interpreter:
                 return kernel(*args)
         setattr(logprobs_triton, name, one_at_a_time)
+
+
+def check_fused_matches_torch(ranks: int, dtype_name: str):
+    from relax.kernels.launch import TritonLaunch
+    from test_vocab_parallel_logprobs import entropy_only, logprobs_only, sharded_gradients, weighted, whole_vocabulary
+
+    _kernels_one_at_a_time()
 
     dtype = getattr(torch, dtype_name)
     # 3 programs over 9 positions: each program loops over positions. A vocabulary of 37 per rank in tiles of 8:
@@ -55,6 +60,33 @@ def check_fused_matches_torch(ranks: int, dtype_name: str):
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_fused_values_and_gradients_equal_the_torch_pieces_interpreted(ranks, dtype_name):
     run_interpreted("check_fused_matches_torch", ranks, dtype_name, module=__name__)
+
+
+def check_output_projection_matches_torch(ranks: int):
+    from relax.kernels.launch import TritonLaunch
+    from relax.train import logprobs
+    from test_vocab_parallel_logprobs import fused_gradients, weighted
+
+    _kernels_one_at_a_time()
+
+    # The logits in pieces of 3 positions forward (of a rank's 37 columns) and of 12 columns backward (of 9 positions),
+    # each streamed by the kernels in tiles of 8
+    logprobs.CHUNK_BYTES = 4 * 37 * 3
+    launch = TritonLaunch(num_programs=3, logprob_block_vocab=8)
+    generator = torch.Generator().manual_seed(0)
+    vocab = 37 * ranks
+    hidden, weight = torch.randn(9, 6, generator=generator), torch.randn(vocab, 6, generator=generator)
+    labels = torch.tensor([0, 5, vocab - 1, 36, 37 % vocab, 4, 4, vocab - 2, 19])
+    objective = weighted(generator, (9,))
+    fused = fused_gradients(hidden, weight, labels, ranks, objective, 0.7, launch)
+    expected = fused_gradients(hidden, weight, labels, ranks, objective, 0.7)
+    for got, want in zip([*fused[0], *fused[1:]], [*expected[0], *expected[1:]]):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_fused_output_projection_through_the_kernels_equals_its_torch_pieces_interpreted(ranks):
+    run_interpreted("check_output_projection_matches_torch", ranks, module=__name__)
 
 
 def check_large_logits_and_many_tiles():

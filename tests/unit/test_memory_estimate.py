@@ -67,6 +67,18 @@ def test_parallelism_recompute_and_a_sharded_optimizer_each_lower_what_they_spli
     assert full.activations < selective.activations < base.activations
 
 
+def test_fused_output_logprobs_count_a_piece_of_the_logits_and_the_hidden_states_gradient():
+    whole, fused = _estimate(), _estimate(fused_output_piece_bytes=256 * 2**20)
+    assert whole.logits == 3 * 16384 * VOCAB * 2
+    assert fused.logits == 256 * 2**20 + 16384 * 2048 * (4 + 2)
+    assert fused.total == whole.total - whole.logits + fused.logits
+    assert "fused output layer (a piece of the logits) 0.44 GiB" in fused.lines()[1]
+    argv = [*DRY_RUN, "--vocab-size", "151936", "--fused-output-logprobs"]
+    config = parse_train_args(argv)
+    assert config.actor.fused_output_logprobs
+    assert actor_memory(config.flags, config.megatron, platform_facts("cpu")).fused_output
+
+
 def test_experts_split_over_expert_parallelism():
     moe = _shape(num_moe_experts=8, moe_ffn_hidden_size=768, moe_router_topk=2, moe_grouped_gemm=True)
     one, four = _estimate(moe), _estimate(moe, layout=Layout(expert=4))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from relax.train import logprobs as chunked
-from relax.train.logprobs import logprobs_and_entropy
+from relax.train.logprobs import logprobs_and_entropy, output_logprobs_and_entropy
 
 
 class SimulatedTensorParallel:
@@ -140,3 +140,73 @@ def test_the_backward_overwrites_the_logits_with_their_gradient():
 def test_a_temperature_that_is_not_positive_is_refused():
     with pytest.raises(ValueError, match="temperature must be positive"):
         logprobs_and_entropy(torch.randn(2, 4), torch.zeros(2, dtype=torch.long), 0.0)
+
+
+def fused_gradients(hidden, weight, labels, ranks, objective, temperature, launch=None):
+    """output_logprobs_and_entropy on `ranks` simulated ranks, each with its rows of the weight: rank 0's (logprobs,
+    entropy), the hidden states' gradient (the ranks' parts added up) and the weight's (the ranks' rows together).
+    With a launch record, through the Triton kernels."""
+    tp = SimulatedTensorParallel(ranks)
+    shards = [shard.clone().requires_grad_() for shard in weight.chunk(ranks, dim=0)]
+    inputs = [hidden.clone().requires_grad_() for _ in range(ranks)]
+
+    def rank_step(rank):
+        logprobs, entropy = output_logprobs_and_entropy(
+            inputs[rank], shards[rank], labels, temperature, vocab_start=rank * shards[rank].shape[0],
+            all_reduce=lambda tensor, op: tp.all_reduce(rank, tensor, op), launch=launch,
+        )
+        objective(logprobs, entropy).backward()
+        return logprobs.detach(), entropy.detach()
+
+    with ThreadPoolExecutor(ranks) as pool:
+        results = list(pool.map(rank_step, range(ranks)))
+    return results[0], sum(x.grad for x in inputs), torch.cat([shard.grad for shard in shards])
+
+
+@pytest.mark.parametrize("objective_name", ["weighted", "logprobs_only"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_output_projection_fused_with_the_logprobs_equals_logits_then_logprobs(ranks, objective_name,
+                                                                                    monkeypatch):
+    # 9 positions, a vocabulary of 16 and hidden states of 8, float32. Pieces of 2 positions forward (4 on two
+    # ranks) and of 3 vocabulary columns backward (the last one shorter), so the statistics and the
+    # gradients are put together from several pieces.
+    monkeypatch.setattr(chunked, "CHUNK_BYTES", 4 * 16 * 2)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, 8, generator=generator)
+    weight = torch.randn(16, 8, generator=generator)
+    labels = torch.tensor([0, 5, 8, 13, 15, 4, 4, 11, 2])
+    objective = {"weighted": weighted(generator, (9,)), "logprobs_only": logprobs_only}[objective_name]
+
+    (logprobs, entropy), hidden_grad, weight_grad = fused_gradients(hidden, weight, labels, ranks, objective, 0.7)
+
+    hidden_ref, weight_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected_logprobs, expected_entropy = logprobs_and_entropy(hidden_ref @ weight_ref.T, labels, 0.7)
+    objective(expected_logprobs, expected_entropy).backward()
+    torch.testing.assert_close(logprobs, expected_logprobs.detach())
+    torch.testing.assert_close(entropy, expected_entropy.detach())
+    torch.testing.assert_close(hidden_grad, hidden_ref.grad)
+    torch.testing.assert_close(weight_grad, weight_ref.grad)
+
+
+def test_the_fused_output_in_bfloat16_rounds_like_the_logits_it_replaces():
+    # bfloat16 hidden states and weight (a bf16 actor's): the same values as logits computed in bfloat16, and
+    # gradients within bfloat16's rounding of them
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(6, 8, generator=generator).bfloat16().requires_grad_()
+    weight = torch.randn(16, 8, generator=generator).bfloat16().requires_grad_()
+    labels = torch.tensor([1, 3, 5, 7, 9, 11])
+    logprobs, entropy = output_logprobs_and_entropy(hidden, weight, labels)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert logprobs.dtype == torch.float32 and hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
+    hidden_ref, weight_ref = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    expected_logprobs, expected_entropy = logprobs_and_entropy(hidden_ref @ weight_ref.T, labels)
+    (expected_logprobs.sum() + expected_entropy.sum()).backward()
+    torch.testing.assert_close(logprobs, expected_logprobs.detach())
+    torch.testing.assert_close(entropy, expected_entropy.detach())
+    torch.testing.assert_close(hidden.grad, hidden_ref.grad)
+    torch.testing.assert_close(weight.grad, weight_ref.grad)
+
+
+def test_mis_shaped_hidden_states_and_weight_are_named():
+    with pytest.raises(ValueError, match=r"hidden states \(4, 8\) and output weight \(16, 6\)"):
+        output_logprobs_and_entropy(torch.randn(4, 8), torch.randn(16, 6), torch.zeros(4, dtype=torch.long))
