@@ -170,7 +170,8 @@ def relax_side(platform, hf_dir: str, hf, batch, max_tokens: int, args) -> dict:
     from relax.train.batch import plan_micro_batches
 
     transformer, optimizer, ddp = megatron_configs(hf)
-    settings = ActorSettings(max_tokens_per_micro_batch=max_tokens, keep_reference=False)
+    settings = ActorSettings(max_tokens_per_micro_batch=max_tokens, keep_reference=False,
+                             fused_output_logprobs=args.fused_output_logprobs)
     actor = MegatronActor(hf_dir, transformer, optimizer, ddp, settings, platform=platform)
     grad_norms = []
     result = timed_steps(lambda: grad_norms.append(actor.train_step(batch)["grad_norm"]), args, platform)
@@ -328,6 +329,7 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="of the response lengths and token ids")
     parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a micro-batch")
     parser.add_argument("--memory-at", type=int, nargs="+", metavar="TOKENS", help="relax's peak memory only (see doc)")
+    parser.add_argument("--fused-output-logprobs", action="store_true", help="relax's side with the flag of that name")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
