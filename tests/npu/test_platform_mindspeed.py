@@ -45,7 +45,8 @@ def test_fused_rope_switch_builds_the_megatron_config():
 def test_family_config_is_built_from_a_mindspeed_config(tmp_path):
     """MindSpeed's configs are instances of a generated subclass whose extra fields are not constructor arguments:
     the family config keeps the base's settings and MindSpeed's fields, on the actor's side
-    (relax.hf_checkpoint.transformer_config) and on the driver's (relax.args.megatron.family_transformer_config)."""
+    (relax.hf_checkpoint.transformer_config) and on the driver's (relax.args.megatron.family_transformer_config),
+    context parallelism of Gated DeltaNet layers included (built at CP = 1, then sized: relax.hf_checkpoint)."""
     model = build_tiny_model(tmp_path / "model", "qwen3_5")
     result = _run_under_the_double(
         f"""
@@ -58,13 +59,14 @@ def test_family_config_is_built_from_a_mindspeed_config(tmp_path):
         get_platform("cpu").prepare_megatron({{}})
         base = MegatronValues(
             {{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "recompute_granularity": "full",
-             "recompute_method": "uniform", "recompute_num_layers": 1}},
+             "recompute_method": "uniform", "recompute_num_layers": 1, "context_parallel_size": 2}},
             num_steps=1,
         ).build().transformer
         checkpoint = read_hf_checkpoint({str(model)!r})
         family = transformer_config(checkpoint, base)
         assert family.recompute_granularity == "full" and family.experimental_attention_variant == "gated_delta_net"
         assert family.moe_zero_memory == "disable" and family.position_embedding_type == "rope"
+        assert family.context_parallel_size == 2
 
         def refuse(message):
             raise SystemExit(message)
