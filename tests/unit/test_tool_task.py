@@ -9,7 +9,7 @@ import transformers
 
 from relax.rollout.data import PromptDataConfig, load_prompts
 from relax.rollout.rewards import RewardInput, load_reward_fn, score
-from relax.rollout.synthetic import MULTIPLY_OPERANDS, final_answer, multiply_row, write_task
+from relax.rollout.synthetic import MULTIPLY_OPERANDS, final_answer, write_task
 from relax.rollout.tool_calls import parse_tool_calls
 from relax.rollout.tools import Calculator, tool_schema
 from relax.rollout.turns import ChatTurns
