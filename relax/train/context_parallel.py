@@ -60,12 +60,6 @@ REFUSED = [
         "megatron-core computes them over each CP rank's own tokens, and the router's gradient then differs from one "
         "rank's (checked on the CPU); RL recipes train MoE models with --moe-aux-loss-coeff 0",
     ),
-    Refusal(
-        "pipeline parallelism",
-        lambda config: config.pipeline_model_parallel_size > 1,
-        "pipeline stages exchange activations of one planned shape, which is not yet planned for rows split over "
-        "CP ranks",
-    ),
 ]
 
 

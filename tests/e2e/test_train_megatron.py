@@ -966,7 +966,7 @@ def _step_on_the_whole_batch(hf_dir: str, layout: dict) -> dict:
     """Every rank passes all of CP_SHAPES's samples (so data-parallel replicas repeat one another, and each is the whole
     batch's step): their logprobs and entropies, one step's metrics at lr=0 and this rank's gradients, with the
     sequence-mean aggregation, the KL and a differentiable entropy in the loss; and how many tokens each forward of the
-    logprob pass ran on this rank."""
+    logprob pass ran on this rank (its first layer's, on every pipeline stage)."""
     from relax.train.batch import RolloutBatch
     from relax.train.losses import LossSettings
     from relax.train.model import unwrap
@@ -981,8 +981,8 @@ def _step_on_the_whole_batch(hf_dir: str, layout: dict) -> dict:
         advantages=[torch.randn(r, generator=generator) for _, r in CP_SHAPES],
     )
     tokens_seen = []
-    hook = unwrap(actor.model).embedding.register_forward_hook(
-        lambda _, args, kwargs, output: tokens_seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    hook = unwrap(actor.model).decoder.layers[0].register_forward_pre_hook(
+        lambda _, args, kwargs: tokens_seen.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
     )
     logprobs, entropy = actor.compute_logprobs(batch, with_entropy=True)
     hook.remove()
@@ -1034,18 +1034,20 @@ def four_ranks():
 
 @pytest.mark.parametrize(
     "family, layout", [("qwen3", dict(tp=2)), ("qwen3_5", dict(tp=2)), ("qwen3_moe", dict(ep=2)),
-                       ("qwen3_5_moe", dict(ep=2))],
+                       ("qwen3_5_moe", dict(ep=2)), ("qwen3", dict(pp=2)), ("qwen3_5", dict(pp=2))],
 )
 def test_context_parallel_rows_with_model_parallelism_give_the_logprobs_and_gradients_of_one_rank(
     four_ranks, hf_dirs, family, layout
 ):
-    """CP=2 x TP=2 against TP=2 (two data-parallel replicas of the whole batch), and CP=2 x EP=2 against EP=2 (the
-    experts' tokens exchanged over ranks that are CP ranks of one replica and DP ranks of two). (Sequence parallelism
-    needs a norm megatron-core has only with TransformerEngine or Apex, so not on the CPU.)"""
+    """CP=2 x TP=2 against TP=2 (two data-parallel replicas of the whole batch), CP=2 x EP=2 against EP=2 (the
+    experts' tokens exchanged over ranks that are CP ranks of one replica and DP ranks of two), and CP=2 x PP=2
+    against PP=2 (each stage's ranks pass their halves of the rows on). (Sequence parallelism needs a norm
+    megatron-core has only with TransformerEngine or Apex, so not on the CPU.)"""
     baseline = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], layout)
     split = four_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(layout, cp=2))
-    # expert-parallel ranks run micro-batches of one shape: both rows padded to the longer
-    _assert_context_parallel_equals_one_rank(split, baseline, rows=(28, 28) if "ep" in layout else (16, 28))
+    # expert-parallel and pipeline ranks run micro-batches of one shape: both rows padded to the longer
+    uniform = "ep" in layout or "pp" in layout
+    _assert_context_parallel_equals_one_rank(split, baseline, rows=(28, 28) if uniform else (16, 28))
 
 
 # --- the output layer fused with the logprobs ----------------------------------------------------------------------

@@ -52,9 +52,6 @@ COMBINATIONS = {
         "--context-parallel-size", "2", "--num-devices-per-node", "2", "--num-experts", "4",
         "--moe-aux-loss-coeff", "0.01",
     ],
-    "--context-parallel-size above 1 with pipeline parallelism": [
-        "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--num-devices-per-node", "4",
-    ],
     "--recompute-modules moe_act with --moe-grouped-gemm": [
         "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act",
     ],
@@ -76,7 +73,10 @@ def test_every_unsupported_combination_found_is_named_at_once(capsys):
     assert "--context-parallel-size 2 with MoE router losses" in error
 
 
-@pytest.mark.parametrize("model", [[], ["--num-experts", "4", "--moe-aux-loss-coeff", "0"]], ids=["dense", "moe"])
+@pytest.mark.parametrize(
+    "model", [[], ["--num-experts", "4", "--moe-aux-loss-coeff", "0"], ["--pipeline-model-parallel-size", "2"]],
+    ids=["dense", "moe", "pipeline"],
+)
 def test_context_parallelism_of_a_softmax_attention_model_is_accepted(model):
     parsed = parse_train_args([*RUN, *model, "--context-parallel-size", "2", "--num-devices-per-node", "4"])
     assert parsed.megatron.transformer.context_parallel_size == 2
