@@ -259,8 +259,6 @@ def pack_micro_batch(
 ) -> MicroBatch:
     """The samples `members` of `batch` in one row of `num_tokens` tokens (the rest padding), each sample padded to a
     multiple of `sequence_multiple` tokens."""
-    if batch.routed_experts is not None and sequence_multiple != 1:
-        raise ValueError("routing replay lays out the experts of unpadded samples: pack with sequence_multiple=1")
     lengths = [batch.tokens[i].numel() for i in members]
     sequences = [_rounded_up(length, sequence_multiple) for length in lengths]
     padding = num_tokens - sum(sequences)
@@ -288,16 +286,23 @@ def pack_micro_batch(
         max_seqlen=max(sequences),
         sample_indices=list(members),
         spans=spans,
-        routed_experts=None if batch.routed_experts is None else packed_routed_experts(batch, members, num_tokens),
+        routed_experts=(
+            None if batch.routed_experts is None else packed_routed_experts(batch, members, sequences, num_tokens)
+        ),
     )
 
 
-def packed_routed_experts(batch: RolloutBatch, members: list[int], num_tokens: int) -> torch.Tensor:
-    """The routed experts of the samples `members` laid out as pack_micro_batch lays out their tokens: [num_tokens,
-    layers, top-k], experts 0 .. top-k - 1 where there is no record (see module doc)."""
+def packed_routed_experts(batch: RolloutBatch, members: list[int], sequences: list[int], num_tokens: int):
+    """The routed experts of the samples `members`, each padded to its `sequences` length, laid out as
+    pack_micro_batch lays out their tokens: [num_tokens, layers, top-k], experts 0 .. top-k - 1 where there is no
+    record (see module doc)."""
     layers, top_k = batch.routed_experts[0].shape[1:]
     filler = torch.arange(top_k, dtype=batch.routed_experts[0].dtype).expand(1, layers, top_k)
-    parts = [part for i in members for part in (batch.routed_experts[i], filler)]
+    parts = [
+        part
+        for i, sequence in zip(members, sequences)
+        for part in (batch.routed_experts[i], filler.expand(sequence - batch.routed_experts[i].shape[0], layers, top_k))
+    ]
     packed = sum(part.shape[0] for part in parts)
     parts.append(filler.expand(num_tokens - packed, layers, top_k))  # padding
     return torch.cat(parts)

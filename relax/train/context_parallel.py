@@ -50,11 +50,6 @@ class Refusal(typing.NamedTuple):
 
 REFUSED = [
     Refusal(
-        "routing replay",
-        lambda config: config.moe_enable_routing_replay,
-        "the replayed experts are laid out per unpadded sample, not yet per CP rank's chunks",
-    ),
-    Refusal(
         "MoE router losses (--moe-aux-loss-coeff, --moe-z-loss-coeff above 0)",
         lambda config: _router_losses(config),
         "megatron-core computes them over each CP rank's own tokens, and the router's gradient then differs from one "

@@ -10,7 +10,7 @@ megatron-core 0.16.1 gives each router a RouterReplay when TransformerConfig.moe
 (megatron/core/transformer/moe/router_replay.py): under the REPLAY_FORWARD action its top-k returns the target
 indices it holds, [tokens the router sees, top-k]. relax sets those targets per micro-batch, before its forward,
 from the micro-batch's packed routed experts (relax.train.batch), for each router by its global layer number, so
-a pipeline stage takes its own layers' experts. The targets serve the backward of the same micro-batch as well:
+a pipeline stage takes its own layers' experts; under context parallelism, those of the rank's own tokens. The targets serve the backward of the same micro-batch as well:
 the schedules without pipelining run each micro-batch's backward before the next forward, and a backward that
 recomputes the router across pipeline stages is refused at parse time (relax.args.checks).
 """
@@ -53,6 +53,8 @@ class RoutingReplay:
                 "routing replay is on but the batch carries no routed experts: the rollout engine must return them "
                 "(--use-rollout-routing-replay turns on SGLang's enable_return_routed_experts)"
             )
+        if micro_batch.row_split is not None:  # context parallelism: this rank's part of the row
+            experts = experts[micro_batch.row_split.token_index]
         rank, size = self.token_slice
         tokens = experts.shape[0] // size
         experts = experts[rank * tokens : (rank + 1) * tokens].long()  # indices for megatron's gather

@@ -966,7 +966,8 @@ def _step_on_the_whole_batch(hf_dir: str, layout: dict) -> dict:
     """Every rank passes all of CP_SHAPES's samples (so data-parallel replicas repeat one another, and each is the whole
     batch's step): their logprobs and entropies, one step's metrics at lr=0 and this rank's gradients, with the
     sequence-mean aggregation, the KL and a differentiable entropy in the loss; and how many tokens each forward of the
-    logprob pass ran on this rank (its first layer's, on every pipeline stage)."""
+    logprob pass ran on this rank (its first layer's, on every pipeline stage). With `routing_replay` in the layout,
+    every token is routed to experts drawn at random, as if the engine had chosen them."""
     from relax.train.batch import RolloutBatch
     from relax.train.losses import LossSettings
     from relax.train.model import unwrap
@@ -980,6 +981,13 @@ def _step_on_the_whole_batch(hf_dir: str, layout: dict) -> dict:
         [r for _, r in CP_SHAPES],
         advantages=[torch.randn(r, generator=generator) for _, r in CP_SHAPES],
     )
+    if layout.get("routing_replay"):
+        config = actor.config
+        batch.routed_experts = [
+            torch.rand(p + r - 1, config.num_layers, config.num_moe_experts, generator=generator)
+            .argsort(-1)[..., : config.moe_router_topk].to(torch.int32)
+            for p, r in CP_SHAPES
+        ]
     tokens_seen = []
     hook = unwrap(actor.model).decoder.layers[0].register_forward_pre_hook(
         lambda _, args, kwargs: tokens_seen.append(kwargs["hidden_states"].shape[0]), with_kwargs=True
@@ -1018,10 +1026,15 @@ def _assert_context_parallel_equals_one_rank(split: list[dict], baseline: list[d
     _assert_same_step(split, baseline, [tokens // 2 for tokens in rows])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe", "qwen3_5_moe"])  # GDN, MoE: both pass under CP
-def test_context_parallel_rows_give_the_logprobs_and_gradients_of_one_rank(ranks, hf_dirs, family):
-    baseline = ranks.run(_step_on_the_whole_batch, hf_dirs[family], {})
-    split = ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(cp=2))
+@pytest.mark.parametrize(
+    "family, layout",
+    [("qwen3", {}), ("qwen3_5", {}), ("qwen3_moe", {}), ("qwen3_5_moe", {}),
+     ("qwen3_moe", dict(routing_replay=True)), ("qwen3_5_moe", dict(routing_replay=True))],
+)
+def test_context_parallel_rows_give_the_logprobs_and_gradients_of_one_rank(ranks, hf_dirs, family, layout):
+    """GDN layers and MoE layers, with routing replay too (each CP rank replays its own tokens' experts)."""
+    baseline = ranks.run(_step_on_the_whole_batch, hf_dirs[family], layout)
+    split = ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(layout, cp=2))
     _assert_context_parallel_equals_one_rank(split, baseline)
 
 

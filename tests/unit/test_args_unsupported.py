@@ -44,10 +44,6 @@ OTHER_MODEL_FLAG_READERS = {
 COMBINATIONS = {
     "--save / --load with --debug-rollout-only": ["--debug-rollout-only", "--save", "ckpt"],
     "--log-interval other than 1": ["--log-interval", "2"],
-    "--context-parallel-size above 1 with routing replay": [
-        "--context-parallel-size", "2", "--num-devices-per-node", "2", "--num-experts", "4",
-        "--use-rollout-routing-replay",
-    ],
     "--context-parallel-size above 1 with MoE router losses (--moe-aux-loss-coeff, --moe-z-loss-coeff above 0)": [
         "--context-parallel-size", "2", "--num-devices-per-node", "2", "--num-experts", "4",
         "--moe-aux-loss-coeff", "0.01",

@@ -133,6 +133,17 @@ def test_routed_experts_are_packed_like_the_tokens_with_placeholders_where_nothi
     assert make_micro_batches(_batch(), micro_batch_size=3)[0].routed_experts is None
 
 
+def test_routed_experts_follow_each_sample_padded_for_context_parallelism():
+    batch = _batch()
+    batch = RolloutBatch(batch.tokens, batch.response_lengths,
+                         routed_experts=[_routed(5, 10), _routed(4, 20), _routed(3, 30)])
+    (packed,) = make_micro_batches(batch, micro_batch_size=3, multiple=4, sequence_multiple=4)  # 8, 4 and 4 tokens
+    assert packed.cu_seqlens.tolist() == [0, 8, 12, 16]
+    rows = [[10, 11, 12, 13, "p", "p", "p", "p"], [20, 21, 22, "p"], [30, 31, "p", "p"]]
+    expected = [[0, 1] if row == "p" else [row, row] for sequence in rows for row in sequence]
+    assert packed.routed_experts[:, 0].tolist() == expected
+
+
 def test_routed_experts_must_cover_every_token_but_the_last():
     with pytest.raises(ValueError, match=r"routed_experts\[0\] has shape \(4, 2, 2\), expected \(2, layers, top-k\)"):
         RolloutBatch([[1, 2, 3]], [2], routed_experts=[_routed(5, 0)])
