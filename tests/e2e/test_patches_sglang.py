@@ -207,42 +207,85 @@ def test_fused_gdn_decode_switch_generates_like_the_default_path_and_hf(patched_
         assert diff <= 1e-4, f"{len(prompt)}-token prompt: logprobs with the switch on and off differ by {diff:.2e}"
 
 
-IMPORT_WITH_SWITCH = textwrap.dedent(
-    """
-    import logging, sys
-    from relax.platform import get_platform
-
-    get_platform("cpu").prepare_sglang()
-    if sys.argv[2] == "blocked":
-        sys.modules["relax.rollout.sglang_gdn_decode"] = None  # import raises ImportError: relax is not there
-    logging.basicConfig(level=logging.WARNING)
-    from sglang.srt.models import qwen3_5
-
-    assert qwen3_5.__file__.startswith(sys.argv[1]), qwen3_5.__file__
-    hook = qwen3_5._relax_gdn_decode
-    print("HOOK", None if hook is None else f"{hook.__module__}.{hook.__name__}")
-    """
-)
-
-
-@pytest.mark.parametrize("switch,relax_glue,expected", [
+# SGLANG_RELAX_FUSED_GDN_DECODE's cases: (switch: None leaves it unset, relax's glue module importable or blocked,
+# the hook the patched qwen3_5 module then holds).
+SWITCH_CASES = [
     (None, "importable", "HOOK None"),  # unset: off
     ("0", "importable", "HOOK None"),
     ("1", "importable", "HOOK relax.rollout.sglang_gdn_decode.qwen3_5_decode"),
     ("1", "blocked", "HOOK None"),
-])
-def test_fused_gdn_decode_switch_is_off_by_default_and_falls_back_without_relax(patched_root, tmp_path, switch,
-                                                                                relax_glue, expected):
+]
+
+# Imports the patched qwen3_5 module once per case (argv[3], JSON [switch, relax_glue] pairs), each in a child forked
+# from a process that imported what qwen3_5 imports but neither qwen3_5 nor relax's glue module: every case's import
+# runs the module's code afresh under its switch, at a fraction of a fresh interpreter's cost. Each child writes its
+# stdout and stderr into files under argv[2]; the parent prints the children's exit statuses.
+IMPORT_WITH_SWITCH = textwrap.dedent(
+    """
+    import json, logging, os, sys
+    from relax.platform import get_platform
+
+    get_platform("cpu").prepare_sglang()
+    logging.basicConfig(level=logging.WARNING)
+    from sglang.srt.models import qwen2_moe, qwen3_vl  # noqa: F401  (most of what qwen3_5 imports)
+
+    assert "sglang.srt.models.qwen3_5" not in sys.modules and "relax.rollout.sglang_gdn_decode" not in sys.modules
+    statuses = []
+    for index, (switch, relax_glue) in enumerate(json.loads(sys.argv[3])):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                os.dup2(os.open(os.path.join(sys.argv[2], f"{index}.{name}"), os.O_WRONLY | os.O_CREAT), fd)
+            try:
+                if switch is not None:
+                    os.environ["SGLANG_RELAX_FUSED_GDN_DECODE"] = switch
+                if relax_glue == "blocked":
+                    sys.modules["relax.rollout.sglang_gdn_decode"] = None  # ImportError: relax is not there
+                from sglang.srt.models import qwen3_5
+
+                assert qwen3_5.__file__.startswith(sys.argv[1]), qwen3_5.__file__
+                hook = qwen3_5._relax_gdn_decode
+                print("HOOK", None if hook is None else f"{hook.__module__}.{hook.__name__}")
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    print(json.dumps(statuses))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def switch_imports(patched_root, tmp_path_factory) -> list[tuple[int, str, str]]:
+    """Per SWITCH_CASES entry: the exit status, stdout and stderr of its import of the patched qwen3_5 module."""
+    out = tmp_path_factory.mktemp("switch_imports")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "RELAX_DEVICE"}
     env["PYTHONPATH"] = os.pathsep.join([str(patched_root), str(REPO)])
-    if switch is not None:
-        env["SGLANG_RELAX_FUSED_GDN_DECODE"] = switch
-    run = subprocess.run([sys.executable, "-c", IMPORT_WITH_SWITCH, str(patched_root), relax_glue],
+    cases = json.dumps([[switch, relax_glue] for switch, relax_glue, _ in SWITCH_CASES])
+    run = subprocess.run([sys.executable, "-c", IMPORT_WITH_SWITCH, str(patched_root), str(out), cases],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert expected in run.stdout.splitlines(), run.stdout
+    statuses = json.loads(run.stdout.strip().splitlines()[-1])
+    return [(status, (out / f"{index}.stdout").read_text(), (out / f"{index}.stderr").read_text())
+            for index, status in enumerate(statuses)]
+
+
+@pytest.mark.parametrize("case", range(len(SWITCH_CASES)), ids=["-".join(map(str, c)) for c in SWITCH_CASES])
+def test_fused_gdn_decode_switch_is_off_by_default_and_falls_back_without_relax(switch_imports, case):
+    _, relax_glue, expected = SWITCH_CASES[case]
+    returncode, stdout, stderr = switch_imports[case]
+    assert returncode == 0, stderr[-4000:]
+    assert expected in stdout.splitlines(), stdout
     # without relax the model says so once, and SGLang's own decode path stays in place
-    assert ("relax is not importable" in run.stderr) == (relax_glue == "blocked"), run.stderr[-3000:]
+    assert ("relax is not importable" in stderr) == (relax_glue == "blocked"), stderr[-3000:]
 
 
 FUSED_MOE_TOPK = textwrap.dedent(
