@@ -46,8 +46,9 @@ def test_the_console_shows_relax_lines_and_run_log_keeps_the_upstream_ones(saved
     upstream = not_relax_lines(saved_tiny_run.console)
     assert len(upstream) <= UPSTREAM_LINES_ALLOWED, "\n".join(upstream)
     run_log = (saved_tiny_run.exp_dir / "output" / "run.log").read_text()
-    # SGLang's warnings (from its scheduler process too) are not lost: they are in the run's log.
-    assert "Ignore import error when loading" in run_log and "UserWarning" in run_log
+    # SGLang's warnings (from its scheduler process too) are not lost: they are in the run's log. The scheduler's: its
+    # distributed set-up's, on an x86 CPU (SGLang's AMX backend needs sgl_kernel ops relax's stand-in does not serve).
+    assert "init_cpu_threads_env and shared memory based AllReduce is disabled" in run_log and "UserWarning" in run_log
     assert f"console log   {saved_tiny_run.exp_dir / 'output' / 'run.log'}" in saved_tiny_run.console
 
 

@@ -207,47 +207,123 @@ def test_fused_gdn_decode_switch_generates_like_the_default_path_and_hf(patched_
         assert diff <= 1e-4, f"{len(prompt)}-token prompt: logprobs with the switch on and off differ by {diff:.2e}"
 
 
-IMPORT_WITH_SWITCH = textwrap.dedent(
+# Runs the prelude above it once, then the case code in one child forked per case (argv[3]: a JSON list of
+# {"env": {variable: value}, "args": [...]}: the variables set, and `case` for the code), each child's stdout and
+# stderr in files under argv[2]; prints the children's exit statuses. argv[1] is `root` for both codes.
+FORK_PER_CASE = textwrap.dedent(
     """
-    import logging, sys
+    statuses = []
+    for index, case in enumerate(json.loads(sys.argv[3])):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                os.dup2(os.open(os.path.join(sys.argv[2], f"{index}.{name}"), os.O_WRONLY | os.O_CREAT), fd)
+            try:
+                os.environ.update(case["env"])
+                run_case(case["args"])
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    print(json.dumps(statuses))
+    """
+)
+
+
+def _run_forked_cases(prelude: str, case_code: str, cases: list[tuple[dict, list]], root: Path, out: Path,
+                      env: dict) -> list[tuple[int, str, str]]:
+    """Per case (variables to set, args): the exit status, stdout and stderr of `case_code` (a function body of
+    `args`) run in a child forked from one interpreter that ran `prelude` (`root` in scope) with `env`. The prelude
+    imports what the cases share: each case runs afresh on it, without the fresh interpreter's imports of SGLang
+    (about 8 CPU-seconds a case)."""
+    script = "\n".join([
+        "import json, os, sys", "root = sys.argv[1]", prelude,
+        "def run_case(args):", textwrap.indent(case_code, "    "), FORK_PER_CASE,
+    ])
+    cases_json = json.dumps([{"env": variables, "args": args} for variables, args in cases])
+    run = subprocess.run([sys.executable, "-c", script, str(root), str(out), cases_json],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    statuses = json.loads(run.stdout.strip().splitlines()[-1])
+    return [(status, (out / f"{index}.stdout").read_text(), (out / f"{index}.stderr").read_text())
+            for index, status in enumerate(statuses)]
+
+
+def _env_without_sglang_switches(patched_root: Path) -> dict:
+    """This process's environment without SGLang's variables and RELAX_DEVICE, the patched copy first on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "RELAX_DEVICE"}
+    env["PYTHONPATH"] = os.pathsep.join([str(patched_root), str(REPO)])
+    return env
+
+
+# SGLANG_RELAX_FUSED_GDN_DECODE's cases: (switch: None leaves it unset, relax's glue module importable or blocked,
+# the hook the patched qwen3_5 module then holds).
+SWITCH_CASES = [
+    (None, "importable", "HOOK None"),  # unset: off
+    ("0", "importable", "HOOK None"),
+    ("1", "importable", "HOOK relax.rollout.sglang_gdn_decode.qwen3_5_decode"),
+    ("1", "blocked", "HOOK None"),
+]
+
+# What qwen3_5 imports, but neither qwen3_5 nor relax's glue module: each case's import of qwen3_5 runs its code
+# afresh under the case's switch.
+BEFORE_QWEN3_5 = textwrap.dedent(
+    """
+    import logging
     from relax.platform import get_platform
 
     get_platform("cpu").prepare_sglang()
-    if sys.argv[2] == "blocked":
-        sys.modules["relax.rollout.sglang_gdn_decode"] = None  # import raises ImportError: relax is not there
     logging.basicConfig(level=logging.WARNING)
+    from sglang.srt.models import qwen2_moe, qwen3_vl  # noqa: F401  (most of what qwen3_5 imports)
+
+    assert "sglang.srt.models.qwen3_5" not in sys.modules and "relax.rollout.sglang_gdn_decode" not in sys.modules
+    """
+)
+IMPORT_QWEN3_5 = textwrap.dedent(
+    """
+    (relax_glue,) = args
+    if relax_glue == "blocked":
+        sys.modules["relax.rollout.sglang_gdn_decode"] = None  # import raises ImportError: relax is not there
     from sglang.srt.models import qwen3_5
 
-    assert qwen3_5.__file__.startswith(sys.argv[1]), qwen3_5.__file__
+    assert qwen3_5.__file__.startswith(root), qwen3_5.__file__
     hook = qwen3_5._relax_gdn_decode
     print("HOOK", None if hook is None else f"{hook.__module__}.{hook.__name__}")
     """
 )
 
 
-@pytest.mark.parametrize("switch,relax_glue,expected", [
-    (None, "importable", "HOOK None"),  # unset: off
-    ("0", "importable", "HOOK None"),
-    ("1", "importable", "HOOK relax.rollout.sglang_gdn_decode.qwen3_5_decode"),
-    ("1", "blocked", "HOOK None"),
-])
-def test_fused_gdn_decode_switch_is_off_by_default_and_falls_back_without_relax(patched_root, tmp_path, switch,
-                                                                                relax_glue, expected):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "RELAX_DEVICE"}
-    env["PYTHONPATH"] = os.pathsep.join([str(patched_root), str(REPO)])
-    if switch is not None:
-        env["SGLANG_RELAX_FUSED_GDN_DECODE"] = switch
-    run = subprocess.run([sys.executable, "-c", IMPORT_WITH_SWITCH, str(patched_root), relax_glue],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert expected in run.stdout.splitlines(), run.stdout
+@pytest.fixture(scope="module")
+def switch_imports(patched_root, tmp_path_factory) -> list[tuple[int, str, str]]:
+    """Per SWITCH_CASES entry: the exit status, stdout and stderr of its import of the patched qwen3_5 module."""
+    cases = [({} if switch is None else {"SGLANG_RELAX_FUSED_GDN_DECODE": switch}, [relax_glue])
+             for switch, relax_glue, _ in SWITCH_CASES]
+    return _run_forked_cases(BEFORE_QWEN3_5, IMPORT_QWEN3_5, cases, patched_root,
+                             tmp_path_factory.mktemp("switch_imports"), _env_without_sglang_switches(patched_root))
+
+
+@pytest.mark.parametrize("case", range(len(SWITCH_CASES)), ids=["-".join(map(str, c)) for c in SWITCH_CASES])
+def test_fused_gdn_decode_switch_is_off_by_default_and_falls_back_without_relax(switch_imports, case):
+    _, relax_glue, expected = SWITCH_CASES[case]
+    returncode, stdout, stderr = switch_imports[case]
+    assert returncode == 0, stderr[-4000:]
+    assert expected in stdout.splitlines(), stdout
     # without relax the model says so once, and SGLang's own decode path stays in place
-    assert ("relax is not importable" in run.stderr) == (relax_glue == "blocked"), run.stderr[-3000:]
+    assert ("relax is not importable" in stderr) == (relax_glue == "blocked"), stderr[-3000:]
 
 
-FUSED_MOE_TOPK = textwrap.dedent(
+# SGLang's patched NPU top-k with relax's routing kernel in place of sgl_kernel_npu's; the switch is read per call.
+BEFORE_NPU_TOPK = textwrap.dedent(
     """
-    import os, sys, types
+    import types
 
     from relax.platform import get_platform
 
@@ -272,7 +348,11 @@ FUSED_MOE_TOPK = textwrap.dedent(
     from sglang.srt.hardware_backend.npu.moe import topk as npu_topk
     from sglang.srt.layers.moe.topk import TopKConfig
 
-    assert npu_topk.__file__.startswith(sys.argv[1]), npu_topk.__file__
+    assert npu_topk.__file__.startswith(root), npu_topk.__file__
+    """
+)
+ROUTE_NPU_TOPK = textwrap.dedent(
+    """
     logits = torch.randn(5, 12, generator=torch.Generator().manual_seed(0))
     for scoring_func, renormalize in (("softmax", True), ("sigmoid", False)):
         config = TopKConfig(top_k=3, renormalize=renormalize, scoring_func=scoring_func)
@@ -291,25 +371,29 @@ FUSED_MOE_TOPK = textwrap.dedent(
     print("CALLS", calls)
     """
 )
-
-
-@pytest.mark.parametrize("switch,expected", [
+MOE_TOPK_CASES = [
     ("1", ["SERVED softmax True torch.int32", "SERVED sigmoid False torch.int32",
            "CALLS [(3, 'softmax', True), (3, 'sigmoid', False)]"]),
     (None, ["NOT_SERVED softmax AttributeError", "NOT_SERVED sigmoid AttributeError", "CALLS []"]),
-])
-def test_fused_moe_topk_switch_routes_plain_layers_through_relax_kernel(patched_root, tmp_path, switch, expected):
+]
+
+
+@pytest.fixture(scope="module")
+def moe_topk_routes(patched_root, tmp_path_factory) -> list[tuple[int, str, str]]:
+    """Per MOE_TOPK_CASES entry: the exit status, stdout and stderr of ROUTE_NPU_TOPK under its switch."""
+    cases = [({} if switch is None else {"SGLANG_RELAX_FUSED_MOE_TOPK": switch}, []) for switch, _ in MOE_TOPK_CASES]
+    env = {**_env_without_sglang_switches(patched_root), "TRITON_INTERPRET": "1"}
+    return _run_forked_cases(BEFORE_NPU_TOPK, ROUTE_NPU_TOPK, cases, patched_root,
+                             tmp_path_factory.mktemp("moe_topk_routes"), env)
+
+
+@pytest.mark.parametrize("case", range(len(MOE_TOPK_CASES)), ids=[str(switch) for switch, _ in MOE_TOPK_CASES])
+def test_fused_moe_topk_switch_routes_plain_layers_through_relax_kernel(moe_topk_routes, case):
     """SGLang's patched NPU top-k with relax's routing kernel under TRITON_INTERPRET=1: switched on, plain routing
     gets the reference's weights and ids from it and grouped routing does not reach it; off, SGLang's own path
     (torch_npu's ops) runs."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_") and k != "RELAX_DEVICE"}
-    env.update(PYTHONPATH=os.pathsep.join([str(patched_root), str(REPO)]), TRITON_INTERPRET="1")
-    if switch is not None:
-        env["SGLANG_RELAX_FUSED_MOE_TOPK"] = switch
-    script = tmp_path / "check_fused_moe_topk.py"
-    script.write_text(FUSED_MOE_TOPK)
-    run = subprocess.run([sys.executable, str(script), str(patched_root)], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert [line for line in run.stdout.splitlines() if line.split()[0] in ("SERVED", "NOT_SERVED", "CALLS")] \
-        == expected, run.stdout
+    _, expected = MOE_TOPK_CASES[case]
+    returncode, stdout, stderr = moe_topk_routes[case]
+    assert returncode == 0, stderr[-4000:]
+    assert [line for line in stdout.splitlines() if line.split()[0] in ("SERVED", "NOT_SERVED", "CALLS")] \
+        == expected, stdout

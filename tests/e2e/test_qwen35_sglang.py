@@ -8,8 +8,9 @@ checkpoint of the same shapes, and must then generate exactly what HF generates 
 SGLang keeps in a second form (the GDN conv weight is also cached as a [conv_dim, W] view) would show up here.
 SGLang's own shutdown then leaves none of the engine's processes running.
 
-One engine start per model, in a fresh interpreter: the CPU platform must be prepared before sglang is first
-imported (SGLang fixes its device at import), and other tests of the session have imported it already.
+One engine start per model, one after another in one fresh interpreter (SGLANG_FAMILIES): the CPU platform must be
+prepared before sglang is first imported (SGLang fixes its device at import), and other tests of the session have
+imported it already; one interpreter for the three imports SGLang once (about 8 CPU-seconds each).
 """
 
 import json
@@ -33,7 +34,7 @@ ENGINE_SCRIPT = textwrap.dedent(
     import psutil
     from relax.platform import get_platform
 
-    model_dir, updated_dir, prompts, new_tokens = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+    models, prompts, new_tokens = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
     platform = get_platform("cpu")
     platform.prepare_sglang()
     import sglang
@@ -52,22 +53,25 @@ ENGINE_SCRIPT = textwrap.dedent(
     def alive_children():
         return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
 
-    engine = sglang.Engine(model_path=model_dir, log_level="error", **platform.sglang_server_defaults)
-    started = alive_children()
-    try:
-        before = generate(engine)
-        new_weights = sorted(load_file(f"{updated_dir}/model.safetensors").items())
-        # SGLang 0.5.23 takes weight updates only inside a begin/end session
-        for call, args in ((engine.begin_weight_update, ()), (engine.update_weights_from_tensor, (new_weights,)),
-                           (engine.end_weight_update, ())):
-            result = call(*args)
-            ok, message = (result.success, result.message) if hasattr(result, "success") else result
-            assert ok, f"{call.__name__}: {message}"
-        after = generate(engine)
-    finally:
-        engine.shutdown()
-    print(json.dumps({"before": before, "after": after, "started": sorted(started),
-                      "alive_after_shutdown": sorted(alive_children() & started)}))
+    def run(model_dir, updated_dir):
+        engine = sglang.Engine(model_path=model_dir, log_level="error", **platform.sglang_server_defaults)
+        started = alive_children()
+        try:
+            before = generate(engine)
+            new_weights = sorted(load_file(f"{updated_dir}/model.safetensors").items())
+            # SGLang 0.5.23 takes weight updates only inside a begin/end session
+            for call, args in ((engine.begin_weight_update, ()), (engine.update_weights_from_tensor, (new_weights,)),
+                               (engine.end_weight_update, ())):
+                result = call(*args)
+                ok, message = (result.success, result.message) if hasattr(result, "success") else result
+                assert ok, f"{call.__name__}: {message}"
+            after = generate(engine)
+        finally:
+            engine.shutdown()
+        return {"before": before, "after": after, "started": sorted(started),
+                "alive_after_shutdown": sorted(alive_children() & started)}
+
+    print(json.dumps({family: run(*dirs) for family, dirs in models.items()}))
     """
 )
 
@@ -84,19 +88,32 @@ def _assert_same_generation(engine_out, hf_out, what):
         assert diff <= LOGPROB_TOLERANCE, f"{what}: logprobs of the {len(prompt)}-token prompt differ by {diff:.2e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
-def test_engine_generates_like_hf_before_and_after_a_full_weight_update_and_stops_cleanly(tmp_path, family):
+SGLANG_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory) -> dict:
+    """Per family: its tiny model and a second random checkpoint of the same shapes, and what ENGINE_SCRIPT's engine
+    generated with each (one interpreter, the engines one after another)."""
     # SGLang 0.5.23 reads the layer kinds from full_attention_interval (configs/qwen3_next.py
     # layers_block_type), HF from layer_types: the tiny models' layer_types are every 4th layer full attention.
-    model_dir = build_tiny_model(tmp_path / "first", family=family, seed=0, full_attention_interval=4)
-    updated_dir = build_tiny_model(tmp_path / "second", family=family, seed=1, full_attention_interval=4)
+    models = {}
+    for family in SGLANG_FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        models[family] = [str(build_tiny_model(root / name, family=family, seed=seed, full_attention_interval=4))
+                          for name, seed in (("first", 0), ("second", 1))]
     run = subprocess.run(
-        [sys.executable, "-c", ENGINE_SCRIPT, str(model_dir), str(updated_dir), json.dumps(PROMPTS),
-         str(NEW_TOKENS)],
-        capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", ENGINE_SCRIPT, json.dumps(models), json.dumps(PROMPTS), str(NEW_TOKENS)],
+        capture_output=True, text=True, timeout=900,
     )
     assert run.returncode == 0, run.stderr[-6000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    return {family: (*models[family], results[family]) for family in SGLANG_FAMILIES}
+
+
+@pytest.mark.parametrize("family", SGLANG_FAMILIES)
+def test_engine_generates_like_hf_before_and_after_a_full_weight_update_and_stops_cleanly(engine_runs, family):
+    model_dir, updated_dir, result = engine_runs[family]
     _assert_same_generation(result["before"], _hf_greedy(model_dir), f"{family} as loaded")
     _assert_same_generation(result["after"], _hf_greedy(updated_dir), f"{family} after update_weights_from_tensor")
     assert result["started"], "the engine should run its scheduler in child processes"

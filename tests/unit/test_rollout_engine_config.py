@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from relax.hf_checkpoint.architecture import FAMILIES
 from relax.platform import get_platform
 from relax.rollout.engine import (
     RolloutEngine,
@@ -17,6 +18,7 @@ from relax.rollout.engine import (
     rollout_decode_graph_fields,
     server_defaults,
 )
+from relax.rollout.sglang_models import SGLANG_MODULES
 
 
 def test_sampling_config_checks_and_sglang_params():
@@ -100,3 +102,11 @@ def test_decode_graph_sizes_for_engine_fields_given_as_a_dict():
     assert rollout_decode_graph_fields({**gpu, "cuda_graph_bs_decode": [1, 8]}, 1024) == {}
     assert rollout_decode_graph_fields({**gpu, "cuda_graph_backend_decode": "disabled"}, 1024) == {}
     assert rollout_decode_graph_fields(server_defaults(get_platform("cpu")), 1024) == {}
+
+
+def test_the_engines_model_package_has_every_architecture_relax_trains():
+    """SGLang's registry in relax's engines imports these classes up front (relax.rollout.sglang_models); a family's
+    class missing here would still load, but with all of SGLang's model modules."""
+    trained = {family.architecture for family in FAMILIES.values()}
+    trained |= {family.vision_language[1] for family in FAMILIES.values() if family.vision_language}
+    assert set(SGLANG_MODULES) == trained
