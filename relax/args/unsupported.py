@@ -192,6 +192,11 @@ def _grouped_experts_recomputing_moe_act(parsed) -> str | None:
     return "--recompute-modules moe_act with --moe-grouped-gemm" if tc.moe_grouped_gemm and recomputed else None
 
 
+def _multi_token_prediction(parsed) -> str | None:
+    layers = parsed.megatron.transformer.mtp_num_layers
+    return f"--mtp-num-layers {layers}" if layers is not None else None
+
+
 def _position_embedding(parsed) -> str | None:
     kind = parsed.megatron.model.position_embedding_type
     return f"--position-embedding-type {kind}" if kind != "rope" else None
@@ -237,6 +242,14 @@ UNSUPPORTED_COMBINATIONS = [
         "relax's grouped experts keep their activations",
         "drop moe_act from --recompute-modules",
         _grouped_experts_recomputing_moe_act,
+    ),
+    Unsupported(
+        "--mtp-num-layers",
+        "relax's actor builds no multi-token-prediction layers (it trains the next-token policy the engines sample "
+        "from), and megatron-core's GPTModel given the number without them cuts each row's hidden states into that "
+        "many more pieces",
+        "remove it",
+        _multi_token_prediction,
     ),
     Unsupported(
         "--position-embedding-type other than rope",

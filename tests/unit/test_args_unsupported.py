@@ -51,6 +51,7 @@ COMBINATIONS = {
     "--recompute-modules moe_act with --moe-grouped-gemm": [
         "--num-experts", "4", "--moe-grouped-gemm", "--recompute-activations", "--recompute-modules", "moe_act",
     ],
+    "--mtp-num-layers": ["--mtp-num-layers", "1"],
     "--position-embedding-type other than rope": ["--position-embedding-type", "learned_absolute"],
     "--sglang-dp-size above 1": ["--sglang-dp-size", "2"],
 }
