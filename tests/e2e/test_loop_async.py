@@ -15,6 +15,7 @@ transformers' on the run's --save-hf directory of its last step), and that the r
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +41,7 @@ PROBE_TOKENS = 6
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=PROBE_TOKENS, ignore_eos=True)
 NUM_STEPS = 3
 GROUPS_PER_STEP = 8  # prompt groups a step trains on (--rollout-batch-size), each its own generate call
+TRAINING_START_WAIT_S = 60.0
 
 
 def _write(name: str, record: dict) -> None:
@@ -50,13 +52,25 @@ def _write(name: str, record: dict) -> None:
 class RecordingEngineWorker(EngineWorker):
     """EngineWorker writing to $RELAX_TEST_RECORDS/engine.jsonl: the wall-clock start and end of each generate call
     (one per prompt group: the rollout dispatches groups), and a probe (greedy tokens and logprobs of PROBE_PROMPTS)
-    once started and at the end of each weight push."""
+    once started and at the end of each weight push.
+
+    A call of rollout r >= 1 first waits (at most TRAINING_START_WAIT_S) until step r - 1's training has started:
+    the loop issues the training before the rollout, but on a loaded machine the training rank may begin it only
+    after a tiny rollout has ended, and the records would then show no overlap although the loop overlapped. A loop
+    that trained before rolling out still shows its rollout starting after the training ended, and one that rolled
+    out before training shows its training starting after the rollout ended (after the wait runs out)."""
 
     def __init__(self, *args):
         super().__init__(*args)
+        self._calls, self._calls_lock = 0, threading.Lock()
         self._probe()
 
     def generate(self, prompts, sampling, prefixes=None):
+        with self._calls_lock:
+            rollout = self._calls // GROUPS_PER_STEP
+            self._calls += 1
+        if rollout > 0:
+            _wait_for_training_starts(rollout)
         started = time.time()
         completions = super().generate(prompts, sampling, prefixes)
         _write("engine.jsonl", {"event": "generate", "start": started, "end": time.time()})
@@ -71,11 +85,21 @@ class RecordingEngineWorker(EngineWorker):
         _write("engine.jsonl", {"event": "probe", "outputs": outputs})
 
 
+def _wait_for_training_starts(count: int) -> None:
+    deadline = time.monotonic() + TRAINING_START_WAIT_S
+    starts = Path(os.environ[RECORDS_ENV]) / "training_started.jsonl"
+    while time.monotonic() < deadline:
+        if starts.exists() and len(starts.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.05)
+
+
 class RecordingTrainWorker(TrainWorker):
     """TrainWorker writing to $RELAX_TEST_RECORDS/trainer.jsonl the wall-clock start and end of each step's
-    training."""
+    training, and to training_started.jsonl a line as each starts (what the engine's rollout waits for)."""
 
     def train(self, *args):
+        _write("training_started.jsonl", {})
         started = time.time()
         metrics = super().train(*args)
         _write("trainer.jsonl", {"start": started, "end": time.time()})
