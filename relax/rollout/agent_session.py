@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from relax.rollout.custom_generate import EngineRequest, Sample, append_generated, append_masked, current_engine
 from relax.rollout.generate_server import BadRequest, UnknownPath
-from relax.rollout.tool_calls import CALL_OPEN, THINK_CLOSE, parse_tool_calls
+from relax.rollout.tool_calls import parse_tool_calls, text_before_tool_calls
 from relax.rollout.turns import ChatTurns
 
 CHAT_FIELDS = ("model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens", "temperature",
@@ -251,8 +251,9 @@ class ChatSessions:
             appended = self.turns.after_assistant_messages(session.last_sampled, added)
         sample, budget = session.sample, session.sampling_params["max_new_tokens"]
         left = budget - sample.response_length - len(appended)
+        spent = f"its response's token budget of {budget} (sampling_params' max_new_tokens) is spent"
         if left < 1:  # no token left for the model to read the new messages with
-            session.ended = f"its response's token budget of {budget} (sampling_params' max_new_tokens) is spent"
+            session.ended = spent
             sample.status = Sample.Status.TRUNCATED
             return _chat_completion(session, model, {"role": "assistant", "content": ""}, "length", 0)
         completion = await session.engine(sample.tokens + appended, self._params(session, request, left))
@@ -266,7 +267,7 @@ class ChatSessions:
             session.ended = f"the engine refused its request: {completion.error}"
             raise BadRequest(session.ended)
         if sample.response_length >= budget:
-            session.ended = f"its response's token budget of {budget} (sampling_params' max_new_tokens) is spent"
+            session.ended = spent
         message = self._assistant_message(session, completion.token_ids)
         session.conversation, session.last_sampled = request.messages + [message], list(completion.token_ids)
         finish_reason = "tool_calls" if "tool_calls" in message and completion.finish_reason == "stop" else (
@@ -291,7 +292,7 @@ class ChatSessions:
         calls = [call for call in parse_tool_calls(text) if call.error is None]
         if not calls:
             return {"role": "assistant", "content": text}
-        content = text[:text.index(CALL_OPEN, max(text.rfind(THINK_CLOSE), 0))]
+        content = text_before_tool_calls(text)
         tool_calls = [
             {"id": f"call_{session.id}_{session.calls}_{i}", "type": "function",
              "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}

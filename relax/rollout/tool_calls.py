@@ -45,8 +45,21 @@ class ToolUse:
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """The tool calls in a turn's text (decoded with its special tokens), in the order written."""
-    answer = text.rsplit(THINK_CLOSE, 1)[-1]
+    answer = text[_answer_start(text):]
     return [_parse_call(body, closed=bool(close)) for body, close in CALL_BLOCK.findall(answer)]
+
+
+def text_before_tool_calls(text: str) -> str:
+    """A turn's text up to its first tool call (its thinking block kept), where parse_tool_calls reads the calls."""
+    start = _answer_start(text)
+    call = text.find(CALL_OPEN, start)
+    return text if call < 0 else text[:call]
+
+
+def _answer_start(text: str) -> int:
+    """Where a turn's answer begins: after its last thinking block, whose text is not read for calls."""
+    think_end = text.rfind(THINK_CLOSE)
+    return 0 if think_end < 0 else think_end + len(THINK_CLOSE)
 
 
 def _parse_call(body: str, closed: bool) -> ToolCall:
