@@ -1,5 +1,5 @@
-"""Qwen3.5 (hybrid Gated DeltaNet + gated full attention) through relax's Megatron actor on one GPU, with
-flash-linear-attention's Triton kernels inside megatron-core's GatedDeltaNet.
+"""Qwen3.5 (hybrid Gated DeltaNet + gated full attention) through relax's Megatron actor on one GPU, with a chosen
+chunked GDN kernel inside megatron-core's GatedDeltaNet.
 
     python benchmarks/qwen35_train.py --size 300m --steps 20
 
@@ -16,10 +16,12 @@ flash-linear-attention's Triton kernels inside megatron-core's GatedDeltaNet.
    token ids mod the vocabulary, random start and stride) with advantage +1 on every response token (on-policy,
    so the policy-gradient step raises their log-likelihood): the response tokens' mean negative logprob before
    every step (from compute_logprobs) is the loss that must fall; seconds per train step alongside.
---train-gdn-kernel picks the chunked GDN for training: fla 0.6.0 refuses its own backward on Hopper GPUs with
-Triton >= 3.4 and < 3.7.1 (wrong results, fla issue #640; the lent H200 has Triton 3.6.0 and Triton 3.7.1 is too
-large to carry), so there training runs on relax.kernels' torch reference (autograd backward). The kernel used
-is printed.
+--train-gdn-kernel picks the chunked GDN for training (relax.kernels.gdn_training). fla 0.6.0 refuses its own
+backward on Hopper GPUs with Triton >= 3.4 and < 3.7.1 (wrong results, fla issue #640; the lent GPUs have Triton 3.6.0
+and Triton 3.7.1 is too large to carry); relax's own kernel ("relax", the CUDA default) and the torch reference
+("reference") train there. --baseline-gdn-kernel trains the same batch from the same weights again with another
+kernel and prints the seconds-per-step ratio of the two (after the first step, which compiles). The kernels used are
+printed.
 """
 
 import argparse
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 from single_rank import init_distributed
 
+TRAINING_KERNELS = ("relax", "reference", "fla")  # relax.kernels.gdn_training's, MindSpeed's (NPU only) aside
 _GDN = dict(linear_conv_kernel_dim=4, full_attention_interval=4)
 SIZES = {
     # parity: 4 layers (3 GDN + 1 full attention), head dims 64
@@ -145,6 +148,8 @@ def train(
     parameters = sum(p.numel() for p in actor.model.parameters())
     batch = patterned_batch(actor.hf_checkpoint.text_config["vocab_size"], samples, seq, seed=0)
     nll, seconds, grad_norms = [], [], []
+    if platform.device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for _ in range(steps + 1):
         logprobs = actor.compute_logprobs(batch)
         nll.append(-torch.cat(logprobs).mean().item())
@@ -176,9 +181,11 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument(
-        "--train-gdn-kernel", choices=("fla", "reference"), default="reference",
+        "--train-gdn-kernel", choices=TRAINING_KERNELS, default="relax",
         help="chunked GDN for training (fla 0.6.0 refuses its backward on Hopper with Triton < 3.7.1: fla#640)",
     )
+    parser.add_argument("--baseline-gdn-kernel", choices=TRAINING_KERNELS,
+                        help="train again with this kernel and print the time ratio")
     parser.add_argument(
         "--no-parity",
         action="store_true",
@@ -205,6 +212,14 @@ def main(argv=None) -> None:
     results["train"] = train(
         hf_dir, platform, args.steps, args.samples, args.seq, args.micro_batch_size, args.lr, args.train_gdn_kernel
     )
+    if args.baseline_gdn_kernel:
+        results["baseline_train"] = train(hf_dir, platform, args.steps, args.samples, args.seq,
+                                          args.micro_batch_size, args.lr, args.baseline_gdn_kernel)
+        after_first = [sum(run["seconds_per_step"][1:]) / max(1, len(run["seconds_per_step"]) - 1)
+                       for run in (results["baseline_train"], results["train"])]
+        results["seconds_per_step_ratio"] = after_first[0] / after_first[1]
+        print(f"seconds per step after the first: {args.baseline_gdn_kernel} {after_first[0]:.3f}, "
+              f"{args.train_gdn_kernel} {after_first[1]:.3f}: {results['seconds_per_step_ratio']:.2f}x", flush=True)
     print(json.dumps(results, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), **results}))

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from relax.args import parse_train_args
 
@@ -49,7 +50,6 @@ def gdn_rows_split_over_ranks(size: int, lengths: list[int], chunk_rule, device=
     (relax.train.context_parallel.RecurrenceSplit; the all-gathers done by concatenating in rank order): (name, the
     ranks' value, the whole rows' value) for every rank's convolution and rule outputs and, with `backward`, the
     gradient of every input of a weighted sum of both outputs. float32, random inputs."""
-    import torch
 
     from relax.train.context_parallel import split_row
     from relax.train.model.gdn_spec import packed_causal_conv1d, positions_in_sequence
@@ -95,3 +95,35 @@ def gdn_rows_split_over_ranks(size: int, lengths: list[int], chunk_rule, device=
         gradients = zip(names, torch.autograd.grad(split_loss, inputs), torch.autograd.grad(whole_loss, inputs))
         compared += [(f"the gradient of {name}", got, expected) for name, got, expected in gradients]
     return compared
+
+
+def chunk_rule_case(lengths, key_heads, value_heads, K, V, initial, gate_scale, dtype_name, device="cpu", seed=0):
+    """Inputs of a chunked gated delta rule (fla's contract) on packed sequences of `lengths`: random q, k, v, beta,
+    gates down to -gate_scale, initial states (or None) and cu_seqlens."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = sum(lengths)
+    dtype = getattr(torch, dtype_name)
+    case = dict(
+        q=torch.randn(1, tokens, key_heads, K, generator=generator).to(dtype),
+        k=torch.randn(1, tokens, key_heads, K, generator=generator).to(dtype),
+        v=torch.randn(1, tokens, value_heads, V, generator=generator).to(dtype),
+        g=-torch.rand(1, tokens, value_heads, generator=generator) * gate_scale,
+        beta=torch.rand(1, tokens, value_heads, generator=generator).to(dtype),
+        initial_state=(torch.randn(len(lengths), value_heads, K, V, generator=generator) * 0.1) if initial else None,
+        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
+    )
+    return {name: None if x is None else x.to(device) for name, x in case.items()}
+
+
+def chunk_rule_outputs_and_gradients(rule, case, output_final_state, **kwargs):
+    """(outputs, final states, each input's gradient) of `rule` on `case` under a random mix of every output."""
+    inputs = {name: None if x is None else x.clone().requires_grad_(x.is_floating_point())
+              for name, x in case.items()}
+    out, final = rule(**inputs, output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, **kwargs)
+    generator = torch.Generator().manual_seed(1)
+    objective = (out.float() * torch.randn(out.shape, generator=generator).to(out.device)).sum()
+    if output_final_state:
+        objective = objective + (final * torch.randn(final.shape, generator=generator).to(out.device)).sum()
+    objective.backward()
+    grads = {name: x.grad for name, x in inputs.items() if x is not None and x.requires_grad}
+    return out, final, grads

@@ -687,6 +687,20 @@ def gdn_training_kernel_takes_the_dtype(config, platform):
         )
 
 
+def gdn_training_kernel_compiles(config, platform):
+    """relax's chunked rule runs Triton kernels, which on the CPU run only interpreted."""
+    import triton
+
+    if config.megatron.transformer.experimental_attention_variant != "gated_delta_net":
+        return None
+    if (config.flags.gdn_training_kernel == "relax" and platform.triton_target == "interpreter"
+            and not triton.knobs.runtime.interpret):
+        return (
+            f"--gdn-training-kernel relax runs Triton kernels, which on the {platform.name} run only interpreted: set "
+            "TRITON_INTERPRET=1 (slow; for tests and debugging), or pass --gdn-training-kernel reference"
+        )
+
+
 def sleep_route_exists(config, platform):
     if config.flags.actor_sleep_route == "memory-saver" and not platform.has_memory_saver:
         return (
@@ -798,6 +812,7 @@ RULES = [
     megatron_features_fit_the_platform,
     gdn_training_kernel_imports,
     gdn_training_kernel_takes_the_dtype,
+    gdn_training_kernel_compiles,
     actor_memory_fits,
     wandb_imports,
     sleep_route_exists,

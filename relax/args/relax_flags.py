@@ -513,8 +513,9 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         choices=["auto", *GDN_TRAINING_KERNELS],
         default="auto",
         help="Chunked gated delta rule of the actor's GDN layers (Qwen3.5, Qwen3-Next): fla (flash-linear-attention's "
-        "Triton kernels), mindspeed (MindSpeed's Triton kernels for Ascend NPUs, in half precision) or reference "
-        "(relax's torch version, any device); auto: the device's default (default: %(default)s).",
+        "Triton kernels), mindspeed (MindSpeed's Triton kernels for Ascend NPUs, in half precision), reference "
+        "(relax's torch version, any device) or relax (relax's Triton state pass over every packed sequence at once; "
+        "CUDA, or the CPU under TRITON_INTERPRET=1); auto: the device's default (default: %(default)s).",
     )
     g.add_argument(
         *_spellings("--log-probs-max-tokens-per-device"),

@@ -14,6 +14,8 @@ Layouts (one choice each, conversions below):
 - Mixed qkv channel order, as conv1d sees it: [q (H*K) | k (H*K) | v (Hv*V)].
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -280,24 +282,30 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                              use_qk_l2norm_in_kernel, cu_seqlens)
 
 
-def _chunked_steps(q, k, v, g, beta, state, chunk_size):
-    """Chunked (WY / UT-transform) evaluation of `_recurrent_steps`, exact up to float rounding.
+@dataclass
+class ChunkTerms:
+    """What the chunked rule computes inside each chunk before any state is known (`chunk_terms`). Shapes [..., C, *]
+    for chunks of C tokens: per chunk with incoming state S0 the new values are u = u_values - u_state S0, the output
+    o = q_decayed S0 + attn u, and the outgoing state decay_total S0 + k_to_end^T u."""
+
+    u_values: torch.Tensor  # [..., C, V]
+    u_state: torch.Tensor  # [..., C, K]
+    q_decayed: torch.Tensor  # [..., C, K]
+    attn: torch.Tensor  # [..., C, C]
+    k_to_end: torch.Tensor  # [..., C, K]
+    decay_total: torch.Tensor  # [...]
+
+
+def chunk_terms(q, k, v, g, beta) -> ChunkTerms:
+    """The state-free terms of the chunked (WY / UT-transform) rule over chunks [..., C, *] (any leading dims).
 
     Inside a chunk with incoming state S0 and cumulative log decay c_t (through t):
       u = U - W S0 with A U = beta v, A W = beta e^c k, A = I + strictly_lower(beta_t e^(c_t - c_s) k_t.k_s)
       o_t = e^(c_t) q_t S0 + sum_{s<=t} e^(c_t - c_s) (q_t.k_s) u_s
       S_end = e^(c_last) S0 + sum_s e^(c_last - c_s) k_s u_s^T
-    Padding tokens carry beta = 0 and g = 0, so they change nothing.
+    Padding tokens carry beta = 0 and g = 0 (and zero q, k, v), so they change nothing.
     """
-    num_heads, length = q.shape[0], q.shape[1]
-    chunk_size = max(1, min(chunk_size, length))  # a short sequence is one chunk of its own length, not padded
-    pad = (-length) % chunk_size
-    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    num_chunks = q.shape[1] // chunk_size
-    q, k, v = (t.reshape(num_heads, num_chunks, chunk_size, -1) for t in (q, k, v))
-    g, beta = (t.reshape(num_heads, num_chunks, chunk_size) for t in (g, beta))
-
+    chunk_size = q.shape[-2]
     cum = g.cumsum(-1)
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     # segment[t, s] = c_t - c_s (s <= t) summed over g_(s+1..t) itself, down the rows of g_i kept below the diagonal:
@@ -310,15 +318,31 @@ def _chunked_steps(q, k, v, g, beta, state, chunk_size):
     u_values, u_state = torch.linalg.solve_triangular(
         system, torch.cat([beta[..., None] * v, (beta * cum.exp())[..., None] * k], dim=-1), upper=False,
         unitriangular=True).split([v.shape[-1], k.shape[-1]], dim=-1)
-    attn = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * cum.exp()[..., None]
-    k_to_end = k * decay[..., -1, :, None]  # e^(c_last - c_s)
+    return ChunkTerms(
+        u_values=u_values, u_state=u_state, q_decayed=q * cum.exp()[..., None],
+        attn=(q @ k.transpose(-1, -2)) * decay, k_to_end=k * decay[..., -1, :, None],  # e^(c_last - c_s)
+        decay_total=cum[..., -1].exp(),
+    )
+
+
+def _chunked_steps(q, k, v, g, beta, state, chunk_size):
+    """Chunked evaluation of `_recurrent_steps` (`chunk_terms`, then the chunks in order), exact up to float
+    rounding."""
+    num_heads, length = q.shape[0], q.shape[1]
+    chunk_size = max(1, min(chunk_size, length))  # a short sequence is one chunk of its own length, not padded
+    pad = (-length) % chunk_size
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    num_chunks = q.shape[1] // chunk_size
+    q, k, v = (t.reshape(num_heads, num_chunks, chunk_size, -1) for t in (q, k, v))
+    g, beta = (t.reshape(num_heads, num_chunks, chunk_size) for t in (g, beta))
+    terms = chunk_terms(q, k, v, g, beta)
 
     outputs = []
     for c in range(num_chunks):
-        u = u_values[:, c] - u_state[:, c] @ state
-        outputs.append(q_decayed[:, c] @ state + attn[:, c] @ u)
-        state = state * cum[:, c, -1, None, None].exp() + k_to_end[:, c].transpose(-1, -2) @ u
+        u = terms.u_values[:, c] - terms.u_state[:, c] @ state
+        outputs.append(terms.q_decayed[:, c] @ state + terms.attn[:, c] @ u)
+        state = state * terms.decay_total[:, c, None, None] + terms.k_to_end[:, c].transpose(-1, -2) @ u
     o = torch.cat(outputs, dim=1)[:, :length]
     return o, state
 

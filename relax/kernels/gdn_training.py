@@ -8,6 +8,9 @@
                  q/k/v (they refuse float32)
     "reference"  relax.kernels.gdn_reference: float32 torch, differentiable by autograd, on any device; the fallback
                  that always runs (slower: per-sequence chunked loops)
+    "relax"      relax.kernels.gdn_chunk_triton: relax's float32 rule with every packed sequence at once, the state
+                 passed between chunks by Triton kernels (forward and backward), the rest batched torch; where Triton
+                 compiles (CUDA), or interpreted (TRITON_INTERPRET=1) on the CPU
 
 The platform record names its default (Platform.gdn_training_kernel); `--gdn-training-kernel` overrides it. All
 take fla's arguments: chunk_gated_delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=,
@@ -16,7 +19,7 @@ use_qk_l2norm_in_kernel=, cu_seqlens=) on [1, t, heads, d], and l2norm(x). MindS
 they are.
 """
 
-GDN_TRAINING_KERNELS = ("fla", "mindspeed", "reference")
+GDN_TRAINING_KERNELS = ("fla", "mindspeed", "reference", "relax")
 
 # MindSpeed's l2norm kernels take the row count (tokens x heads) as a tl.constexpr and autotune per cdiv(rows, 2048)
 # (mindspeed/ops/triton/l2norm.py at e4772499f7eb): triton-ascend compiles them anew, forward and backward, for every
@@ -51,6 +54,10 @@ def gdn_training_kernel(name: str):
         from relax.kernels import gdn_reference
 
         return gdn_reference.chunk_gated_delta_rule, gdn_reference.l2norm
+    if name == "relax":
+        from relax.kernels import gdn_chunk_triton, gdn_reference
+
+        return gdn_chunk_triton.chunk_gated_delta_rule, gdn_reference.l2norm
     raise ValueError(f"unknown GDN training kernel {name!r}: choose one of {', '.join(GDN_TRAINING_KERNELS)}")
 
 

@@ -1,7 +1,8 @@
 """Context parallelism's Gated DeltaNet layers on a CUDA GPU: each CP rank's chunks, started from the state [0 | I] on
 values K columns wider and corrected by the states before them (relax.train.context_parallel.RecurrenceSplit),
 give the whole rows' convolution and gated delta rule, at Qwen3.5's head sizes (K = V = 128), on sequences of
-different lengths (one-token chunks among them). With relax's torch reference: forward and every input's gradient.
+different lengths (one-token chunks among them). With relax's torch reference and relax's kernel
+(relax.kernels.gdn_chunk_triton): forward and every input's gradient.
 With flash-linear-attention's chunk_gated_delta_rule (what the actor uses on GPU where it runs): the forward; fla
 0.6.0's backward needs Triton >= 3.7.1 on Hopper. The all-gathers are done by concatenating on one GPU. Skipped
 without a CUDA GPU (and the fla case without fla):
@@ -20,10 +21,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 LENGTHS = [8, 40, 600, 1032, 16]  # multiples of 2 x CP for CP 2 and 4 (8 tokens at CP=4: one-token chunks)
 
 
+@pytest.mark.parametrize("kernel", ["reference", "relax"])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_reference_rule_split_over_ranks_gives_the_whole_rows_forward_and_backward(cp):
-    from relax.kernels.gdn_reference import chunk_gated_delta_rule
+def test_rule_split_over_ranks_gives_the_whole_rows_forward_and_backward(cp, kernel):
+    from relax.kernels.gdn_training import gdn_training_kernel
 
+    chunk_gated_delta_rule, _ = gdn_training_kernel(kernel)
     compared = gdn_rows_split_over_ranks(cp, LENGTHS, chunk_gated_delta_rule, "cuda", heads=4, key_dim=128,
                                          value_dim=128)
     for name, split, whole in compared:

@@ -1,5 +1,5 @@
-"""relax.kernels on a CUDA GPU: the fused decode kernel vs the torch reference, and the torch chunked forward vs
-flash-linear-attention's own chunk kernel. Skipped where there is no GPU (or, for the fla check, no fla)."""
+"""relax.kernels on a CUDA GPU: the fused decode kernel and relax's chunked training rule vs the torch reference, and
+the torch chunked forward vs flash-linear-attention's own chunk kernel. Skipped where there is no GPU (or, for the fla check, no fla)."""
 
 import pytest
 import torch
@@ -135,3 +135,25 @@ def test_chunk_reference_matches_fla_chunk_kernel():
     # fla's chunk kernel computes its matmuls in tf32 / bf16-accumulated blocks: looser than fp32.
     torch.testing.assert_close(o, fla_o, atol=5e-3, rtol=5e-3)
     torch.testing.assert_close(s, fla_s, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("dtype_name,tolerance", [("float32", 2e-5), ("bfloat16", 2e-2)])
+def test_relax_chunk_rule_matches_the_reference(dtype_name, tolerance):
+    """relax's training kernel (relax.kernels.gdn_chunk_triton) against the torch reference at Qwen3.5's head sizes
+    (K = V = 128, 4 value heads per key head pair), packed sequences of one token to several chunks with initial
+    states: outputs, final states and every input's gradient."""
+    from helpers import chunk_rule_case, chunk_rule_outputs_and_gradients
+
+    from relax.kernels import gdn_chunk_triton
+
+    case = chunk_rule_case([1, 700, 64, 2000, 33], 2, 8, 128, 128, initial=True, gate_scale=1.0,
+                           dtype_name=dtype_name, device="cuda")
+    out, final, grads = chunk_rule_outputs_and_gradients(gdn_chunk_triton.chunk_gated_delta_rule, case, True)
+    expected_out, expected_final, expected_grads = chunk_rule_outputs_and_gradients(ref.chunk_gated_delta_rule, case,
+                                                                                    True)
+    torch.testing.assert_close(out, expected_out, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(final, expected_final, atol=tolerance, rtol=tolerance)
+    for name, grad in grads.items():
+        expected = expected_grads[name]
+        error = (grad.float() - expected.float()).abs().max().item() / expected.float().abs().max().item()
+        assert error < tolerance, (name, error)

@@ -1,8 +1,8 @@
 """Packed THD rows on a CUDA GPU: the CUDA record's attention kernel (torch's varlen flash attention) against
 scaled_dot_product_attention one sequence at a time, forward and backward, in bf16 with grouped-query heads; and the
 actor's logprobs with many samples packed into one micro-batch against one sample per micro-batch, for Qwen3 and for
-Qwen3.5 (whose GDN layers then run flash-linear-attention's chunk kernel with cu_seqlens). Skipped without a CUDA
-GPU, megatron-core or (for Qwen3.5) flash-linear-attention.
+Qwen3.5 (whose GDN layers then run relax's chunk kernel, relax.kernels.gdn_chunk_triton, with cu_seqlens). Skipped
+without a CUDA GPU or megatron-core.
 
 Run on the lent H200 (wheels under .whl):
     PYTHONPATH=/tmp/site:$PWD python3 -m pytest -q tests/gpu/test_packed_rows_gpu.py
@@ -75,7 +75,7 @@ def platform():
 def _packed_against_one_per_micro_batch(hf_dir, platform) -> float:
     from relax.train.batch import RolloutBatch
 
-    actor = qwen35_train.make_actor(hf_dir, platform, torch.bfloat16, lr=1e-4, micro_batch_size=1, gdn_kernel="fla")
+    actor = qwen35_train.make_actor(hf_dir, platform, torch.bfloat16, lr=1e-4, micro_batch_size=1, gdn_kernel="relax")
     generator = torch.Generator().manual_seed(4)
     vocab = actor.hf_checkpoint.text_config["vocab_size"]
     lengths = [(n, max(1, n // 3)) for n in (200, 37, 130, 2, 96, 64)]
@@ -91,8 +91,6 @@ def test_packed_logprobs_equal_one_sample_per_micro_batch(platform, family, tmp_
     from relax.tools.tiny_model import build_tiny_model
 
     if family == "qwen3_5":
-        if importlib.util.find_spec("fla") is None:
-            pytest.skip("needs flash-linear-attention")
         hf_dir = qwen35_train.write_checkpoint(tmp_path, "small")
     else:
         hf_dir = str(build_tiny_model(tmp_path / "qwen3", "qwen3", head_dim=64))

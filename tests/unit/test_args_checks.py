@@ -629,7 +629,7 @@ def test_max_restarts_defaults_to_none_and_is_positive(capsys):
 def test_gdn_training_kernel_defaults_to_the_devices_and_can_be_chosen():
     assert parse_train_args(RUN).actor.gdn_training_kernel == platform_facts("cpu").gdn_training_kernel == "reference"
     cuda = [arg if arg != "cpu" else "cuda" for arg in RUN]
-    assert parse_train_args(cuda).actor.gdn_training_kernel == "fla"
+    assert parse_train_args(cuda).actor.gdn_training_kernel == "relax"
     assert parse_train_args([*cuda, "--gdn-training-kernel", "reference"]).actor.gdn_training_kernel == "reference"
     npu = [arg if arg != "cpu" else "npu" for arg in RUN]
     assert parse_train_args(npu).actor.gdn_training_kernel == "mindspeed"
@@ -729,3 +729,14 @@ def test_recompute_flags_that_act_on_the_model_pass():
     assert dense.recompute_modules == ["mlp"]
     full = [*RUN, "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"]
     assert parse_train_args(full).megatron.transformer.recompute_method == "block"
+
+
+def test_the_relax_gdn_kernel_needs_the_interpreter_on_cpu(tmp_path, capsys):
+    from relax.tools.tiny_model import build_tiny_model
+
+    hf_dir = build_tiny_model(tmp_path / "qwen3_5", "qwen3_5")
+    argv = ["--lr", "1e-6", "--prompt-data", "p.jsonl", "--reward-fn", "math", "--dry-run",
+            "--hf-checkpoint", str(hf_dir)]
+    error = parse_error([*argv, "--device", "cpu", "--gdn-training-kernel", "relax"], capsys)
+    assert "--gdn-training-kernel relax runs Triton kernels, which on the cpu run only interpreted" in error
+    assert "TRITON_INTERPRET=1" in error

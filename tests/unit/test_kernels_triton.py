@@ -80,8 +80,9 @@ def check_simple_ops():
 
 def run_interpreted(check, *args, module=__name__):
     """Run `module`'s function `check`(*args) in a subprocess with TRITON_INTERPRET=1 (a test module beside this
-    one); fail with its stderr."""
-    code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+    one, which may import tests/helpers.py); fail with its stderr."""
+    here = os.path.dirname(__file__)
+    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
             f"import {module.rsplit('.', 1)[-1]} as t; t.{check}(*{args!r})")
     env = dict(os.environ, TRITON_INTERPRET="1")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -1,0 +1,226 @@
+"""relax's chunked gated delta rule for training ("relax" in relax.kernels.gdn_training): every sequence of a packed
+batch at once, the state passed from chunk to chunk by two Triton kernels, the rest batched torch.
+
+The rule is relax.kernels.gdn_reference's chunked form. Each sequence is cut into chunks of CHUNK tokens (its last
+chunk padded with tokens that change nothing), and the chunks of all sequences are laid side by side, [chunks,
+heads, CHUNK, *]. What needs no state (relax.kernels.gdn_reference.chunk_terms) is a batch of small matrix products
+and one triangular solve over all chunks; the gradients of that part are autograd's. Only the state pass is
+sequential, per sequence:
+
+    u_c = u_values_c - u_state_c S_c              (the chunk's new values)
+    S_(c+1) = decay_total_c S_c + k_to_end_c^T u_c
+    o_c = q_decayed_c S_c + attn_c u_c
+
+`_state_pass_forward` runs it for one (sequence, head, tile of value columns) per work item and writes every chunk's
+incoming state S_c and new values u_c; the outputs and the gradients that sum over the value columns are batched
+products of those. `_state_pass_backward` runs the same chain backwards for the gradients of the states and the new
+values. The forward keeps no state for the backward (the layer's inputs only): the backward runs the forward kernel
+again, so the states, float32 [chunks, heads, K, V], live only while one layer computes.
+
+Written to the porting rules of relax.kernels.gdn_triton: a 1-D grid of at most `launch.num_programs` programs, each
+looping over work items with a stride of the grid size; launch keywords only from `launch.options`.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from relax.kernels import gdn_reference
+from relax.kernels.launch import TritonLaunch, triton_launch
+
+CHUNK = 64  # tokens per chunk: fla's and MindSpeed's chunk size
+BLOCK_V = 32  # value columns of the state per work item (a [K, BLOCK_V] float32 tile on chip)
+
+
+@triton.jit
+def _state_pass_forward(u_values_ptr, u_state_ptr, k_to_end_ptr, decay_total_ptr, initial_ptr, states_ptr, u_ptr,
+                        final_ptr, chunk_bounds_ptr, num_seqs, heads, K, V, HAS_INITIAL: tl.constexpr,
+                        CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """For each chunk c of a sequence: states[c] = S_c, u[c] = u_values_c - u_state_c S_c; final = the state after the
+    sequence's last chunk. Chunk-major layouts: [chunks, heads, CHUNK, K or V], states [chunks, heads, K, V]."""
+    tiles = tl.cdiv(V, BV)
+    rows = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    for item in range(tl.program_id(0), num_seqs * heads * tiles, tl.num_programs(0)):
+        cols = (item % tiles) * BV + tl.arange(0, BV)
+        head = (item // tiles) % heads
+        seq = item // (tiles * heads)
+        mask_v = cols < V
+        mask_state = mask_k[:, None] & mask_v[None, :]
+        state_offs = offs_k[:, None] * V + cols[None, :]
+        seq_state = (tl.cast(seq, tl.int64) * heads + head) * K * V
+        if HAS_INITIAL:
+            state = tl.load(initial_ptr + seq_state + state_offs, mask=mask_state, other=0.0).to(tl.float32)
+        else:
+            state = tl.zeros((BK, BV), tl.float32)
+        for c in range(tl.load(chunk_bounds_ptr + seq), tl.load(chunk_bounds_ptr + seq + 1)):
+            chunk_head = tl.cast(c, tl.int64) * heads + head
+            tl.store(states_ptr + chunk_head * K * V + state_offs, state, mask=mask_state)
+            value_offs = chunk_head * CHUNK * V + rows[:, None] * V + cols[None, :]
+            key_offs = chunk_head * CHUNK * K + rows[:, None] * K + offs_k[None, :]
+            u_state = tl.load(u_state_ptr + key_offs, mask=mask_k[None, :], other=0.0)
+            u = tl.load(u_values_ptr + value_offs, mask=mask_v[None, :], other=0.0)
+            u -= tl.dot(u_state, state, input_precision="ieee")
+            tl.store(u_ptr + value_offs, u, mask=mask_v[None, :])
+            k_to_end = tl.load(k_to_end_ptr + key_offs, mask=mask_k[None, :], other=0.0)
+            state = state * tl.load(decay_total_ptr + chunk_head) + tl.dot(tl.trans(k_to_end), u,
+                                                                            input_precision="ieee")
+        tl.store(final_ptr + seq_state + state_offs, state, mask=mask_state)
+
+
+@triton.jit
+def _state_pass_backward(u_grad_ptr, states_grad_ptr, u_state_ptr, k_to_end_ptr, decay_total_ptr, final_grad_ptr,
+                         u_total_grad_ptr, next_state_grad_ptr, initial_grad_ptr, chunk_bounds_ptr, num_seqs, heads, K,
+                         V, HAS_FINAL_GRAD: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The state pass backwards, from the gradients the outputs give the states (states_grad) and the new values
+    (u_grad), and the final state's gradient: per chunk, from the last, G = the gradient of S_(c+1) (written to
+    next_state_grad[c]); the new values' whole gradient u_grad_c + k_to_end_c G (written to u_total_grad[c]);
+    then S_c's: states_grad_c + decay_total_c G - u_state_c^T (u's whole gradient). initial_grad = S_0's."""
+    tiles = tl.cdiv(V, BV)
+    rows = tl.arange(0, CHUNK)
+    offs_k = tl.arange(0, BK)
+    mask_k = offs_k < K
+    for item in range(tl.program_id(0), num_seqs * heads * tiles, tl.num_programs(0)):
+        cols = (item % tiles) * BV + tl.arange(0, BV)
+        head = (item // tiles) % heads
+        seq = item // (tiles * heads)
+        mask_v = cols < V
+        mask_state = mask_k[:, None] & mask_v[None, :]
+        state_offs = offs_k[:, None] * V + cols[None, :]
+        seq_state = (tl.cast(seq, tl.int64) * heads + head) * K * V
+        if HAS_FINAL_GRAD:
+            grad = tl.load(final_grad_ptr + seq_state + state_offs, mask=mask_state, other=0.0).to(tl.float32)
+        else:
+            grad = tl.zeros((BK, BV), tl.float32)
+        first, end = tl.load(chunk_bounds_ptr + seq), tl.load(chunk_bounds_ptr + seq + 1)
+        for back in range(0, end - first):
+            chunk_head = tl.cast(end - 1 - back, tl.int64) * heads + head
+            tl.store(next_state_grad_ptr + chunk_head * K * V + state_offs, grad, mask=mask_state)
+            value_offs = chunk_head * CHUNK * V + rows[:, None] * V + cols[None, :]
+            key_offs = chunk_head * CHUNK * K + rows[:, None] * K + offs_k[None, :]
+            k_to_end = tl.load(k_to_end_ptr + key_offs, mask=mask_k[None, :], other=0.0)
+            u_grad = tl.load(u_grad_ptr + value_offs, mask=mask_v[None, :], other=0.0)
+            u_grad += tl.dot(k_to_end, grad, input_precision="ieee")
+            tl.store(u_total_grad_ptr + value_offs, u_grad, mask=mask_v[None, :])
+            u_state = tl.load(u_state_ptr + key_offs, mask=mask_k[None, :], other=0.0)
+            states_grad = tl.load(states_grad_ptr + chunk_head * K * V + state_offs, mask=mask_state, other=0.0)
+            grad = (states_grad + grad * tl.load(decay_total_ptr + chunk_head)
+                    - tl.dot(tl.trans(u_state), u_grad, input_precision="ieee"))
+        tl.store(initial_grad_ptr + seq_state + state_offs, grad, mask=mask_state)
+
+
+def _launch_state_pass(kernel, launch: TritonLaunch, num_seqs: int, heads: int, K: int, V: int, *args, **flags):
+    items = num_seqs * heads * triton.cdiv(V, BLOCK_V)
+    grid = (max(1, min(items, launch.num_programs)),)
+    kernel[grid](*args, num_seqs, heads, K, V, **flags, CHUNK=CHUNK, BK=max(16, triton.next_power_of_2(K)),
+                 BV=BLOCK_V, **launch.options)
+
+
+def _states_forward(terms, initial, chunk_bounds, launch):
+    """(states [chunks, heads, K, V], u [chunks, heads, CHUNK, V], final [seqs, heads, K, V]) of the state pass."""
+    u_values, u_state, k_to_end, decay_total = terms
+    chunks, heads, _, V = u_values.shape
+    K = u_state.shape[-1]
+    num_seqs = chunk_bounds.numel() - 1
+    states = u_values.new_empty(chunks, heads, K, V)
+    u = torch.empty_like(u_values)
+    final = u_values.new_empty(num_seqs, heads, K, V)
+    _launch_state_pass(_state_pass_forward, launch, num_seqs, heads, K, V, u_values, u_state, k_to_end, decay_total,
+                       initial, states, u, final, chunk_bounds, HAS_INITIAL=initial is not None)
+    return states, u, final
+
+
+class _StatePass(torch.autograd.Function):
+    """(o [chunks, heads, CHUNK, V], final state [seqs, heads, K, V]) of the chunk terms and the initial states."""
+
+    @staticmethod
+    def forward(ctx, u_values, u_state, k_to_end, decay_total, q_decayed, attn, initial, chunk_bounds, launch):
+        terms = (u_values, u_state, k_to_end, decay_total)
+        states, u, final = _states_forward(terms, initial, chunk_bounds, launch)
+        ctx.save_for_backward(u_values, u_state, k_to_end, decay_total, q_decayed, attn, initial, chunk_bounds)
+        ctx.launch = launch
+        return q_decayed @ states + attn @ u, final
+
+    @staticmethod
+    def backward(ctx, o_grad, final_grad):
+        u_values, u_state, k_to_end, decay_total, q_decayed, attn, initial, chunk_bounds = ctx.saved_tensors
+        states, u, _ = _states_forward((u_values, u_state, k_to_end, decay_total), initial, chunk_bounds, ctx.launch)
+        o_grad = o_grad.contiguous()
+        # What o = q_decayed S + attn u gives each factor
+        q_decayed_grad = o_grad @ states.transpose(-1, -2)
+        attn_grad = o_grad @ u.transpose(-1, -2)
+        states_grad = q_decayed.transpose(-1, -2) @ o_grad
+        u_grad = attn.transpose(-1, -2) @ o_grad
+        chunks, heads, K, V = states.shape
+        num_seqs = chunk_bounds.numel() - 1
+        u_total_grad = torch.empty_like(u_grad)
+        next_state_grad = torch.empty_like(states)
+        initial_grad = states.new_empty(num_seqs, heads, K, V)
+        _launch_state_pass(_state_pass_backward, ctx.launch, num_seqs, heads, K, V, u_grad, states_grad, u_state,
+                           k_to_end, decay_total, None if final_grad is None else final_grad.contiguous(),
+                           u_total_grad, next_state_grad, initial_grad, chunk_bounds,
+                           HAS_FINAL_GRAD=final_grad is not None)
+        # u = u_values - u_state S and S_(c+1) = decay_total S + k_to_end^T u, summed over every value column
+        u_state_grad = -u_total_grad @ states.transpose(-1, -2)
+        k_to_end_grad = u @ next_state_grad.transpose(-1, -2)
+        decay_total_grad = (states * next_state_grad).sum((-1, -2))
+        return (u_total_grad, u_state_grad, k_to_end_grad, decay_total_grad, q_decayed_grad, attn_grad,
+                None if initial is None else initial_grad, None, None)
+
+
+@functools.cache
+def _device_launch(device: torch.device) -> TritonLaunch:
+    from relax.platform import platform_facts
+
+    platform = platform_facts(device.type)
+    return triton_launch(platform.triton_target, platform.triton_compute_units(device.index or 0))
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, launch: TritonLaunch | None = None,
+                           **unused):
+    """fla's chunk_gated_delta_rule contract (relax.kernels.gdn_reference.chunk_gated_delta_rule's docstring), every
+    sequence at once; float32 inside, outputs in v's dtype, differentiable. `launch`: the device's by default."""
+    if unused:
+        raise TypeError(f"chunk_gated_delta_rule: unsupported arguments {sorted(unused)}")
+    batch, length, num_k_heads, K = q.shape
+    heads, V = v.shape[-2:]
+    if heads % num_k_heads:
+        raise ValueError(f"value heads ({heads}) must be a multiple of query/key heads ({num_k_heads})")
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (batch + 1) * length, length, device=q.device)
+    elif batch != 1:
+        raise ValueError(f"with cu_seqlens the batch dim must be 1 (sequences packed along T), got {batch}")
+    num_seqs = cu_seqlens.numel() - 1
+    if initial_state is not None and initial_state.shape[0] != num_seqs:
+        raise ValueError(f"initial_state has {initial_state.shape[0]} states for {num_seqs} sequences")
+    # Each sequence starts a chunk: token t of sequence n sits at chunk_bounds[n] * CHUNK + (t - cu_seqlens[n]).
+    cu_seqlens = cu_seqlens.to(q.device, torch.int64)
+    lengths = cu_seqlens.diff()
+    chunk_bounds = torch.nn.functional.pad((lengths + CHUNK - 1).div(CHUNK, rounding_mode="floor").cumsum(0), (1, 0))
+    chunks = int(chunk_bounds[-1])
+    sequence = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), lengths, output_size=batch * length)
+    slots = chunk_bounds[sequence] * CHUNK + torch.arange(batch * length, device=q.device) - cu_seqlens[sequence]
+
+    def chunked(x):  # [B, T, h, d] or [B, T, h] -> [chunks, h, CHUNK, d] or [chunks, h, CHUNK], float32
+        x = x.float().flatten(0, 1)
+        laid = x.new_zeros(chunks * CHUNK, *x.shape[1:]).index_copy(0, slots, x)
+        return laid.unflatten(0, (chunks, CHUNK)).transpose(1, 2)
+
+    if use_qk_l2norm_in_kernel:
+        q, k = gdn_reference.l2norm(q.float()), gdn_reference.l2norm(k.float())
+    q = q.float() * (K ** -0.5 if scale is None else scale)
+    repeat = heads // num_k_heads
+    q, k = q.repeat_interleave(repeat, 2), k.repeat_interleave(repeat, 2)
+    terms = gdn_reference.chunk_terms(chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta))
+    o, final = _StatePass.apply(
+        terms.u_values.contiguous(), terms.u_state.contiguous(), terms.k_to_end.contiguous(),
+        terms.decay_total.contiguous(), terms.q_decayed, terms.attn,
+        None if initial_state is None else initial_state.float().contiguous(), chunk_bounds.to(torch.int32),
+        launch or _device_launch(q.device),
+    )
+    o = o.transpose(1, 2).flatten(0, 1).index_select(0, slots).unflatten(0, (batch, length))
+    return o.to(v.dtype), (final if output_final_state else None)
