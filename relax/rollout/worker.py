@@ -21,9 +21,9 @@ tool runs in a thread; the engine batches the other samples' turns meanwhile). A
 and keeps the groups it finds from starting another.
 
 With a custom generate function (--custom-generate-function-path: relax.rollout.custom_generate), a rollout group's
-samples are the function's, each sample one call on the engine's event loop, all n of the group at once, for the
-same reasons: the requests it sends through relax.rollout.custom_generate.generate go to this engine, and an abort
-answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so. The
+samples are the function's, n calls on the engine's event loop at once (each gives a sample, or several: its
+fan-out joins the group), for the same reasons: the requests it sends through relax.rollout.custom_generate.generate
+go to this engine, and an abort answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so. The
 actor then also serves SGLang's /generate over HTTP in front of its engine (relax.rollout.generate_server, on the
 engine's loop; its address is the function's args.sglang_router_ip and sglang_router_port), for functions written for
 slime, and OpenAI's chat completions of the agent sessions the function opens (relax.rollout.agent_session). An
@@ -136,8 +136,9 @@ class EngineWorker(RolloutEngine):
         return [_completion_of(response, self.chat_turns.tokenizer) for response in self._run(each_sample())]
 
     def generate_custom_group(self, source: Prompt, sampling: SamplingConfig, evaluation: bool) -> list[Completion]:
-        """sampling.n samples of one prompt by the custom generate function, its calls run at once on the engine's
-        loop: sample j gets the sampling params of request j of the group (seeded sampling.seed + j)."""
+        """The samples of sampling.n calls of the custom generate function for one prompt, run at once on the
+        engine's loop, call by call: call j gets the sampling params of request j of the group (seeded
+        sampling.seed + j) and gives one completion, or one per sample of its fan-out."""
         aborts, fn, args = self.aborts, *self.custom_generate
         generate = _request_unless_aborted(self)
 
@@ -146,10 +147,11 @@ class EngineWorker(RolloutEngine):
             self.custom_groups[aborts] += 1  # on the engine's loop, as the HTTP requests' check
             try:
                 with self.chat_sessions.serving():  # the agent sessions the group's samples open
-                    return await asyncio.gather(*(
+                    calls = await asyncio.gather(*(
                         generate_sample(fn, args, source, sample_params, generate, evaluation)
                         for sample_params in params
                     ))
+                return [completion for call in calls for completion in call]
             finally:
                 self.custom_groups[aborts] -= 1
 
