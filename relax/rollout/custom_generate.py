@@ -1,14 +1,14 @@
-"""slime's custom generate function (--custom-generate-function-path): a user's async function that generates one
-sample of a prompt in place of relax's own request, so a rollout written for slime (multi-turn, tools, agents) runs in
-relax. slime names it `module.path.function`; relax takes that and `module:function`. It is called as
+"""slime's custom generate function (--custom-generate-function-path): a user's async function that generates a sample
+of a prompt (or several) in place of relax's own request, so a rollout written for slime (multi-turn, tools, agents)
+runs in relax. slime names it `module.path.function`; relax takes that and `module:function`. It is called as
 
-    async def generate(args, sample, sampling_params): ...                     # returns the sample, or a list of one
+    async def generate(args, sample, sampling_params): ...                     # returns the sample (or a list)
     async def generate(args, sample, sampling_params, evaluation=False): ...  # told when it generates for an eval
 
-once per sample (--n-samples-per-prompt calls per prompt of a rollout, --eval-n-samples-per-prompt of an
-evaluation), inside the engine actor that the prompt's group went to (relax.rollout.worker); `evaluation` (True in
-an evaluation) is passed only to a function that declares it. load_custom_generate_fn imports the function and
-checks that it can be called so, before a run starts (--dry-run's check).
+--n-samples-per-prompt times per prompt of a rollout (--eval-n-samples-per-prompt of an evaluation), inside the engine
+actor that the prompt's group went to (relax.rollout.worker); `evaluation` (True in an evaluation) is passed only to a
+function that declares it. load_custom_generate_fn imports the function and checks that it can be called so, before a
+run starts (--dry-run's check).
 
 What the function gets:
     args             a namespace of slime's names for the settings such functions read (hf_checkpoint,
@@ -39,6 +39,12 @@ evaluation, which puts nothing back, it fails), FAILED fails the sample. A sampl
 or is misaligned (sample_problem, completion_of) fails too, with the reason, as a request the engine refused does: in a
 rollout counted (rollout/failed_samples) and its group generated anew from another prompt, in an evaluation its prompt
 left out of the metrics (eval/NAME/failed_prompts).
+
+A call may return a list of 1 to MAX_SAMPLES_PER_CALL samples, its fan-out (completions_of), as slime's may: each is
+checked as one returned alone (a bad one fails the call, its reason naming its place in the list; an ABORTED one sends
+the call's prompt back), and each joins the prompt's group, which then holds more than --n-samples-per-prompt samples
+(relax.rollout.groups.Sample.group_size): its advantages, dynamic sampling's filter and an evaluation's metrics take the
+whole group, and the step trains every sample (relax.train.batch.optimizer_step_sizes).
 
 The prompt a sample trains on is its own: the function may start from other ids than the data row's (it rewrote the
 prompt, added a system prompt or tool descriptions: an agent's own first call in an agent session). relax then trains

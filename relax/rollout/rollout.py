@@ -156,12 +156,12 @@ def collect_groups(
     continue from there (those that had finished are kept as they are).
 
     The batch: the kept groups in submission order (each of sampling.n samples, or more where a custom generate
-    function's calls fanned out: the batch is full at num_groups groups, whatever their samples), so that without over-sampling or failures it is the loader's
-    next num_groups prompts. The k-th prompt the step submits samples its request j with seed sampling.seed +
-    k * n + j (distinct seeds within the step's STEP_SEED_SPAN). Fails (FillError) with the counts once
-    `max_prompts` prompts were submitted, or the loader runs out, short of the batch; AllSamplesFailed once a
-    batch's worth of groups has completed with every sample failed. Returns the samples and the rollout
-    metrics; the engine's and the reward function's failure reasons are printed once."""
+    function's calls fanned out: the batch is full at num_groups groups, whatever their samples), so that without
+    over-sampling or failures it is the loader's next num_groups prompts. The k-th prompt the step submits samples its
+    request j with seed sampling.seed + k * n + j (distinct seeds within the step's STEP_SEED_SPAN). Fails (FillError)
+    with the counts once `max_prompts` prompts were submitted, or the loader runs out, short of the batch;
+    AllSamplesFailed once a batch's worth of groups has completed with every sample failed. Returns the samples and the
+    rollout metrics; the engine's and the reward function's failure reasons are printed once."""
     problem = rollout_seeds_problem(max_prompts, sampling.n)
     if problem:
         raise ValueError(problem)

@@ -21,16 +21,17 @@ tool runs in a thread; the engine batches the other samples' turns meanwhile). A
 and keeps the groups it finds from starting another.
 
 With a custom generate function (--custom-generate-function-path: relax.rollout.custom_generate), a rollout group's
-samples are the function's, n calls on the engine's event loop at once (each gives a sample, or several: its
-fan-out joins the group), for the same reasons: the requests it sends through relax.rollout.custom_generate.generate
-go to this engine, and an abort answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so. The
-actor then also serves SGLang's /generate over HTTP in front of its engine (relax.rollout.generate_server, on the
-engine's loop; its address is the function's args.sglang_router_ip and sglang_router_port), for functions written for
-slime, and OpenAI's chat completions of the agent sessions the function opens (relax.rollout.agent_session). An
-HTTP request to /generate carries nothing of the group it belongs to, so after an abort every such request is
-answered aborted until each group that ran at the abort has returned: the rollout starts no group before the aborted
-ones are back (relax.rollout.rollout.collect_groups), so those requests are all the aborted groups'. (A session's
-chat completions go to the engine as its group's requests: aborted after an abort that came once the group started.)
+samples are the function's, n calls on the engine's event loop at once (each gives a sample, or several: its fan-out
+joins the group), for the same reasons: the requests it sends through relax.rollout.custom_generate.generate go to this
+engine, and an abort answers those it sends after it as aborted. The evaluation's groups are the function's too, and it
+is told so. The actor then also serves SGLang's /generate over HTTP in front of its engine
+(relax.rollout.generate_server, on the engine's loop; its address is the function's args.sglang_router_ip and
+sglang_router_port), for functions written for slime, and OpenAI's chat completions of the agent sessions the function
+opens (relax.rollout.agent_session). An HTTP request to /generate carries nothing of the group it belongs to, so after
+an abort every such request is answered aborted until each group that ran at the abort has returned: the rollout starts
+no group before the aborted ones are back (relax.rollout.rollout.collect_groups), so those requests are all the aborted
+groups'. (A session's chat completions go to the engine as its group's requests: aborted after an abort that came once
+the group started.)
 """
 
 import asyncio

@@ -129,7 +129,8 @@ def test_groups_of_their_own_sizes_are_each_normalised_over_the_whole_group():
     close(rloo_sequence_advantages(rewards, [3, 2]), [1.0, -0.5, -0.5, 1.0, -1.0])
     # REINFORCE++-baseline: centred 2/3, -1/3, -1/3, 0.5, -0.5 (mean 0), sample std sqrt((4/9 + 2/9 + 0.5) / 4)
     centred = torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.5, -0.5])
-    close(reinforce_plus_plus_advantages(rewards, torch.ones(5, 1), [3, 2]), (centred / centred.std()).view(5, 1).tolist())
+    expected = (centred / centred.std()).view(5, 1).tolist()
+    close(reinforce_plus_plus_advantages(rewards, torch.ones(5, 1), [3, 2]), expected)
     # the same sizes as an int give the same advantages
     close(grpo_sequence_advantages(REWARDS, [4, 4]), grpo_sequence_advantages(REWARDS, 4).tolist())
     with pytest.raises(ValueError, match=r"group sizes \[3, 3\] do not add up to the 5 rewards"):
