@@ -205,7 +205,7 @@ def _append(sample: Sample, token_ids: list[int], text: str, mask: int, logprobs
     sample.response += text
 
 
-async def generate_sample(fn: CustomGenerateFn, args: argparse.Namespace, prompt: Prompt, sampling_params: dict,
+async def generate_samples(fn: CustomGenerateFn, args: argparse.Namespace, prompt: Prompt, sampling_params: dict,
                           engine: EngineRequest, evaluation: bool = False) -> list[Completion]:
     """One call of the function for `prompt`, its requests sent to `engine`: a completion per sample it returned (one,
     or its fan-out: completions_of). A call that fails, or returns a sample that cannot be trained on, is one failed

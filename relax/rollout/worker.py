@@ -43,7 +43,7 @@ import ray
 from relax.ports import free_port
 from relax.ray.placement import local_device_index
 from relax.rollout.agent_session import ChatSessions
-from relax.rollout.custom_generate import SlimeArgs, generate_sample, load_custom_generate_fn
+from relax.rollout.custom_generate import SlimeArgs, generate_samples, load_custom_generate_fn
 from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params, sglang_generate
 from relax.rollout.generate_server import HOST, EngineUnavailable, GenerateRequest, GenerateServer, aborted_output
@@ -149,7 +149,7 @@ class EngineWorker(RolloutEngine):
             try:
                 with self.chat_sessions.serving():  # the agent sessions the group's samples open
                     calls = await asyncio.gather(*(
-                        generate_sample(fn, args, source, sample_params, generate, evaluation)
+                        generate_samples(fn, args, source, sample_params, generate, evaluation)
                         for sample_params in params
                     ))
                 return [completion for call in calls for completion in call]

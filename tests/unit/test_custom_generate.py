@@ -14,7 +14,7 @@ import pytest
 from relax.args.settings import AlgorithmSettings
 from relax.rollout.agent_session import ChatSessions
 from relax.rollout.custom_generate import (
-    CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_sample,
+    CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_samples,
     load_custom_generate_fn, sample_problem,
 )
 from relax.rollout.data import Prompt, PromptLoader
@@ -169,7 +169,7 @@ class ScriptedEngine:
 
 def run_call(fn, engine, prompt_ids=PROMPT, label="7") -> list[Completion]:
     prompt = Prompt(row=1, token_ids=list(prompt_ids), text="copy 7:", label=label)
-    return asyncio.run(generate_sample(_as_custom(fn), "args", prompt, {"max_new_tokens": 8}, engine))
+    return asyncio.run(generate_samples(_as_custom(fn), "args", prompt, {"max_new_tokens": 8}, engine))
 
 
 def run_sample(fn, engine, prompt_ids=PROMPT, label="7") -> Completion:
