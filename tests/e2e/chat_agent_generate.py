@@ -20,7 +20,7 @@ from slime_style_generate import half_over_http
 from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT, tokenizer_of
 
 AGENT_SAMPLE = 2  # sample j of a group that the agent generates (the odd ones post to /generate)
-FINISHED = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)
+FINISHED = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)  # the statuses that are trained
 SYSTEM_PROMPT = "You copy digits."  # the agent's own: the data rows have none
 TOOLS = [{"type": "function", "function": {"name": "copy", "description": "copies a digit",
                                            "parameters": {"type": "object", "properties": {"digit": {}}}}}]
@@ -73,7 +73,7 @@ def first_turn_of(sample: Sample, hf_checkpoint: str) -> Sample:
     )
 
 
-async def with_an_agent(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample | list:
+async def with_an_agent(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample | list[Sample]:
     """The run's function: slime_style_generate.half_over_http, but sample AGENT_SAMPLE of the step's groups after
     its first two (sample j of group k is seeded step seed + k x n + j) is chat_agent's, and their last sample fans
     out: the sample and its first turn alone (first_turn_of), which join its group."""

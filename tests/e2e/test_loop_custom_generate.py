@@ -22,8 +22,8 @@ import transformers
 from chat_agent_generate import AGENT_SAMPLE, TOOLS, first_messages
 from relax.args.settings import AlgorithmSettings
 from relax.rollout.dump import load_rollout_data, rollout_data_path
-from relax.run.loop import rollout_batch
 from relax.rollout.turns import ChatTurns
+from relax.run.loop import rollout_batch
 from tiny_runs import ROOT, run_tiny_job, step_records
 from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT, tool_ids
 
