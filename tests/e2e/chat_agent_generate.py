@@ -73,7 +73,8 @@ def first_turn_of(sample: Sample, hf_checkpoint: str) -> Sample:
     )
 
 
-async def with_an_agent(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample | list[Sample]:
+async def with_an_agent(args, sample: Sample, sampling_params: dict,
+                        evaluation: bool = False) -> Sample | list[Sample]:
     """The run's function: slime_style_generate.half_over_http, but sample AGENT_SAMPLE of the step's groups after
     its first two (sample j of group k is seeded step seed + k x n + j) is chat_agent's, and their last sample fans
     out: the sample and its first turn alone (first_turn_of), which join its group."""
