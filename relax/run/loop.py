@@ -293,8 +293,8 @@ def train(
     trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings, timeout: Timeout
 ) -> dict:
     """Advantages, each over its prompt's group (a custom generate function's fan-out makes some larger); each
-    data-parallel rank gets its token-balanced share of every optimizer step (as many a step as without fan-out,
-    each holding more samples with it: relax.train.batch.optimizer_step_sizes); old-policy (and reference) logprobs
+    data-parallel rank gets its token-balanced share of every optimizer step (as many optimizer steps as without
+    fan-out, each holding more samples with it: relax.train.batch.optimizer_step_sizes); old-policy (and reference) logprobs
     and the optimizer steps on every rank (within `timeout`); mean metrics."""
     return training_metrics(trainers, start_training(trainers, data_parallel_ranks, samples, algorithm), timeout)
 
@@ -310,9 +310,9 @@ class Training:
 def start_training(trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings
                    ) -> Training:
     """train's calls, made and not waited on."""
-    sizes = group_sizes(samples, algorithm.group_size)
+    num_groups = len(group_sizes(samples, algorithm.group_size))
     batch = rollout_batch(samples, algorithm)
-    step_sizes = optimizer_step_sizes(len(samples), len(sizes), algorithm.group_size, algorithm.global_batch_size)
+    step_sizes = optimizer_step_sizes(len(samples), num_groups, algorithm.group_size, algorithm.global_batch_size)
     shares, imbalance = split_over_data_parallel(batch.token_counts(), step_sizes, max(data_parallel_ranks) + 1)
     share_refs = [ray.put(batch.select(share.indices)) for share in shares]  # one copy per replica's TP/PP ranks
     calls = [
