@@ -158,8 +158,9 @@ class EvalSettings:
 class AlgorithmSettings:
     advantage_estimator: str  # a name in relax.train.algorithms.ALGORITHMS
     normalize_advantages_by_std: bool
-    group_size: int  # responses per prompt: the group advantages are normalised over
-    global_batch_size: int  # samples per optimizer step
+    group_size: int  # responses per prompt: the group advantages are normalised over (more in a group a custom
+    # generate function fanned out: relax.rollout.groups.group_sizes)
+    global_batch_size: int  # samples per optimizer step (more with fan-out: relax.train.batch.optimizer_step_sizes)
     uses_reference: bool  # a KL-to-reference term is in the loss: reference logprobs are computed
 
 

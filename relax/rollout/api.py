@@ -6,8 +6,9 @@ The loop calls a Rollout once per step with a RolloutRequest and trains on what 
          prompts (a PromptLoader: a rollout takes as many as it needs, dynamic sampling more than it keeps, and
          puts back those it took but did not use); how
          many prompt groups the step trains on; the sampling settings, seeded for the step
-    out  num_groups x sampling.n scored Samples, prompt by prompt (relax.rollout.groups.Sample: the response's
-         tokens, its loss mask, the engine's logprobs, the reward), and the rollout's metrics
+    out  num_groups x sampling.n scored Samples (more where a custom generate function fanned out), prompt by
+         prompt (relax.rollout.groups.Sample: the response's tokens, its loss mask, the engine's logprobs, the
+         reward), and the rollout's metrics
 What the loop does around every rollout stays there: saving the samples (--save-rollout-data), the reward and
 length metrics, the overlong penalty.
 
@@ -43,7 +44,7 @@ class RolloutRequest(NamedTuple):
 
 
 class RolloutResult(NamedTuple):
-    samples: list[Sample]  # num_groups x sampling.n, prompt by prompt, scored
+    samples: list[Sample]  # num_groups x sampling.n (or more: fan-out, Sample.group_size), prompt by prompt, scored
     metrics: dict[str, float]  # the rollout's own (its groups' counts); the loop adds the reward metrics
 
 

@@ -1,14 +1,14 @@
-"""slime's custom generate function (--custom-generate-function-path): a user's async function that generates one
-sample of a prompt in place of relax's own request, so a rollout written for slime (multi-turn, tools, agents) runs in
-relax. slime names it `module.path.function`; relax takes that and `module:function`. It is called as
+"""slime's custom generate function (--custom-generate-function-path): a user's async function that generates a sample
+of a prompt (or several) in place of relax's own request, so a rollout written for slime (multi-turn, tools, agents)
+runs in relax. slime names it `module.path.function`; relax takes that and `module:function`. It is called as
 
-    async def generate(args, sample, sampling_params): ...                     # returns the sample, or a list of one
+    async def generate(args, sample, sampling_params): ...                     # returns the sample (or a list)
     async def generate(args, sample, sampling_params, evaluation=False): ...  # told when it generates for an eval
 
-once per sample (--n-samples-per-prompt calls per prompt of a rollout, --eval-n-samples-per-prompt of an
-evaluation), inside the engine actor that the prompt's group went to (relax.rollout.worker); `evaluation` (True in
-an evaluation) is passed only to a function that declares it. load_custom_generate_fn imports the function and
-checks that it can be called so, before a run starts (--dry-run's check).
+--n-samples-per-prompt times per prompt of a rollout (--eval-n-samples-per-prompt of an evaluation), inside the engine
+actor that the prompt's group went to (relax.rollout.worker); `evaluation` (True in an evaluation) is passed only to a
+function that declares it. load_custom_generate_fn imports the function and checks that it can be called so, before a
+run starts (--dry-run's check).
 
 What the function gets:
     args             a namespace of slime's names for the settings such functions read (hf_checkpoint,
@@ -39,6 +39,12 @@ evaluation, which puts nothing back, it fails), FAILED fails the sample. A sampl
 or is misaligned (sample_problem, completion_of) fails too, with the reason, as a request the engine refused does: in a
 rollout counted (rollout/failed_samples) and its group generated anew from another prompt, in an evaluation its prompt
 left out of the metrics (eval/NAME/failed_prompts).
+
+A call may return a list of 1 to MAX_SAMPLES_PER_CALL samples, its fan-out (completions_of), as slime's may: each is
+checked as one returned alone (a bad one fails the call, its reason naming its place in the list; an ABORTED one sends
+the call's prompt back), and each joins the prompt's group, which then holds more than --n-samples-per-prompt samples
+(relax.rollout.groups.Sample.group_size): its advantages, dynamic sampling's filter and an evaluation's metrics take the
+whole group, and the step trains every sample (relax.train.batch.optimizer_step_sizes).
 
 The prompt a sample trains on is its own: the function may start from other ids than the data row's (it rewrote the
 prompt, added a system prompt or tool descriptions: an agent's own first call in an agent session). relax then trains
@@ -199,36 +205,54 @@ def _append(sample: Sample, token_ids: list[int], text: str, mask: int, logprobs
     sample.response += text
 
 
-async def generate_sample(fn: CustomGenerateFn, args: argparse.Namespace, prompt: Prompt, sampling_params: dict,
-                          engine: EngineRequest, evaluation: bool = False) -> Completion:
-    """One sample of `prompt` by the function, its requests sent to `engine`, as the rollout takes a completion. A
-    sample the function fails, or cannot be trained on, is a failed completion saying why."""
+async def generate_samples(fn: CustomGenerateFn, args: argparse.Namespace, prompt: Prompt, sampling_params: dict,
+                          engine: EngineRequest, evaluation: bool = False) -> list[Completion]:
+    """One call of the function for `prompt`, its requests sent to `engine`: a completion per sample it returned (one,
+    or its fan-out: completions_of). A call that fails, or returns a sample that cannot be trained on, is one failed
+    completion saying why."""
     sample = Sample(prompt.text, prompt.label, dict(prompt.metadata), list(prompt.token_ids))
-    _ENGINE.set(engine)  # in this coroutine's own context: each sample of a group runs as a task of its own
+    _ENGINE.set(engine)  # in this coroutine's own context: each call of a group runs as a task of its own
     try:
         returned = await fn(args, sample, dict(sampling_params), evaluation=evaluation)
     except Exception as error:  # a user's function may fail in any way: the sample fails, the run goes on
-        return Completion.refused(f"{FLAG} {fn.spec} raised {type(error).__name__}: {error}")
-    completion = completion_of(returned, prompt.token_ids, sampling_params["max_new_tokens"])
-    if evaluation and completion.finish_reason == "abort":
-        completion = Completion.refused("returned a sample with status ABORTED in an evaluation, which puts no "
-                                        "prompt back")
-    if completion.error is not None:
-        return Completion.refused(f"{FLAG} {fn.spec}: {completion.error}")
-    return completion
+        return [Completion.refused(f"{FLAG} {fn.spec} raised {type(error).__name__}: {error}")]
+    completions = completions_of(returned, prompt.token_ids, sampling_params["max_new_tokens"])
+    if evaluation and completions[0].finish_reason == "abort":
+        completions = [Completion.refused("returned a sample with status ABORTED in an evaluation, which puts no "
+                                          "prompt back")]
+    if completions[0].error is not None:
+        return [Completion.refused(f"{FLAG} {fn.spec}: {completions[0].error}")]
+    return completions
+
+
+MAX_SAMPLES_PER_CALL = 16  # a call's fan-out: more is far likelier a function's bug than a design, and each one grows
+# the step's trained batch (and its memory) past what the flags size it for
+
+
+def completions_of(returned, prompt_ids: list[int], budget: int) -> list[Completion]:
+    """What one call returned for the data row's prompt `prompt_ids`: a Sample, or a list of 1 to
+    MAX_SAMPLES_PER_CALL Samples (fan-out: each joins the prompt's group), each checked as completion_of checks one.
+    One failed completion (the reason, naming the list's element, in `error`) when any element fails; one aborted
+    completion when any is ABORTED (the whole call's prompt goes back, as one ABORTED sample's does)."""
+    if not isinstance(returned, list):
+        return [completion_of(returned, prompt_ids, budget)]
+    if not 1 <= len(returned) <= MAX_SAMPLES_PER_CALL:
+        return [Completion.refused(f"returned a list of {len(returned)} samples: return 1 to {MAX_SAMPLES_PER_CALL} "
+                                   "samples per call")]
+    completions = [completion_of(sample, prompt_ids, budget) for sample in returned]
+    failed = next((i for i, c in enumerate(completions) if c.error is not None), None)
+    if failed is not None:
+        return [Completion.refused(f"sample {failed} of the {len(returned)} it returned: {completions[failed].error}")]
+    if any(completion.finish_reason == "abort" for completion in completions):
+        return [Completion.aborted()]
+    return completions
 
 
 def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
-    """What a function returned for the data row's prompt `prompt_ids`, as the rollout takes a completion: failed
-    (the reason in `error`) unless it is one Sample with aligned fields, at most `budget` response tokens and a final
-    status. A sample whose prompt (its tokens before the response) is not `prompt_ids` carries its own (prompt_ids)."""
-    if isinstance(returned, list):
-        if len(returned) != 1:
-            return Completion.refused(
-                f"returned {len(returned)} samples; relax trains --n-samples-per-prompt samples per prompt, one per "
-                "call: return one sample"
-            )
-        returned = returned[0]
+    """One sample a function returned for the data row's prompt `prompt_ids`, as the rollout takes a completion:
+    failed (the reason in `error`) unless it is a Sample with aligned fields, at most `budget` response tokens and a
+    final status. A sample whose prompt (its tokens before the response) is not `prompt_ids` carries its own
+    (prompt_ids)."""
     if not isinstance(returned, Sample):
         return Completion.refused(f"returned {type(returned).__name__}, not a relax.rollout.custom_generate.Sample")
     if returned.status is Sample.Status.ABORTED:  # unscored, whatever it holds: its prompt goes back

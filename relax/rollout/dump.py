@@ -15,6 +15,10 @@ Format (version 4): JSON lines, UTF-8. The first line is a header, then one line
                   "loss_mask": [1, ...], "finish_reason": "stop", "response_text": "...", "reward": 1.0,
                   "reward_failed": false}, ...]}
 
+A group holds "samples_per_prompt" samples, but where a custom generate function's fan-out made groups larger
+(relax.rollout.custom_generate): the header then holds "group_sizes", each group's count in order, each at least
+"samples_per_prompt" (a relax that predates them refuses such a file: its groups are not of the header's size).
+
 A sample's "prompt_token_ids" are the ids its response follows where they are not its prompt row's (a custom generate
 function's sample with its own prompt: relax.rollout.groups.Sample.own_prompt_ids), null where they are: a replay
 trains each sample on the same sequence.
@@ -103,6 +107,9 @@ def save_rollout_data(pattern: str, step: int, samples: list[Sample], samples_pe
         "samples_per_prompt": samples_per_prompt,
         "routed_experts": None if experts_path is None else experts_path.name,
     }
+    sizes = [len(group.samples) for group in groups]
+    if any(size != samples_per_prompt for size in sizes):  # a custom generate function's fan-out
+        header["group_sizes"] = sizes
     lines = [json.dumps(header)]
     for group in groups:
         p = group.prompt
@@ -178,9 +185,10 @@ def load_rollout_data(
         header, header_line, where, num_groups, samples_per_prompt, with_routed_experts, groups_in_file=len(groups)
     )
     samples = []
-    for number, record in groups:
+    fanned_out = "group_sizes" in header
+    for (number, record), size in zip(groups, _group_sizes(header, where, samples_per_prompt)):
         try:
-            samples += _group_samples(record, samples_per_prompt)
+            samples += _group_samples(record, size, fanned_out)
         except (KeyError, TypeError, ValueError) as e:
             raise RolloutDataError(f"{where} line {number}: malformed group ({type(e).__name__}: {e})") from None
     if experts_name is not None:
@@ -280,6 +288,19 @@ def _check_header(
     return experts_name
 
 
+def _group_sizes(header: dict, where: str, samples_per_prompt: int) -> list[int]:
+    """Each group's sample count: the header's "group_sizes" (a custom generate function's fan-out), else
+    samples_per_prompt each."""
+    if "group_sizes" not in header:
+        return [samples_per_prompt] * header["num_groups"]
+    sizes = header["group_sizes"]
+    if not (isinstance(sizes, list) and len(sizes) == header["num_groups"]
+            and all(isinstance(size, int) and size >= samples_per_prompt for size in sizes)):
+        raise RolloutDataError(f"{where}: the header's group_sizes {str(sizes)[:120]} are not one count of at least "
+                               f"{samples_per_prompt} samples per group of its {header['num_groups']}")
+    return sizes
+
+
 def _load_experts(samples: list[Sample], experts_path: Path, where: str) -> None:
     """Set each sample's routed experts from the safetensors file _experts_file wrote."""
     where = _check_experts_exist(experts_path, where)
@@ -315,15 +336,17 @@ def _check_experts_exist(experts_path: Path, where: str) -> str:
     return where
 
 
-def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:
+def _group_samples(record: dict, size: int, fanned_out: bool) -> list[Sample]:
+    """The samples of a group of `size`, each knowing its group's size where the step's groups fanned out (else
+    --n-samples-per-prompt: Sample.group_size None)."""
     p = record["prompt"]
     prompt = Prompt(
         row=_typed(p, "row", int), token_ids=_int_list(p, "token_ids"), text=_typed(p, "text", str),
         label=p["label"], metadata=_typed(p, "metadata", dict),
     )
     entries = _typed(record, "samples", list)
-    if len(entries) != samples_per_prompt:
-        raise ValueError(f"{len(entries)} samples, the header says {samples_per_prompt}")
+    if len(entries) != size:
+        raise ValueError(f"{len(entries)} samples, the header says {size}")
     samples = []
     for s in entries:
         tokens, logprobs = _int_list(s, "response_token_ids"), _typed(s, "response_logprobs", list)
@@ -343,6 +366,7 @@ def _group_samples(record: dict, samples_per_prompt: int) -> list[Sample]:
                 prompt, tokens, [float(v) for v in logprobs], _typed(s, "finish_reason", str),
                 _typed(s, "response_text", str), float(reward), _typed(s, "reward_failed", bool),
                 loss_mask=loss_mask, own_prompt_ids=own_prompt_ids,
+                group_size=size if fanned_out else None,
             )
         )
     return samples

@@ -18,6 +18,10 @@ scored by the run's reward function; the metrics of set NAME are, under eval/NAM
     turns_mean, tool_calls, tool_failures, tool_timeouts, masked_token_share
                            with --tools, as the rollout's (relax.rollout.multi_turn.multi_turn_metrics)
 
+With a custom generate function (--custom-generate-function-path) each of a prompt's K calls may return several
+samples (its fan-out): every one is a sample of the prompt, as in a rollout. The per-sample metrics count them all,
+and pass@k draws k of the prompt's own count (K or more), so a fanned-out call weighs as much as its samples.
+
 A sample passes when it earns the full reward, PASSING_REWARD (the built-in rewards give 1.0 to a right answer
 and less otherwise).
 
@@ -80,7 +84,8 @@ def pass_ks(samples_per_prompt: int) -> list[int]:
 
 
 def eval_metrics(name: str, samples: list[Sample], samples_per_prompt: int) -> dict[str, float]:
-    """The eval/<name>/ metrics (module docstring) of samples listed prompt by prompt, samples_per_prompt each."""
+    """The eval/<name>/ metrics (module docstring) of samples listed prompt by prompt, samples_per_prompt each or
+    more (a custom generate function's fan-out: relax.rollout.groups.group_sizes)."""
     prefix = f"{METRIC_PREFIX}{name}/"
     groups = group_by_prompt(samples, samples_per_prompt)
     scored = [group for group in groups if not group.failed]
@@ -91,10 +96,10 @@ def eval_metrics(name: str, samples: list[Sample], samples_per_prompt: int) -> d
     if not scored:
         return metrics
     samples = [sample for group in scored for sample in group.samples]
-    passing = [sum(s.reward >= PASSING_REWARD for s in group.samples) for group in scored]
+    passing = [(len(group.samples), sum(s.reward >= PASSING_REWARD for s in group.samples)) for group in scored]
     metrics[f"{prefix}reward_mean"] = sum(s.reward for s in samples) / len(samples)
-    for k in pass_ks(samples_per_prompt):
-        metrics[f"{prefix}pass@{k}"] = sum(pass_at_k(samples_per_prompt, c, k) for c in passing) / len(scored)
+    for k in pass_ks(samples_per_prompt):  # a group with fan-out draws k of its own (larger) count
+        metrics[f"{prefix}pass@{k}"] = sum(pass_at_k(size, c, k) for size, c in passing) / len(scored)
     metrics[f"{prefix}response_length_mean"] = sum(len(s.response_token_ids) for s in samples) / len(samples)
     metrics[f"{prefix}truncated_fraction"] = sum(s.finish_reason == "length" for s in samples) / len(samples)
     metrics[f"{prefix}reward_failures"] = float(sum(s.reward_failed for s in samples))

@@ -42,6 +42,10 @@ class Sample:
     # The sample's own prompt ids where they are not its data row's (a custom generate function's sample that starts
     # from other ids: relax.rollout.custom_generate); None: prompt.token_ids. Read them as prompt_ids.
     own_prompt_ids: list[int] | None = None
+    # The samples of its group (its prompt's, in a step or an evaluation), itself included: --n-samples-per-prompt,
+    # or more where a custom generate function's calls fanned out (relax.rollout.custom_generate). None: not known
+    # to be other than --n-samples-per-prompt (group_sizes).
+    group_size: int | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -85,16 +89,31 @@ def failure_reasons(samples: list[Sample], limit: int = MAX_REPORTED_FAILURES) -
     return list(dict.fromkeys(s.failure for s in samples if s.failure is not None))[:limit]
 
 
+def group_sizes(samples: list[Sample], samples_per_prompt: int) -> list[int]:
+    """The size of each group of samples listed group by group (consecutive samples of one prompt): each group's
+    samples carry it (Sample.group_size: a custom generate function's fan-out makes groups larger), or
+    samples_per_prompt where they carry none."""
+    sizes, start = [], 0
+    while start < len(samples):
+        sizes.append(samples[start].group_size or samples_per_prompt)
+        start += sizes[-1]
+    if start != len(samples):
+        raise ValueError(f"{len(samples)} samples do not split into groups of {'/'.join(map(str, sorted(set(sizes))))}")
+    start = 0
+    for size in sizes:
+        members = samples[start : start + size]
+        if any(s.prompt is not members[0].prompt or (s.group_size or samples_per_prompt) != size for s in members):
+            raise ValueError(f"samples {start}..{start + size - 1} do not share one prompt and one group size")
+        start += size
+    return sizes
+
+
 def group_by_prompt(samples: list[Sample], samples_per_prompt: int) -> list[Group]:
-    """Groups from samples listed prompt by prompt (samples_per_prompt consecutive samples each)."""
-    if len(samples) % samples_per_prompt:
-        raise ValueError(f"{len(samples)} samples do not split into groups of {samples_per_prompt}")
-    groups = []
-    for start in range(0, len(samples), samples_per_prompt):
-        members = samples[start : start + samples_per_prompt]
-        if any(sample.prompt is not members[0].prompt for sample in members):
-            raise ValueError(f"samples {start}..{start + samples_per_prompt - 1} do not share one prompt")
-        groups.append(Group(prompt=members[0].prompt, samples=members))
+    """Groups from samples listed group by group (group_sizes)."""
+    groups, start = [], 0
+    for size in group_sizes(samples, samples_per_prompt):
+        groups.append(Group(prompt=samples[start].prompt, samples=samples[start : start + size]))
+        start += size
     return groups
 
 

@@ -53,12 +53,13 @@ class EnginePool(Protocol):
 
 
 def samples_of(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
-    """Unscored samples of each prompt's completions, prompt by prompt."""
+    """Unscored samples of each prompt's completions (sampling.n, or more: a custom generate function's fan-out),
+    prompt by prompt."""
     return [
         Sample(
             prompt, c.token_ids, c.logprobs, c.finish_reason, c.text, routed_experts=c.routed_experts,
             loss_mask=c.loss_mask, tool_use=c.tool_use, failure=c.error, **_preset_reward(c.reward),
-            own_prompt_ids=c.prompt_ids,
+            own_prompt_ids=c.prompt_ids, group_size=len(prompt_completions),
         )
         for prompt, prompt_completions in zip(prompts, completions, strict=True)
         for c in prompt_completions
@@ -99,8 +100,8 @@ def say_reward_failures(reward_fn: RewardFn, report: RewardReport) -> None:
 def generate_and_score(
     generate: Generate, prompts: list[Prompt], sampling: SamplingConfig, reward_fn: RewardFn
 ) -> list[Sample]:
-    """sampling.n samples per prompt, prompt by prompt (n consecutive samples each) in prompt order; each scored, but
-    the failed ones (score_samples)."""
+    """sampling.n samples per prompt (or more: a custom generate function's fan-out; Sample.group_size), prompt by
+    prompt in prompt order; each scored, but the failed ones (score_samples)."""
     samples = samples_of(prompts, generate(prompts, sampling))
     say_reward_failures(reward_fn, score_samples(samples, reward_fn))
     return samples
@@ -154,12 +155,13 @@ def collect_groups(
     With `partial`, a group is put back with the tokens its responses generated, and taken again its responses
     continue from there (those that had finished are kept as they are).
 
-    The batch: the kept groups in submission order, so that without over-sampling or failures it is the loader's
-    next num_groups prompts. The k-th prompt the step submits samples its request j with seed sampling.seed +
-    k * n + j (distinct seeds within the step's STEP_SEED_SPAN). Fails (FillError) with the counts once
-    `max_prompts` prompts were submitted, or the loader runs out, short of the batch; AllSamplesFailed once a
-    batch's worth of groups has completed with every sample failed. Returns the samples and the rollout
-    metrics; the engine's and the reward function's failure reasons are printed once."""
+    The batch: the kept groups in submission order (each of sampling.n samples, or more where a custom generate
+    function's calls fanned out: the batch is full at num_groups groups, whatever their samples), so that without
+    over-sampling or failures it is the loader's next num_groups prompts. The k-th prompt the step submits samples its
+    request j with seed sampling.seed + k * n + j (distinct seeds within the step's STEP_SEED_SPAN). Fails (FillError)
+    with the counts once `max_prompts` prompts were submitted, or the loader runs out, short of the batch;
+    AllSamplesFailed once a batch's worth of groups has completed with every sample failed. Returns the samples and the
+    rollout metrics; the engine's and the reward function's failure reasons are printed once."""
     problem = rollout_seeds_problem(max_prompts, sampling.n)
     if problem:
         raise ValueError(problem)
@@ -191,8 +193,12 @@ def collect_groups(
         stats.groups_submitted = len(submitted)
 
     def take_back(key: int, completions: list[Completion]) -> GroupSoFar:
-        """Group `key` with its completions: its responses continued."""
+        """Group `key` with its completions: its responses continued. A new group's calls of a custom generate
+        function that fanned out give more completions than requests: each is a response of the group."""
         indices = continued.pop(key)
+        if len(completions) > len(indices) and not submitted[key][1].begun:
+            submitted[key] = (submitted[key][0], GroupSoFar.new(len(completions)))
+            indices = list(range(len(completions)))
         if len(completions) != len(indices):
             raise RuntimeError(f"a group came back with {len(completions)} completions for {len(indices)} requests")
         so_far = submitted[key][1]
@@ -258,6 +264,9 @@ def collect_groups(
             error=True)
     samples = [sample for key in sorted(kept) for sample in kept[key].samples]
     metrics = stats.metrics(dynamic_sampling)
+    fan_out = len(samples) - len(kept) * sampling.n
+    if fan_out:  # only a custom generate function's calls fan out: its groups' samples beyond sampling.n each
+        metrics["rollout/fan_out_samples"] = fan_out
     if partial is not None:
         old = [token_step for s in samples for token_step in s.response_steps or () if token_step < step]
         metrics.update(partial_stats.metrics(old, sum(len(s.response_token_ids) for s in samples), step))
@@ -274,6 +283,7 @@ def samples_of_group(prompt: Prompt, group: GroupSoFar, step: int) -> list[Sampl
             prompt, r.token_ids, r.logprobs, r.finish_reason, r.text, routed_experts=r.routed_experts,
             loss_mask=r.loss_mask, tool_use=r.tool_use, failure=r.error, **_preset_reward(r.reward),
             response_steps=r.steps if r.steps and r.steps[0] < step else None, own_prompt_ids=r.prompt_ids,
+            group_size=len(group.responses),
         )
         for r in group.responses
     ]

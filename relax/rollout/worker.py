@@ -21,16 +21,17 @@ tool runs in a thread; the engine batches the other samples' turns meanwhile). A
 and keeps the groups it finds from starting another.
 
 With a custom generate function (--custom-generate-function-path: relax.rollout.custom_generate), a rollout group's
-samples are the function's, each sample one call on the engine's event loop, all n of the group at once, for the
-same reasons: the requests it sends through relax.rollout.custom_generate.generate go to this engine, and an abort
-answers those it sends after it as aborted. The evaluation's groups are the function's too, and it is told so. The
-actor then also serves SGLang's /generate over HTTP in front of its engine (relax.rollout.generate_server, on the
-engine's loop; its address is the function's args.sglang_router_ip and sglang_router_port), for functions written for
-slime, and OpenAI's chat completions of the agent sessions the function opens (relax.rollout.agent_session). An
-HTTP request to /generate carries nothing of the group it belongs to, so after an abort every such request is
-answered aborted until each group that ran at the abort has returned: the rollout starts no group before the aborted
-ones are back (relax.rollout.rollout.collect_groups), so those requests are all the aborted groups'. (A session's
-chat completions go to the engine as its group's requests: aborted after an abort that came once the group started.)
+samples are the function's, n calls on the engine's event loop at once (each gives a sample, or several: its fan-out
+joins the group), for the same reasons: the requests it sends through relax.rollout.custom_generate.generate go to this
+engine, and an abort answers those it sends after it as aborted. The evaluation's groups are the function's too, and it
+is told so. The actor then also serves SGLang's /generate over HTTP in front of its engine
+(relax.rollout.generate_server, on the engine's loop; its address is the function's args.sglang_router_ip and
+sglang_router_port), for functions written for slime, and OpenAI's chat completions of the agent sessions the function
+opens (relax.rollout.agent_session). An HTTP request to /generate carries nothing of the group it belongs to, so after
+an abort every such request is answered aborted until each group that ran at the abort has returned: the rollout starts
+no group before the aborted ones are back (relax.rollout.rollout.collect_groups), so those requests are all the aborted
+groups'. (A session's chat completions go to the engine as its group's requests: aborted after an abort that came once
+the group started.)
 """
 
 import asyncio
@@ -42,7 +43,7 @@ import ray
 from relax.ports import free_port
 from relax.ray.placement import local_device_index
 from relax.rollout.agent_session import ChatSessions
-from relax.rollout.custom_generate import SlimeArgs, generate_sample, load_custom_generate_fn
+from relax.rollout.custom_generate import SlimeArgs, generate_samples, load_custom_generate_fn
 from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params, sglang_generate
 from relax.rollout.generate_server import HOST, EngineUnavailable, GenerateRequest, GenerateServer, aborted_output
@@ -136,8 +137,9 @@ class EngineWorker(RolloutEngine):
         return [_completion_of(response, self.chat_turns.tokenizer) for response in self._run(each_sample())]
 
     def generate_custom_group(self, source: Prompt, sampling: SamplingConfig, evaluation: bool) -> list[Completion]:
-        """sampling.n samples of one prompt by the custom generate function, its calls run at once on the engine's
-        loop: sample j gets the sampling params of request j of the group (seeded sampling.seed + j)."""
+        """The samples of sampling.n calls of the custom generate function for one prompt, run at once on the
+        engine's loop, call by call: call j gets the sampling params of request j of the group (seeded
+        sampling.seed + j) and gives one completion, or one per sample of its fan-out."""
         aborts, fn, args = self.aborts, *self.custom_generate
         generate = _request_unless_aborted(self)
 
@@ -146,10 +148,11 @@ class EngineWorker(RolloutEngine):
             self.custom_groups[aborts] += 1  # on the engine's loop, as the HTTP requests' check
             try:
                 with self.chat_sessions.serving():  # the agent sessions the group's samples open
-                    return await asyncio.gather(*(
-                        generate_sample(fn, args, source, sample_params, generate, evaluation)
+                    calls = await asyncio.gather(*(
+                        generate_samples(fn, args, source, sample_params, generate, evaluation)
                         for sample_params in params
                     ))
+                return [completion for call in calls for completion in call]
             finally:
                 self.custom_groups[aborts] -= 1
 

@@ -57,14 +57,14 @@ from relax.rollout.api import Filling, GenerateAndScore, Replay, Rollout, Rollou
 from relax.rollout.data import PromptLoader
 from relax.rollout.dump import save_rollout_data
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
-from relax.rollout.groups import Sample, apply_overlong_penalty
+from relax.rollout.groups import Sample, apply_overlong_penalty, group_sizes
 from relax.rollout.rollout import EnginePool, Generate, reward_and_length_metrics
 from relax.rollout.worker import EngineWorker
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
 from relax.run.state import Checkpoint, RunStopped, StopOnSignal, sampling_seed, save, save_due
 from relax.train.algorithms import compute_advantages
-from relax.train.batch import RolloutBatch, split_over_data_parallel
+from relax.train.batch import RolloutBatch, optimizer_step_sizes, split_over_data_parallel
 from relax.train.saved_steps import LATEST
 from relax.train.worker import TrainWorker
 
@@ -292,8 +292,10 @@ def collect_rollout(
 def train(
     trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings, timeout: Timeout
 ) -> dict:
-    """Advantages; each data-parallel rank gets its token-balanced share of every optimizer step; old-policy (and
-    reference) logprobs and the optimizer steps on every rank (within `timeout`); mean metrics."""
+    """Advantages, each over its prompt's group (a custom generate function's fan-out makes some larger); each
+    data-parallel rank gets its token-balanced share of every optimizer step (as many optimizer steps as without
+    fan-out, each holding more samples with it: relax.train.batch.optimizer_step_sizes); old-policy (and reference) logprobs
+    and the optimizer steps on every rank (within `timeout`); mean metrics."""
     return training_metrics(trainers, start_training(trainers, data_parallel_ranks, samples, algorithm), timeout)
 
 
@@ -308,10 +310,10 @@ class Training:
 def start_training(trainers, data_parallel_ranks: list[int], samples: list[Sample], algorithm: AlgorithmSettings
                    ) -> Training:
     """train's calls, made and not waited on."""
+    num_groups = len(group_sizes(samples, algorithm.group_size))
     batch = rollout_batch(samples, algorithm)
-    shares, imbalance = split_over_data_parallel(
-        batch.token_counts(), algorithm.global_batch_size, max(data_parallel_ranks) + 1
-    )
+    step_sizes = optimizer_step_sizes(len(samples), num_groups, algorithm.group_size, algorithm.global_batch_size)
+    shares, imbalance = split_over_data_parallel(batch.token_counts(), step_sizes, max(data_parallel_ranks) + 1)
     share_refs = [ray.put(batch.select(share.indices)) for share in shares]  # one copy per replica's TP/PP ranks
     calls = [
         actor.train.remote(share_refs[rank], shares[rank].step_sizes, algorithm.uses_reference)
@@ -346,7 +348,7 @@ def rollout_batch(samples: list[Sample], algorithm: AlgorithmSettings) -> Rollou
         algorithm.advantage_estimator,
         torch.tensor([s.reward for s in samples]),
         mask,
-        group_size=algorithm.group_size,
+        group_size=group_sizes(samples, algorithm.group_size),
         normalize_std=algorithm.normalize_advantages_by_std,
     )
     return RolloutBatch(

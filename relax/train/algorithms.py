@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 
 from relax.train.advantages import (
+    GroupSize,
     grpo_sequence_advantages,
     reinforce_plus_plus_advantages,
     rloo_sequence_advantages,
@@ -24,9 +25,9 @@ COMMON_LOSS_METRICS = ("loss", "pg_loss", "clip_fraction", "ppo_kl")
 class AdvantageFunction(Protocol):
     def __call__(
         self,
-        rewards: torch.Tensor,  # [N], the n responses to one prompt contiguous
+        rewards: torch.Tensor,  # [N], the responses to one prompt contiguous
         mask: torch.Tensor,  # [N, T] response tokens
-        group_size: int,
+        group_size: GroupSize,  # every group's size, or each group's (relax.train.advantages)
         normalize_std: bool,
         kl: torch.Tensor | None,  # [N, T] per-token KL to the reference, for estimators that shape the reward
         kl_coef: float,
@@ -123,7 +124,7 @@ def compute_advantages(
     estimator: str,
     rewards: torch.Tensor,
     mask: torch.Tensor,
-    group_size: int,
+    group_size: GroupSize,
     normalize_std: bool = True,
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,

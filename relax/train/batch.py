@@ -149,24 +149,39 @@ class RankShare:
     step_sizes: list[int] = field(default_factory=list)  # how many of them each optimizer step trains on
 
 
+def optimizer_step_sizes(num_samples: int, num_groups: int, samples_per_prompt: int, global_batch_size: int
+                         ) -> list[int]:
+    """How many of a rollout's `num_samples` samples (its `num_groups` groups') each optimizer step trains on:
+    global_batch_size each where every group holds samples_per_prompt. Where a custom generate function's fan-out
+    made groups larger, the rollout still takes num_groups x samples_per_prompt / global_batch_size steps (the LR
+    schedule counts them), its samples spread over them in order, step sizes at most one apart."""
+    nominal = num_groups * samples_per_prompt
+    if nominal % global_batch_size:
+        raise ValueError(f"{nominal} rollout samples are not a multiple of the global batch size {global_batch_size}")
+    if num_samples < nominal:
+        raise ValueError(f"{num_samples} samples are fewer than {num_groups} groups x {samples_per_prompt}")
+    steps = nominal // global_batch_size
+    return [(k + 1) * num_samples // steps - k * num_samples // steps for k in range(steps)]
+
+
 def split_over_data_parallel(
-    token_counts: list[int], global_batch_size: int, num_ranks: int
+    token_counts: list[int], step_sizes: list[int], num_ranks: int
 ) -> tuple[list[RankShare], float]:
-    """Each rank's share of a rollout trained in optimizer steps of `global_batch_size` consecutive samples, every
-    step's samples spread over the ranks by tokens (balanced_shares); and the worst step's token imbalance."""
-    if len(token_counts) % global_batch_size:
-        raise ValueError(
-            f"{len(token_counts)} rollout samples are not a multiple of the global batch size {global_batch_size}"
-        )
+    """Each rank's share of a rollout trained in optimizer steps of `step_sizes` consecutive samples
+    (optimizer_step_sizes), every step's samples spread over the ranks by tokens (balanced_shares); and the worst
+    step's token imbalance."""
+    if sum(step_sizes) != len(token_counts):
+        raise ValueError(f"optimizer steps of {step_sizes} samples for {len(token_counts)} rollout samples")
     shares = [RankShare() for _ in range(num_ranks)]
-    worst = 1.0
-    for start in range(0, len(token_counts), global_batch_size):
-        counts = token_counts[start : start + global_batch_size]
+    worst, start = 1.0, 0
+    for size in step_sizes:
+        counts = token_counts[start : start + size]
         parts = balanced_shares(counts, num_ranks)
         worst = max(worst, token_imbalance(counts, parts))
         for share, part in zip(shares, parts):
             share.indices.extend(start + i for i in part)
             share.step_sizes.append(len(part))
+        start += size
     return shares, worst
 
 

@@ -17,9 +17,10 @@ from openai import AsyncOpenAI, BadRequestError
 from relax.rollout.agent_session import finish_session, open_session
 from relax.rollout.custom_generate import Sample
 from slime_style_generate import half_over_http
-from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT
+from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT, tokenizer_of
 
 AGENT_SAMPLE = 2  # sample j of a group that the agent generates (the odd ones post to /generate)
+FINISHED = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)  # the statuses that are trained
 SYSTEM_PROMPT = "You copy digits."  # the agent's own: the data rows have none
 TOOLS = [{"type": "function", "function": {"name": "copy", "description": "copies a digit",
                                            "parameters": {"type": "object", "properties": {"digit": {}}}}}]
@@ -58,10 +59,29 @@ async def chat_agent(args, sample: Sample, sampling_params: dict) -> Sample:
     return sample
 
 
-async def with_an_agent(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
+def first_turn_of(sample: Sample, hf_checkpoint: str) -> Sample:
+    """A sample of `sample`'s prompt and first turn alone (its response up to its first masked token): a fan-out
+    sibling, as a function that trains each turn of a conversation as a sample of its own returns one."""
+    prompt_length = len(sample.tokens) - sample.response_length
+    turn = sample.loss_mask.index(0)
+    ids = sample.tokens[prompt_length:prompt_length + turn]
+    return Sample(
+        sample.prompt, sample.label, dict(sample.metadata), tokens=sample.tokens[:prompt_length] + ids,
+        response=tokenizer_of(hf_checkpoint).decode(ids, skip_special_tokens=True), response_length=turn,
+        loss_mask=[1] * turn, rollout_log_probs=sample.rollout_log_probs[:turn],
+        status=Sample.Status.TRUNCATED if turn == FIRST_TURN_TOKENS else Sample.Status.COMPLETED,
+    )
+
+
+async def with_an_agent(args, sample: Sample, sampling_params: dict,
+                        evaluation: bool = False) -> Sample | list[Sample]:
     """The run's function: slime_style_generate.half_over_http, but sample AGENT_SAMPLE of the step's groups after
-    its first two (sample j of group k is seeded step seed + k x n + j) is chat_agent's."""
+    its first two (sample j of group k is seeded step seed + k x n + j) is chat_agent's, and their last sample fans
+    out: the sample and its first turn alone (first_turn_of), which join its group."""
     group, j = divmod(sampling_params["sampling_seed"] % 2**24, args.n_samples_per_prompt)
     if not evaluation and group >= 2 and j == AGENT_SAMPLE:
         return await chat_agent(args, sample, sampling_params)
-    return await half_over_http(args, sample, sampling_params, evaluation)
+    sample = await half_over_http(args, sample, sampling_params, evaluation)
+    if not evaluation and group >= 2 and j == args.n_samples_per_prompt - 1 and sample.status in FINISHED:
+        return [sample, first_turn_of(sample, args.hf_checkpoint)]
+    return sample

@@ -8,7 +8,9 @@ in four is an agent's written with the openai client (tests/e2e/chat_agent_gener
 agent session with a tool message between them, its own system prompt first: trained as its first call's rendering
 (the sample's own prompt ids, saved with it), then the ids the engine sampled around the chat template's tool turn,
 which is masked. The prompts are rendered with the chat template (--apply-chat-template), as the agent's
-conversation is."""
+conversation is. The last call of each trained group fans out: it returns its sample and that sample's first turn
+alone (chat_agent_generate.first_turn_of), which joins the group: the step trains groups of N + 1 samples, each
+sample's advantage its reward minus the mean of its whole group's."""
 
 import json
 import os
@@ -18,12 +20,18 @@ import pytest
 import transformers
 
 from chat_agent_generate import AGENT_SAMPLE, TOOLS, first_messages
-from relax.rollout.dump import rollout_data_path
+from relax.args.settings import AlgorithmSettings
+from relax.rollout.dump import load_rollout_data, rollout_data_path
 from relax.rollout.turns import ChatTurns
+from relax.run.loop import rollout_batch
 from tiny_runs import ROOT, run_tiny_job, step_records
 from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT, tool_ids
 
 N = 4  # samples per prompt
+FANNED_OUT = N  # the index in a trained group of its last call's second sample (first_turn_of)
+# The tiny run's estimator: each sample's advantage is its reward minus its group's mean (scripts/run-tiny-cpu.sh)
+DR_GRPO = AlgorithmSettings(advantage_estimator="grpo", normalize_advantages_by_std=False, group_size=N,
+                            global_batch_size=8, uses_reference=False)
 # The response's budget: room for the agent's first turn, the chat template's tool turn (about 25 tokens) and more
 BUDGET = 32
 
@@ -51,15 +59,17 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
         # each step: the first group failed (generated anew from another prompt), the second came back ABORTED
         assert record["rollout/failed_samples"] == N and record["rollout/failed_groups"] == 1, record
         assert record["rollout/function_aborted_samples"] == N, record
+        assert record["rollout/fan_out_samples"] == 2, record  # one per trained group
 
     tool = tool_ids(str(tmp_path / "model"))
     turns = ChatTurns(transformers.AutoTokenizer.from_pretrained(tmp_path / "model"))
     returned = [json.loads(line) for line in over_http.read_text().splitlines()]
     agent_sessions = [json.loads(line) for line in by_agent.read_text().splitlines()]
     for step in range(2):
-        groups = [json.loads(line) for line in rollout_data_path(pattern, step).read_text().splitlines()[1:]]
+        header, *groups = [json.loads(line) for line in rollout_data_path(pattern, step).read_text().splitlines()]
         samples = [sample for group in groups for sample in group["samples"]]
-        assert len(samples) == 2 * N
+        assert len(samples) == 2 * (N + 1) and header["group_sizes"] == [N + 1, N + 1]
+        check_trained_advantages(pattern, step)
         for group in groups:  # its odd samples posted to /generate: trained as the engine returned them
             for j in range(1, N, 2):
                 trained = group["samples"][j]
@@ -69,7 +79,9 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
                 assert trained["loss_mask"] == answers[0]["loss_mask"]
                 assert trained["response_logprobs"] == pytest.approx(answers[0]["response_logprobs"], abs=1e-6)
             check_agent_sample(turns, group, group["samples"][AGENT_SAMPLE], agent_sessions)
-        for sample in (sample for group in groups for j, sample in enumerate(group["samples"]) if j != AGENT_SAMPLE):
+            check_first_turn_sibling(group["samples"][FANNED_OUT - 1], group["samples"][FANNED_OUT])
+        for sample in (sample for group in groups for j, sample in enumerate(group["samples"])
+                       if j not in (AGENT_SAMPLE, FANNED_OUT)):
             assert sample["prompt_token_ids"] is None  # the data row's prompt ids
             ids, mask, logprobs = sample["response_token_ids"], sample["loss_mask"], sample["response_logprobs"]
             first = mask.index(0)  # the first turn's tokens, then the tool text, then the second turn's
@@ -78,6 +90,27 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
             assert mask == [1] * first + [0] * len(tool) + [1] * (len(ids) - first - len(tool))
             assert logprobs[first:first + len(tool)] == [0.0] * len(tool)
             assert all(value < 0.0 for value, trained in zip(logprobs, mask) if trained)
+
+
+def check_first_turn_sibling(sample: dict, sibling: dict) -> None:
+    """The fanned-out sibling is the sample's first turn alone: its ids up to the first masked one, all trained,
+    with their logprobs."""
+    turn = sample["loss_mask"].index(0)
+    assert sibling["response_token_ids"] == sample["response_token_ids"][:turn]
+    assert sibling["loss_mask"] == [1] * turn and sibling["prompt_token_ids"] is None
+    assert sibling["response_logprobs"] == sample["response_logprobs"][:turn]
+
+
+def check_trained_advantages(pattern: str, step: int) -> None:
+    """The step's batch as the loop trains it (rollout_batch of its saved samples): every sample's advantage is its
+    reward minus the mean of its group's N + 1 rewards, the fanned-out sibling's included."""
+    samples = load_rollout_data(pattern, step, num_groups=2, samples_per_prompt=N)
+    batch = rollout_batch(samples, DR_GRPO)
+    for start in (0, N + 1):
+        rewards = [sample.reward for sample in samples[start:start + N + 1]]
+        for sample, reward, advantages in zip(samples[start:], rewards, batch.advantages[start:start + N + 1]):
+            expected = [reward - sum(rewards) / (N + 1) if trained else 0.0 for trained in sample.loss_mask]
+            assert advantages.tolist() == pytest.approx(expected, abs=1e-6), (step, rewards)
 
 
 def check_agent_sample(turns: ChatTurns, group: dict, trained: dict, agent_sessions: list[dict]) -> None:

@@ -19,12 +19,12 @@ FIRST_TURN_TOKENS = 2
 
 
 @functools.cache
-def _tokenizer(path: str):
+def tokenizer_of(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
 def tool_ids(hf_checkpoint: str) -> list[int]:
-    return _tokenizer(hf_checkpoint).encode(TOOL_TEXT, add_special_tokens=False)
+    return tokenizer_of(hf_checkpoint).encode(TOOL_TEXT, add_special_tokens=False)
 
 
 async def two_turns(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:

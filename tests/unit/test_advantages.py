@@ -118,6 +118,27 @@ def test_reinforce_plus_plus_baseline_subtracts_group_mean():
     )
 
 
+def test_groups_of_their_own_sizes_are_each_normalised_over_the_whole_group():
+    # a custom generate function's fan-out: groups of 3 and 2 (rewards 1, 0, 0 | 1, 0)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0])
+    # GRPO: group 1 mean 1/3, sample std sqrt((4/9 + 2 * 1/9) / 2) = 0.57735 -> 1.154701, -0.577350 (x2);
+    # group 2 mean 0.5, std 0.707107 -> +-0.707107
+    close(grpo_sequence_advantages(rewards, group_size=[3, 2]), [1.154701, -0.577350, -0.577350, 0.707107, -0.707107])
+    close(grpo_sequence_advantages(rewards, [3, 2], normalize_std=False), [2 / 3, -1 / 3, -1 / 3, 0.5, -0.5])
+    # RLOO: r=1 in 3: 1 - mean(0, 0) = 1; r=0: 0 - mean(1, 0) = -0.5; in 2: 1 - 0 = 1, 0 - 1 = -1
+    close(rloo_sequence_advantages(rewards, [3, 2]), [1.0, -0.5, -0.5, 1.0, -1.0])
+    # REINFORCE++-baseline: centred 2/3, -1/3, -1/3, 0.5, -0.5 (mean 0), sample std sqrt((4/9 + 2/9 + 0.5) / 4)
+    centred = torch.tensor([2 / 3, -1 / 3, -1 / 3, 0.5, -0.5])
+    expected = (centred / centred.std()).view(5, 1).tolist()
+    close(reinforce_plus_plus_advantages(rewards, torch.ones(5, 1), [3, 2]), expected)
+    # the same sizes as an int give the same advantages
+    close(grpo_sequence_advantages(REWARDS, [4, 4]), grpo_sequence_advantages(REWARDS, 4).tolist())
+    with pytest.raises(ValueError, match=r"group sizes \[3, 3\] do not add up to the 5 rewards"):
+        grpo_sequence_advantages(rewards, [3, 3])
+    with pytest.raises(ValueError, match="rloo needs group_size >= 2"):
+        rloo_sequence_advantages(rewards, [4, 1])
+
+
 def test_bad_inputs_name_the_problem():
     with pytest.raises(ValueError, match="group_size=3"):
         grpo_sequence_advantages(REWARDS, group_size=3)

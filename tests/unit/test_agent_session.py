@@ -10,7 +10,7 @@ import pytest
 
 from relax.ports import free_port
 from relax.rollout.agent_session import ChatSessions, finish_session, new_messages, open_session, parse_chat_request
-from relax.rollout.custom_generate import CustomGenerateFn, Sample, completion_of, generate_sample
+from relax.rollout.custom_generate import CustomGenerateFn, Sample, completion_of, generate_samples
 from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion
 from relax.rollout.generate_server import HOST, BadRequest, GenerateServer, UnknownPath
@@ -251,17 +251,17 @@ def test_an_openai_client_agent_runs_its_session_through_the_server_and_the_func
         finishes.extend(await openai_agent(base_url))
         return finish_session(base_url, sample)
 
-    async def run() -> Completion:
+    async def run() -> list[Completion]:
         server = GenerateServer(None, int(sessions.base_url.rsplit(":", 1)[1]), sessions.complete)
         await server.start()
         try:
             with sessions.serving():
-                return await generate_sample(CustomGenerateFn(agent_function, "agent", False), None, prompt, PARAMS,
+                return await generate_samples(CustomGenerateFn(agent_function, "agent", False), None, prompt, PARAMS,
                                              engine)
         finally:
             await server.stop()
 
-    completion = asyncio.run(run())
+    (completion,) = asyncio.run(run())
     assert completion.error is None and finishes == ["tool_calls", "stop"]
     sampled_call = encode(turns, CALL)
     tool_turn = turns.after_assistant_messages(sampled_call, [RESULT])

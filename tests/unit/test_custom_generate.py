@@ -4,22 +4,28 @@ step's groups of such samples through EngineWorker over a scripted engine (the r
 tests/e2e/test_loop_custom_generate.py)."""
 
 import asyncio
+import json
 import textwrap
 from collections import Counter
 from dataclasses import dataclass
 
 import pytest
 
+from relax.args.settings import AlgorithmSettings
 from relax.rollout.agent_session import ChatSessions
 from relax.rollout.custom_generate import (
-    CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_sample,
+    CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_samples,
     load_custom_generate_fn, sample_problem,
 )
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.rewards import RewardFn
 from relax.rollout.rollout import collect_groups, reward_and_length_metrics, samples_of
+from relax.rollout.dump import load_rollout_data, save_rollout_data
+from relax.rollout.groups import group_sizes
 from relax.rollout.worker import EngineWorker
+from relax.run.loop import rollout_batch
+from relax.train.batch import optimizer_step_sizes
 
 FUNCTIONS = '''
 async def generate(args, sample, sampling_params):
@@ -161,9 +167,15 @@ class ScriptedEngine:
         return Completion(ids, [-1.0 - len(self.requests) + 1] * len(ids), self.finish_reason, f"<{len(ids)} ids>")
 
 
-def run_sample(fn, engine, prompt_ids=PROMPT, label="7") -> Completion:
+def run_call(fn, engine, prompt_ids=PROMPT, label="7") -> list[Completion]:
     prompt = Prompt(row=1, token_ids=list(prompt_ids), text="copy 7:", label=label)
-    return asyncio.run(generate_sample(_as_custom(fn), "args", prompt, {"max_new_tokens": 8}, engine))
+    return asyncio.run(generate_samples(_as_custom(fn), "args", prompt, {"max_new_tokens": 8}, engine))
+
+
+def run_sample(fn, engine, prompt_ids=PROMPT, label="7") -> Completion:
+    """The one completion of a call that returned one sample (or failed)."""
+    (completion,) = run_call(fn, engine, prompt_ids, label)
+    return completion
 
 
 def _as_custom(fn) -> CustomGenerateFn:
@@ -250,7 +262,9 @@ async def _raises(args, sample, sampling_params):
 @pytest.mark.parametrize("fn, reason", [
     (_raises, "--custom-generate-function-path tests:fn raised KeyError: 'label'"),
     (_returning(None), "returned NoneType, not a relax.rollout.custom_generate.Sample"),
-    (_returning(lambda s: [s, s]), "returned 2 samples; relax trains --n-samples-per-prompt samples per prompt"),
+    (_returning([]), "returned a list of 0 samples: return 1 to 16 samples per call"),
+    (_returning(lambda s: [s] * 17), "returned a list of 17 samples: return 1 to 16 samples per call"),
+    (_returning(lambda s: [s, s]), "sample 0 of the 2 it returned: returned a sample with status PENDING"),
     (_returning(lambda s: s), "returned a sample with status PENDING"),
     (_returning(_with(status=Sample.Status.FAILED)), "returned a sample with status FAILED"),
     (_returning(_with(status=Sample.Status.COMPLETED, tokens=[1, 2], response_length=2,
@@ -267,6 +281,33 @@ def test_a_sample_the_function_fails_or_misaligns_is_failed_naming_why(fn, reaso
     assert completion.finish_reason == "error" and completion.token_ids == []
     assert completion.error.startswith("--custom-generate-function-path tests:fn")
     assert reason in completion.error
+
+
+def _finished(reward=None, status=Sample.Status.COMPLETED, **fields) -> Sample:
+    """A sample a function built itself: one response token 9 after PROMPT."""
+    return Sample("copy 7:", **{"tokens": PROMPT + [9], "response_length": 1, "rollout_log_probs": [-3.0],
+                                "reward": reward, "status": status, **fields})
+
+
+def test_a_call_that_fans_out_gives_a_completion_per_sample_each_checked_as_one_sample_is():
+    async def fans_out(args, sample, sampling_params):
+        return [await two_turns(args, sample, sampling_params), _finished(reward=0.5)]
+
+    completions = run_call(fans_out, ScriptedEngine([[1, 2], [3]]))
+    assert [c.token_ids for c in completions] == [[1, 2, *TOOL, 3], [9]]
+    assert [c.loss_mask for c in completions] == [[1, 1, 0, 0, 1], None]
+    assert [c.reward for c in completions] == [None, 0.5] and [c.error for c in completions] == [None, None]
+    # a bad element fails the whole call, naming which one; an ABORTED one sends the call's prompt back
+    (failed,) = run_call(_returning([_finished(), _finished(rollout_log_probs=[-1.0, -2.0])]), ScriptedEngine([]))
+    assert failed.error == ("--custom-generate-function-path tests:fn: sample 1 of the 2 it returned: its "
+                            "rollout_log_probs has 2 entries for 1 response tokens")
+    (over,) = run_call(_returning([_finished(), _finished(tokens=PROMPT + [9] * 9, response_length=9,
+                                                          rollout_log_probs=[-1.0] * 9)]), ScriptedEngine([]))
+    assert "sample 1 of the 2 it returned: its response has 9 tokens, over its budget of 8" in over.error
+    (aborted,) = run_call(_returning([_finished(), _finished(status=Sample.Status.ABORTED)]), ScriptedEngine([]))
+    assert aborted.finish_reason == "abort" and aborted.error is None
+    (one,) = run_call(_returning([_finished()] * 1), ScriptedEngine([]))  # a list of one is the sample
+    assert one.token_ids == [9]
 
 
 def test_append_keeps_the_fields_aligned_after_tokens_the_function_set_itself():
@@ -364,6 +405,54 @@ def test_a_step_of_function_samples_keeps_preset_rewards_puts_aborted_prompts_ba
     # the k-th group's sample j is seeded 2k + j in each of its turns: the failing group's second sample (its first
     # raised before a request), then both samples of groups 2 and 3, two turns each
     assert sorted(worker.seeds) == [3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+
+
+async def fans_out_by_label(args, sample, sampling_params):
+    """A prompt labelled "plain": one sample per call, its reward the seed's parity; "fan": a second one beside it
+    with reward 0.0 (the reward function gives the first 1.0); "fan_equal": the second with 1.0."""
+    row_ids = list(sample.tokens)
+    first = await two_turns(args, sample, sampling_params)
+    if sample.label == "plain":
+        first.reward = float(sampling_params["sampling_seed"] % 2)
+        return first
+    sibling = Sample(sample.prompt, tokens=row_ids + [9], response_length=1, rollout_log_probs=[-3.0],
+                     reward=0.0 if sample.label == "fan" else 1.0, status=Sample.Status.COMPLETED)
+    return [first, sibling]
+
+
+def test_a_step_of_fanned_out_groups_counts_groups_not_samples_and_normalises_over_each_whole_group(tmp_path):
+    labels = ["fan", "fan_equal", "plain"]
+    loader = PromptLoader([Prompt(i + 1, [100 + i], f"p{i}", label) for i, label in enumerate(labels)], shuffle=False)
+    samples, metrics = collect_groups(
+        WorkerPool(ScriptedWorker(fans_out_by_label)), loader, SamplingConfig(n=2, seed=0, max_new_tokens=8),
+        RewardFn(lambda sample: 1.0, "r", per_batch=False, is_async=False), num_groups=2, chunk_size=1,
+        dynamic_sampling=True, max_prompts=3,
+    )
+    # "fan": 2 calls x 2 samples, kept; "fan_equal": its 4 rewards equal, dropped; "plain": 2 samples, kept
+    assert [s.prompt.label for s in samples] == ["fan"] * 4 + ["plain"] * 2
+    assert [s.group_size for s in samples] == [4] * 4 + [2] * 2 and group_sizes(samples, 2) == [4, 2]
+    assert [s.reward for s in samples] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0]
+    assert [s.response_token_ids[-1] for s in samples[:4]] == [2, 9, 2, 9]  # call by call, each call's in order
+    assert metrics["rollout/fan_out_samples"] == 2 and metrics["rollout/dropped_groups"] == 1
+    assert metrics["rollout/kept_groups"] == 2
+    # GRPO over each whole group: [1, 0, 1, 0] has mean 0.5 and unbiased std sqrt(1/3); [0, 1] mean 0.5, std
+    # sqrt(1/2)
+    algorithm = AlgorithmSettings(advantage_estimator="grpo", normalize_advantages_by_std=True, group_size=2,
+                                  global_batch_size=2, uses_reference=False)
+    batch = rollout_batch(samples, algorithm)
+    first_tokens = [advantages[0].item() for advantages in batch.advantages]
+    wide, pair = 0.5 / (1 / 3) ** 0.5, 0.5 / 0.5 ** 0.5
+    assert first_tokens == pytest.approx([wide, -wide, wide, -wide, -pair, pair], abs=1e-5)
+    # the step keeps its 2 optimizer steps of --global-batch-size 2 nominally; they train 3 samples each
+    assert optimizer_step_sizes(len(samples), 2, 2, algorithm.global_batch_size) == [3, 3]
+    # --save-rollout-data keeps each group's size; a replay gets the same groups
+    pattern = str(tmp_path / "step_{step}.jsonl")
+    header = json.loads(save_rollout_data(pattern, 0, samples, 2).read_text().splitlines()[0])
+    assert header["group_sizes"] == [4, 2] and header["samples_per_prompt"] == 2
+    replayed = load_rollout_data(pattern, 0, num_groups=2, samples_per_prompt=2)
+    assert [s.group_size for s in replayed] == [4] * 4 + [2] * 2
+    assert [(s.response_token_ids, s.reward) for s in replayed] == [(s.response_token_ids, s.reward) for s in samples]
+    assert [a.tolist() for a in rollout_batch(replayed, algorithm).advantages] == [a.tolist() for a in batch.advantages]
 
 
 def test_a_step_trains_the_samples_of_a_function_that_rewrites_the_prompt_on_their_own_prompt_ids():

@@ -116,6 +116,19 @@ def test_evaluate_reports_the_engine_refusing_samples_and_goes_on(capsys):
             "(eval/mixed/failed_prompts); first reasons: ValueError: too long") in capsys.readouterr().err
 
 
+def test_an_evaluation_counts_each_sample_a_custom_generate_function_fanned_out_as_one_of_its_prompts():
+    def generate(prompts, sampling):  # K = 2 calls per prompt; prompt [1]'s first call fans out into 3 samples
+        right, wrong = Completion([7], [0.0], "stop", "1"), Completion([7], [0.0], "stop", "0")
+        return [[right, wrong, wrong, wrong] if p.token_ids[0] == 1 else [wrong, wrong] for p in prompts]
+
+    sets = [EvalSet("fanned", [Prompt(1, [1], "copy 1:", label="1"), Prompt(2, [2], "copy 2:", label="1")])]
+    metrics = evaluate(generate, sets, SamplingConfig(n=2), load_reward_fn("exact_match"), seed=3)
+    assert metrics["eval/fanned/reward_mean"] == 1 / 6  # 1 right of the 6 samples
+    assert metrics["eval/fanned/pass@1"] == pytest.approx((1 / 4 + 0) / 2)  # k of prompt [1]'s 4 samples
+    assert metrics["eval/fanned/pass@2"] == pytest.approx((1 - 3 / 6 + 0) / 2)  # 1 - C(3,2)/C(4,2)
+    assert metrics["eval/fanned/failed_prompts"] == 0
+
+
 def test_eval_is_due_at_the_start_every_interval_and_after_the_last_step():
     assert [s for s in range(8) if eval_due(s, 7, 3)] == [0, 3, 6, 7]
     assert [s for s in range(7) if eval_due(s, 6, 3)] == [0, 3, 6]

@@ -1,7 +1,9 @@
 import pytest
 
 from relax.rollout.data import Prompt
-from relax.rollout.groups import Group, Sample, apply_overlong_penalty, group_by_prompt, overlong_penalty
+from relax.rollout.groups import (
+    Group, Sample, apply_overlong_penalty, group_by_prompt, group_sizes, overlong_penalty,
+)
 
 
 def make_group(rewards, row=1):
@@ -17,6 +19,17 @@ def test_group_by_prompt():
         group_by_prompt(samples, 3)
     with pytest.raises(ValueError, match="do not share one prompt"):
         group_by_prompt([samples[0], samples[2]], 2)
+
+
+def test_groups_fanned_out_by_a_custom_generate_function_are_as_large_as_their_samples_say():
+    a, b = Prompt(1, [1], "a"), Prompt(2, [2], "b")
+    samples = [Sample(a, [3], [0.0], "stop", group_size=3) for _ in range(3)] + [Sample(b, [3], [0.0], "stop")] * 2
+    assert group_sizes(samples, 2) == [3, 2]
+    assert [len(g.samples) for g in group_by_prompt(samples, 2)] == [3, 2]
+    with pytest.raises(ValueError, match="4 samples do not split into groups of 2/3"):
+        group_sizes(samples[1:], 2)
+    with pytest.raises(ValueError, match="samples 0..2 do not share one prompt and one group size"):
+        group_sizes(samples[:2] + samples[3:] + samples[3:4], 2)  # a, a, b | b, b
 
 
 def test_overlong_penalty_matches_dapo():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from relax.train.batch import (
-    RolloutBatch, balanced_shares, make_micro_batches, plan_micro_batches, split_over_data_parallel, token_imbalance,
+    RolloutBatch, balanced_shares, make_micro_batches, optimizer_step_sizes, plan_micro_batches,
+    split_over_data_parallel, token_imbalance,
 )
 
 
@@ -82,14 +83,28 @@ def test_ranks_get_equal_tokens_not_equal_sample_counts():
 
 def test_each_optimizer_step_is_balanced_on_its_own():
     counts = [8, 1, 1, 1, 5, 5, 1, 1]
-    shares, worst = split_over_data_parallel(counts, global_batch_size=4, num_ranks=2)
+    shares, worst = split_over_data_parallel(counts, optimizer_step_sizes(8, 4, 2, global_batch_size=4), num_ranks=2)
     assert [s.step_sizes for s in shares] == [[1, 2], [3, 2]]
     assert [s.indices for s in shares] == [[0, 4, 6], [1, 2, 3, 5, 7]]
     for step in (range(0, 4), range(4, 8)):  # no sample crosses into another optimizer step
         assert sorted(i for s in shares for i in s.indices if i in step) == list(step)
     assert worst == pytest.approx(8 / 5.5)
     with pytest.raises(ValueError, match="not a multiple of the global batch size 3"):
-        split_over_data_parallel(counts, global_batch_size=3, num_ranks=2)
+        optimizer_step_sizes(8, 4, 2, global_batch_size=3)
+
+
+def test_a_rollout_with_fanned_out_groups_takes_as_many_optimizer_steps_each_holding_more_samples():
+    # 4 groups of 2 samples nominally (2 steps of 4); fan-out made 11 samples: steps of 5 and 6, in order
+    assert optimizer_step_sizes(8, 4, 2, global_batch_size=4) == [4, 4]
+    assert optimizer_step_sizes(11, 4, 2, global_batch_size=4) == [5, 6]
+    assert optimizer_step_sizes(11, 4, 2, global_batch_size=8) == [11]
+    shares, _ = split_over_data_parallel([1] * 11, [5, 6], num_ranks=2)
+    assert [s.step_sizes for s in shares] == [[3, 3], [2, 3]]
+    assert sorted(i for s in shares for i in s.indices) == list(range(11))
+    with pytest.raises(ValueError, match=r"optimizer steps of \[5, 5\] samples for 11 rollout samples"):
+        split_over_data_parallel([1] * 11, [5, 5], num_ranks=2)
+    with pytest.raises(ValueError, match="7 samples are fewer than 4 groups x 2"):
+        optimizer_step_sizes(7, 4, 2, global_batch_size=4)
 
 
 def test_select_keeps_per_token_fields():
