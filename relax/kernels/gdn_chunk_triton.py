@@ -11,33 +11,33 @@ sequential, per sequence:
     S_(c+1) = decay_total_c S_c + k_to_end_c^T u_c
     o_c = q_decayed_c S_c + attn_c u_c
 
-`_state_pass_forward` runs it for one (sequence, head, tile of value columns) per work item and writes every chunk's
-incoming state S_c and new values u_c; the outputs and the gradients that sum over the value columns are batched
-products of those. `_state_pass_backward` runs the same chain backwards for the gradients of the states and the new
-values. The forward keeps no state for the backward (the layer's inputs only): the backward runs the forward kernel
-again, so the states, float32 [chunks, heads, K, V], live only while one layer computes.
+`_state_pass_forward` runs it for one (sequence, head, tile of launch.chunk_state_block_v value columns) per work
+item and writes every chunk's incoming state S_c and new values u_c; the outputs and the gradients that sum over the
+value columns are batched products of those. `_state_pass_backward` runs the same chain backwards for the gradients
+of the states and the new values. The state pass keeps no state for the backward (its inputs only): the backward
+runs the forward kernel again, so the states, float32 [chunks, heads, K, V], live only while one layer computes.
 
 Written to the porting rules of relax.kernels.gdn_triton: a 1-D grid of at most `launch.num_programs` programs, each
 looping over work items with a stride of the grid size; launch keywords only from `launch.options`.
 """
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from relax.kernels import gdn_reference
-from relax.kernels.launch import TritonLaunch, triton_launch
+from relax.kernels.launch import TritonLaunch
 
 CHUNK = 64  # tokens per chunk: fla's and MindSpeed's chunk size
-BLOCK_V = 32  # value columns of the state per work item (a [K, BLOCK_V] float32 tile on chip)
+# float32 products, as the reference's. On an H100 with Triton 3.6.0, "tf32x3" at 4 warps (50.5 ms a layer) was no
+# faster than this at 8 (45.8 ms), and at 8 warps it failed with an illegal memory access.
+PRECISION = "ieee"
 
 
 @triton.jit
 def _state_pass_forward(u_values_ptr, u_state_ptr, k_to_end_ptr, decay_total_ptr, initial_ptr, states_ptr, u_ptr,
                         final_ptr, chunk_bounds_ptr, num_seqs, heads, K, V, HAS_INITIAL: tl.constexpr,
-                        CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                        CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     """For each chunk c of a sequence: states[c] = S_c, u[c] = u_values_c - u_state_c S_c; final = the state after the
     sequence's last chunk. Chunk-major layouts: [chunks, heads, CHUNK, K or V], states [chunks, heads, K, V]."""
     tiles = tl.cdiv(V, BV)
@@ -63,18 +63,19 @@ def _state_pass_forward(u_values_ptr, u_state_ptr, k_to_end_ptr, decay_total_ptr
             key_offs = chunk_head * CHUNK * K + rows[:, None] * K + offs_k[None, :]
             u_state = tl.load(u_state_ptr + key_offs, mask=mask_k[None, :], other=0.0)
             u = tl.load(u_values_ptr + value_offs, mask=mask_v[None, :], other=0.0)
-            u -= tl.dot(u_state, state, input_precision="ieee")
+            u -= tl.dot(u_state, state, input_precision=PRECISION)
             tl.store(u_ptr + value_offs, u, mask=mask_v[None, :])
             k_to_end = tl.load(k_to_end_ptr + key_offs, mask=mask_k[None, :], other=0.0)
             state = state * tl.load(decay_total_ptr + chunk_head) + tl.dot(tl.trans(k_to_end), u,
-                                                                            input_precision="ieee")
+                                                                            input_precision=PRECISION)
         tl.store(final_ptr + seq_state + state_offs, state, mask=mask_state)
 
 
 @triton.jit
 def _state_pass_backward(u_grad_ptr, states_grad_ptr, u_state_ptr, k_to_end_ptr, decay_total_ptr, final_grad_ptr,
                          u_total_grad_ptr, next_state_grad_ptr, initial_grad_ptr, chunk_bounds_ptr, num_seqs, heads, K,
-                         V, HAS_FINAL_GRAD: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                         V, HAS_FINAL_GRAD: tl.constexpr, CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         PRECISION: tl.constexpr):
     """The state pass backwards, from the gradients the outputs give the states (states_grad) and the new values
     (u_grad), and the final state's gradient: per chunk, from the last, G = the gradient of S_(c+1) (written to
     next_state_grad[c]); the new values' whole gradient u_grad_c + k_to_end_c G (written to u_total_grad[c]);
@@ -103,20 +104,21 @@ def _state_pass_backward(u_grad_ptr, states_grad_ptr, u_state_ptr, k_to_end_ptr,
             key_offs = chunk_head * CHUNK * K + rows[:, None] * K + offs_k[None, :]
             k_to_end = tl.load(k_to_end_ptr + key_offs, mask=mask_k[None, :], other=0.0)
             u_grad = tl.load(u_grad_ptr + value_offs, mask=mask_v[None, :], other=0.0)
-            u_grad += tl.dot(k_to_end, grad, input_precision="ieee")
+            u_grad += tl.dot(k_to_end, grad, input_precision=PRECISION)
             tl.store(u_total_grad_ptr + value_offs, u_grad, mask=mask_v[None, :])
             u_state = tl.load(u_state_ptr + key_offs, mask=mask_k[None, :], other=0.0)
             states_grad = tl.load(states_grad_ptr + chunk_head * K * V + state_offs, mask=mask_state, other=0.0)
             grad = (states_grad + grad * tl.load(decay_total_ptr + chunk_head)
-                    - tl.dot(tl.trans(u_state), u_grad, input_precision="ieee"))
+                    - tl.dot(tl.trans(u_state), u_grad, input_precision=PRECISION))
         tl.store(initial_grad_ptr + seq_state + state_offs, grad, mask=mask_state)
 
 
 def _launch_state_pass(kernel, launch: TritonLaunch, num_seqs: int, heads: int, K: int, V: int, *args, **flags):
-    items = num_seqs * heads * triton.cdiv(V, BLOCK_V)
+    block_v, options = launch.chunk_state_block_v, {**launch.options, **launch.chunk_state_options}
+    items = num_seqs * heads * triton.cdiv(V, block_v)
     grid = (max(1, min(items, launch.num_programs)),)
     kernel[grid](*args, num_seqs, heads, K, V, **flags, CHUNK=CHUNK, BK=max(16, triton.next_power_of_2(K)),
-                 BV=BLOCK_V, **launch.options)
+                 BV=block_v, PRECISION=PRECISION, **options)
 
 
 def _states_forward(terms, initial, chunk_bounds, launch):
@@ -171,19 +173,11 @@ class _StatePass(torch.autograd.Function):
                 None if initial is None else initial_grad, None, None)
 
 
-@functools.cache
-def _device_launch(device: torch.device) -> TritonLaunch:
-    from relax.platform import platform_facts
-
-    platform = platform_facts(device.type)
-    return triton_launch(platform.triton_target, platform.triton_compute_units(device.index or 0))
-
-
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, launch: TritonLaunch | None = None,
-                           **unused):
+                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, *, launch: TritonLaunch, **unused):
     """fla's chunk_gated_delta_rule contract (relax.kernels.gdn_reference.chunk_gated_delta_rule's docstring), every
-    sequence at once; float32 inside, outputs in v's dtype, differentiable. `launch`: the device's by default."""
+    sequence at once; float32 inside, outputs in v's dtype, differentiable. `launch`: the device's launch record
+    (Platform.triton_launch)."""
     if unused:
         raise TypeError(f"chunk_gated_delta_rule: unsupported arguments {sorted(unused)}")
     batch, length, num_k_heads, K = q.shape
@@ -220,7 +214,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         terms.u_values.contiguous(), terms.u_state.contiguous(), terms.k_to_end.contiguous(),
         terms.decay_total.contiguous(), terms.q_decayed, terms.attn,
         None if initial_state is None else initial_state.float().contiguous(), chunk_bounds.to(torch.int32),
-        launch or _device_launch(q.device),
+        launch,
     )
     o = o.transpose(1, 2).flatten(0, 1).index_select(0, slots).unflatten(0, (batch, length))
     return o.to(v.dtype), (final if output_final_state else None)

@@ -14,7 +14,8 @@
 
 The platform record names its default (Platform.gdn_training_kernel); `--gdn-training-kernel` overrides it. All
 take fla's arguments: chunk_gated_delta_rule(q, k, v, g=, beta=, initial_state=, output_final_state=,
-use_qk_l2norm_in_kernel=, cu_seqlens=) on [1, t, heads, d], and l2norm(x). MindSpeed's functions take exactly these
+use_qk_l2norm_in_kernel=, cu_seqlens=) on [1, t, heads, d], and l2norm(x); relax's rule also the keyword launch=
+(Platform.triton_launch of the device). MindSpeed's functions take exactly these
 (its rule was written as a drop-in for fla's, and its adaptor puts it at fla's entry point), so they are used as
 they are.
 """

@@ -27,6 +27,10 @@ class TritonLaunch:
     decode_split_options: Mapping[str, Any] = field(default_factory=dict)
     # relax.kernels.logprobs_triton: logits per on-chip tile of a vocabulary row (a power of two).
     logprob_block_vocab: int = 2048
+    # relax.kernels.gdn_chunk_triton's state pass: value columns of the state per work item (a power of two, at least
+    # 16: tl.dot's smallest), and the launch keywords it sets over `options`.
+    chunk_state_block_v: int = 16
+    chunk_state_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,16 @@ class LaunchTuning:
     decode_split_min_block_v: int = 16
     decode_split_options: Mapping[str, Any] = field(default_factory=dict)
     logprob_block_vocab: int = 2048
+    chunk_state_block_v: int = 16
+    chunk_state_options: Mapping[str, Any] = field(default_factory=dict)
 
     def launch(self, compute_units: int) -> TritonLaunch:
         return TritonLaunch(
             num_programs=compute_units * self.programs_per_unit, options=self.options,
             decode_block_v=self.decode_block_v, decode_split_items=compute_units * self.decode_split_items_per_unit,
             decode_split_min_block_v=self.decode_split_min_block_v, decode_split_options=self.decode_split_options,
-            logprob_block_vocab=self.logprob_block_vocab,
+            logprob_block_vocab=self.logprob_block_vocab, chunk_state_block_v=self.chunk_state_block_v,
+            chunk_state_options=self.chunk_state_options,
         )
 
 
@@ -68,6 +75,12 @@ NVIDIA = LaunchTuning(
     # The logprob kernels' vocabulary tile: 32 float32 logits per thread of 4 warps. Not measured yet:
     # benchmarks/logprob_entropy.py --block-vocab times other tiles.
     logprob_block_vocab=4096,
+    # The chunked GDN rule's state pass (forward and backward), float32 products: 16 value columns per work item with
+    # 8 warps and no prefetch measured fastest on an H100 at Qwen3.5-9B's GDN shape (16384 packed tokens, 32 heads of
+    # 128; benchmarks/gdn_chunk_rule.py): a layer's forward + backward 45.8 ms, against 48.0 with num_stages=2, 82.7
+    # with 32 columns and 201 with 32 columns and 4 warps (the programs spill their tiles).
+    chunk_state_block_v=16,
+    chunk_state_options=MappingProxyType({"num_warps": 8, "num_stages": 1}),
 )
 # Ascend NPUs (triton-ascend), per vector core: one program per core (relax's kernels have no matrix-unit work) and no
 # num_warps/num_stages, as triton-ascend's porting rules ask. gdn_decode keeps TritonLaunch's defaults (64-row tiles,

@@ -8,6 +8,8 @@ from abc import ABC, abstractmethod
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from relax.kernels.launch import TritonLaunch, triton_launch
+
 
 class Platform(ABC):
     name: str  # "cpu" | "cuda" | "npu"; also the torch device type and SGLang's ServerArgs.device
@@ -137,6 +139,11 @@ class Platform(ABC):
     def triton_compute_units(self, device_index: int) -> int:
         """The units of device `device_index` that Triton programs run on (a GPU's multiprocessors, an NPU's vector
         cores), which relax.kernels.launch sizes its grids by. Raises where Triton cannot run here."""
+
+    def triton_launch(self, device_index: int) -> TritonLaunch:
+        """The launch record relax's Triton kernels take on device `device_index`: its Triton target's tuning scaled
+        to its compute units (relax.kernels.launch). Raises where Triton cannot run here."""
+        return triton_launch(self.triton_target, self.triton_compute_units(device_index))
 
     def device_count(self) -> int:
         return self.device_module.device_count()

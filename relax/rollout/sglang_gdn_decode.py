@@ -25,7 +25,7 @@ import logging
 import torch
 
 from relax.kernels.gdn_triton import decode_tiling, gdn_decode
-from relax.kernels.launch import TritonLaunch, triton_launch
+from relax.kernels.launch import TritonLaunch
 from relax.platform import platform_facts
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def launch_for_device(device: torch.device) -> TritonLaunch:
     vector core on Ascend, a few programs under TRITON_INTERPRET on the CPU)."""
     platform = platform_facts(device.type)
     try:
-        return triton_launch(platform.triton_target, platform.triton_compute_units(device.index or 0))
+        return platform.triton_launch(device.index or 0)
     except RuntimeError as error:
         raise RuntimeError(f"SGLANG_RELAX_FUSED_GDN_DECODE=1 on {device}: {error}; or unset the variable") from error
 

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch.distributed import ReduceOp
 
-from relax.kernels.launch import TritonLaunch, triton_launch
+from relax.kernels.launch import TritonLaunch
 
 # float32 bytes of one [positions, local vocab] temporary: the piece of positions is CHUNK_BYTES / (4 * local vocab),
 # 441 positions at a vocabulary of 151,936. A piece still spans about 67M elements, so each of its dozen kernels has
@@ -264,4 +264,4 @@ def platform_launch(platform, device_index: int) -> TritonLaunch | None:
     if platform.logprob_kernel != "triton":
         raise ValueError(f"unknown logprob kernel {platform.logprob_kernel!r} of {platform}: choose one of "
                          f"{', '.join(LOGPROB_KERNELS)}")
-    return triton_launch(platform.triton_target, platform.triton_compute_units(device_index))
+    return platform.triton_launch(device_index)

@@ -1,5 +1,6 @@
 """relax.kernels on a CUDA GPU: the fused decode kernel and relax's chunked training rule vs the torch reference, and
-the torch chunked forward vs flash-linear-attention's own chunk kernel. Skipped where there is no GPU (or, for the fla check, no fla)."""
+the torch chunked forward vs flash-linear-attention's own chunk kernel. Skipped where there is no GPU (or, for the
+fla check, no fla)."""
 
 import pytest
 import torch
@@ -145,10 +146,12 @@ def test_relax_chunk_rule_matches_the_reference(dtype_name, tolerance):
     from helpers import chunk_rule_case, chunk_rule_outputs_and_gradients
 
     from relax.kernels import gdn_chunk_triton
+    from relax.platform import get_platform
 
     case = chunk_rule_case([1, 700, 64, 2000, 33], 2, 8, 128, 128, initial=True, gate_scale=1.0,
                            dtype_name=dtype_name, device="cuda")
-    out, final, grads = chunk_rule_outputs_and_gradients(gdn_chunk_triton.chunk_gated_delta_rule, case, True)
+    out, final, grads = chunk_rule_outputs_and_gradients(gdn_chunk_triton.chunk_gated_delta_rule, case, True,
+                                                         launch=get_platform("cuda").triton_launch(0))
     expected_out, expected_final, expected_grads = chunk_rule_outputs_and_gradients(ref.chunk_gated_delta_rule, case,
                                                                                     True)
     torch.testing.assert_close(out, expected_out, atol=tolerance, rtol=tolerance)

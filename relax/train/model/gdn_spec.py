@@ -21,6 +21,8 @@ import torch
 
 from relax.hf_checkpoint.architecture import FULL_ATTENTION, LINEAR_ATTENTION
 from relax.kernels.gdn_training import gdn_training_kernel
+from relax.kernels.launch import TritonLaunch
+from relax.platform import platform_facts
 
 
 class RMSNorm(torch.nn.Module):
@@ -106,6 +108,11 @@ def packed_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias, positions:
 
 
 @functools.cache
+def _triton_launch(device: torch.device) -> TritonLaunch:
+    return platform_facts(device.type).triton_launch(device.index or 0)
+
+
+@functools.cache
 def _packed_gated_delta_net():
     from megatron.core.ssm import gated_delta_net
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
@@ -168,13 +175,16 @@ def _packed_gated_delta_net():
             g = -self.A_log.exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias)  # float32
             query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
             g, beta = g.unsqueeze(0), beta.sigmoid().unsqueeze(0)
+            chunk_rule = self.chunk_rule
+            if self.training_kernel == "relax":  # relax's Triton kernels take the device's launch record
+                chunk_rule = functools.partial(chunk_rule, launch=_triton_launch(query.device))
             if recurrence is None:
-                core_out, _ = self.chunk_rule(
+                core_out, _ = chunk_rule(
                     query, key, value, g=g, beta=beta,
                     initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=cu_seqlens,
                 )
             else:
-                core_out = recurrence.gated_delta_rule(self.chunk_rule, query, key, value, g, beta)
+                core_out = recurrence.gated_delta_rule(chunk_rule, query, key, value, g, beta)
             normed = self._apply_gated_norm(core_out, gate.reshape(total, -1, self.value_head_dim))
             normed = normed.reshape(rows, length, -1).transpose(0, 1).contiguous()
             return self.out_proj(normed)
