@@ -35,37 +35,50 @@ PRECISION = "ieee"
 
 
 @triton.jit
+def _work_item(item, heads, K, V, BK: tl.constexpr, BV: tl.constexpr):
+    """Work item `item`'s sequence and head, its value columns, the offsets of its state tile within one [K, V] state
+    and where the sequence's [heads, K, V] state of its head starts."""
+    tiles = tl.cdiv(V, BV)
+    cols = (item % tiles) * BV + tl.arange(0, BV)
+    head = (item // tiles) % heads
+    seq = item // (tiles * heads)
+    offs_k = tl.arange(0, BK)
+    mask_state = (offs_k < K)[:, None] & (cols < V)[None, :]
+    seq_state = (tl.cast(seq, tl.int64) * heads + head) * K * V
+    return seq, head, cols, offs_k[:, None] * V + cols[None, :], mask_state, seq_state
+
+
+@triton.jit
+def _chunk_tiles(chunk, head, heads, cols, K, V, CHUNK: tl.constexpr, BK: tl.constexpr):
+    """Offsets of a chunk's [CHUNK, value columns] and [CHUNK, K] tiles for `head`, and where its state starts."""
+    chunk_head = tl.cast(chunk, tl.int64) * heads + head
+    rows = tl.arange(0, CHUNK)[:, None]
+    value_offs = chunk_head * CHUNK * V + rows * V + cols[None, :]
+    key_offs = chunk_head * CHUNK * K + rows * K + tl.arange(0, BK)[None, :]
+    return value_offs, key_offs, chunk_head * K * V, chunk_head
+
+
+@triton.jit
 def _state_pass_forward(u_values_ptr, u_state_ptr, k_to_end_ptr, decay_total_ptr, initial_ptr, states_ptr, u_ptr,
                         final_ptr, chunk_bounds_ptr, num_seqs, heads, K, V, HAS_INITIAL: tl.constexpr,
                         CHUNK: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     """For each chunk c of a sequence: states[c] = S_c, u[c] = u_values_c - u_state_c S_c; final = the state after the
     sequence's last chunk. Chunk-major layouts: [chunks, heads, CHUNK, K or V], states [chunks, heads, K, V]."""
-    tiles = tl.cdiv(V, BV)
-    rows = tl.arange(0, CHUNK)
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < K
-    for item in range(tl.program_id(0), num_seqs * heads * tiles, tl.num_programs(0)):
-        cols = (item % tiles) * BV + tl.arange(0, BV)
-        head = (item // tiles) % heads
-        seq = item // (tiles * heads)
-        mask_v = cols < V
-        mask_state = mask_k[:, None] & mask_v[None, :]
-        state_offs = offs_k[:, None] * V + cols[None, :]
-        seq_state = (tl.cast(seq, tl.int64) * heads + head) * K * V
+    mask_k = (tl.arange(0, BK) < K)[None, :]
+    for item in range(tl.program_id(0), num_seqs * heads * tl.cdiv(V, BV), tl.num_programs(0)):
+        seq, head, cols, state_offs, mask_state, seq_state = _work_item(item, heads, K, V, BK, BV)
+        mask_v = (cols < V)[None, :]
+        state = tl.zeros((BK, BV), tl.float32)
         if HAS_INITIAL:
-            state = tl.load(initial_ptr + seq_state + state_offs, mask=mask_state, other=0.0).to(tl.float32)
-        else:
-            state = tl.zeros((BK, BV), tl.float32)
+            state += tl.load(initial_ptr + seq_state + state_offs, mask=mask_state, other=0.0)
         for c in range(tl.load(chunk_bounds_ptr + seq), tl.load(chunk_bounds_ptr + seq + 1)):
-            chunk_head = tl.cast(c, tl.int64) * heads + head
-            tl.store(states_ptr + chunk_head * K * V + state_offs, state, mask=mask_state)
-            value_offs = chunk_head * CHUNK * V + rows[:, None] * V + cols[None, :]
-            key_offs = chunk_head * CHUNK * K + rows[:, None] * K + offs_k[None, :]
-            u_state = tl.load(u_state_ptr + key_offs, mask=mask_k[None, :], other=0.0)
-            u = tl.load(u_values_ptr + value_offs, mask=mask_v[None, :], other=0.0)
+            value_offs, key_offs, chunk_state, chunk_head = _chunk_tiles(c, head, heads, cols, K, V, CHUNK, BK)
+            tl.store(states_ptr + chunk_state + state_offs, state, mask=mask_state)
+            u_state = tl.load(u_state_ptr + key_offs, mask=mask_k, other=0.0)
+            u = tl.load(u_values_ptr + value_offs, mask=mask_v, other=0.0)
             u -= tl.dot(u_state, state, input_precision=PRECISION)
-            tl.store(u_ptr + value_offs, u, mask=mask_v[None, :])
-            k_to_end = tl.load(k_to_end_ptr + key_offs, mask=mask_k[None, :], other=0.0)
+            tl.store(u_ptr + value_offs, u, mask=mask_v)
+            k_to_end = tl.load(k_to_end_ptr + key_offs, mask=mask_k, other=0.0)
             state = state * tl.load(decay_total_ptr + chunk_head) + tl.dot(tl.trans(k_to_end), u,
                                                                             input_precision=PRECISION)
         tl.store(final_ptr + seq_state + state_offs, state, mask=mask_state)
@@ -80,34 +93,24 @@ def _state_pass_backward(u_grad_ptr, states_grad_ptr, u_state_ptr, k_to_end_ptr,
     (u_grad), and the final state's gradient: per chunk, from the last, G = the gradient of S_(c+1) (written to
     next_state_grad[c]); the new values' whole gradient u_grad_c + k_to_end_c G (written to u_total_grad[c]);
     then S_c's: states_grad_c + decay_total_c G - u_state_c^T (u's whole gradient). initial_grad = S_0's."""
-    tiles = tl.cdiv(V, BV)
-    rows = tl.arange(0, CHUNK)
-    offs_k = tl.arange(0, BK)
-    mask_k = offs_k < K
-    for item in range(tl.program_id(0), num_seqs * heads * tiles, tl.num_programs(0)):
-        cols = (item % tiles) * BV + tl.arange(0, BV)
-        head = (item // tiles) % heads
-        seq = item // (tiles * heads)
-        mask_v = cols < V
-        mask_state = mask_k[:, None] & mask_v[None, :]
-        state_offs = offs_k[:, None] * V + cols[None, :]
-        seq_state = (tl.cast(seq, tl.int64) * heads + head) * K * V
+    mask_k = (tl.arange(0, BK) < K)[None, :]
+    for item in range(tl.program_id(0), num_seqs * heads * tl.cdiv(V, BV), tl.num_programs(0)):
+        seq, head, cols, state_offs, mask_state, seq_state = _work_item(item, heads, K, V, BK, BV)
+        mask_v = (cols < V)[None, :]
+        grad = tl.zeros((BK, BV), tl.float32)
         if HAS_FINAL_GRAD:
-            grad = tl.load(final_grad_ptr + seq_state + state_offs, mask=mask_state, other=0.0).to(tl.float32)
-        else:
-            grad = tl.zeros((BK, BV), tl.float32)
+            grad += tl.load(final_grad_ptr + seq_state + state_offs, mask=mask_state, other=0.0)
         first, end = tl.load(chunk_bounds_ptr + seq), tl.load(chunk_bounds_ptr + seq + 1)
         for back in range(0, end - first):
-            chunk_head = tl.cast(end - 1 - back, tl.int64) * heads + head
-            tl.store(next_state_grad_ptr + chunk_head * K * V + state_offs, grad, mask=mask_state)
-            value_offs = chunk_head * CHUNK * V + rows[:, None] * V + cols[None, :]
-            key_offs = chunk_head * CHUNK * K + rows[:, None] * K + offs_k[None, :]
-            k_to_end = tl.load(k_to_end_ptr + key_offs, mask=mask_k[None, :], other=0.0)
-            u_grad = tl.load(u_grad_ptr + value_offs, mask=mask_v[None, :], other=0.0)
+            value_offs, key_offs, chunk_state, chunk_head = _chunk_tiles(end - 1 - back, head, heads, cols, K, V,
+                                                                         CHUNK, BK)
+            tl.store(next_state_grad_ptr + chunk_state + state_offs, grad, mask=mask_state)
+            k_to_end = tl.load(k_to_end_ptr + key_offs, mask=mask_k, other=0.0)
+            u_grad = tl.load(u_grad_ptr + value_offs, mask=mask_v, other=0.0)
             u_grad += tl.dot(k_to_end, grad, input_precision=PRECISION)
-            tl.store(u_total_grad_ptr + value_offs, u_grad, mask=mask_v[None, :])
-            u_state = tl.load(u_state_ptr + key_offs, mask=mask_k[None, :], other=0.0)
-            states_grad = tl.load(states_grad_ptr + chunk_head * K * V + state_offs, mask=mask_state, other=0.0)
+            tl.store(u_total_grad_ptr + value_offs, u_grad, mask=mask_v)
+            u_state = tl.load(u_state_ptr + key_offs, mask=mask_k, other=0.0)
+            states_grad = tl.load(states_grad_ptr + chunk_state + state_offs, mask=mask_state, other=0.0)
             grad = (states_grad + grad * tl.load(decay_total_ptr + chunk_head)
                     - tl.dot(tl.trans(u_state), u_grad, input_precision=PRECISION))
         tl.store(initial_grad_ptr + seq_state + state_offs, grad, mask=mask_state)
