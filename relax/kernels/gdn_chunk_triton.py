@@ -24,6 +24,7 @@ looping over work items with a stride of the grid size; launch keywords only fro
 import torch
 import triton
 import triton.language as tl
+from torch.utils.checkpoint import checkpoint
 
 from relax.kernels import gdn_reference
 from relax.kernels.launch import TritonLaunch
@@ -207,17 +208,26 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         laid = x.new_zeros(chunks * CHUNK, *x.shape[1:]).index_copy(0, slots, x)
         return laid.unflatten(0, (chunks, CHUNK)).transpose(1, 2)
 
-    if use_qk_l2norm_in_kernel:
-        q, k = gdn_reference.l2norm(q.float()), gdn_reference.l2norm(k.float())
-    q = q.float() * (K ** -0.5 if scale is None else scale)
-    repeat = heads // num_k_heads
-    q, k = q.repeat_interleave(repeat, 2), k.repeat_interleave(repeat, 2)
-    terms = gdn_reference.chunk_terms(chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta))
-    o, final = _StatePass.apply(
-        terms.u_values.contiguous(), terms.u_state.contiguous(), terms.k_to_end.contiguous(),
-        terms.decay_total.contiguous(), terms.q_decayed, terms.attn,
-        None if initial_state is None else initial_state.float().contiguous(), chunk_bounds.to(torch.int32),
-        launch,
-    )
-    o = o.transpose(1, 2).flatten(0, 1).index_select(0, slots).unflatten(0, (batch, length))
-    return o.to(v.dtype), (final if output_final_state else None)
+    def rule(q, k, v, g, beta, initial_state):
+        if use_qk_l2norm_in_kernel:
+            q, k = gdn_reference.l2norm(q.float()), gdn_reference.l2norm(k.float())
+        q = q.float() * (K ** -0.5 if scale is None else scale)
+        repeat = heads // num_k_heads
+        q, k = q.repeat_interleave(repeat, 2), k.repeat_interleave(repeat, 2)
+        terms = gdn_reference.chunk_terms(chunked(q), chunked(k), chunked(v), chunked(g), chunked(beta))
+        o, final = _StatePass.apply(
+            terms.u_values.contiguous(), terms.u_state.contiguous(), terms.k_to_end.contiguous(),
+            terms.decay_total.contiguous(), terms.q_decayed, terms.attn,
+            None if initial_state is None else initial_state.float().contiguous(), chunk_bounds.to(torch.int32),
+            launch,
+        )
+        return o.transpose(1, 2).flatten(0, 1).index_select(0, slots).unflatten(0, (batch, length)).to(v.dtype), final
+
+    if torch.is_grad_enabled():
+        # The chunk terms are float32 and several per token and head (about 7 KB per token and value head of 128):
+        # kept for the backward in every layer they would outweigh the layer's other activations many times, so the
+        # backward computes them again from the inputs, which are all this keeps (as fla's and MindSpeed's rules do).
+        o, final = checkpoint(rule, q, k, v, g, beta, initial_state, use_reentrant=False)
+    else:
+        o, final = rule(q, k, v, g, beta, initial_state)
+    return o, (final if output_final_state else None)
