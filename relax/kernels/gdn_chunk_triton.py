@@ -14,8 +14,9 @@ sequential, per sequence:
 `_state_pass_forward` runs it for one (sequence, head, tile of launch.chunk_state_block_v value columns) per work
 item and writes every chunk's incoming state S_c and new values u_c; the outputs and the gradients that sum over the
 value columns are batched products of those. `_state_pass_backward` runs the same chain backwards for the gradients
-of the states and the new values. The state pass keeps no state for the backward (its inputs only): the backward
-runs the forward kernel again, so the states, float32 [chunks, heads, K, V], live only while one layer computes.
+of the states and the new values. The rule keeps only its inputs for the backward, which computes the chunk terms
+and the state pass again: the float32 terms and the states, [chunks, heads, K, V], live only while one layer
+computes.
 
 Written to the porting rules of relax.kernels.gdn_triton: a 1-D grid of at most `launch.num_programs` programs, each
 looping over work items with a stride of the grid size; launch keywords only from `launch.options`.
@@ -144,16 +145,15 @@ class _StatePass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u_values, u_state, k_to_end, decay_total, q_decayed, attn, initial, chunk_bounds, launch):
-        terms = (u_values, u_state, k_to_end, decay_total)
-        states, u, final = _states_forward(terms, initial, chunk_bounds, launch)
-        ctx.save_for_backward(u_values, u_state, k_to_end, decay_total, q_decayed, attn, initial, chunk_bounds)
-        ctx.launch = launch
+        states, u, final = _states_forward((u_values, u_state, k_to_end, decay_total), initial, chunk_bounds, launch)
+        # Kept only while the layer's backward runs: chunk_gated_delta_rule computes this function again there
+        ctx.save_for_backward(u_state, k_to_end, decay_total, q_decayed, attn, states, u, chunk_bounds)
+        ctx.launch, ctx.has_initial = launch, initial is not None
         return q_decayed @ states + attn @ u, final
 
     @staticmethod
     def backward(ctx, o_grad, final_grad):
-        u_values, u_state, k_to_end, decay_total, q_decayed, attn, initial, chunk_bounds = ctx.saved_tensors
-        states, u, _ = _states_forward((u_values, u_state, k_to_end, decay_total), initial, chunk_bounds, ctx.launch)
+        u_state, k_to_end, decay_total, q_decayed, attn, states, u, chunk_bounds = ctx.saved_tensors
         o_grad = o_grad.contiguous()
         # What o = q_decayed S + attn u gives each factor
         q_decayed_grad = o_grad @ states.transpose(-1, -2)
@@ -174,7 +174,7 @@ class _StatePass(torch.autograd.Function):
         k_to_end_grad = u @ next_state_grad.transpose(-1, -2)
         decay_total_grad = (states * next_state_grad).sum((-1, -2))
         return (u_total_grad, u_state_grad, k_to_end_grad, decay_total_grad, q_decayed_grad, attn_grad,
-                None if initial is None else initial_grad, None, None)
+                initial_grad if ctx.has_initial else None, None, None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
