@@ -40,7 +40,7 @@ class ToolRollout:
     (relax.rollout.worker.EngineWorker builds the tools and the chat turns from it, inside the actor)."""
 
     tools: tuple[str, ...]  # relax.rollout.tools.load_tools specs: built-in names or module:function
-    max_turns: int  # engine requests per sample
+    max_turns: int  # assistant turns per sample (ToolUse.turns)
     chat_template_kwargs: dict  # the template's options, as the prompts were rendered with (relax.rollout.turns)
 
 
