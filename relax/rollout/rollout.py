@@ -41,9 +41,8 @@ class EnginePool(Protocol):
                evaluation: bool = False) -> None:
         """Start sampling.n requests of `prompt` (request j seeded sampling.seed + j), known as `key`; or with
         `prefixes` (partial rollout), one request per response begun earlier, continuing it (its completion: what
-        it generated since). `source`: the prompt's
-        data row, which a custom generate function reads (relax.rollout.custom_generate); `evaluation`: the group is
-        an evaluation's, which the function is told."""
+        it generated since). `source`: the prompt's data row, which a custom generate function reads
+        (relax.rollout.custom_generate); `evaluation`: the group is an evaluation's, which the function is told."""
 
     def next_done(self) -> tuple[int, list[Completion]]:
         """Wait for the next submitted group to complete: its key and a completion per request."""
