@@ -495,11 +495,6 @@ def tools_apply(config, platform):
             "--tools without --apply-chat-template: the prompts show the tools, and the tool turns are written, "
             "through the tokenizer's chat template; give --apply-chat-template"
         )
-    if r.partial_rollout:
-        return (
-            "--tools with --partial-rollout: an aborted multi-turn sample cannot be continued yet (its loss mask and "
-            "turns are not carried to a later step); drop --partial-rollout"
-        )
     try:
         load_tools(r.tools, "--tools")
     except ValueError as error:

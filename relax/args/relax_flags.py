@@ -264,7 +264,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "--max-turns",
         type=_positive_int,
         metavar="N",
-        help=f"With --tools: engine requests per sample; a sample still calling tools at the last one ends there "
+        help=f"With --tools: assistant turns per sample (each an engine request, but a turn cut by an abort and "
+        f"continued with --partial-rollout counts once); a sample still calling tools at the last one ends there "
         f"(finish reason length) (default: {DEFAULT_MAX_TURNS}).",
     )
     g.add_argument(

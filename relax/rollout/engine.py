@@ -500,9 +500,7 @@ class RolloutEngine:
         params = request_params(requests, sampling, [len(prefix) for group in prefixes for prefix in group])
         engine = self._live()
 
-        # (an engine without priority scheduling aborts a request that has a priority)
-        continued = CONTINUED_RESPONSE_PRIORITY if self.server_args.enable_priority_scheduling else None
-        priorities = [continued if prefix else None for group in prefixes for prefix in group]
+        priorities = [self.continued_priority() if prefix else None for group in prefixes for prefix in group]
 
         async def each_request():  # gather wraps the coroutines in tasks of the running (the engine's) loop
             return await asyncio.gather(
@@ -517,6 +515,11 @@ class RolloutEngine:
                 raise completion
         answers = iter(completions)
         return [list(itertools.islice(answers, len(group))) for group in prefixes]
+
+    def continued_priority(self) -> int | None:
+        """SGLang's priority of a request that continues a response: CONTINUED_RESPONSE_PRIORITY, or None where the
+        engine has no priority scheduling (it aborts a request that has a priority)."""
+        return CONTINUED_RESPONSE_PRIORITY if self.server_args.enable_priority_scheduling else None
 
     def generate_request(self, engine, request: list[int], params: dict, priority: int | None = None
                          ) -> Awaitable[Completion]:

@@ -4,7 +4,9 @@ responses had generated, and a later step continues them instead of starting aga
 A GroupSoFar holds a group's sampling.n responses as far as they went: each response's tokens, their engine
 logprobs and the step whose rollout sampled each token (its age in steps is the training step minus that), and
 how it ended: "abort" (to be continued: the rest of its budget is sampled after prompt + its tokens), or "stop" /
-"length" (complete: it finished before the abort and is kept as it is). The prompt loader holds a GroupSoFar
+"length" (complete: it finished before the abort and is kept as it is). A multi-turn response (--tools) keeps its
+loss mask and what its turns did (ToolUse) too: its continuation finishes the turn the abort cut short and goes on
+with the turns and budget left (relax.rollout.multi_turn.generate_multi_turn). The prompt loader holds a GroupSoFar
 beside the prompt it puts back (relax.rollout.data.PromptLoader.put_back), so a checkpoint saves it with the loader
 and a resumed run continues it.
 
@@ -12,7 +14,7 @@ and a resumed run continues it.
 before the step that takes it starts again from the prompt (counted: rollout/partial_stale_samples).
 """
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +39,7 @@ class ResponseSoFar:
     # every token before the last (the earlier tokens prefilled again); not saved (state_dict).
     routed_experts: torch.Tensor | None = None
     # A multi-turn response's (Completion's fields; None otherwise): per token 1 sampled, 0 appended by relax; what
-    # its turns did. Not saved: partial rollout does not carry multi-turn responses (the checks refuse it with tools).
+    # its turns did, all of them (a continuation's completion counts the turns before it too).
     loss_mask: list[int] | None = None
     tool_use: ToolUse | None = None
     reward: float | None = None  # a custom generate function's (Completion's); not carried (the checks refuse it)
@@ -60,7 +62,8 @@ class ResponseSoFar:
     def to_continue_later(self) -> "ResponseSoFar":
         """This response as a later step continues it: an aborted or refused request goes on from its tokens."""
         if self.finish_reason in (CONTINUED, "error"):
-            return ResponseSoFar(self.token_ids, self.logprobs, self.steps, CONTINUED, self.text)
+            return ResponseSoFar(self.token_ids, self.logprobs, self.steps, CONTINUED, self.text,
+                                 loss_mask=self.loss_mask, tool_use=self.tool_use)
         return self
 
 
@@ -106,14 +109,26 @@ class GroupSoFar:
 
     def state_dict(self) -> dict:
         """Plain JSON values (the prompt loader's checkpoint state)."""
-        return {"responses": [{name: getattr(r, name) for name in SAVED_FIELDS} for r in self.responses]}
+        return {"responses": [_response_state(r) for r in self.responses]}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> "GroupSoFar":
-        return cls([ResponseSoFar(**response) for response in state["responses"]])
+        return cls([_response_of_state(response) for response in state["responses"]])
 
 
-SAVED_FIELDS = ("token_ids", "logprobs", "steps", "finish_reason", "text")  # of a group put back
+SAVED_FIELDS = ("token_ids", "logprobs", "steps", "finish_reason", "text", "loss_mask")  # of a group put back
+
+
+def _response_state(response: ResponseSoFar) -> dict:
+    """A response's saved fields, its ToolUse as a dict (None for a single-turn response)."""
+    tool_use = None if response.tool_use is None else asdict(response.tool_use)
+    return {**{name: getattr(response, name) for name in SAVED_FIELDS}, "tool_use": tool_use}
+
+
+def _response_of_state(state: dict) -> ResponseSoFar:
+    """A saved response; a state without "tool_use" (as earlier checkpoints hold) is a single-turn response's."""
+    tool_use = state.get("tool_use")
+    return ResponseSoFar(**{**state, "tool_use": None if tool_use is None else ToolUse(**tool_use)})
 
 
 @dataclass

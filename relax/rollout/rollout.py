@@ -24,7 +24,7 @@ from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import REFUSAL_FIX, AllSamplesFailed, FillError, FillStats, Group, Sample
 from relax.rollout.multi_turn import multi_turn_metrics
-from relax.rollout.partial import GroupSoFar, PartialStats
+from relax.rollout.partial import GroupSoFar, PartialStats, ResponseSoFar
 from relax.rollout.rewards import RewardFn, RewardInput, RewardReport, score
 
 Generate = Callable[[list[Prompt], SamplingConfig], list[list[Completion]]]
@@ -37,12 +37,12 @@ class EnginePool(Protocol):
     """The engines as a rollout drives them, one prompt group per submission."""
 
     def submit(self, key: int, prompt: list[int], sampling: SamplingConfig,
-               prefixes: list[list[int]] | None = None, source: Prompt | None = None,
+               prefixes: list[ResponseSoFar] | None = None, source: Prompt | None = None,
                evaluation: bool = False) -> None:
         """Start sampling.n requests of `prompt` (request j seeded sampling.seed + j), known as `key`; or with
-        `prefixes` (partial rollout), one request per response begun earlier, continuing it. `source`: the prompt's
-        data row, which a custom generate function reads (relax.rollout.custom_generate); `evaluation`: the group is
-        an evaluation's, which the function is told."""
+        `prefixes` (partial rollout), one request per response begun earlier, continuing it (its completion: what
+        it generated since). `source`: the prompt's data row, which a custom generate function reads
+        (relax.rollout.custom_generate); `evaluation`: the group is an evaluation's, which the function is told."""
 
     def next_done(self) -> tuple[int, list[Completion]]:
         """Wait for the next submitted group to complete: its key and a completion per request."""
@@ -188,7 +188,7 @@ def collect_groups(
             if not continued[key]:  # every response had finished
                 ready.append(key)
                 continue
-            prefixes = [so_far.responses[j].token_ids for j in continued[key]] if so_far.begun else None
+            prefixes = [so_far.responses[j] for j in continued[key]] if so_far.begun else None
             pool.submit(key, prompt.token_ids, offset_seed(sampling, key * sampling.n), prefixes, source=prompt)
         stats.groups_submitted = len(submitted)
 

@@ -33,7 +33,7 @@ class ToolCall:
 class ToolUse:
     """What a sample's multi-turn rollout did besides sampling: what its rollout/ metrics count."""
 
-    turns: int = 0  # engine requests
+    turns: int = 0  # assistant turns, each an engine request (a turn continued after an abort: one turn)
     tool_calls: int = 0  # calls run, malformed ones included
     tool_failures: int = 0  # calls whose output is failed: malformed, unknown tool, tool error, timeout
     tool_timeouts: int = 0  # of those, the tool's wall-clock limit

@@ -18,7 +18,8 @@ With tools (--tools: a ToolRollout), a group's samples are multi-turn (relax.rol
 run as one coroutine on the engine's event loop, all n of the group at once, so a sample's requests stay on this
 engine (its prefix cache holds the conversation so far) and a sample waiting on a tool holds no generation slot (the
 tool runs in a thread; the engine batches the other samples' turns meanwhile). An abort ends the turns in flight
-and keeps the groups it finds from starting another.
+and keeps the groups it finds from starting another; with partial rollout a later step's group continues each
+sample where it stopped (relax.rollout.multi_turn).
 
 With a custom generate function (--custom-generate-function-path: relax.rollout.custom_generate), a rollout group's
 samples are the function's, n calls on the engine's event loop at once (each gives a sample, or several: its fan-out
@@ -37,6 +38,7 @@ the group started.)
 import asyncio
 import functools
 from collections import Counter
+from dataclasses import asdict
 
 import ray
 
@@ -48,7 +50,9 @@ from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion, RolloutEngine, SamplingConfig, request_params, sglang_generate
 from relax.rollout.generate_server import HOST, EngineUnavailable, GenerateRequest, GenerateServer, aborted_output
 from relax.rollout.multi_turn import MultiTurnResponse, ToolRollout, generate_multi_turn
+from relax.rollout.partial import ResponseSoFar
 from relax.rollout.rollout import offset_seed
+from relax.rollout.tool_calls import ToolUse
 
 GENERATION = "generation"  # the concurrency group of the rollout's calls
 MAX_CONCURRENT_GROUPS = 1024  # generate_group calls an engine actor runs at once (threads; Ray queues the rest)
@@ -101,40 +105,51 @@ class EngineWorker(RolloutEngine):
 
     @ray.method(concurrency_group=GENERATION)
     def generate_group(
-        self, prompt: list[int], sampling: SamplingConfig, prefixes: list[list[int]] | None = None,
+        self, prompt: list[int], sampling: SamplingConfig, prefixes: list[ResponseSoFar] | None = None,
         source: Prompt | None = None, evaluation: bool = False,
     ) -> list[Completion]:
-        """sampling.n completions of one prompt, or the continuations of its responses `prefixes` (partial
-        rollout): RolloutEngine.generate, beside the actor's other groups. With tools, multi-turn samples
-        (generate_multi_turn_group; the checks refuse partial rollout with tools). With a custom generate function
-        and the prompt's data row `source`, the function's samples (generate_custom_group; `evaluation`: the group is
-        an evaluation's; the checks refuse partial rollout and tools with it)."""
+        """sampling.n completions of one prompt, or the continuations of its responses begun earlier `prefixes`
+        (partial rollout: each completion holds what its response generated since): RolloutEngine.generate, beside
+        the actor's other groups. With tools, multi-turn samples (generate_multi_turn_group). With a custom generate
+        function and the prompt's data row `source`, the function's samples (generate_custom_group; `evaluation`: the
+        group is an evaluation's; the checks refuse partial rollout and tools with it)."""
         if source is not None and self.custom_generate is not None:
             if prefixes is not None:
                 raise ValueError("a custom generate function does not continue responses begun earlier")
             return self.generate_custom_group(source, sampling, evaluation)
         if self.tool_rollout is None:
-            return self.generate([prompt], sampling, None if prefixes is None else [prefixes])[0]
-        if prefixes is not None:
-            raise ValueError("a multi-turn rollout does not continue responses begun earlier (partial rollout)")
-        return self.generate_multi_turn_group(prompt, sampling)
+            continued = None if prefixes is None else [[response.token_ids for response in prefixes]]
+            return self.generate([prompt], sampling, continued)[0]
+        return self.generate_multi_turn_group(prompt, sampling, prefixes)
 
-    def generate_multi_turn_group(self, prompt: list[int], sampling: SamplingConfig) -> list[Completion]:
-        """sampling.n multi-turn samples of one prompt, their turns run at once on the engine's loop: sample j's
-        requests seeded sampling.seed + j, as the single-turn requests of a group are."""
+    def generate_multi_turn_group(self, prompt: list[int], sampling: SamplingConfig,
+                                  prefixes: list[ResponseSoFar] | None = None) -> list[Completion]:
+        """sampling.n multi-turn samples of one prompt, or the continuations of its responses `prefixes`, their turns
+        run at once on the engine's loop: sample j's requests seeded sampling.seed + j, as the single-turn requests
+        of a group are."""
         request = _request_unless_aborted(self)
+        begun = [None] * sampling.n if prefixes is None else [_multi_turn_so_far(response) for response in prefixes]
 
-        async def generate(input_ids: list[int], turn_sampling: SamplingConfig) -> Completion:
-            return await request(input_ids, request_params([input_ids], turn_sampling)[0])
+        def engine_for(so_far: MultiTurnResponse | None):
+            """The requests of a sample: those of a response begun earlier go before new ones, as single-turn
+            continuations do (RolloutEngine.generate)."""
+            priority = self.continued_priority() if so_far is not None and so_far.token_ids else None
+
+            async def generate(input_ids: list[int], turn_sampling: SamplingConfig) -> Completion:
+                return await request(input_ids, request_params([input_ids], turn_sampling)[0], priority)
+
+            return generate
 
         async def each_sample():
             return await asyncio.gather(*(
-                generate_multi_turn(generate, prompt, offset_seed(sampling, j), self.chat_turns, self.tools,
-                                    self.tool_rollout.max_turns)
-                for j in range(sampling.n)
+                generate_multi_turn(engine_for(so_far), prompt, offset_seed(sampling, j), self.chat_turns,
+                                    self.tools, self.tool_rollout.max_turns, so_far)
+                for j, so_far in enumerate(begun)
             ))
 
-        return [_completion_of(response, self.chat_turns.tokenizer) for response in self._run(each_sample())]
+        kept = [0 if so_far is None else len(so_far.token_ids) for so_far in begun]
+        return [_completion_of(response, self.chat_turns.tokenizer, start)
+                for response, start in zip(self._run(each_sample()), kept)]
 
     def generate_custom_group(self, source: Prompt, sampling: SamplingConfig, evaluation: bool) -> list[Completion]:
         """The samples of sampling.n calls of the custom generate function for one prompt, run at once on the
@@ -174,15 +189,15 @@ class EngineWorker(RolloutEngine):
 
 
 def _request_unless_aborted(worker: EngineWorker):
-    """The requests of a group starting now on `worker`'s engine: (input ids, SGLang's sampling params) -> awaitable
-    Completion, aborted at once after an abort_requests that came once the group started (its sample was between
-    requests: a tool or the function's own work ran, so no request of it was in the engine to abort)."""
+    """The requests of a group starting now on `worker`'s engine: (input ids, SGLang's sampling params, its priority)
+    -> awaitable Completion, aborted at once after an abort_requests that came once the group started (its sample was
+    between requests: a tool or the function's own work ran, so no request of it was in the engine to abort)."""
     engine, aborts = worker._live(), worker.aborts
 
-    async def request(input_ids: list[int], params: dict) -> Completion:
+    async def request(input_ids: list[int], params: dict, priority: int | None = None) -> Completion:
         if worker.aborts != aborts:
             return Completion.aborted()
-        return await worker.generate_request(engine, input_ids, params)
+        return await worker.generate_request(engine, input_ids, params, priority)
 
     return request
 
@@ -201,11 +216,22 @@ async def answer_http_request(worker: EngineWorker, request: GenerateRequest) ->
     return await sglang_generate(engine, request.prompt, request.sampling_params, request.return_logprob)
 
 
-def _completion_of(response: MultiTurnResponse, tokenizer) -> Completion:
-    """A multi-turn response as the rollout takes a completion: its text the whole response, decoded (what the
-    reward function reads), tool turns included."""
+def _multi_turn_so_far(response: ResponseSoFar) -> MultiTurnResponse:
+    """A response begun in an earlier step as generate_multi_turn continues it: its ids, mask and logprobs, and the
+    counts of its turns (none for a response without ToolUse: its tokens, if any, are its first turn's)."""
+    use = response.tool_use or ToolUse()
+    loss_mask = [1] * len(response.token_ids) if response.loss_mask is None else response.loss_mask
+    return MultiTurnResponse(**asdict(use), token_ids=list(response.token_ids), loss_mask=list(loss_mask),
+                             logprobs=list(response.logprobs))
+
+
+def _completion_of(response: MultiTurnResponse, tokenizer, start: int = 0) -> Completion:
+    """A multi-turn response as the rollout takes a completion: its ids from `start` (those before it a continued
+    response had already: ResponseSoFar.extended adds these after them), their text decoded (what the reward
+    function reads), tool turns included, and the counts of all its turns."""
+    token_ids = response.token_ids[start:]
     return Completion(
-        token_ids=response.token_ids, logprobs=response.logprobs, finish_reason=response.finish_reason,
-        text=tokenizer.decode(response.token_ids, skip_special_tokens=True), routed_experts=response.routed_experts,
-        error=response.error, loss_mask=response.loss_mask, tool_use=response.counts(),
+        token_ids=token_ids, logprobs=response.logprobs[start:], finish_reason=response.finish_reason,
+        text=tokenizer.decode(token_ids, skip_special_tokens=True), routed_experts=response.routed_experts,
+        error=response.error, loss_mask=response.loss_mask[start:], tool_use=response.counts(),
     )

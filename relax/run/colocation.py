@@ -42,6 +42,7 @@ from relax.ray.placement import ActorGroup, WorkerFailed, first_done, wait_for, 
 from relax.ray.watch import Timeout
 from relax.rollout.data import Prompt
 from relax.rollout.engine import MEMORY_TAGS, Completion, EngineDeadError, SamplingConfig
+from relax.rollout.partial import ResponseSoFar
 from relax.rollout.rollout import offset_seed
 
 KV_CACHE = ("kv_cache", "cuda_graph")  # what the engines resume after a push
@@ -56,7 +57,7 @@ class GroupCall(NamedTuple):
 
     prompt: list[int]
     sampling: SamplingConfig
-    prefixes: list[list[int]] | None  # the responses it continues (partial rollout), else sampling.n new ones
+    prefixes: list[ResponseSoFar] | None  # the responses it continues (partial rollout), else sampling.n new ones
     source: Prompt | None = None  # the prompt's data row, for a custom generate function
     evaluation: bool = False  # an evaluation's group (the function is told)
     engine: int | None = None  # None: held back (waiting for a restarted engine's weights)
@@ -125,7 +126,7 @@ class Colocation:
     # --- generation: relax.rollout.rollout.EnginePool -----------------------------------------------------
 
     def submit(self, key: int, prompt: list[int], sampling: SamplingConfig,
-               prefixes: list[list[int]] | None = None, source: Prompt | None = None,
+               prefixes: list[ResponseSoFar] | None = None, source: Prompt | None = None,
                evaluation: bool = False) -> None:
         """Send a prompt group (or the continuations of its responses `prefixes`) to the engine with the fewest
         requests in flight (ties: the lowest index), or hold it back while a restarted engine waits for the

@@ -2,6 +2,10 @@
 actor runs each sample's turns, a tool call's output comes back as the chat template's tool turn, the step's row
 counts turns and calls, and the step trains on the samples with the appended ids masked out of the loss.
 
+The run over-samples with partial rollout, over two steps: the groups step 0 does not need go back with what their
+samples generated, and step 1 continues them where they stopped (how many were cut mid-turn or between turns
+depends on timing: tests/unit/test_multi_turn.py continues each case against the uninterrupted run).
+
 The random tiny tool-chat model writes <tool_call> (one token of its ~100) now and then, rarely a well-formed call;
 a malformed one is still a call, answered with its error in the tool turn. Whether any sample of the run called is
 chance, so the test checks what holds either way: every run of masked ids in a saved sample is exactly what relax
@@ -10,6 +14,7 @@ The model's context is raised from the tiny 512 so that a response fits beside t
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 import transformers
@@ -29,21 +34,31 @@ def test_a_run_with_the_calculator_trains_on_multi_turn_samples_with_the_tool_tu
     model = build_tiny_model(tmp_path / "tool_chat_model", "qwen3", seed=0, tool_chat=True,
                              max_position_embeddings=1024)
     pattern = str(tmp_path / "rollouts" / "step_{step}.jsonl")
-    (record,) = step_records(run_tiny_job(
-        tmp_path, "--num-steps", "1", "--apply-chat-template", "--tools", "calculator", "--max-turns", "3",
+    records = step_records(run_tiny_job(
+        tmp_path, "--num-steps", "2", "--apply-chat-template", "--tools", "calculator", "--max-turns", "3",
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
         "--micro-batch-size", "8", "--rollout-max-response-len", "160", "--eval-max-response-len", "4",
-        "--save-rollout-data", pattern,
+        "--over-sampling-batch-size", "4", "--partial-rollout", "--save-rollout-data", pattern,
         env={"TINY_MODEL_DIR": str(model)},
     ))
+    assert [record["step"] for record in records] == [0, 1]
+    # step 0 put back the 2 groups it did not need, with what they generated; step 1 continued them
+    assert records[0]["rollout/returned_prompts"] == 2 and records[1]["rollout/partial_resumed_samples"] > 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    for step, record in enumerate(records):
+        _check_step(record, rollout_data_path(pattern, step), tokenizer)
+
+
+def _check_step(record: dict, rollout_data: Path, tokenizer):
+    """A step's record and saved samples (continued ones too): every masked run is what relax appends after the
+    whole turn before it."""
     assert record["train/update_successful"] == 1.0
     for key in TOOL_METRICS:
         assert key in record, f"the step lacks {key}"
     assert record["rollout/turns_mean"] >= 1 and record["rollout/tool_timeouts"] == 0
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
     turns, calculator = ChatTurns(tokenizer), {"calculator": Calculator()}
-    groups = [json.loads(line) for line in rollout_data_path(pattern, 0).read_text().splitlines()[1:]]
+    groups = [json.loads(line) for line in rollout_data.read_text().splitlines()[1:]]
     samples = [sample for group in groups for sample in group["samples"]]
     assert len(samples) == 8
     masked = 0
@@ -65,6 +80,9 @@ def test_a_run_with_the_calculator_trains_on_multi_turn_samples_with_the_tool_tu
         assert masked == 0
     total = sum(len(sample["loss_mask"]) for sample in samples)
     assert record["rollout/masked_token_share"] == pytest.approx(masked / total)
+    # each turn is one run of sampled ids, a turn cut by an abort and continued included: counted once
+    sampled_runs = sum(value for sample in samples for _, _, value in _runs(sample["loss_mask"]))
+    assert record["rollout/turns_mean"] == pytest.approx(sampled_runs / len(samples))
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int, int]]:

@@ -13,6 +13,7 @@ from relax.args import parse_train_args
 from relax.args.checks import Parsed, colocation_releases_memory
 from relax.platform import platform_facts
 from relax.rollout.multi_turn import DEFAULT_MAX_TURNS, ToolRollout
+from relax.rollout.rollout import Partial
 from relax.ray.watch import Timeout
 from relax.tools.tiny_model import build_tiny_model
 
@@ -155,10 +156,6 @@ RULES = {
         [*RUN, "--tools", "calculator"],
         "--tools without --apply-chat-template: the prompts show the tools, and the tool turns are written, through "
         "the tokenizer's chat template; give --apply-chat-template",
-    ),
-    "tools without partial rollout": (
-        [*RUN, "--apply-chat-template", "--tools", "calculator", "--partial-rollout"],
-        "--tools with --partial-rollout: an aborted multi-turn sample cannot be continued yet",
     ),
     "tools name tools": (
         [*RUN, "--apply-chat-template", "--tools", "calculator", "json:dumps"],
@@ -351,6 +348,13 @@ def test_tools_reach_the_engines_and_the_prompts():
     assert parse_train_args([*RUN, "--apply-chat-template", "--tools", "calculator", "--max-turns", "2"]
                             ).rollout.tools.max_turns == 2
     assert parse_train_args(RUN).rollout.tools is None and parse_train_args(RUN).rollout.data.tools == ()
+
+
+def test_tools_take_partial_rollout_which_continues_their_multi_turn_samples():
+    config = parse_train_args([*RUN, "--apply-chat-template", "--tools", "calculator", "--partial-rollout",
+                               "--max-staleness", "2"])
+    assert config.rollout.tools.tools == ("calculator",) and config.rollout.partial == Partial(max_staleness=2)
+    assert config.sglang.enable_priority_scheduling
 
 
 def test_a_custom_generate_function_reaches_the_engines_with_slimes_args():

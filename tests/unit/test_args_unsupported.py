@@ -27,10 +27,8 @@ EVERY_FEATURE = [
     "--overlong-buffer-len", "8", "--apply-chat-template", "--system-prompt", "Be brief.",
     "--eval-prompt-data", "held_out", "h.jsonl", "--eval-interval", "2", "--eval-n-samples-per-prompt", "4",
     "--eval-temperature", "0.5", "--eval-top-p", "0.9", "--eval-max-response-len", "8", "--partial-rollout",
-    "--max-staleness", "2",
+    "--max-staleness", "2", "--tools", "calculator", "--max-turns", "3",
 ]
-# The switches that exclude one of EVERY_FEATURE's (--tools refuses --partial-rollout), on at once.
-EVERY_TOOL_FEATURE = ["--apply-chat-template", "--tools", "calculator", "--max-turns", "3"]
 # Flags whose only effect is at parse time, and why that is their whole job.
 READ_AT_PARSE_TIME_ONLY = {
     "log_interval": "every step is logged: any other value is refused by the table",
@@ -142,7 +140,7 @@ def test_every_flag_has_a_reader(tmp_path, pretend_wandb_installed, tiny_qwen3):
     built, checked, scheduler = set(), set(), set()
     apart = [*RUN, "--no-colocate", "--rollout-num-gpus", "1"]  # the engines on devices of their own
     everything = [*RUN, *EVERY_FEATURE, "--output-dir", str(record), "--overwrite-output-dir"]
-    for argv in (RUN, apart, everything, [*RUN, *EVERY_TOOL_FEATURE]):
+    for argv in (RUN, apart, everything):
         for into, reads in zip((built, checked, scheduler), _reads(argv)):
             into |= reads
 

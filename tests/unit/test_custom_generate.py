@@ -345,7 +345,7 @@ class ScriptedWorker(EngineWorker):
     def _run(self, coroutine):
         return asyncio.run(coroutine)
 
-    async def generate_request(self, engine, request, params):
+    async def generate_request(self, engine, request, params, priority):
         self.seeds.append(params["sampling_seed"])
         return Completion(self.answer, [-0.5] * len(self.answer), "stop", "ab")
 

@@ -8,6 +8,7 @@ import transformers
 from helpers import write_jsonl
 from relax.rollout.data import LoaderPosition, PromptDataConfig, PromptDataError, PromptLoader, load_prompts
 from relax.rollout.partial import GroupSoFar, ResponseSoFar
+from relax.rollout.tool_calls import ToolUse
 from relax.rollout.tools import Calculator, tool_schema
 from relax.tools.tiny_model import CHAT_TEMPLATE, build_tokenizer
 
@@ -300,6 +301,22 @@ def test_prompts_put_back_come_first_and_are_saved_with_the_loader(tmp_path, tok
     assert not resumed.exhausted and [p.label for p in resumed.take(2)] == [0]
     with pytest.raises(PromptDataError, match=r"the prompts put back \[9\] are not all among the 7 prompts"):
         PromptLoader.from_state_dict(prompts, {**state, "put_back": [9]})
+
+
+def test_a_multi_turn_response_put_back_is_saved_with_its_loss_mask_and_turns(tmp_path, tokenizer):
+    prompts = _prompts(tmp_path, tokenizer, 2)
+    loader = PromptLoader(prompts, shuffle=False)
+    multi_turn = ResponseSoFar([5, 6, 7], [-0.5, 0.0, -0.7], [0, 0, 1], text="x", loss_mask=[1, 0, 1],
+                               tool_use=ToolUse(turns=2, tool_calls=1, tool_failures=1))
+    so_far = GroupSoFar([multi_turn, ResponseSoFar([8], [-0.8], [1])])
+    loader.put_back(loader.take(1), [so_far])
+    state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint stores it as JSON
+    ((prompt, resumed),) = PromptLoader.from_state_dict(prompts, state).take_with_progress(1)
+    assert prompt.label == 0 and resumed == so_far
+    assert (resumed.responses[0].loss_mask, resumed.responses[0].tool_use) == ([1, 0, 1], ToolUse(2, 1, 1))
+    # a saved response without the multi-turn fields (as earlier checkpoints hold) is a single-turn one
+    single = {"token_ids": [8], "logprobs": [-0.8], "steps": [1], "finish_reason": "abort", "text": ""}
+    assert GroupSoFar.from_state_dict({"responses": [single]}) == GroupSoFar([ResponseSoFar([8], [-0.8], [1])])
 
 
 def test_a_copy_of_the_loader_keeps_what_was_put_back_and_the_partial_responses_as_they_were(tmp_path, tokenizer):

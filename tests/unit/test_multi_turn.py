@@ -9,6 +9,7 @@ import pytest
 from helpers import user_prompt_ids
 from relax.rollout.engine import SamplingConfig
 from relax.rollout.multi_turn import MultiTurnResponse, generate_multi_turn, multi_turn_metrics
+from relax.rollout.tool_calls import ToolUse
 from relax.rollout.tools import Calculator, ToolOutput
 from relax.rollout.turns import ChatTurns
 
@@ -53,9 +54,9 @@ def prompt(tokenizer):
     return user_prompt_ids(tokenizer, "12345*6789?")
 
 
-def run(engine, tokenizer, prompt, max_new_tokens=400, max_turns=4, tools=TOOLS) -> MultiTurnResponse:
+def run(engine, tokenizer, prompt, max_new_tokens=400, max_turns=4, tools=TOOLS, so_far=None) -> MultiTurnResponse:
     sampling = SamplingConfig(n=8, temperature=0.7, max_new_tokens=max_new_tokens, stop_token_ids=(5,))
-    return asyncio.run(generate_multi_turn(engine, prompt, sampling, ChatTurns(tokenizer), tools, max_turns))
+    return asyncio.run(generate_multi_turn(engine, prompt, sampling, ChatTurns(tokenizer), tools, max_turns, so_far))
 
 
 def test_each_turn_sends_the_sequence_so_far_and_the_response_is_sampled_plus_appended_ids(tokenizer, prompt):
@@ -165,3 +166,59 @@ def test_logprobs_that_do_not_match_the_tokens_and_settings_that_cannot_work_are
         asyncio.run(generate_multi_turn(
             broken, prompt, SamplingConfig(ignore_eos=True), ChatTurns(tokenizer), TOOLS, max_turns=2
         ))
+
+
+class PieceEngine:
+    """Answers request k with pieces[k], (token ids, finish reason); a token's logprob follows from its id, so a turn
+    sampled in two requests (cut by an abort) has the logprobs it has sampled in one."""
+
+    def __init__(self, pieces: list[tuple[list[int], str]]):
+        self.pieces, self.requests = pieces, []
+
+    async def __call__(self, input_ids, sampling):
+        self.requests.append((list(input_ids), sampling))
+        token_ids, finish = self.pieces[len(self.requests) - 1]
+        return ScriptedTurn(token_ids, [-token / 1000 for token in token_ids], finish)
+
+
+class CountingCalculator(Calculator):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, arguments):
+        self.calls += 1
+        return super().__call__(arguments)
+
+
+@pytest.mark.parametrize("max_turns, counts",
+                         [(4, ToolUse(turns=3, tool_calls=2)), (2, ToolUse(turns=2, tool_calls=1))])
+@pytest.mark.parametrize("turn, cut", [(0, 0.5), (1, 0.5), (1, 0.0), (0, 0.0)],
+                         ids=["mid-call in the first turn", "mid-call after a tool turn",
+                              "before the turn after a tool turn", "before the first token"])
+def test_a_response_aborted_and_continued_is_the_response_sampled_without_the_abort(
+        tokenizer, prompt, turn, cut, max_turns, counts):
+    """Partial rollout: the abort cuts turn `turn` after `cut` of its ids (a cut call spans the two requests, so its
+    parse must read the whole turn); the continuation finishes that turn and goes on."""
+    script = [tokenizer.encode(text, add_special_tokens=False) for text in
+              (CALL.format("1+1"), CALL.format("2+3"), "5<|im_end|>")]
+    whole_calculator = CountingCalculator()
+    whole = run(PieceEngine([(ids, "stop") for ids in script]), tokenizer, prompt, max_turns=max_turns,
+                tools={"calculator": whole_calculator})
+
+    k = int(len(script[turn]) * cut)
+    before = PieceEngine([(ids, "stop") for ids in script[:turn]] + [(script[turn][:k], "abort")])
+    calculator = CountingCalculator()
+    aborted = run(before, tokenizer, prompt, max_turns=max_turns, tools={"calculator": calculator})
+    kept = list(aborted.token_ids)
+    assert (aborted.finish_reason, aborted.turns) == ("abort", turn + 1)  # the cut turn counted when it began
+    after = PieceEngine([(script[turn][k:], "stop")] + [(ids, "stop") for ids in script[turn + 1:]])
+    continued = run(after, tokenizer, prompt, max_turns=max_turns, tools={"calculator": calculator}, so_far=aborted)
+
+    first_input, first_sampling = after.requests[0]
+    assert first_input == prompt + kept and first_sampling.max_new_tokens == 400 - len(kept)  # token in, the budget
+    assert continued.token_ids[:len(kept)] == kept
+    assert (continued.token_ids, continued.loss_mask, continued.logprobs) == \
+        (whole.token_ids, whole.loss_mask, whole.logprobs)
+    assert (continued.finish_reason, continued.counts()) == (whole.finish_reason, whole.counts())
+    assert whole.counts() == counts
+    assert calculator.calls == whole_calculator.calls  # a call answered before the abort is not run again

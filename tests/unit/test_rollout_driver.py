@@ -10,6 +10,7 @@ import pytest
 from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import AllSamplesFailed, FillError, group_by_prompt
+from relax.rollout.multi_turn import multi_turn_metrics
 from relax.rollout.partial import GroupSoFar, ResponseSoFar
 from relax.rollout.rewards import RewardFn, load_reward_fn
 from relax.rollout.tool_calls import ToolUse
@@ -41,7 +42,7 @@ class ScriptedPool:
     def __init__(self, script, slow=()):
         self.script, self.slow = script, set(slow)
         self.submitted: list[tuple[int, int | None]] = []
-        self.prefixes: list[list[list[int]] | None] = []
+        self.prefixes: list[list[ResponseSoFar] | None] = []
         self.in_flight: dict[int, tuple[int, SamplingConfig, int]] = {}
         self.aborts = 0
 
@@ -157,13 +158,15 @@ def test_partial_rollout_puts_aborted_groups_back_with_their_tokens_and_a_later_
     state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint's: plain JSON, the tokens with it
     assert state["put_back"] == [0, 2]
     assert state["put_back_progress"][0]["responses"][0] == {
-        "token_ids": [7], "logprobs": [-1.0], "steps": [3], "finish_reason": "abort", "text": "x"
+        "token_ids": [7], "logprobs": [-1.0], "steps": [3], "finish_reason": "abort", "text": "x", "loss_mask": None,
+        "tool_use": None,
     }
     resumed = PromptLoader.from_state_dict(prompts(6), state)
     pool.slow.clear()
     samples, metrics = collect(pool, resumed, num_groups=2, chunk_size=2, partial=Partial(max_staleness=None),
                                step=4)
-    assert pool.prefixes[-2:] == [[[7], [7]], [[7], [7]]]  # each request continues its response
+    continued = [[response.token_ids for response in prefixes] for prefixes in pool.prefixes[-2:]]
+    assert continued == [[[7], [7]], [[7], [7]]]  # each request continues its response
     assert pool.submitted[-2:] == [(0, 5), (2, 7)]  # the step's seeds
     assert [s.response_token_ids for s in samples[:2]] == [[7, 0], [7, 0]]  # the tokens so far, then the new
     assert [s.response_text for s in samples[:2]] == ["x0", "xx"] and [s.reward for s in samples[:2]] == [0.0, 0.0]
@@ -193,6 +196,24 @@ def test_a_group_of_finished_and_aborted_responses_continues_only_the_aborted_on
     assert (refused.token_ids, refused.error) == ([3], "E")
     assert refused.to_continue_later() == ResponseSoFar([3], [-0.3], [0])  # goes on from its tokens later
     assert GroupSoFar.from_state_dict(so_far.state_dict()) == so_far
+
+
+def test_a_continued_multi_turn_response_is_one_sample_with_its_whole_mask_and_its_turns_counted_once():
+    """--tools with partial rollout: a response aborted at the start of its second turn (after a tool turn, ids 8 9
+    appended) and finished in the next step; each completion counts all the response's turns."""
+    aborted = Completion([7, 8, 9], [-0.7, 0.0, 0.0], "abort", "x", loss_mask=[1, 0, 0],
+                         tool_use=ToolUse(turns=2, tool_calls=1))
+    rest = Completion([1, 2], [-0.1, -0.2], "stop", "y", loss_mask=[1, 1], tool_use=ToolUse(turns=2, tool_calls=1))
+    continued = ResponseSoFar().extended(aborted, step=3).to_continue_later().extended(rest, step=4)
+    new = ResponseSoFar().extended(Completion([5], [-0.5], "stop", "z", loss_mask=[1], tool_use=ToolUse(turns=1)), 4)
+    samples = samples_of_group(prompts(1)[0], GroupSoFar([continued, new]), step=4)
+    assert samples[0].response_token_ids == [7, 8, 9, 1, 2] and samples[0].loss_mask == [1, 0, 0, 1, 1]
+    assert samples[0].response_logprobs == [-0.7, 0.0, 0.0, -0.1, -0.2] and samples[0].response_text == "xy"
+    assert samples[0].response_steps == [3, 3, 3, 4, 4] and samples[1].response_steps is None
+    assert multi_turn_metrics([s.tool_use for s in samples], [s.loss_mask for s in samples]) == {
+        "rollout/turns_mean": 1.5, "rollout/tool_calls": 1.0, "rollout/tool_failures": 0.0,
+        "rollout/tool_timeouts": 0.0, "rollout/masked_token_share": 2 / 6,
+    }
 
 
 def test_a_response_of_a_sample_with_its_own_prompt_ids_keeps_them_to_its_sample():
