@@ -1,8 +1,9 @@
 """relax.kernels.gdn_chunk_triton, relax's chunked gated delta rule for training, against relax.kernels.gdn_reference
-on CPU via TRITON_INTERPRET=1 (each check in its own interpreter subprocess, as tests/unit/test_kernels_triton.py
-explains): outputs, final states and the gradients of every input, on packed sequences of many lengths (one token,
-exactly one chunk, several chunks with a tail), with and without initial states, grouped value heads, value widths
-that are and are not multiples of the kernel's tile, context parallelism's widened values, and gates of -1e3."""
+on CPU via TRITON_INTERPRET=1 (in one interpreter subprocess, as tests/unit/test_kernels_triton.py explains):
+outputs, final states and the gradients of every input, on packed sequences of many lengths (one token, exactly one
+chunk, several chunks with a tail), with and without initial states, grouped value heads, value widths that are and
+are not multiples of the kernel's tile, context parallelism's widened values, and gates of -1e3; and what autograd
+keeps for the backward."""
 
 import pytest
 import torch
@@ -62,28 +63,30 @@ def check_packed_equals_sequences_one_at_a_time():
     torch.testing.assert_close(out_rows.reshape(out_packed.shape), out_packed)
 
 
-@pytest.mark.parametrize(
-    "lengths,key_heads,value_heads,K,V,initial,output_final_state,gate_scale,dtype_name",
-    [
-        # one token, a tail, exactly one chunk, several chunks; 3 value heads per key head; V = 40: a tile and a tail
-        ([1, 70, 64, 130, 5], 1, 3, 16, 40, True, True, 1.0, "float32"),
-        # no initial state, no final state wanted (no gradient through it); per-token gates down to -1e3
-        ([100, 33], 2, 2, 32, 16, False, False, 1e3, "float32"),
-        # V = 2K with an initial state and the final state: the shape of context parallelism's call (values widened
-        # by K columns)
-        ([64, 20], 2, 4, 16, 32, True, True, 1.0, "float32"),
-        # the actor's half-precision q/k/v/beta (float32 gates)
-        ([90, 7], 2, 4, 16, 16, False, True, 1.0, "bfloat16"),
-    ],
-)
-def test_chunk_rule_matches_the_reference_interpreted(lengths, key_heads, value_heads, K, V, initial,
-                                                      output_final_state, gate_scale, dtype_name):
-    run_interpreted("check_matches_reference", lengths, key_heads, value_heads, K, V, initial, output_final_state,
-                    gate_scale, dtype_name, module=__name__)
+# (lengths, key heads, value heads, K, V, initial state, final state wanted, gate scale, dtype)
+CASES = [
+    # one token, a tail, exactly one chunk, several chunks; 3 value heads per key head; V = 40: a tile and a tail
+    ([1, 70, 64, 130, 5], 1, 3, 16, 40, True, True, 1.0, "float32"),
+    # no initial state, no final state wanted (no gradient through it); per-token gates down to -1e3
+    ([100, 33], 2, 2, 32, 16, False, False, 1e3, "float32"),
+    # V = 2K with an initial state and the final state: the shape of context parallelism's call (values widened by K
+    # columns)
+    ([64, 20], 2, 4, 16, 32, True, True, 1.0, "float32"),
+    # the actor's half-precision q/k/v/beta (float32 gates)
+    ([90, 7], 2, 4, 16, 16, False, True, 1.0, "bfloat16"),
+]
 
 
-def test_packed_sequences_are_independent_interpreted():
-    run_interpreted("check_packed_equals_sequences_one_at_a_time", module=__name__)
+def check_every_case_and_property():
+    """One interpreter subprocess for all the checks (each start costs seconds)."""
+    for case in CASES:
+        check_matches_reference(*case)
+    check_packed_equals_sequences_one_at_a_time()
+    check_backward_keeps_only_the_inputs()
+
+
+def test_chunk_rule_matches_the_reference_interpreted():
+    run_interpreted("check_every_case_and_property", module=__name__)
 
 
 def test_unsupported_arguments_and_mismatched_states_are_refused():
@@ -123,7 +126,3 @@ def check_backward_keeps_only_the_inputs():
 
     assert kept_bytes(gdn_chunk_triton.chunk_gated_delta_rule, launch=TritonLaunch(num_programs=2)) == input_bytes
     assert kept_bytes(ref.chunk_gated_delta_rule) > 5 * input_bytes
-
-
-def test_backward_keeps_only_the_inputs_interpreted():
-    run_interpreted("check_backward_keeps_only_the_inputs", module=__name__)
