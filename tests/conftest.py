@@ -19,9 +19,9 @@ import pytest
 # last, where they fill in while the last long tests end.
 TIERS = ("e2e", "npu", "unit", "gpu")
 # The e2e modules whose tests take longest in the suite on CI's 2 cores (measured: each module's test times summed
-# over a fresh-clone run with --durations=0, about 1 to 9 minutes; most start the whole tiny job), longest first; the lanes take them before the other e2e modules. A long test
-# taken last would run on alone while the other lanes stand idle. (pytest.ini turns off pytest-xdist's own order,
-# the groups with the most tests first.)
+# over a fresh-clone run with --durations=0, about 1 to 9 minutes; most start the whole tiny job), longest first;
+# the lanes take them before the other e2e modules. A long test taken last would run on alone while the other lanes
+# stand idle. (pytest.ini turns off pytest-xdist's own order, the groups with the most tests first.)
 LONGEST_FIRST = (
     "test_loop_faults.py", "test_loop_resume.py", "test_loop_debug.py", "test_loop_tools.py", "test_multinode_sync.py",
     "test_train_megatron.py", "test_loop_async.py", "test_loop_two_engines.py", "test_loop_custom_generate.py",
