@@ -20,8 +20,8 @@ def check_matches_reference(lengths, key_heads, value_heads, K, V, initial, outp
 
     case = chunk_rule_case(lengths, key_heads, value_heads, K, V, initial, gate_scale, dtype_name)
     # 3 programs: each loops over several (sequence, head, value tile) items
-    out, final, grads = chunk_rule_outputs_and_gradients(gdn_chunk_triton.chunk_gated_delta_rule, case, output_final_state,
-                                               launch=TritonLaunch(num_programs=3))
+    out, final, grads = chunk_rule_outputs_and_gradients(
+        gdn_chunk_triton.chunk_gated_delta_rule, case, output_final_state, launch=TritonLaunch(num_programs=3))
     expected_out, expected_final, expected_grads = chunk_rule_outputs_and_gradients(
         ref.chunk_gated_delta_rule, case, output_final_state)
     assert out.dtype == case["v"].dtype and out.shape == expected_out.shape
