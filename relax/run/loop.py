@@ -294,8 +294,8 @@ def train(
 ) -> dict:
     """Advantages, each over its prompt's group (a custom generate function's fan-out makes some larger); each
     data-parallel rank gets its token-balanced share of every optimizer step (as many optimizer steps as without
-    fan-out, each holding more samples with it: relax.train.batch.optimizer_step_sizes); old-policy (and reference) logprobs
-    and the optimizer steps on every rank (within `timeout`); mean metrics."""
+    fan-out, each holding more samples with it: relax.train.batch.optimizer_step_sizes); old-policy (and reference)
+    logprobs and the optimizer steps on every rank (within `timeout`); mean metrics."""
     return training_metrics(trainers, start_training(trainers, data_parallel_ranks, samples, algorithm), timeout)
 
 

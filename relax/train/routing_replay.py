@@ -10,9 +10,10 @@ megatron-core 0.16.1 gives each router a RouterReplay when TransformerConfig.moe
 (megatron/core/transformer/moe/router_replay.py): under the REPLAY_FORWARD action its top-k returns the target
 indices it holds, [tokens the router sees, top-k]. relax sets those targets per micro-batch, before its forward,
 from the micro-batch's packed routed experts (relax.train.batch), for each router by its global layer number, so
-a pipeline stage takes its own layers' experts; under context parallelism, those of the rank's own tokens. The targets serve the backward of the same micro-batch as well:
-the schedules without pipelining run each micro-batch's backward before the next forward, and a backward that
-recomputes the router across pipeline stages is refused at parse time (relax.args.checks).
+a pipeline stage takes its own layers' experts; under context parallelism, those of the rank's own tokens. The
+targets serve the backward of the same micro-batch as well: the schedules without pipelining run each micro-batch's
+backward before the next forward, and a backward that recomputes the router across pipeline stages is refused at
+parse time (relax.args.checks).
 """
 
 
