@@ -32,7 +32,10 @@ from pathlib import Path
 import torch
 from single_rank import init_distributed
 
-TRAINING_KERNELS = ("relax", "reference", "fla")  # relax.kernels.gdn_training's, MindSpeed's (NPU only) aside
+from relax.kernels.gdn_training import GDN_TRAINING_KERNELS
+
+# relax.kernels.gdn_training's, but MindSpeed's (Ascend NPUs only)
+TRAINING_KERNELS = tuple(kernel for kernel in GDN_TRAINING_KERNELS if kernel != "mindspeed")
 _GDN = dict(linear_conv_kernel_dim=4, full_attention_interval=4)
 SIZES = {
     # parity: 4 layers (3 GDN + 1 full attention), head dims 64
