@@ -63,6 +63,33 @@ def check_packed_equals_sequences_one_at_a_time():
     torch.testing.assert_close(out_rows.reshape(out_packed.shape), out_packed)
 
 
+def check_backward_keeps_only_the_inputs():
+    """What autograd keeps for the backward: relax's rule its inputs alone (its chunk terms are computed again in the
+    backward), the reference's several times as much."""
+    from relax.kernels import gdn_chunk_triton
+    from relax.kernels import gdn_reference as ref
+    from relax.kernels.launch import TritonLaunch
+
+    case = chunk_rule_case([100, 30], 1, 2, 16, 16, initial=False, gate_scale=1.0, dtype_name="bfloat16")
+    inputs = {name: x.clone().requires_grad_(x.is_floating_point()) for name, x in case.items() if x is not None}
+    input_bytes = sum(x.numel() * x.element_size() for x in inputs.values() if x.requires_grad)
+
+    def kept_bytes(rule, **kwargs):
+        kept = []
+
+        def pack(x):
+            kept.append(x.numel() * x.element_size())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out, _ = rule(**inputs, **kwargs)
+        out.float().sum().backward()
+        return sum(kept)
+
+    assert kept_bytes(gdn_chunk_triton.chunk_gated_delta_rule, launch=TritonLaunch(num_programs=2)) == input_bytes
+    assert kept_bytes(ref.chunk_gated_delta_rule) > 5 * input_bytes
+
+
 # (lengths, key heads, value heads, K, V, initial state, final state wanted, gate scale, dtype)
 CASES = [
     # one token, a tail, exactly one chunk, several chunks; 3 value heads per key head; V = 40: a tile and a tail
@@ -99,30 +126,3 @@ def test_unsupported_arguments_and_mismatched_states_are_refused():
         gdn_chunk_triton.chunk_gated_delta_rule(**case, head_first=False, launch=launch)
     with pytest.raises(ValueError, match="initial_state has 1 states for 2 sequences"):
         gdn_chunk_triton.chunk_gated_delta_rule(**{**case, "initial_state": case["initial_state"][:1]}, launch=launch)
-
-
-def check_backward_keeps_only_the_inputs():
-    """What autograd keeps for the backward: relax's rule its inputs alone (its chunk terms are computed again in the
-    backward), the reference's several times as much."""
-    from relax.kernels import gdn_chunk_triton
-    from relax.kernels import gdn_reference as ref
-    from relax.kernels.launch import TritonLaunch
-
-    case = chunk_rule_case([100, 30], 1, 2, 16, 16, initial=False, gate_scale=1.0, dtype_name="bfloat16")
-    inputs = {name: x.clone().requires_grad_(x.is_floating_point()) for name, x in case.items() if x is not None}
-    input_bytes = sum(x.numel() * x.element_size() for x in inputs.values() if x.requires_grad)
-
-    def kept_bytes(rule, **kwargs):
-        kept = []
-
-        def pack(x):
-            kept.append(x.numel() * x.element_size())
-            return x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            out, _ = rule(**inputs, **kwargs)
-        out.float().sum().backward()
-        return sum(kept)
-
-    assert kept_bytes(gdn_chunk_triton.chunk_gated_delta_rule, launch=TritonLaunch(num_programs=2)) == input_bytes
-    assert kept_bytes(ref.chunk_gated_delta_rule) > 5 * input_bytes
