@@ -18,6 +18,10 @@ Counted from the architecture (megatron-core's TransformerConfig) and the layout
 - the logits: the output layer's logits, their transposed copy and their gradient in the activations' dtype (the
   logprob and entropy never materialise them in fp32; relax/train/logprobs.py). With --fused-output-logprobs, one
   piece of them instead, and the output layer's input gradient, added up over the pieces in fp32.
+- the working set of one GDN layer's chunked rule in its backward (Qwen3.5's linear attention): float32 chunk terms,
+  per-chunk states and their gradients for every token of the micro-batch at once, beyond the activations kept. It
+  and the logits are never live together (the output layer's backward ends before the layers' begins), so the
+  larger of the two counts.
 
 It is an estimate of allocated memory, checked against measurements in docs/training.md; the caching allocator
 reserves 5-20% more than it allocates.
@@ -32,6 +36,13 @@ LOGPROB_PIECES_LIVE = 3
 # What a layer's RMSNorm keeps for the backward, in hidden-size vectors per token: its input, the normalised
 # value (for the weight's gradient) and its output (the next projection's input).
 NORM_KEEPS = 3
+GDN_CHUNK = 64  # tokens per chunk of the chunked gated delta rule (relax.kernels.gdn_chunk_triton.CHUNK)
+# The chunked rule's backward holds about this many times the float32 working set of its forward
+# (_gdn_rule_forward_floats): the terms recomputed, their gradients and autograd's saved intermediates. Measured: 8.97
+# GiB beyond the inputs for one layer's forward + backward of relax's rule on 16,384 tokens x 32 value heads,
+# K = V = 128, on an H100 (benchmarks/gdn_chunk_rule.py, docs/benchmarks.md): 2.24 x 4 x 2,048 floats per token and
+# value head. The torch reference's transient is bounded by the same count.
+GDN_BACKWARD_COPIES = 2.24
 
 
 @dataclass(frozen=True)
@@ -55,10 +66,12 @@ class MemoryEstimate:
     parameter_count: int  # on this rank
     tokens: int  # of the micro-batch counted
     fused_output: bool = False  # `logits` counts a piece of them (--fused-output-logprobs)
+    gdn_backward: int = 0  # one GDN layer's backward working set: live only after the logits' backward
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations + self.logits
+        return (self.parameters + self.gradients + self.optimizer + self.activations
+                + max(self.logits, self.gdn_backward))
 
     def lines(self) -> list[str]:
         def gib(value: int) -> str:
@@ -69,7 +82,9 @@ class MemoryEstimate:
             f"on this rank): {gib(self.total)}",
             f"  parameters {gib(self.parameters)}, gradients {gib(self.gradients)}, optimizer {gib(self.optimizer)}, "
             f"activations of a micro-batch of {self.tokens:,} tokens {gib(self.activations)}, "
-            f"{'fused output layer (a piece of the logits)' if self.fused_output else 'logits'} {gib(self.logits)}",
+            f"{'fused output layer (a piece of the logits)' if self.fused_output else 'logits'} {gib(self.logits)}"
+            + (f", one GDN layer's backward {gib(self.gdn_backward)} (the larger of it and the logits counts)"
+               if self.gdn_backward else ""),
         ]
 
 
@@ -105,6 +120,15 @@ def _gdn_widths(tc) -> tuple[int, int, int]:
     """(q + k, v, heads) widths of a gated delta net layer."""
     qk = 2 * tc.linear_num_key_heads * tc.linear_key_head_dim
     return qk, tc.linear_num_value_heads * tc.linear_value_head_dim, tc.linear_num_value_heads
+
+
+def _gdn_rule_forward_floats(tc, cp: int) -> int:
+    """Float32 values per token and value head the chunked rule's forward works on: q, k and v; the chunk's
+    decays, its triangular system and the attention inside it (GDN_CHUNK each); the two right-hand sides and their
+    solutions; the decayed q and k; the corrected values; the per-chunk state and its gradient (K x V per chunk).
+    Under context parallelism the values are widened by a key head (relax.train.context_parallel)."""
+    k, v = tc.linear_key_head_dim, tc.linear_value_head_dim + (tc.linear_key_head_dim if cp > 1 else 0)
+    return 2 * k + v + 4 * GDN_CHUNK + 2 * (k + v) + 2 * k + v + 2 * k * v // GDN_CHUNK
 
 
 def mixer_parameters(tc, kind: str) -> int:
@@ -218,6 +242,10 @@ def estimate_actor_memory(
                      + pieces)
     else:
         logits = int(3 * logits_bytes + pieces)
+    gdn_backward = 0
+    if "gated_delta_net" in layer_kinds(tc):
+        gdn_heads = tc.linear_num_value_heads / tp
+        gdn_backward = int(GDN_BACKWARD_COPIES * 4 * _gdn_rule_forward_floats(tc, layout.context) * tokens * gdn_heads)
     return MemoryEstimate(
         parameters=on_rank * param_bytes,
         gradients=on_rank * grad_bytes,
@@ -227,4 +255,5 @@ def estimate_actor_memory(
         parameter_count=on_rank,
         tokens=tokens,
         fused_output=bool(fused_output_piece_bytes),
+        gdn_backward=gdn_backward,
     )

@@ -79,6 +79,25 @@ def test_fused_output_logprobs_count_a_piece_of_the_logits_and_the_hidden_states
     assert actor_memory(config.flags, config.megatron, platform_facts("cpu")).fused_output
 
 
+def test_a_gdn_layers_backward_counts_where_it_is_larger_than_the_logits():
+    # Qwen3.5-9B's GDN heads (32 value heads, K = V = 128); relax's rule measured 8.97 GiB beyond its inputs for one
+    # layer's forward + backward on 16,384 tokens of this shape (benchmarks/gdn_chunk_rule.py on an H100)
+    qwen35 = _shape(num_layers=32, hidden_size=4096, kv_channels=256, ffn_hidden_size=12288,
+                    experimental_attention_variant="gated_delta_net", linear_attention_freq=4, linear_num_key_heads=16,
+                    linear_key_head_dim=128, linear_num_value_heads=32, linear_value_head_dim=128,
+                    linear_conv_kernel_dim=4)
+    whole, fused = _estimate(qwen35), _estimate(qwen35, fused_output_piece_bytes=256 * 2**20)
+    assert whole.gdn_backward / GIB == pytest.approx(8.97, rel=0.01)
+    static = whole.parameters + whole.gradients + whole.optimizer + whole.activations
+    assert whole.logits > whole.gdn_backward and whole.total == static + whole.logits  # never live together
+    assert fused.logits < fused.gdn_backward and fused.total == static + fused.gdn_backward
+    assert "one GDN layer's backward 8.96 GiB" in fused.lines()[1]
+    assert _estimate(qwen35, layout=Layout(tensor=2)).gdn_backward == whole.gdn_backward // 2
+    # under context parallelism the rule runs on values widened by a key head (relax.train.context_parallel)
+    assert _estimate(qwen35, layout=Layout(context=2)).gdn_backward > whole.gdn_backward
+    assert _estimate().gdn_backward == 0 and "GDN" not in _estimate().lines()[1]  # no GDN layer
+
+
 def test_experts_split_over_expert_parallelism():
     moe = _shape(num_moe_experts=8, moe_ffn_hidden_size=768, moe_router_topk=2, moe_grouped_gemm=True)
     one, four = _estimate(moe), _estimate(moe, layout=Layout(expert=4))
