@@ -3,6 +3,9 @@ actor before them (dense masks) and against plain megatron-core (padded rows).
 
     python benchmarks/rl_batch_throughput.py --out rl_batch.json
     python benchmarks/rl_batch_throughput.py --memory-at 16384 32768
+    python benchmarks/rl_batch_throughput.py --sides relax relax_cp --context-parallel-size 2      # two devices
+    python benchmarks/rl_batch_throughput.py --sides relax_cp --context-parallel-size 4 --max-response 65536 \
+        --max-tokens 66048                                                  # the 64k long tail, four devices
 
 The model is train_throughput.py's random Qwen3-shaped checkpoint (~1.7B parameters). The batch: --num-sequences
 samples (256), each a --prompt-len token prompt (512) and a response whose length is drawn, seeded, from a
@@ -13,6 +16,9 @@ megatron's local layer spec, no TransformerEngine), DDP and Adam, each side in i
     relax          MegatronActor.train_step with the dynamic batch size (max_tokens_per_micro_batch = the budget):
                    samples packed longest first into one row (THD) per micro-batch, attention by the platform's
                    kernel (torch's varlen flash on CUDA), fp32 logprobs, the PPO-clip loss
+    relax_cp       the same actor with context parallelism over --context-parallel-size devices (one rank each):
+                   every packed row of up to the budget split over them head-tail, keys and values gathered
+                   (relax.train.context_parallel); not among the default sides
     relax_before   the actor as it was before packed rows, rebuilt here: megatron-core's local-spec GPTModel
                    (unfused DotProductAttention); consecutive samples in one row per micro-batch while it stays
                    within the budget; a dense block-diagonal causal mask [1, 1, s, s] (True = masked) built on
@@ -34,11 +40,12 @@ counts the FLOPs (train_throughput.flops_per_step) of each sequence at its own l
 attention conventions: mfu_attention_full (Megatron's formula, the sum over sequences of length^2 whole) and
 mfu_attention_causal (half of it, as Megatron-LM's and torchtitan's published figures count); padding and attention
 across sequence boundaries count nothing. The ratios relax / relax_before and relax / megatron_core of real tokens per
-second are printed last.
+second are printed last. relax_cp's MFU is per device (its FLOPs over its devices' peak), and relax_cp / relax is
+printed both for the step (real tokens per second) and per device (the scaling efficiency of context parallelism).
 
---memory-at TOKENS [TOKENS ...]: relax's train step only, for each TOKENS on one micro-batch of exactly that many
-tokens (samples from the same distribution, the last one cut to fit) with max_tokens_per_micro_batch = TOKENS:
-its peak device memory.
+--memory-at TOKENS [TOKENS ...]: relax's train step only (relax_cp's instead, or as well, where --sides names it), for
+each TOKENS on one micro-batch of exactly that many tokens (samples from the same distribution, the last one cut to
+fit) with max_tokens_per_micro_batch = TOKENS: its peak device memory (relax_cp: per rank, its share of the row).
 """
 
 import argparse
@@ -61,9 +68,11 @@ from train_throughput import (
     write_checkpoint,
 )
 
-SIDES = ("relax", "relax_before", "megatron_core")
+SIDES = ("relax", "relax_cp", "relax_before", "megatron_core")
+DEFAULT_SIDES = ("relax", "relax_before", "megatron_core")
+RELAX_SIDES = ("relax", "relax_cp")  # the sides --memory-at measures
 # config.json's max_position_embeddings: any sequence the flags allow (megatron's RoPE itself takes any length)
-MAX_POSITIONS = 32768
+MAX_POSITIONS = 131072
 
 
 def draw_response_lengths(count: int, args, generator: torch.Generator) -> list[int]:
@@ -165,11 +174,15 @@ def right_padded_rows(batch, members: list[int]):
     return tokens, torch.arange(longest).expand(len(members), longest), None, loss_mask
 
 
-def relax_side(platform, hf_dir: str, hf, batch, max_tokens: int, args) -> dict:
+def side_devices(name: str, args) -> int:
+    return args.context_parallel_size if name == "relax_cp" else 1
+
+
+def relax_side(platform, hf_dir: str, hf, batch, max_tokens: int, args, context_parallel_size: int) -> dict:
     from relax.train.actor import ActorSettings, MegatronActor
     from relax.train.batch import plan_micro_batches
 
-    transformer, optimizer, ddp = megatron_configs(hf)
+    transformer, optimizer, ddp = megatron_configs(hf, context_parallel_size)
     settings = ActorSettings(max_tokens_per_micro_batch=max_tokens, keep_reference=False,
                              fused_output_logprobs=args.fused_output_logprobs)
     actor = MegatronActor(hf_dir, transformer, optimizer, ddp, settings, platform=platform)
@@ -244,8 +257,8 @@ def run_side(platform, name: str, args, max_tokens: int) -> dict:
     batch = filled_batch(args, vocab_size, max_tokens) if args.memory_at else rl_batch(args, vocab_size)
     batch = batch.select(i for i, count in enumerate(batch.token_counts()) if count <= max_tokens)  # see module doc
     try:
-        if name == "relax":
-            return relax_side(platform, hf_dir, hf, batch, max_tokens, args)
+        if name in RELAX_SIDES:
+            return relax_side(platform, hf_dir, hf, batch, max_tokens, args, side_devices(name, args))
         return plain_side(platform, hf_dir, hf, batch, max_tokens, args, packed_with_mask=name == "relax_before")
     except torch.OutOfMemoryError as error:
         return {"out_of_memory": str(error).splitlines()[0]}
@@ -255,7 +268,7 @@ def run_halving_on_oom(name: str, args, lengths: list[int]) -> dict:
     """The side at --max-tokens, then at half the budget after each out-of-memory (see module doc)."""
     budget, out_of_memory_at = args.max_tokens, []
     while budget >= min(lengths):
-        result = run_in_own_process(name, args.device, run_side, name, args, budget)
+        result = run_in_own_process(name, args.device, run_side, name, args, budget, ranks=side_devices(name, args))
         if "out_of_memory" not in result:
             return {"max_tokens": budget, "out_of_memory_at": out_of_memory_at, **result}
         print(f"{name}: out of device memory at {budget} tokens per micro-batch: {result['out_of_memory']}", flush=True)
@@ -284,10 +297,12 @@ def batch_summary(args) -> dict:
 
 def memory_at(args) -> dict:
     results = {}
-    for num_tokens in args.memory_at:
-        result = run_in_own_process(f"relax at {num_tokens}", args.device, run_side, "relax", args, num_tokens)
-        results[str(num_tokens)] = result
-        print(f"relax, one micro-batch of {num_tokens} tokens:", json.dumps(result), flush=True)
+    for name in (side for side in args.sides if side in RELAX_SIDES):
+        for num_tokens in args.memory_at:
+            result = run_in_own_process(f"{name} at {num_tokens}", args.device, run_side, name, args, num_tokens,
+                                        ranks=side_devices(name, args))
+            results[str(num_tokens) if name == "relax" else f"{name} {num_tokens}"] = result
+            print(f"{name}, one micro-batch of {num_tokens} tokens:", json.dumps(result), flush=True)
     return results
 
 
@@ -302,11 +317,20 @@ def throughput(args) -> dict:
         if result["max_tokens"] is not None:
             trained = [n for n in lengths if n <= result["max_tokens"]]
             result["samples_left_out"] = len(lengths) - len(trained)
+            devices = side_devices(name, args)
+            result["devices"] = devices
             result["real_tokens_per_s"] = sum(trained) / result["seconds_per_step"]
-            result.update(mfu(lambda attention: sum(flops_per_step(shape, n, n, attention) for n in trained),
+            result["real_tokens_per_s_per_device"] = result["real_tokens_per_s"] / devices
+            result.update(mfu(lambda attention: sum(flops_per_step(shape, n, n, attention) for n in trained) / devices,
                               result["seconds_per_step"]))
         results[name] = result
         print(name, json.dumps(result), flush=True)
+    if "real_tokens_per_s" in results.get("relax", {}) and "real_tokens_per_s" in results.get("relax_cp", {}):
+        step_ratio = results["relax_cp"]["real_tokens_per_s"] / results["relax"]["real_tokens_per_s"]
+        results["relax_cp_over_relax"] = step_ratio
+        results["relax_cp_over_relax_per_device"] = step_ratio / args.context_parallel_size
+        print(f"relax_cp ({args.context_parallel_size} devices) / relax (one) real tokens per second: "
+              f"{step_ratio:.3f}, per device {step_ratio / args.context_parallel_size:.3f}")
     for baseline in ("relax_before", "megatron_core"):
         if "real_tokens_per_s" in results.get("relax", {}) and "real_tokens_per_s" in results.get(baseline, {}):
             ratio = results["relax"]["real_tokens_per_s"] / results[baseline]["real_tokens_per_s"]
@@ -332,7 +356,8 @@ def parse_args(argv=None):
     parser.add_argument("--fused-output-logprobs", action="store_true", help="relax's side with the flag of that name")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(DEFAULT_SIDES))
+    parser.add_argument("--context-parallel-size", type=int, default=2, help="relax_cp's devices (one rank each)")
     parser.add_argument("--work-dir", default="/tmp/relax_rl_batch_throughput")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -349,6 +374,10 @@ def parse_args(argv=None):
             f"--max-tokens {args.max_tokens} is less than the longest possible sample ({longest} = --prompt-len + "
             "--max-response), which must fit in one micro-batch: raise --max-tokens"
         )
+    if "relax_cp" in args.sides and args.context_parallel_size < 2:
+        parser.error("relax_cp needs --context-parallel-size of at least 2 (relax is the side on one device)")
+    if args.memory_at and not set(args.sides) & set(RELAX_SIDES):
+        parser.error("--memory-at measures relax or relax_cp: name one of them in --sides")
     if args.memory_at and min(args.memory_at) < 2:
         parser.error("--memory-at needs at least 2 tokens per micro-batch (a sample has a prompt and a response)")
     return args

@@ -1,5 +1,5 @@
-"""This process as the only rank of a process group, for the single-device benchmarks and GPU tests, and the
-benchmarks' timing of a call."""
+"""This process as a rank of a process group (the only one, for the single-device benchmarks and GPU tests), and
+the benchmarks' timing of a call."""
 
 import os
 import socket
@@ -8,22 +8,27 @@ import time
 import torch
 
 
-def init_distributed(device: str):
-    """Prepare `device`'s platform (worker environment, Megatron), select device 0 and make a one-rank process group
-    unless one exists; returns the platform record."""
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(device: str, rank: int = 0, world_size: int = 1, port: int | None = None):
+    """Prepare `device`'s platform (worker environment, Megatron), select device `rank` and make a process group of
+    `world_size` ranks meeting at `port` (one rank: a free port) unless one exists; returns the platform record."""
     from relax.platform import get_platform
 
     platform = get_platform(device)
     os.environ.update(platform.worker_env())
     platform.prepare_megatron()
     if platform.device_type != "cpu":
-        platform.set_device(0)
+        platform.set_device(rank)
     if not torch.distributed.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         torch.distributed.init_process_group(
-            platform.dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+            platform.dist_backend, init_method=f"tcp://127.0.0.1:{port or free_port()}", rank=rank,
+            world_size=world_size,
         )
     return platform
 

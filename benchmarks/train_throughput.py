@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from single_rank import init_distributed
+from single_rank import free_port, init_distributed
 
 QWEN3_1_7B = dict(
     hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,
@@ -105,13 +105,14 @@ def parameter_count(shape: dict) -> int:
     return embeddings + shape["num_hidden_layers"] * per_layer
 
 
-def megatron_configs(hf):
+def megatron_configs(hf, context_parallel_size: int = 1):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
     from relax.hf_checkpoint import transformer_config
 
-    transformer = transformer_config(hf, bf16=True, params_dtype=torch.bfloat16, perform_initialization=False)
+    transformer = transformer_config(hf, bf16=True, params_dtype=torch.bfloat16, perform_initialization=False,
+                                     context_parallel_size=context_parallel_size)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-5, clip_grad=1.0, bf16=True, params_dtype=torch.bfloat16)
     return transformer, optimizer, DistributedDataParallelConfig()
 
@@ -434,35 +435,51 @@ def run_side(platform, name: str, args) -> dict:
     return megatron_baseline(hf, args, platform, explicit_mask=name == "megatron_core_explicit_mask")
 
 
-def _side_process(device: str, side, side_args: tuple, results) -> None:
-    platform = init_distributed(device)
-    results.put(side(platform, *side_args))
+def _side_process(device: str, rank: int, ranks: int, port: int, side, side_args: tuple, results) -> None:
+    platform = init_distributed(device, rank, ranks, port)
+    results.put((rank, side(platform, *side_args)))
     torch.distributed.destroy_process_group()
 
 
-def _result_of(name: str, process, results):
-    """The side's result; an error, not a hang, when the side's process died without one (its traceback is above)."""
-    while True:
+def _results_of(name: str, processes: list, results) -> dict:
+    """Each rank's result by rank; an error, not a hang, when a rank's process died without one (its traceback is
+    above)."""
+    by_rank = {}
+    while len(by_rank) < len(processes):
         try:
-            return results.get(timeout=5)
+            rank, result = results.get(timeout=5)
+            by_rank[rank] = result
         except queue.Empty:
-            if not process.is_alive():
+            dead = [rank for rank, process in enumerate(processes) if rank not in by_rank and not process.is_alive()]
+            if dead:
                 try:
-                    return results.get(timeout=1)  # put just before it exited
+                    rank, result = results.get(timeout=1)  # put just before it exited
+                    by_rank[rank] = result
                 except queue.Empty:
-                    raise RuntimeError(f"side {name} exited with code {process.exitcode} without a result") from None
+                    codes = {rank: processes[rank].exitcode for rank in dead}
+                    raise RuntimeError(f"side {name}: ranks exited without a result (exit codes {codes})") from None
+    return by_rank
 
 
-def run_in_own_process(name: str, device: str, side, *side_args):
-    """side(platform, *side_args) in a fresh process, the only rank of its process group on `device`: a fresh
-    device allocator (a side run after another one in the same process ran out of memory on the H200). Returns
-    its result; `side` must be a module-level function (the process is spawned)."""
+def run_in_own_process(name: str, device: str, side, *side_args, ranks: int = 1):
+    """side(platform, *side_args) in fresh processes, `ranks` ranks of one process group on devices 0 to ranks - 1 of
+    `device` (one: the only rank): a fresh device allocator (a side run after another one in the same process ran
+    out of memory on the H200). Returns rank 0's result, with every rank's peak device memory where it has one;
+    `side` must be a module-level function (the processes are spawned)."""
     context = mp.get_context("spawn")
-    results = context.Queue()
-    process = context.Process(target=_side_process, args=(device, side, side_args, results))
-    process.start()
-    result = _result_of(name, process, results)
-    process.join()
+    results, port = context.Queue(), free_port()
+    processes = [
+        context.Process(target=_side_process, args=(device, rank, ranks, port, side, side_args, results))
+        for rank in range(ranks)
+    ]
+    for process in processes:
+        process.start()
+    by_rank = _results_of(name, processes, results)
+    for process in processes:
+        process.join()
+    result = by_rank[0]
+    if ranks > 1 and "peak_allocated_gb" in result:
+        result["peak_allocated_gb_per_rank"] = [by_rank[rank].get("peak_allocated_gb") for rank in range(ranks)]
     return result
 
 
