@@ -5,6 +5,7 @@ plain class attributes, readable on any machine; methods that need the device im
 """
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager, nullcontext
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
@@ -124,6 +125,12 @@ class Platform(ABC):
     @abstractmethod
     def prepare_sglang(self) -> None:
         """Everything that must happen before sglang is imported. Idempotent."""
+
+    def sglang_engine_processes(self) -> AbstractContextManager:
+        """Held by an SGLang engine of this process from before it starts to after its processes are gone: how it
+        starts its scheduler and detokenizer processes. SGLang's own way (spawned) unless a platform says
+        otherwise."""
+        return nullcontext()
 
     @abstractmethod
     def grouped_linear(self, inputs, weights, tokens_per_group):

@@ -121,6 +121,11 @@ class CpuPlatform(Platform):
 
         prepare_sglang()
 
+    def sglang_engine_processes(self):
+        from relax.platform.cpu_sglang import engine_processes_from_a_forkserver
+
+        return engine_processes_from_a_forkserver()
+
     def grouped_linear(self, inputs, weights, tokens_per_group):
         from relax.platform.grouped_linear import looped_grouped_linear
 

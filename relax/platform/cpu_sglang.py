@@ -22,12 +22,22 @@ spawns (they inherit the environment, so everything here goes through os.environ
    debug platform, relax wants float32 engines to agree with HF: measured logprob gaps 1.2e-4 with the bf16
    conv state, 4.8e-7 with float32 (tiny Qwen3.5, docs/upstream-facts.md).
 
+4. The engine's scheduler and detokenizer processes are forked from one server process that has imported them
+   (engine_processes_from_a_forkserver), not spawned, each importing SGLang anew: on the CPU, where an engine's
+   start is mostly Python imports, that saves the CPU time of one SGLang import per engine start (measured on
+   the tiny Qwen3: the engine's processes 16 CPU-s spawned, 8.5 forked from the server).
+
 Engine flags that make the engine run on a CPU live in relax.platform.cpu.SGLANG_SERVER_DEFAULTS.
 """
 
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -154,3 +164,44 @@ def _unpinned_host_buffers(module) -> None:
 
 
 _HOST_BUFFERS = {"sglang.srt.mem_cache.pool_host.common": _unpinned_host_buffers}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine's processes forked from a server that has imported them. SGLang 0.5.23's Engine sets the spawn start
+# method (entrypoints/engine.py _set_envs_and_config) and starts its scheduler and detokenizer with that module's
+# `mp.Process`: spawned, each imports SGLang, about 7 CPU-s apiece on a laptop-class core. Here they come from
+# Python's forkserver with the two modules preloaded: the server imports SGLang once and forks both. A forked
+# process has the server's environment, taken when the server started: the server starts with the first engine of
+# this process and stops when no engine of the process is left, so an engine started after a change of the
+# environment (a test's switch) gets a server that has it, unless another engine of the process still runs. The
+# server is the processes' parent: SGLang's children die with it (PR_SET_PDEATHSIG) and it dies with this process.
+# ----------------------------------------------------------------------------------------------------------
+ENGINE_PROCESS_MODULES = ["sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
+_forkserver_users = 0
+_forkserver_lock = threading.Lock()
+
+
+@contextmanager
+def engine_processes_from_a_forkserver():
+    """Held from before an SGLang Engine starts until its processes are gone (relax.rollout.engine.RolloutEngine):
+    its processes are forked from the forkserver, which stops when no engine of this process holds it."""
+    global _forkserver_users
+    import sglang.srt.entrypoints.engine as engine_module
+
+    with _forkserver_lock:
+        if _forkserver_users == 0:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(ENGINE_PROCESS_MODULES)
+            # The Engine calls mp.set_start_method("spawn", force=True), then mp.Process and mp.Pipe.
+            engine_module.mp = SimpleNamespace(
+                Process=context.Process, Pipe=context.Pipe, set_start_method=lambda *args, **kwargs: None
+            )
+        _forkserver_users += 1
+    try:
+        yield
+    finally:
+        with _forkserver_lock:
+            _forkserver_users -= 1
+            if _forkserver_users == 0:
+                engine_module.mp = multiprocessing
+                multiprocessing.forkserver._forkserver._stop()

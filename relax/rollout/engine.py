@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Iterable, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -325,7 +325,13 @@ class RolloutEngine:
 
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
-        self._engine = Engine(server_args=ServerArgs(**fields))
+        self._platform_hold = ExitStack()  # until the engine's processes are gone (shutdown)
+        self._platform_hold.enter_context(platform.sglang_engine_processes())
+        try:
+            self._engine = Engine(server_args=ServerArgs(**fields))
+        except BaseException:
+            self._platform_hold.close()
+            raise
         if self._engine.loop is not loop:
             raise RuntimeError("SGLang's Engine did not take the event loop relax made for it")
         self._end_reason = f"the engine for {model_path} was shut down"  # what a call after the end raises
@@ -424,6 +430,7 @@ class RolloutEngine:
             _, alive = psutil.wait_procs(processes, timeout=30)  # waits on (and so reaps) our own children
             if alive:
                 raise RuntimeError(f"SGLang engine processes did not exit after SIGKILL: {[p.pid for p in alive]}")
+            self._platform_hold.close()
             for path in engine_files(engine):
                 path.unlink(missing_ok=True)
 

@@ -218,11 +218,16 @@ def test_calls_from_several_threads_run_at_once_and_an_abort_ends_them_keeping_w
 @pytest.mark.timeout(300)
 def test_a_dead_engine_raises_and_is_stopped_sparing_the_other_engine(engine, models):
     """A second engine beside the module's: its scheduler dies, the call raises, and the engine is stopped as
-    the module's engine is at its end (relax's shutdown, not SGLang's, which kills every child of the process)."""
+    the module's engine is at its end (relax's shutdown, not SGLang's, which kills every child of the process).
+    On the CPU both engines' processes are forked from one server that imported SGLang once
+    (relax.platform.cpu_sglang), which outlives the second engine while the first runs."""
     before = {p.pid for p in sglang_processes_of_this_test_process()}
     assert set(engine.child_pids) <= before
+    server = psutil.Process(engine.child_pids[0]).parent()
+    assert server.pid != os.getpid() and {psutil.Process(pid).ppid() for pid in engine.child_pids} == {server.pid}
 
     second = RolloutEngine(SERVER_ARGS, model_path=str(models[0]), platform=get_platform("cpu"))
+    assert {psutil.Process(pid).ppid() for pid in second.child_pids} == {server.pid}
     files = engine_files(second._engine)
     assert any(path.exists() for path in files)
     # the scheduler dies mid-generation, as under the OOM killer: it never answers, the call must not hang
@@ -236,8 +241,9 @@ def test_a_dead_engine_raises_and_is_stopped_sparing_the_other_engine(engine, mo
     with pytest.raises(EngineDeadError, match="shut down"):
         second.generate(PROMPTS, SamplingConfig())
 
-    # the module's engine lived through it
+    # the module's engine lived through it, and the server its processes came from
     assert {p.pid for p in sglang_processes_of_this_test_process()} == before
+    assert server.is_running()
     assert_engine_matches_hf(engine, models[0], steps=4)
 
 
