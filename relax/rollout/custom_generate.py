@@ -248,8 +248,9 @@ async def generate_samples(fn: CustomGenerateFn, args: argparse.Namespace, promp
     completion saying why. `so_far`: the response an earlier step's call left ABORTED, which this call continues
     (partial rollout: continued_sample); `keep_aborted` (--partial-rollout): an ABORTED sample comes back with what it
     holds, for a later step to continue."""
-    sample = Sample(prompt.text, prompt.label, dict(prompt.metadata), list(prompt.token_ids))
-    if so_far is not None:
+    if so_far is None:
+        sample = Sample(prompt.text, prompt.label, dict(prompt.metadata), list(prompt.token_ids))
+    else:
         sample = continued_sample(prompt, so_far)
     _ENGINE.set(engine)  # in this coroutine's own context: each call of a group runs as a task of its own
     try:
