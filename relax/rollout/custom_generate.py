@@ -47,10 +47,11 @@ it kept with its prompt, as relax keeps its own aborted responses (relax.rollout
 loss_mask, rollout_log_probs, its own prompt ids, metadata (JSON, as a checkpoint saves it: other metadata fails the
 sample) and the step that sampled each response token. A later step calls the function again with that sample
 (continued_sample): status ABORTED, its fields as it returned them, sampling_params as a new call's (max_new_tokens the
-whole response's budget: tokens_left is what remains), its engine requests (generate's) ahead of new ones in the
-engine's queue (SGLang's priority; a request posted to /generate carries nothing of its sample and goes without). The
-function continues it: it sends sample.tokens (prompt and response so far) and appends what the engine adds
-(append_generated, append_masked), as this is written:
+whole response's budget: tokens_left is what remains; a sample holding the whole budget is TRUNCATED without a call,
+as slime's generate returns it: relax.rollout.partial.GroupSoFar.to_continue), its engine requests (generate's) ahead
+of new ones in the engine's queue (SGLang's priority; a request posted to /generate carries nothing of its sample and
+goes without). The function continues it: it sends sample.tokens (prompt and response so far) and appends what the
+engine adds (append_generated, append_masked), as this is written:
 
     async def one_turn(args, sample, sampling_params):  # a new sample, or one continued
         left = tokens_left(sample, sampling_params)
