@@ -703,3 +703,32 @@ def test_a_groups_fanned_out_samples_are_kept_with_it_and_its_continued_call_kee
     assert [s.response_token_ids for s in samples] == [[1, 2, 1, 2], [1, 2, *TOOL, 1, 2], [9]]
     assert [s.reward for s in samples] == [1.0, 1.0, 0.0] and [s.group_size for s in samples] == [3] * 3
     assert [s.response_steps for s in samples] == [[0, 0, 1, 1], [0] * 6, [0]]  # the finished ones: step 0's
+
+
+def test_a_continued_groups_new_call_that_fans_out_adds_its_other_samples_after_the_groups_responses():
+    new_calls = []
+
+    async def first_aborts_then_the_second_fans_out(args, sample, sampling_params):
+        """Step 0 (the first two new calls): call 0 ABORTED after a turn, call 1 ABORTED with nothing (it starts
+        again). Step 1: call 0's sample continued; call 1 anew, a sample and a sibling."""
+        if sample.status is Sample.Status.ABORTED:
+            return await one_turn(args, sample, sampling_params)
+        new_calls.append(sampling_params["sampling_seed"])
+        if len(new_calls) <= 2:
+            if sampling_params["sampling_seed"] % 2 == 0:
+                sample = await aborted_after_a_turn(args, sample, sampling_params)
+            sample.status = Sample.Status.ABORTED
+            return sample
+        sibling = Sample(sample.prompt, tokens=[*sample.tokens, 9], response_length=1, rollout_log_probs=[-3.0],
+                         status=Sample.Status.COMPLETED)
+        return [await one_turn(args, sample, sampling_params), sibling]
+
+    loader = PromptLoader([Prompt(1, [100], "p0")], shuffle=False)
+    worker = ScriptedWorker(first_aborts_then_the_second_fans_out, partial_rollout=True)
+    with pytest.raises(FillError):  # its one group comes back with ABORTED samples, put back
+        _take_and_keep(loader, worker, step=0)
+    samples, metrics = _take_and_keep(loader, worker, step=1)
+    assert new_calls == [0, 1, 1]  # step 1 calls anew only the call whose sample kept nothing, seeded as the second
+    assert [s.response_token_ids for s in samples] == [[1, 2, 1, 2], [1, 2], [9]]  # call 0's, call 1's two
+    assert [s.response_steps for s in samples] == [[0, 0, 1, 1], None, None] and samples[0].group_size == 3
+    assert metrics["rollout/fan_out_samples"] == 1 and metrics["rollout/partial_restarted_calls"] == 0
