@@ -510,11 +510,6 @@ def custom_generate_applies(config, platform):
     flag = f"--custom-generate-function-path {r.custom_generate_function_path}"
     if r.tools:
         return f"{flag} with --tools: both say how a sample is generated (the function runs its own tools); drop one"
-    if r.partial_rollout:
-        return (
-            f"{flag} with --partial-rollout: a sample of the function is not continued from where it was aborted "
-            "(its calls would run again from the prompt); drop --partial-rollout"
-        )
     if r.use_rollout_routing_replay:
         return (
             f"{flag} with --use-rollout-routing-replay: the function's samples do not carry the experts the engine "

@@ -239,7 +239,8 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "logprobs, the step that sampled each token) and a later step continues them from there, rather than "
         "starting their prompts again; their training uses the logprobs they carry (TIS/MIS and the mismatch "
         "metrics see the older tokens). Applies where groups are aborted: --over-sampling-batch-size above "
-        "--rollout-batch-size, or --dynamic-sampling.",
+        "--rollout-batch-size, or --dynamic-sampling. A --custom-generate-function-path function's ABORTED sample is "
+        "kept as it returned it and given back to the function to continue.",
     )
     g.add_argument(
         "--max-staleness",

@@ -37,7 +37,9 @@ How, and why so:
   "tool_calls"; a malformed block is not a call and stays in the content. Otherwise "stop" or "length".
 - One call of a session at a time; a call after the session ended (budget spent, an abort, a request the engine
   refused) is refused. An aborted call is answered HTTP 400 so the agent stops; finish_session then gives the sample
-  ABORTED (its prompt goes back for a later step). Sessions a function opened but did not finish end with its group.
+  ABORTED (its prompt goes back for a later step), with no response: the agent's conversation lives in the agent, so
+  even with --partial-rollout a later step calls the function anew from the prompt. Sessions a function opened but did
+  not finish end with its group.
 
 A request takes model (any: the engine serves one model), messages, tools, tool_choice ("auto" only), max_tokens or
 max_completion_tokens, temperature and top_p (the call's, instead of the run's: the logprobs are at that temperature),
@@ -211,13 +213,17 @@ class ChatSessions:
         return f"{self.base_url}/sessions/{session_id}/v1"
 
     def finish(self, session_id: str, sample: Sample) -> Sample:
-        """`sample` with the session's ids, loss mask, logprobs, response and status; the session ends."""
+        """`sample` with the session's ids, loss mask, logprobs, response and status (an ABORTED one as it was, its
+        response not kept); the session ends."""
         session = self.sessions.pop(session_id, None)
         if session is None:
             raise ValueError(f"no open agent session {session_id} (finished already, or opened for another group)")
         if not session.calls:
             raise ValueError(f"agent session {session_id}: the agent made no chat completion call in it")
-        for name in ("tokens", "response", "response_length", "loss_mask", "rollout_log_probs", "status"):
+        sample.status = session.sample.status
+        if sample.status is Sample.Status.ABORTED:  # no response: an agent's conversation is not resumed
+            return sample
+        for name in ("tokens", "response", "response_length", "loss_mask", "rollout_log_probs"):
             setattr(sample, name, getattr(session.sample, name))
         return sample
 
@@ -334,7 +340,9 @@ def open_session(sample: Sample, sampling_params: dict) -> str:
 def finish_session(base_url: str, sample: Sample) -> Sample:
     """The session at `base_url` (open_session's) as the function's sample: `sample` with the first call's prompt
     ids and the response's, loss mask (1 sampled, 0 appended), rollout_log_probs, response_length, response text and
-    status (COMPLETED, TRUNCATED, or ABORTED when the engine aborted a call); the session ends."""
+    status (COMPLETED, TRUNCATED), or ABORTED when the engine aborted a call, the sample then as the function got it
+    (the agent's conversation cannot be resumed: with partial rollout a later step calls the function anew); the
+    session ends."""
     try:
         sessions, _ = _SERVING.get()
     except LookupError:

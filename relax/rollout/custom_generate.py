@@ -17,6 +17,7 @@ What the function gets:
                      actor serves in front of its own engine (relax.rollout.generate_server), where a function
                      written for slime posts its requests
     sample           a Sample with the prompt's text, label and metadata, its `tokens` the data row's prompt ids
+                     (status PENDING); or, continuing an ABORTED sample (partial rollout, below), that sample
     sampling_params  SGLang's sampling parameters of the sample's request (max_new_tokens: the whole response's
                      budget; sampling_seed where the run seeds its requests: the rollout's and evaluation's are)
 
@@ -34,17 +35,44 @@ What it returns carries slime's sample fields: `tokens` (the prompt's ids, then 
 response tokens; at most max_new_tokens response tokens in all), `response_length` (the response's count: the prompt
 is tokens[:len(tokens) - response_length], at least one id), `loss_mask` (one per response token, None: all trained),
 `rollout_log_probs` (one per response token), `reward` (set: the reward function is not called for it) and `status`:
-COMPLETED or TRUNCATED are trained, ABORTED goes back to the prompt stream for a later step unscored (in an
-evaluation, which puts nothing back, it fails), FAILED fails the sample. A sample that raises, returns something else,
-or is misaligned (sample_problem, completion_of) fails too, with the reason, as a request the engine refused does: in a
-rollout counted (rollout/failed_samples) and its group generated anew from another prompt, in an evaluation its prompt
-left out of the metrics (eval/NAME/failed_prompts).
+COMPLETED or TRUNCATED are trained, ABORTED goes back to the prompt stream for a later step unscored (with
+--partial-rollout with what it holds, below; in an evaluation, which puts nothing back, it fails), FAILED fails the
+sample. A sample that raises, returns something else, or is misaligned (sample_problem, completion_of) fails too, with
+the reason, as a request the engine refused does: in a rollout counted (rollout/failed_samples) and its group generated
+anew from another prompt, in an evaluation its prompt left out of the metrics (eval/NAME/failed_prompts).
+
+Partial rollout (--partial-rollout), slime's contract: a call that returns one ABORTED sample with a response (its
+function maps the engine's finish reason "abort" to it, as append_generated does, once the step's batch is full) has
+it kept with its prompt, as relax keeps its own aborted responses (relax.rollout.partial): tokens, response,
+loss_mask, rollout_log_probs, its own prompt ids, metadata (JSON, as a checkpoint saves it: other metadata fails the
+sample) and the step that sampled each response token. A later step calls the function again with that sample
+(continued_sample): status ABORTED, its fields as it returned them, sampling_params as a new call's (max_new_tokens the
+whole response's budget: tokens_left is what remains; a sample holding the whole budget is TRUNCATED without a call,
+as slime's generate returns it: relax.rollout.partial.GroupSoFar.to_continue), its engine requests (generate's) ahead
+of new ones in the engine's queue (SGLang's priority; a request posted to /generate carries nothing of its sample and
+goes without). The function continues it: it sends sample.tokens (prompt and response so far) and appends what the
+engine adds (append_generated, append_masked), as this is written:
+
+    async def one_turn(args, sample, sampling_params):  # a new sample, or one continued
+        left = tokens_left(sample, sampling_params)
+        append_generated(sample, await generate(sample.tokens, {**sampling_params, "max_new_tokens": left}))
+        return sample
+
+What it returns must keep the response it was given (continuation_problem: the same prompt ids, tokens, loss mask,
+logprobs and text, then its new ones), so each token keeps the policy version that sampled it (--max-staleness, the
+rollout/partial_* metrics); it may return it ABORTED again, or ABORTED with no response to have a later step call it
+anew from the prompt (an agent session's aborted sample comes back so: relax.rollout.agent_session). A call whose
+sample is dropped so is counted (rollout/partial_restarted_calls).
 
 A call may return a list of 1 to MAX_SAMPLES_PER_CALL samples, its fan-out (completions_of), as slime's may: each is
-checked as one returned alone (a bad one fails the call, its reason naming its place in the list; an ABORTED one sends
-the call's prompt back), and each joins the prompt's group, which then holds more than --n-samples-per-prompt samples
-(relax.rollout.groups.Sample.group_size): its advantages, dynamic sampling's filter and an evaluation's metrics take the
-whole group, and the step trains every sample (relax.train.batch.optimizer_step_sizes).
+checked as one returned alone (a bad one fails the call, its reason naming its place in the list), and each joins the
+prompt's group, which then holds more than --n-samples-per-prompt samples (relax.rollout.groups.Sample.group_size): its
+advantages, dynamic sampling's filter and an evaluation's metrics take the whole group, and the step trains every
+sample (relax.train.batch.optimizer_step_sizes). A list with an ABORTED sample sends the call's prompt back with
+nothing kept, even with --partial-rollout, and so does a call that continued a sample and returns a list of several:
+a later step calls it anew from the prompt (counted as above where it dropped a response). A fan-out's samples join
+the group as new ones, whose tokens this step sampled; one that copied a continued sample's tokens would pass them for
+this step's, and which one continues the sample is not said.
 
 The prompt a sample trains on is its own: the function may start from other ids than the data row's (it rewrote the
 prompt, added a system prompt or tool descriptions: an agent's own first call in an agent session). relax then trains
@@ -58,11 +86,13 @@ import argparse
 import contextvars
 import enum
 import inspect
+import json
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from relax.rollout.data import Prompt
 from relax.rollout.engine import Completion
+from relax.rollout.partial import ResponseSoFar
 from relax.rollout.user_functions import import_user_function
 
 FLAG = "--custom-generate-function-path"
@@ -74,7 +104,7 @@ class Sample:
     """One sample as a custom generate function reads and returns it: slime's field names."""
 
     class Status(enum.Enum):
-        PENDING = "pending"  # as the function gets it
+        PENDING = "pending"  # as the function gets a new sample (a continued one comes ABORTED, as it was returned)
         COMPLETED = "completed"
         TRUNCATED = "truncated"
         ABORTED = "aborted"
@@ -119,7 +149,7 @@ def slime_args(spec: str, flags: argparse.Namespace, requests_per_engine: int) -
     names = ("hf_checkpoint", "rollout_max_response_len", "rollout_temperature", "rollout_top_p", "rollout_top_k",
              "rollout_stop_token_ids", "n_samples_per_prompt", "rollout_batch_size", "apply_chat_template",
              "apply_chat_template_kwargs", "seed", "eval_max_response_len", "eval_temperature", "eval_top_p",
-             "use_rollout_routing_replay", "partial_rollout")  # the last two are refused with a function: False
+             "use_rollout_routing_replay", "partial_rollout")  # routing replay is refused with a function: False
     return SlimeArgs(spec, {**{name: getattr(flags, name) for name in names},
                             "n_samples_per_eval_prompt": flags.eval_n_samples_per_prompt,
                             "sglang_server_concurrency": requests_per_engine})
@@ -177,6 +207,12 @@ def current_engine(caller: str) -> EngineRequest:
         ) from None
 
 
+def tokens_left(sample: Sample, sampling_params: dict) -> int:
+    """What the sample's response budget (sampling_params' max_new_tokens) leaves after its response so far: the
+    max_new_tokens of its next request (a continued sample's holds tokens already)."""
+    return sampling_params["max_new_tokens"] - sample.response_length
+
+
 def append_generated(sample: Sample, result: Completion) -> None:
     """The engine's answer to a request (generate's) as the sample's next response tokens: trained (loss mask 1), with
     the engine's logprobs; the sample's status follows the request's finish reason."""
@@ -206,17 +242,23 @@ def _append(sample: Sample, token_ids: list[int], text: str, mask: int, logprobs
 
 
 async def generate_samples(fn: CustomGenerateFn, args: argparse.Namespace, prompt: Prompt, sampling_params: dict,
-                          engine: EngineRequest, evaluation: bool = False) -> list[Completion]:
+                          engine: EngineRequest, evaluation: bool = False, so_far: ResponseSoFar | None = None,
+                          keep_aborted: bool = False) -> list[Completion]:
     """One call of the function for `prompt`, its requests sent to `engine`: a completion per sample it returned (one,
     or its fan-out: completions_of). A call that fails, or returns a sample that cannot be trained on, is one failed
-    completion saying why."""
-    sample = Sample(prompt.text, prompt.label, dict(prompt.metadata), list(prompt.token_ids))
+    completion saying why. `so_far`: the response an earlier step's call left ABORTED, which this call continues
+    (partial rollout: continued_sample); `keep_aborted` (--partial-rollout): an ABORTED sample comes back with what it
+    holds, for a later step to continue."""
+    if so_far is None:
+        sample = Sample(prompt.text, prompt.label, dict(prompt.metadata), list(prompt.token_ids))
+    else:
+        sample = continued_sample(prompt, so_far)
     _ENGINE.set(engine)  # in this coroutine's own context: each call of a group runs as a task of its own
     try:
         returned = await fn(args, sample, dict(sampling_params), evaluation=evaluation)
     except Exception as error:  # a user's function may fail in any way: the sample fails, the run goes on
         return [Completion.refused(f"{FLAG} {fn.spec} raised {type(error).__name__}: {error}")]
-    completions = completions_of(returned, prompt.token_ids, sampling_params["max_new_tokens"])
+    completions = completions_of(returned, prompt.token_ids, sampling_params["max_new_tokens"], so_far, keep_aborted)
     if evaluation and completions[0].finish_reason == "abort":
         completions = [Completion.refused("returned a sample with status ABORTED in an evaluation, which puts no "
                                           "prompt back")]
@@ -229,35 +271,61 @@ MAX_SAMPLES_PER_CALL = 16  # a call's fan-out: more is far likelier a function's
 # the step's trained batch (and its memory) past what the flags size it for
 
 
-def completions_of(returned, prompt_ids: list[int], budget: int) -> list[Completion]:
+def continued_sample(prompt: Prompt, so_far: ResponseSoFar) -> Sample:
+    """The sample a call continues: as the function returned it ABORTED in an earlier step (partial rollout), its
+    tokens its prompt's ids (its own, or the data row's) and its response so far, with its loss mask, rollout logprobs,
+    response text and metadata; copies, so the function's changes leave `so_far` as it was."""
+    prompt_ids = prompt.token_ids if so_far.prompt_ids is None else so_far.prompt_ids
+    return Sample(
+        prompt.text, prompt.label, dict(prompt.metadata if so_far.metadata is None else so_far.metadata),
+        tokens=list(prompt_ids) + list(so_far.token_ids), response=so_far.text,
+        response_length=len(so_far.token_ids), loss_mask=None if so_far.loss_mask is None else list(so_far.loss_mask),
+        rollout_log_probs=list(so_far.logprobs), status=Sample.Status.ABORTED,
+    )
+
+
+def completions_of(returned, prompt_ids: list[int], budget: int, so_far: ResponseSoFar | None = None,
+                   keep_aborted: bool = False) -> list[Completion]:
     """What one call returned for the data row's prompt `prompt_ids`: a Sample, or a list of 1 to
     MAX_SAMPLES_PER_CALL Samples (fan-out: each joins the prompt's group), each checked as completion_of checks one.
-    One failed completion (the reason, naming the list's element, in `error`) when any element fails; one aborted
-    completion when any is ABORTED (the whole call's prompt goes back, as one ABORTED sample's does)."""
+    One failed completion (the reason, naming the list's element, in `error`) when any element fails. A call keeps a
+    partial sample (`keep_aborted`) only when it returns that one sample: a list of several is one aborted completion,
+    with nothing kept, when any of them is ABORTED or the call continued a response (`so_far`); the call starts again
+    from the prompt in a later step (Completion.restarted where it dropped a response)."""
     if not isinstance(returned, list):
-        return [completion_of(returned, prompt_ids, budget)]
+        return [completion_of(returned, prompt_ids, budget, so_far, keep_aborted)]
     if not 1 <= len(returned) <= MAX_SAMPLES_PER_CALL:
         return [Completion.refused(f"returned a list of {len(returned)} samples: return 1 to {MAX_SAMPLES_PER_CALL} "
                                    "samples per call")]
+    if len(returned) == 1:
+        return [completion_of(returned[0], prompt_ids, budget, so_far, keep_aborted)]
     completions = [completion_of(sample, prompt_ids, budget) for sample in returned]
     failed = next((i for i, c in enumerate(completions) if c.error is not None), None)
     if failed is not None:
         return [Completion.refused(f"sample {failed} of the {len(returned)} it returned: {completions[failed].error}")]
-    if any(completion.finish_reason == "abort" for completion in completions):
-        return [Completion.aborted()]
+    continued = so_far is not None and bool(so_far.token_ids)
+    aborted = [sample for sample in returned if sample.status is Sample.Status.ABORTED]
+    if aborted or continued:
+        return [Completion.aborted(restarted=keep_aborted and (continued or any(s.response_length for s in aborted)))]
     return completions
 
 
-def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
+def completion_of(returned, prompt_ids: list[int], budget: int, so_far: ResponseSoFar | None = None,
+                  keep_aborted: bool = False) -> Completion:
     """One sample a function returned for the data row's prompt `prompt_ids`, as the rollout takes a completion:
     failed (the reason in `error`) unless it is a Sample with aligned fields, at most `budget` response tokens and a
-    final status. A sample whose prompt (its tokens before the response) is not `prompt_ids` carries its own
-    (prompt_ids)."""
+    final status, or ABORTED. A sample whose prompt (its tokens before the response) is not `prompt_ids` carries its
+    own (prompt_ids). An ABORTED sample is unscored: with `keep_aborted` (partial rollout) and a response, it comes
+    back with what it holds, checked as a finished one and its metadata JSON (a checkpoint saves it); otherwise with
+    nothing. A sample that continues `so_far` (the response an earlier step's call left) must keep it
+    (continuation_problem): the completion holds what the call added after it."""
     if not isinstance(returned, Sample):
         return Completion.refused(f"returned {type(returned).__name__}, not a relax.rollout.custom_generate.Sample")
-    if returned.status is Sample.Status.ABORTED:  # unscored, whatever it holds: its prompt goes back
-        return Completion.aborted()
-    if returned.status not in FINISH_REASONS:
+    continued = so_far is not None and bool(so_far.token_ids)
+    aborted = returned.status is Sample.Status.ABORTED
+    if aborted and not (keep_aborted and returned.response_length):  # unscored: its prompt goes back
+        return Completion.aborted(restarted=continued)
+    if not aborted and returned.status not in FINISH_REASONS:
         return Completion.refused(f"returned a sample with status {returned.status.name}")
     problem = sample_problem(returned)
     if problem is None and returned.response_length > budget:
@@ -267,17 +335,62 @@ def completion_of(returned, prompt_ids: list[int], budget: int) -> Completion:
         problem = "its rollout_log_probs are None: give the engine's logprob of each response token (append_generated)"
     if problem is None and returned.reward is not None and not isinstance(returned.reward, (int, float)):
         problem = f"its reward is {type(returned.reward).__name__}, not a number"
+    if problem is None and continued:
+        problem = continuation_problem(returned, so_far, prompt_ids)
+    if problem is None and aborted:
+        problem = metadata_problem(returned.metadata)
     if problem:
         return Completion.refused(problem)
     prompt_length = len(returned.tokens) - returned.response_length
     own_prompt = returned.tokens[:prompt_length]
+    kept = len(so_far.token_ids) if continued else 0  # the response's tokens an earlier step's call sampled
     return Completion(
-        token_ids=returned.tokens[prompt_length:], logprobs=list(returned.rollout_log_probs),
-        finish_reason=FINISH_REASONS[returned.status], text=returned.response,
-        loss_mask=None if returned.loss_mask is None else list(returned.loss_mask),
-        reward=None if returned.reward is None else float(returned.reward),
+        token_ids=returned.tokens[prompt_length + kept:], logprobs=list(returned.rollout_log_probs[kept:]),
+        finish_reason="abort" if aborted else FINISH_REASONS[returned.status],
+        text=returned.response[len(so_far.text):] if continued else returned.response,
+        loss_mask=None if returned.loss_mask is None else list(returned.loss_mask[kept:]),
+        reward=None if aborted or returned.reward is None else float(returned.reward),
         prompt_ids=None if own_prompt == list(prompt_ids) else own_prompt,
+        metadata=dict(returned.metadata) if aborted else None,
     )
+
+
+def continuation_problem(returned: Sample, so_far: ResponseSoFar, prompt_ids: list[int]) -> str | None:
+    """Why a sample that continues `so_far` (an earlier step's ABORTED sample of the data row's prompt `prompt_ids`:
+    continued_sample) did not keep it; None when it did: the same prompt ids, then the response so far, its loss mask,
+    rollout logprobs and text unchanged, and whatever the call added after them. The tokens an earlier step sampled
+    keep that step's policy version (their age: --max-staleness, the rollout/partial_* metrics)."""
+    kept = len(so_far.token_ids)
+    given_prompt = prompt_ids if so_far.prompt_ids is None else so_far.prompt_ids
+    prompt_length = len(returned.tokens) - returned.response_length
+    fix = ("a continued sample keeps the prompt and the response it was given and adds after them (append_generated, "
+           "append_masked); to start it again, return it ABORTED with no response")
+    if returned.tokens[:prompt_length] != list(given_prompt):
+        return f"it continues a sample of {len(given_prompt)} prompt ids but its prompt changed: {fix}"
+    mask = [1] * returned.response_length if returned.loss_mask is None else returned.loss_mask
+    given_mask = [1] * kept if so_far.loss_mask is None else so_far.loss_mask
+    changed = [name for name, now, before in (
+        ("tokens", returned.tokens[prompt_length:prompt_length + kept], so_far.token_ids),
+        ("loss_mask", mask[:kept], given_mask),
+        ("rollout_log_probs", returned.rollout_log_probs[:kept], so_far.logprobs),
+    ) if list(now) != list(before)]
+    if not (isinstance(returned.response, str) and returned.response.startswith(so_far.text)):
+        changed.append("response")
+    if changed:
+        return f"it continues a response of {kept} tokens but changed its {', '.join(changed)}: {fix}"
+    return None
+
+
+def metadata_problem(metadata) -> str | None:
+    """Why an ABORTED sample's metadata cannot be kept for a later step (a checkpoint saves it as JSON); None."""
+    if not isinstance(metadata, dict):
+        return f"its metadata is {type(metadata).__name__}, not a dict"
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as error:
+        return (f"its metadata cannot be kept for a later step (--partial-rollout): a checkpoint saves it as JSON, "
+                f"which it is not ({error})")
+    return None
 
 
 def sample_problem(sample) -> str | None:

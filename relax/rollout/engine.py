@@ -149,15 +149,20 @@ class Completion:
     # A custom generate function's sample that starts from other prompt ids than its data row's (it rewrote the
     # prompt; an agent's own system prompt and tools): those ids, which the sample trains on. None: the row's.
     prompt_ids: list[int] | None = None
+    # A custom generate function's ABORTED sample kept for a later step (partial rollout): its metadata, given back
+    # with it. `restarted`: the call's response so far is dropped, and a later step calls it anew from the prompt.
+    metadata: dict | None = None
+    restarted: bool = False
 
     @classmethod
     def refused(cls, error: str) -> "Completion":
         return cls(token_ids=[], logprobs=[], finish_reason="error", text="", error=error)
 
     @classmethod
-    def aborted(cls) -> "Completion":
-        """A request aborted before it reached an engine."""
-        return cls(token_ids=[], logprobs=[], finish_reason="abort", text="")
+    def aborted(cls, restarted: bool = False) -> "Completion":
+        """A request aborted before it reached an engine (or a custom generate function's call whose ABORTED sample
+        is not kept: `restarted` where it dropped a response begun earlier)."""
+        return cls(token_ids=[], logprobs=[], finish_reason="abort", text="", restarted=restarted)
 
 
 def request_params(

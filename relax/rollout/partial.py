@@ -6,9 +6,11 @@ logprobs and the step whose rollout sampled each token (its age in steps is the 
 how it ended: "abort" (to be continued: the rest of its budget is sampled after prompt + its tokens), or "stop" /
 "length" (complete: it finished before the abort and is kept as it is). A multi-turn response (--tools) keeps its
 loss mask and what its turns did (ToolUse) too: its continuation finishes the turn the abort cut short and goes on
-with the turns and budget left (relax.rollout.multi_turn.generate_multi_turn). The prompt loader holds a GroupSoFar
-beside the prompt it puts back (relax.rollout.data.PromptLoader.put_back), so a checkpoint saves it with the loader
-and a resumed run continues it.
+with the turns and budget left (relax.rollout.multi_turn.generate_multi_turn). A custom generate function's sample
+(relax.rollout.custom_generate) keeps its own prompt ids and metadata too, and the function is called again with it;
+its finished samples keep their preset reward, and a call's fan-out joins the group as responses of their own. The
+prompt loader holds a GroupSoFar beside the prompt it puts back (relax.rollout.data.PromptLoader.put_back), so a
+checkpoint saves it with the loader and a resumed run continues it.
 
 --max-staleness K bounds the age: when a group is taken again, a response with a token sampled more than K steps
 before the step that takes it starts again from the prompt (counted: rollout/partial_stale_samples).
@@ -42,28 +44,33 @@ class ResponseSoFar:
     # its turns did, all of them (a continuation's completion counts the turns before it too).
     loss_mask: list[int] | None = None
     tool_use: ToolUse | None = None
-    reward: float | None = None  # a custom generate function's (Completion's); not carried (the checks refuse it)
-    # A custom generate function's sample's own prompt ids (Completion's), None: the data row's. Only a finished
-    # sample ("stop", "length") has them, and a finished response is never continued: a continuation (an aborted or
-    # refused request's) is sampled after the row's prompt, and its tokens follow those.
+    reward: float | None = None  # a custom generate function's preset one (Completion's), of a finished sample
+    # A custom generate function's sample's (Completion's): its own prompt ids (None: the data row's), which its
+    # continuation goes on after, and the metadata of an ABORTED one, which the function gets back with it.
     prompt_ids: list[int] | None = None
+    metadata: dict | None = None
 
     def extended(self, completion: "Completion", step: int) -> "ResponseSoFar":
-        """This response continued by `completion` (its new tokens, sampled in `step`'s rollout)."""
+        """This response continued by `completion` (its new tokens, sampled in `step`'s rollout); a custom generate
+        function's call that dropped its response (Completion.restarted) starts it again. A refused request keeps
+        the response's own prompt ids and metadata, which a later step's continuation needs."""
+        if completion.restarted:
+            return ResponseSoFar()
         masked = self.loss_mask is not None or completion.loss_mask is not None
         loss_mask = _mask(self.token_ids, self.loss_mask) + _mask(completion.token_ids, completion.loss_mask)
+        refused = completion.error is not None
         return ResponseSoFar(
             self.token_ids + completion.token_ids, self.logprobs + completion.logprobs,
             self.steps + [step] * len(completion.token_ids), completion.finish_reason, self.text + completion.text,
             completion.error, completion.routed_experts, loss_mask if masked else None, completion.tool_use,
-            completion.reward, completion.prompt_ids,
+            completion.reward, self.prompt_ids if refused else completion.prompt_ids,
+            self.metadata if refused else completion.metadata,
         )
 
     def to_continue_later(self) -> "ResponseSoFar":
         """This response as a later step continues it: an aborted or refused request goes on from its tokens."""
         if self.finish_reason in (CONTINUED, "error"):
-            return ResponseSoFar(self.token_ids, self.logprobs, self.steps, CONTINUED, self.text,
-                                 loss_mask=self.loss_mask, tool_use=self.tool_use)
+            return replace(self, finish_reason=CONTINUED, error=None, routed_experts=None, reward=None)
         return self
 
 
@@ -117,16 +124,20 @@ class GroupSoFar:
 
 
 SAVED_FIELDS = ("token_ids", "logprobs", "steps", "finish_reason", "text", "loss_mask")  # of a group put back
+# A custom generate function's sample's, saved where set: its preset reward, own prompt ids and metadata
+SAVED_WHERE_SET = ("reward", "prompt_ids", "metadata")
 
 
 def _response_state(response: ResponseSoFar) -> dict:
     """A response's saved fields, its ToolUse as a dict (None for a single-turn response)."""
     tool_use = None if response.tool_use is None else asdict(response.tool_use)
-    return {**{name: getattr(response, name) for name in SAVED_FIELDS}, "tool_use": tool_use}
+    custom = {name: getattr(response, name) for name in SAVED_WHERE_SET if getattr(response, name) is not None}
+    return {**{name: getattr(response, name) for name in SAVED_FIELDS}, "tool_use": tool_use, **custom}
 
 
 def _response_of_state(state: dict) -> ResponseSoFar:
-    """A saved response; a state without "tool_use" (as earlier checkpoints hold) is a single-turn response's."""
+    """A saved response; a state without "tool_use" (as earlier checkpoints hold) is a single-turn response's, one
+    without the custom generate function's fields (earlier checkpoints') has none of them."""
     tool_use = state.get("tool_use")
     return ResponseSoFar(**{**state, "tool_use": None if tool_use is None else ToolUse(**tool_use)})
 
@@ -138,6 +149,7 @@ class PartialStats:
     resumed_samples: int = 0  # samples of the batch that continued a response begun in an earlier step
     stale_samples: int = 0  # responses started again for --max-staleness
     carried_tokens: int = 0  # tokens of the groups put back with what they generated, for a later step
+    restarted_calls: int = 0  # calls of a custom generate function whose response so far was dropped (Completion's)
 
     def metrics(self, old_token_steps: list[int], tokens: int, step: int) -> dict[str, float]:
         """The counts, and of a batch of `tokens` response tokens in step `step`, of which an earlier step's rollout
@@ -146,6 +158,7 @@ class PartialStats:
             "rollout/partial_resumed_samples": self.resumed_samples,
             "rollout/partial_stale_samples": self.stale_samples,
             "rollout/partial_carried_tokens": self.carried_tokens,
+            "rollout/partial_restarted_calls": self.restarted_calls,
             "rollout/partial_oldest_token_age": step - min(old_token_steps) if old_token_steps else 0,
             "rollout/partial_old_token_fraction": len(old_token_steps) / max(tokens, 1),
         }

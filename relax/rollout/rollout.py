@@ -179,10 +179,10 @@ def collect_groups(
             raise FillError(_short_batch(stats, len(kept), num_groups, max_prompts, dynamic_sampling, count > 0))
         for prompt, so_far in taken:
             key = len(submitted)
-            if so_far is None:
-                so_far = GroupSoFar.new(sampling.n)
-            else:
+            if so_far is not None:
                 partial_stats.stale_samples += so_far.drop_stale(step, partial.max_staleness)
+            if so_far is None or not so_far.begun:  # nothing to continue (a fan-out's responses too): a new group
+                so_far = GroupSoFar.new(sampling.n)
             submitted.append((prompt, so_far))
             continued[key] = so_far.to_continue(sampling.max_new_tokens_for(len(prompt.token_ids)))
             if not continued[key]:  # every response had finished
@@ -193,15 +193,16 @@ def collect_groups(
         stats.groups_submitted = len(submitted)
 
     def take_back(key: int, completions: list[Completion]) -> GroupSoFar:
-        """Group `key` with its completions: its responses continued. A new group's calls of a custom generate
-        function that fanned out give more completions than requests: each is a response of the group."""
-        indices = continued.pop(key)
-        if len(completions) > len(indices) and not submitted[key][1].begun:
-            submitted[key] = (submitted[key][0], GroupSoFar.new(len(completions)))
-            indices = list(range(len(completions)))
-        if len(completions) != len(indices):
+        """Group `key` with its completions: its responses continued, in order. Calls of a custom generate function
+        that fanned out give more completions than requests: those after one per request (the worker's order:
+        EngineWorker.generate_custom_group) are new responses of the group."""
+        indices, so_far = continued.pop(key), submitted[key][1]
+        if len(completions) < len(indices):
             raise RuntimeError(f"a group came back with {len(completions)} completions for {len(indices)} requests")
-        so_far = submitted[key][1]
+        fanned_out = len(completions) - len(indices)
+        indices += range(len(so_far.responses), len(so_far.responses) + fanned_out)
+        so_far.responses += [ResponseSoFar() for _ in range(fanned_out)]
+        partial_stats.restarted_calls += sum(completion.restarted for completion in completions)
         for j, completion in zip(indices, completions):
             so_far.responses[j] = so_far.responses[j].extended(completion, step)
         return so_far

@@ -25,7 +25,8 @@ With a custom generate function (--custom-generate-function-path: relax.rollout.
 samples are the function's, n calls on the engine's event loop at once (each gives a sample, or several: its fan-out
 joins the group), for the same reasons: the requests it sends through relax.rollout.custom_generate.generate go to this
 engine, and an abort answers those it sends after it as aborted. The evaluation's groups are the function's too, and it
-is told so. The actor then also serves SGLang's /generate over HTTP in front of its engine
+is told so; with partial rollout a later step's call continues each sample the function returned ABORTED
+(relax.rollout.custom_generate). The actor then also serves SGLang's /generate over HTTP in front of its engine
 (relax.rollout.generate_server, on the engine's loop; its address is the function's args.sglang_router_ip and
 sglang_router_port), for functions written for slime, and OpenAI's chat completions of the agent sessions the function
 opens (relax.rollout.agent_session). An HTTP request to /generate carries nothing of the group it belongs to, so after
@@ -112,11 +113,9 @@ class EngineWorker(RolloutEngine):
         (partial rollout: each completion holds what its response generated since): RolloutEngine.generate, beside
         the actor's other groups. With tools, multi-turn samples (generate_multi_turn_group). With a custom generate
         function and the prompt's data row `source`, the function's samples (generate_custom_group; `evaluation`: the
-        group is an evaluation's; the checks refuse partial rollout and tools with it)."""
+        group is an evaluation's; the checks refuse tools with it)."""
         if source is not None and self.custom_generate is not None:
-            if prefixes is not None:
-                raise ValueError("a custom generate function does not continue responses begun earlier")
-            return self.generate_custom_group(source, sampling, evaluation)
+            return self.generate_custom_group(source, sampling, evaluation, prefixes)
         if self.tool_rollout is None:
             continued = None if prefixes is None else [[response.token_ids for response in prefixes]]
             return self.generate([prompt], sampling, continued)[0]
@@ -151,25 +150,38 @@ class EngineWorker(RolloutEngine):
         return [_completion_of(response, self.chat_turns.tokenizer, start)
                 for response, start in zip(self._run(each_sample()), kept)]
 
-    def generate_custom_group(self, source: Prompt, sampling: SamplingConfig, evaluation: bool) -> list[Completion]:
-        """The samples of sampling.n calls of the custom generate function for one prompt, run at once on the
-        engine's loop, call by call: call j gets the sampling params of request j of the group (seeded
-        sampling.seed + j) and gives one completion, or one per sample of its fan-out."""
+    def generate_custom_group(self, source: Prompt, sampling: SamplingConfig, evaluation: bool,
+                              prefixes: list[ResponseSoFar] | None = None) -> list[Completion]:
+        """The samples of sampling.n calls of the custom generate function for one prompt, or of one call per
+        response of it begun earlier `prefixes` (partial rollout: a response with tokens is the call's sample to
+        continue, one without a new sample), run at once on the engine's loop: call j gets the sampling params of
+        request j of the group (seeded sampling.seed + j) and gives one completion, or one per sample of its fan-out.
+        A new group's completions come call by call; a continued group's first one per call, in the order of
+        `prefixes` (each continues its own response: the rollout matches them so), then the other samples of the
+        calls that fanned out. The requests of a continued sample go before new ones, as single-turn continuations
+        do (RolloutEngine.generate)."""
         aborts, fn, args = self.aborts, *self.custom_generate
-        generate = _request_unless_aborted(self)
+        request = _request_unless_aborted(self)
+        begun = [None] * sampling.n if prefixes is None else [p if p.token_ids else None for p in prefixes]
 
         async def each_sample():
-            params = request_params([source.token_ids] * sampling.n, sampling)
+            params = request_params([source.token_ids] * len(begun), sampling)
             self.custom_groups[aborts] += 1  # on the engine's loop, as the HTTP requests' check
             try:
                 with self.chat_sessions.serving():  # the agent sessions the group's samples open
                     calls = await asyncio.gather(*(
-                        generate_samples(fn, args, source, sample_params, generate, evaluation)
-                        for sample_params in params
+                        generate_samples(
+                            fn, args, source, sample_params,
+                            functools.partial(request, priority=None if so_far is None else self.continued_priority()),
+                            evaluation, so_far, keep_aborted=args.partial_rollout and not evaluation,
+                        )
+                        for sample_params, so_far in zip(params, begun)
                     ))
-                return [completion for call in calls for completion in call]
             finally:
                 self.custom_groups[aborts] -= 1
+            if prefixes is None:
+                return [completion for call in calls for completion in call]
+            return [call[0] for call in calls] + [completion for call in calls for completion in call[1:]]
 
         return self._run(each_sample())
 

@@ -17,7 +17,7 @@ from openai import AsyncOpenAI, BadRequestError
 from relax.rollout.agent_session import finish_session, open_session
 from relax.rollout.custom_generate import Sample
 from slime_style_generate import half_over_http
-from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT, tokenizer_of
+from two_turn_generate import FIRST_TURN_TOKENS, SURPLUS_GROUP, TOOL_TEXT, tokenizer_of, two_turns
 
 AGENT_SAMPLE = 2  # sample j of a group that the agent generates (the odd ones post to /generate)
 FINISHED = (Sample.Status.COMPLETED, Sample.Status.TRUNCATED)  # the statuses that are trained
@@ -77,8 +77,11 @@ async def with_an_agent(args, sample: Sample, sampling_params: dict,
                         evaluation: bool = False) -> Sample | list[Sample]:
     """The run's function: slime_style_generate.half_over_http, but sample AGENT_SAMPLE of the step's groups after
     its first two (sample j of group k is seeded step seed + k x n + j) is chat_agent's, and their last sample fans
-    out: the sample and its first turn alone (first_turn_of), which join its group."""
+    out: the sample and its first turn alone (first_turn_of), which join its group. The step's surplus group and the
+    samples an earlier step's left ABORTED are two_turn_generate.two_turns'."""
     group, j = divmod(sampling_params["sampling_seed"] % 2**24, args.n_samples_per_prompt)
+    if not evaluation and (group == SURPLUS_GROUP or sample.status is Sample.Status.ABORTED):
+        return await two_turns(args, sample, sampling_params)
     if not evaluation and group >= 2 and j == AGENT_SAMPLE:
         return await chat_agent(args, sample, sampling_params)
     sample = await half_over_http(args, sample, sampling_params, evaluation)

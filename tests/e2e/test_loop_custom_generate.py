@@ -10,10 +10,14 @@ agent session with a tool message between them, its own system prompt first: tra
 which is masked. The prompts are rendered with the chat template (--apply-chat-template), as the agent's
 conversation is. The last call of each trained group fans out: it returns its sample and that sample's first turn
 alone (chat_agent_generate.first_turn_of), which joins the group: the step trains groups of N + 1 samples, each
-sample's advantage its reward minus the mean of its whole group's."""
+sample's advantage its reward minus the mean of its whole group's. The run over-samples with --partial-rollout: the
+samples the function returns ABORTED with their first turn (its own ABORTED, and those the step's abort ends once the
+batch is full) go back with their prompts, and the next step calls the function with each exactly as it was returned
+(two_turn_generate's records); the continued samples' training and ages: tests/unit/test_custom_generate.py."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,7 +29,7 @@ from relax.rollout.dump import load_rollout_data, rollout_data_path
 from relax.rollout.turns import ChatTurns
 from relax.run.loop import rollout_batch
 from tiny_runs import ROOT, run_tiny_job, step_records
-from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT, tool_ids
+from two_turn_generate import FIRST_TURN_TOKENS, TOOL_TEXT, group_of, tool_ids
 
 N = 4  # samples per prompt
 FANNED_OUT = N  # the index in a trained group of its last call's second sample (first_turn_of)
@@ -41,13 +45,15 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
     python_path = os.pathsep.join(filter(None, [str(ROOT / "tests" / "e2e"), os.environ.get("PYTHONPATH")]))
     over_http = tmp_path / "http_samples.jsonl"  # what the engine returned to slime_style_generate's requests
     by_agent = tmp_path / "agent_samples.jsonl"  # what the chat completions answered chat_agent_generate's agent
+    partial = tmp_path / "partial_samples.jsonl"  # the samples two_turn_generate returned ABORTED, and was given back
     all_records = run_tiny_job(
         tmp_path, "--num-steps", "2", "--custom-generate-function-path", "chat_agent_generate.with_an_agent",
         "--apply-chat-template", "--rollout-batch-size", "2", "--n-samples-per-prompt", str(N),
         "--global-batch-size", "8", "--micro-batch-size", "8", "--rollout-max-response-len", str(BUDGET),
         "--eval-max-response-len", "2", "--save-rollout-data", pattern,
+        "--over-sampling-batch-size", "5", "--partial-rollout",
         env={"PYTHONPATH": python_path, "RELAX_TEST_HTTP_SAMPLES": str(over_http),
-             "RELAX_TEST_AGENT_SAMPLES": str(by_agent)},
+             "RELAX_TEST_AGENT_SAMPLES": str(by_agent), "RELAX_TEST_PARTIAL_SAMPLES": str(partial)},
     )
     records = step_records(all_records)
     assert len(records) == 2
@@ -60,6 +66,10 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
         assert record["rollout/failed_samples"] == N and record["rollout/failed_groups"] == 1, record
         assert record["rollout/function_aborted_samples"] == N, record
         assert record["rollout/fan_out_samples"] == 2, record  # one per trained group
+        # 5 groups at once; the second and the surplus one go back with their first turns, continued next step
+        assert record["rollout/submitted_groups"] == 5 and record["rollout/returned_prompts"] == 2, record
+        assert record["rollout/partial_carried_tokens"] > 0 and record["rollout/partial_restarted_calls"] == 0, record
+    check_continued_samples(partial, N, records[0]["rollout/partial_carried_tokens"])
 
     tool = tool_ids(str(tmp_path / "model"))
     turns = ChatTurns(transformers.AutoTokenizer.from_pretrained(tmp_path / "model"))
@@ -90,6 +100,33 @@ def test_a_run_trains_on_the_functions_two_turn_samples_with_the_tool_text_maske
             assert mask == [1] * first + [0] * len(tool) + [1] * (len(ids) - first - len(tool))
             assert logprobs[first:first + len(tool)] == [0.0] * len(tool)
             assert all(value < 0.0 for value, trained in zip(logprobs, mask) if trained)
+
+
+def check_continued_samples(path, n: int, carried_by_the_first_step: int) -> None:
+    """Each sample a call was given to continue is one that an earlier call returned ABORTED, field for field
+    (its prompt ids and first turn, text, mask, logprobs and metadata), with status ABORTED and the whole response's
+    budget; the first step's second group's samples all were (its prompt is the next step's first), and the first
+    step carried the tokens of the samples it returned."""
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    fields = ("tokens", "response", "response_length", "loss_mask", "rollout_log_probs", "metadata")
+    returned = {r["metadata"]["returned_by_seed"]: r for r in records if r["kind"] == "returned"}
+    continued = [r for r in records if r["kind"] == "continued"]
+    for given in continued:
+        earlier = returned[given["metadata"]["returned_by_seed"]]
+        assert {name: given[name] for name in fields} == {name: earlier[name] for name in fields}, (given, earlier)
+        assert given["status"] == "ABORTED" and given["max_new_tokens"] == BUDGET
+        assert 1 <= given["response_length"] and given["loss_mask"] == [1] * given["response_length"]
+    first_step_seed = records[0]["sampling_seed"] >> 24  # the first step's seeds: step seed (a multiple of 2**24) + ...
+    first_step = [r for r in returned.values() if r["sampling_seed"] >> 24 == first_step_seed]
+    assert sorted(group_of_record(r, n) for r in first_step)[:n] == [1] * n  # its second group's, then its surplus'
+    assert {group_of_record(r, n) for r in first_step} == {1, 4}
+    continued_seeds = {given["metadata"]["returned_by_seed"] for given in continued}
+    assert {r["sampling_seed"] for r in first_step if group_of_record(r, n) == 1} <= continued_seeds
+    assert carried_by_the_first_step == sum(r["response_length"] for r in first_step)
+
+
+def group_of_record(record: dict, n: int) -> int:
+    return group_of(SimpleNamespace(n_samples_per_prompt=n), record)
 
 
 def check_first_turn_sibling(sample: dict, sibling: dict) -> None:

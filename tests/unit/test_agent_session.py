@@ -207,9 +207,20 @@ def test_the_budget_bounds_the_whole_session_and_a_session_that_spent_it_ends_tr
 
 def test_a_call_the_engine_aborts_is_refused_and_the_session_gives_an_aborted_sample(model_path, turns):
     sessions, session_id, sample = opened(model_path, ScriptedEngine(turns, [], finish="abort"))
+    row_prompt = list(sample.tokens)
     with pytest.raises(BadRequest, match="^aborted: the engine aborted its request"):
         call(sessions, session_id, QUESTION)
     assert sessions.finish(session_id, sample).status is Sample.Status.ABORTED
+    # an abort after a turn: the sample as the function got it, no response kept (partial rollout calls the function
+    # anew: an agent's conversation is not resumed)
+    engine = ScriptedEngine(turns, [ANSWER])
+    sessions, session_id, sample = opened(model_path, engine)
+    message = call(sessions, session_id, QUESTION)["choices"][0]["message"]
+    engine.finish = "abort"
+    with pytest.raises(BadRequest, match="^aborted: the engine aborted its request"):
+        call(sessions, session_id, QUESTION + [message, RESULT])
+    assert sessions.finish(session_id, sample).status is Sample.Status.ABORTED
+    assert (sample.tokens, sample.response_length, sample.response, sample.loss_mask) == (row_prompt, 0, "", None)
 
 
 def test_a_session_without_a_call_cannot_be_finished_and_one_is_finished_once(model_path, turns):

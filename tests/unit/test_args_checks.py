@@ -171,10 +171,6 @@ RULES = {
         "--custom-generate-function-path test_custom_generate:two_turns with --tools: both say how a sample is "
         "generated",
     ),
-    "custom generate function without partial rollout": (
-        [*RUN, "--custom-generate-function-path", "test_custom_generate:two_turns", "--partial-rollout"],
-        "with --partial-rollout: a sample of the function is not continued from where it was aborted",
-    ),
     "custom generate function without routing replay": (
         [*RUN, "--num-experts", "4", "--custom-generate-function-path", "test_custom_generate:two_turns",
          "--use-rollout-routing-replay"],
@@ -355,6 +351,13 @@ def test_tools_take_partial_rollout_which_continues_their_multi_turn_samples():
                                "--max-staleness", "2"])
     assert config.rollout.tools.tools == ("calculator",) and config.rollout.partial == Partial(max_staleness=2)
     assert config.sglang.enable_priority_scheduling
+
+
+def test_a_custom_generate_function_takes_partial_rollout_which_continues_its_aborted_samples():
+    config = parse_train_args([*RUN, "--custom-generate-function-path", "test_custom_generate:two_turns",
+                               "--partial-rollout", "--max-staleness", "1"])
+    assert config.rollout.partial == Partial(max_staleness=1) and config.sglang.enable_priority_scheduling
+    assert config.rollout.custom_generate.as_namespace("127.0.0.1", 30000).partial_rollout  # slime's switch
 
 
 def test_a_custom_generate_function_reaches_the_engines_with_slimes_args():

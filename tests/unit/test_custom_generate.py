@@ -3,11 +3,13 @@ function gets, generate and the append helpers, what comes back (trained, aborte
 step's groups of such samples through EngineWorker over a scripted engine (the real stack:
 tests/e2e/test_loop_custom_generate.py)."""
 
+import argparse
 import asyncio
 import json
 import textwrap
 from collections import Counter
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,14 +17,15 @@ from relax.args.settings import AlgorithmSettings
 from relax.rollout.agent_session import ChatSessions
 from relax.rollout.custom_generate import (
     CustomGenerateFn, Sample, append_generated, append_masked, completion_of, generate, generate_samples,
-    load_custom_generate_fn, sample_problem,
+    load_custom_generate_fn, sample_problem, tokens_left,
 )
 from relax.rollout.data import Prompt, PromptLoader
-from relax.rollout.engine import Completion, SamplingConfig
+from relax.rollout.engine import CONTINUED_RESPONSE_PRIORITY, Completion, SamplingConfig
+from relax.rollout.partial import ResponseSoFar
 from relax.rollout.rewards import RewardFn
-from relax.rollout.rollout import collect_groups, reward_and_length_metrics, samples_of
+from relax.rollout.rollout import Partial, collect_groups, reward_and_length_metrics, samples_of
 from relax.rollout.dump import load_rollout_data, save_rollout_data
-from relax.rollout.groups import group_sizes
+from relax.rollout.groups import FillError, group_sizes
 from relax.rollout.worker import EngineWorker
 from relax.run.loop import rollout_batch
 from relax.train.batch import optimizer_step_sizes
@@ -167,14 +170,16 @@ class ScriptedEngine:
         return Completion(ids, [-1.0 - len(self.requests) + 1] * len(ids), self.finish_reason, f"<{len(ids)} ids>")
 
 
-def run_call(fn, engine, prompt_ids=PROMPT, label="7") -> list[Completion]:
+def run_call(fn, engine, prompt_ids=PROMPT, label="7", so_far=None, keep_aborted=False) -> list[Completion]:
     prompt = Prompt(row=1, token_ids=list(prompt_ids), text="copy 7:", label=label)
-    return asyncio.run(generate_samples(_as_custom(fn), "args", prompt, {"max_new_tokens": 8}, engine))
+    return asyncio.run(generate_samples(_as_custom(fn), "args", prompt, {"max_new_tokens": 8}, engine,
+                                        so_far=so_far, keep_aborted=keep_aborted))
 
 
-def run_sample(fn, engine, prompt_ids=PROMPT, label="7") -> Completion:
-    """The one completion of a call that returned one sample (or failed)."""
-    (completion,) = run_call(fn, engine, prompt_ids, label)
+def run_sample(fn, engine, prompt_ids=PROMPT, label="7", **partial) -> Completion:
+    """The one completion of a call that returned one sample (or failed); `partial`: run_call's so_far and
+    keep_aborted."""
+    (completion,) = run_call(fn, engine, prompt_ids, label, **partial)
     return completion
 
 
@@ -334,10 +339,12 @@ class ScriptedWorker(EngineWorker):
     """An engine actor with the custom generate function `fn`, whose engine answers every request with `answer`
     (ids); records each request's seed."""
 
-    def __init__(self, fn, answer=(1, 2)):
+    def __init__(self, fn, answer=(1, 2), partial_rollout=False):
         self.aborts, self.answer, self.seeds, self.custom_groups = 0, list(answer), [], Counter()
-        self.custom_generate = (_as_custom(fn), "args")
+        self.custom_generate = (_as_custom(fn), argparse.Namespace(partial_rollout=partial_rollout))
         self.chat_sessions = ChatSessions("the model", {}, "http://127.0.0.1:1")  # the function opens none
+        self.server_args = SimpleNamespace(enable_priority_scheduling=True)  # as --partial-rollout turns it on
+        self.priorities = []  # each request's, by its input ids
 
     def _live(self):
         return "the engine"
@@ -347,6 +354,7 @@ class ScriptedWorker(EngineWorker):
 
     async def generate_request(self, engine, request, params, priority):
         self.seeds.append(params["sampling_seed"])
+        self.priorities.append((request, priority))
         return Completion(self.answer, [-0.5] * len(self.answer), "stop", "ab")
 
 
@@ -495,7 +503,232 @@ def test_an_evaluations_group_is_the_functions_told_so_and_an_aborted_sample_fai
     assert returned.finish_reason == "abort" and returned.error is None  # a rollout's: its prompt goes back
 
 
-def test_a_function_continues_no_response_begun_earlier():
-    worker = ScriptedWorker(_raises)
-    with pytest.raises(ValueError, match="does not continue responses begun earlier"):
-        worker.generate_group([5], SamplingConfig(n=1), [[1]], Prompt(1, [5], "p"))
+# --- partial rollout: a sample the function returned ABORTED, kept and continued by a later step's call ---------
+
+def _so_far(**fields) -> ResponseSoFar:
+    """What an earlier step's call left ABORTED: the response [1, 2] then TOOL (masked), sampled in step 3."""
+    return ResponseSoFar(**{"token_ids": [1, 2, *TOOL], "logprobs": [-1.0, -1.0, 0.0, 0.0], "steps": [3] * 4,
+                            "text": "<2 ids><tool>", "loss_mask": [1, 1, 0, 0], "metadata": {"turn": 1}, **fields})
+
+
+async def one_turn(args, sample, sampling_params):
+    """The module docstring's function, which continues a sample as it starts one: a request for what the budget
+    has left after sample.tokens."""
+    left = tokens_left(sample, sampling_params)
+    append_generated(sample, await generate(sample.tokens, {**sampling_params, "max_new_tokens": left}))
+    return sample
+
+
+async def aborted_after_a_turn(args, sample, sampling_params):
+    """One turn that the engine aborts (the step's batch is full), noted in the sample's metadata."""
+    append_generated(sample, await generate(sample.tokens, sampling_params))
+    sample.metadata["turn"] = 1
+    return sample
+
+
+def test_an_aborted_sample_is_kept_with_what_it_holds_under_partial_rollout():
+    completion = run_sample(aborted_after_a_turn, ScriptedEngine([[1, 2]], "abort"), keep_aborted=True)
+    assert completion.finish_reason == "abort" and completion.error is None and not completion.restarted
+    assert (completion.token_ids, completion.logprobs, completion.loss_mask) == ([1, 2], [-1.0, -1.0], [1, 1])
+    assert completion.text == "<2 ids>" and completion.metadata == {"turn": 1} and completion.reward is None
+    # without partial rollout nothing is kept; with it, a sample with no response keeps nothing to continue
+    bare = run_sample(aborted_after_a_turn, ScriptedEngine([[1, 2]], "abort"))
+    assert (bare.finish_reason, bare.token_ids, bare.metadata, bare.restarted) == ("abort", [], None, False)
+    empty = run_sample(aborted_after_a_turn, ScriptedEngine([[]], "abort"), keep_aborted=True)
+    assert (empty.finish_reason, empty.token_ids, empty.metadata, empty.restarted) == ("abort", [], None, False)
+
+    async def keeps_a_set(args, sample, sampling_params):
+        sample = await aborted_after_a_turn(args, sample, sampling_params)
+        sample.metadata["seen"] = {1}
+        return sample
+
+    failed = run_sample(keeps_a_set, ScriptedEngine([[1, 2]], "abort"), keep_aborted=True)
+    assert failed.finish_reason == "error" and "its metadata cannot be kept for a later step" in failed.error
+    misaligned = run_sample(_returning(_with(status=Sample.Status.ABORTED, tokens=PROMPT + [1], response_length=1,
+                                             rollout_log_probs=[-1.0, -1.0])), ScriptedEngine([]), keep_aborted=True)
+    assert "its rollout_log_probs has 2 entries for 1 response tokens" in misaligned.error
+
+
+def test_a_continued_sample_comes_as_the_function_left_it_and_gives_back_what_it_added():
+    seen = []
+
+    async def look(args, sample, sampling_params):
+        seen.append((sample.tokens, sample.response, sample.response_length, sample.loss_mask,
+                     sample.rollout_log_probs, sample.metadata, sample.status, sampling_params["max_new_tokens"]))
+        return await one_turn(args, sample, sampling_params)
+
+    so_far, engine = _so_far(), ScriptedEngine([[3]])
+    completion = run_sample(look, engine, so_far=so_far, keep_aborted=True)
+    assert seen == [(PROMPT + [1, 2, *TOOL], "<2 ids><tool>", 4, [1, 1, 0, 0], [-1.0, -1.0, 0.0, 0.0], {"turn": 1},
+                     Sample.Status.ABORTED, 8)]
+    assert engine.requests == [(PROMPT + [1, 2, *TOOL], {"max_new_tokens": 4})]  # what the budget has left
+    assert (completion.token_ids, completion.logprobs, completion.loss_mask) == ([3], [-1.0], [1])
+    assert completion.text == "<1 ids>" and completion.finish_reason == "stop" and completion.prompt_ids is None
+    assert so_far == _so_far()  # the function's changes leave the kept response as it was
+    assert so_far.extended(completion, 5).steps == [3, 3, 3, 3, 5]  # each token keeps the step that sampled it
+    # a sample of its own prompt ids goes on after them; aborted again, it comes back with what it added
+    own, engine = _so_far(prompt_ids=[4, *PROMPT]), ScriptedEngine([[3]], "abort")
+    again = run_sample(one_turn, engine, so_far=own, keep_aborted=True)
+    assert engine.requests[0][0] == [4, *PROMPT, 1, 2, *TOOL] and again.prompt_ids == [4, *PROMPT]
+    assert (again.finish_reason, again.token_ids, again.metadata) == ("abort", [3], {"turn": 1})
+
+
+@pytest.mark.parametrize("change, changed", [
+    (_with(tokens=PROMPT + [9, 2, *TOOL]), "but changed its tokens"),
+    (_with(loss_mask=[1, 1, 1, 1]), "but changed its loss_mask"),
+    (_with(loss_mask=None), "but changed its loss_mask"),  # None: every token trained
+    (_with(rollout_log_probs=[-2.0, -1.0, 0.0, 0.0]), "but changed its rollout_log_probs"),
+    (_with(response="<tool>"), "but changed its response"),
+    (_with(tokens=[4, *PROMPT, 1, 2, *TOOL]), "it continues a sample of 3 prompt ids but its prompt changed"),
+    (_with(tokens=PROMPT + [1, 2, 50], response_length=3, loss_mask=[1, 1, 0], rollout_log_probs=[-1.0, -1.0, 0.0]),
+     "it continues a response of 4 tokens but changed its tokens, loss_mask, rollout_log_probs"),
+])
+def test_a_continued_sample_that_changed_its_response_so_far_fails_naming_what(change, changed):
+    async def changes(args, sample, sampling_params):
+        change(sample).status = Sample.Status.COMPLETED
+        return sample
+
+    completion = run_sample(changes, ScriptedEngine([]), so_far=_so_far(), keep_aborted=True)
+    assert completion.finish_reason == "error" and changed in completion.error
+    assert "a continued sample keeps the prompt and the response it was given" in completion.error
+
+
+def test_a_call_that_drops_its_sample_or_fans_out_around_an_aborted_one_starts_again_counted():
+    async def drops_it(args, sample, sampling_params):
+        return Sample(sample.prompt, tokens=list(PROMPT), status=Sample.Status.ABORTED)
+
+    (dropped,) = run_call(drops_it, ScriptedEngine([]), so_far=_so_far(), keep_aborted=True)
+    assert (dropped.finish_reason, dropped.token_ids, dropped.restarted) == ("abort", [], True)
+    assert _so_far().extended(dropped, 5) == ResponseSoFar()  # the rollout's response starts again
+
+    async def fans_out(args, sample, sampling_params):
+        return [await one_turn(args, sample, sampling_params), _finished()]
+
+    (continued,) = run_call(fans_out, ScriptedEngine([[3]]), so_far=_so_far(), keep_aborted=True)
+    assert (continued.finish_reason, continued.token_ids, continued.restarted) == ("abort", [], True)
+    # a new call's fan-out with an ABORTED sample: nothing kept, counted where that sample had a response
+    fan_out = _returning([_finished(), _finished(status=Sample.Status.ABORTED)])
+    (aborted,) = run_call(fan_out, ScriptedEngine([]), keep_aborted=True)
+    assert (aborted.finish_reason, aborted.token_ids, aborted.restarted) == ("abort", [], True)
+    (not_kept,) = run_call(fan_out, ScriptedEngine([]))  # without partial rollout nothing is ever kept
+    assert not not_kept.restarted
+
+
+def _take_and_keep(loader, worker, step, partial=Partial(None), num_groups=1, max_prompts=1):
+    """One step's collect_groups of num_groups groups of 2 samples over `worker`, every sample rewarded 1.0."""
+    return collect_groups(
+        WorkerPool(worker), loader, SamplingConfig(n=2, seed=0, max_new_tokens=8),
+        RewardFn(lambda sample: 1.0, "r", per_batch=False, is_async=False), num_groups=num_groups, chunk_size=1,
+        dynamic_sampling=False, max_prompts=max_prompts, step=step, partial=partial,
+    )
+
+
+def test_a_function_sample_aborted_in_one_step_is_saved_and_continued_by_the_next_ahead_of_new_requests():
+    continued = []
+
+    async def slow_then_done(args, sample, sampling_params):
+        """A "slow" prompt's new sample: its first turn comes back ABORTED (as when the step's batch is full),
+        noted in its metadata. Continued: the TOOL ids and a second turn. Other prompts: two_turns'."""
+        if sample.label == "slow" and sample.status is Sample.Status.PENDING:
+            sample = await aborted_after_a_turn(args, sample, sampling_params)
+            sample.status = Sample.Status.ABORTED
+            return sample
+        if sample.status is Sample.Status.ABORTED:
+            continued.append((sample.metadata, sample.response_length))
+            append_masked(sample, TOOL, "<tool>")
+            return await one_turn(args, sample, sampling_params)
+        return await two_turns(args, sample, sampling_params)
+
+    prompts = [Prompt(1, [100], "p0", "slow"), Prompt(2, [101], "p1", "plain"), Prompt(3, [102], "p2", "plain")]
+    loader = PromptLoader(prompts, shuffle=False)
+    samples, metrics = _take_and_keep(loader, ScriptedWorker(slow_then_done, partial_rollout=True), step=0,
+                                      max_prompts=2)
+    assert [s.prompt.label for s in samples] == ["plain", "plain"]
+    assert metrics["rollout/function_aborted_samples"] == 2 and metrics["rollout/partial_carried_tokens"] == 4
+    # a checkpoint saves the loader as JSON, and the resumed run continues the group
+    resumed = PromptLoader.from_state_dict(prompts, json.loads(json.dumps(loader.state_dict())))
+    worker = ScriptedWorker(slow_then_done, partial_rollout=True)
+    samples, metrics = _take_and_keep(resumed, worker, step=1)
+    assert continued == [({"turn": 1}, 2)] * 2
+    assert [s.prompt.label for s in samples] == ["slow", "slow"]
+    assert [s.response_token_ids for s in samples] == [[1, 2, *TOOL, 1, 2]] * 2
+    assert [s.loss_mask for s in samples] == [[1, 1, 0, 0, 1, 1]] * 2
+    assert [s.response_steps for s in samples] == [[0, 0, 1, 1, 1, 1]] * 2  # the tokens' ages
+    assert [s.response_logprobs for s in samples] == [[-0.5, -0.5, 0.0, 0.0, -0.5, -0.5]] * 2
+    assert metrics["rollout/partial_resumed_samples"] == 2 and metrics["rollout/partial_oldest_token_age"] == 1
+    assert metrics["rollout/partial_old_token_fraction"] == 4 / 12 and metrics["rollout/partial_restarted_calls"] == 0
+    assert worker.priorities == [([100, 1, 2, *TOOL], CONTINUED_RESPONSE_PRIORITY)] * 2  # ahead of new requests
+    assert sorted(worker.seeds) == [0, 1]  # the step's first group: its calls seeded 0 and 1
+
+
+def test_a_kept_function_sample_older_than_max_staleness_is_called_anew_from_the_prompt():
+    async def aborts_new_samples(args, sample, sampling_params):
+        sample = await (aborted_after_a_turn if sample.label == "slow" else two_turns)(args, sample, sampling_params)
+        if sample.label == "slow":
+            sample.status = Sample.Status.ABORTED
+        return sample
+
+    prompts = [Prompt(1, [100], "p0", "slow"), Prompt(2, [101], "p1", "plain"), Prompt(3, [102], "p2", "plain")]
+    loader = PromptLoader(prompts, shuffle=False)
+    worker = ScriptedWorker(aborts_new_samples, partial_rollout=True)
+    _take_and_keep(loader, worker, step=0, max_prompts=2)
+    worker.priorities.clear()
+    samples, metrics = _take_and_keep(loader, worker, step=2, partial=Partial(max_staleness=1), max_prompts=2)
+    assert metrics["rollout/partial_stale_samples"] == 2 and metrics["rollout/function_aborted_samples"] == 2
+    assert [priority for _, priority in worker.priorities[:2]] == [None, None]  # new samples: the prompt alone
+    assert [ids for ids, _ in worker.priorities[:2]] == [[100], [100]]
+
+
+def test_a_groups_fanned_out_samples_are_kept_with_it_and_its_continued_call_keeps_its_place():
+    async def fan_and_slow(args, sample, sampling_params):
+        """Call 0 of a new group: ABORTED after a turn; continued, done. Call 1: a sample and a sibling, its
+        reward preset."""
+        if sample.status is Sample.Status.ABORTED:
+            return await one_turn(args, sample, sampling_params)
+        if sampling_params["sampling_seed"] % 2 == 0:
+            sample = await aborted_after_a_turn(args, sample, sampling_params)
+            sample.status = Sample.Status.ABORTED
+            return sample
+        sibling = Sample(sample.prompt, tokens=[*sample.tokens, 9], response_length=1, rollout_log_probs=[-3.0],
+                         reward=0.0, status=Sample.Status.COMPLETED)
+        return [await two_turns(args, sample, sampling_params), sibling]
+
+    prompts = [Prompt(1, [100], "p0"), Prompt(2, [101], "p1")]
+    loader = PromptLoader(prompts, shuffle=False)
+    worker = ScriptedWorker(fan_and_slow, partial_rollout=True)
+    with pytest.raises(FillError):  # every new group comes back with an ABORTED sample
+        _take_and_keep(loader, worker, step=0, max_prompts=1)
+    resumed = PromptLoader.from_state_dict(prompts, json.loads(json.dumps(loader.state_dict())))
+    samples, metrics = _take_and_keep(resumed, worker, step=1)
+    assert [s.response_token_ids for s in samples] == [[1, 2, 1, 2], [1, 2, *TOOL, 1, 2], [9]]
+    assert [s.reward for s in samples] == [1.0, 1.0, 0.0] and [s.group_size for s in samples] == [3] * 3
+    assert [s.response_steps for s in samples] == [[0, 0, 1, 1], [0] * 6, [0]]  # the finished ones: step 0's
+
+
+def test_a_continued_groups_new_call_that_fans_out_adds_its_other_samples_after_the_groups_responses():
+    new_calls = []
+
+    async def first_aborts_then_the_second_fans_out(args, sample, sampling_params):
+        """Step 0 (the first two new calls): call 0 ABORTED after a turn, call 1 ABORTED with nothing (it starts
+        again). Step 1: call 0's sample continued; call 1 anew, a sample and a sibling."""
+        if sample.status is Sample.Status.ABORTED:
+            return await one_turn(args, sample, sampling_params)
+        new_calls.append(sampling_params["sampling_seed"])
+        if len(new_calls) <= 2:
+            if sampling_params["sampling_seed"] % 2 == 0:
+                sample = await aborted_after_a_turn(args, sample, sampling_params)
+            sample.status = Sample.Status.ABORTED
+            return sample
+        sibling = Sample(sample.prompt, tokens=[*sample.tokens, 9], response_length=1, rollout_log_probs=[-3.0],
+                         status=Sample.Status.COMPLETED)
+        return [await one_turn(args, sample, sampling_params), sibling]
+
+    loader = PromptLoader([Prompt(1, [100], "p0")], shuffle=False)
+    worker = ScriptedWorker(first_aborts_then_the_second_fans_out, partial_rollout=True)
+    with pytest.raises(FillError):  # its one group comes back with ABORTED samples, put back
+        _take_and_keep(loader, worker, step=0)
+    samples, metrics = _take_and_keep(loader, worker, step=1)
+    assert new_calls == [0, 1, 1]  # step 1 calls anew only the call whose sample kept nothing, seeded as the second
+    assert [s.response_token_ids for s in samples] == [[1, 2, 1, 2], [1, 2], [9]]  # call 0's, call 1's two
+    assert [s.response_steps for s in samples] == [[0, 0, 1, 1], None, None] and samples[0].group_size == 3
+    assert metrics["rollout/fan_out_samples"] == 1 and metrics["rollout/partial_restarted_calls"] == 0

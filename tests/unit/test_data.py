@@ -319,6 +319,20 @@ def test_a_multi_turn_response_put_back_is_saved_with_its_loss_mask_and_turns(tm
     assert GroupSoFar.from_state_dict({"responses": [single]}) == GroupSoFar([ResponseSoFar([8], [-0.8], [1])])
 
 
+def test_a_custom_generate_functions_responses_put_back_are_saved_with_their_prompt_metadata_and_reward(
+        tmp_path, tokenizer):
+    prompts = _prompts(tmp_path, tokenizer, 2)
+    loader = PromptLoader(prompts, shuffle=False)
+    aborted = ResponseSoFar([5, 6], [-0.5, 0.0], [0, 0], text="x", loss_mask=[1, 0], prompt_ids=[4, 4, 4],
+                            metadata={"turn": 1, "notes": ["a"]})
+    finished = ResponseSoFar([8], [-0.8], [0], "stop", "y", reward=0.5, prompt_ids=[4, 4, 4])
+    so_far = GroupSoFar([aborted, finished, ResponseSoFar([9], [-0.9], [0], "length")])  # a fan-out's third
+    loader.put_back(loader.take(1), [so_far])
+    state = json.loads(json.dumps(loader.state_dict()))  # a checkpoint stores it as JSON
+    ((prompt, resumed),) = PromptLoader.from_state_dict(prompts, state).take_with_progress(1)
+    assert prompt.label == 0 and resumed == so_far
+
+
 def test_a_copy_of_the_loader_keeps_what_was_put_back_and_the_partial_responses_as_they_were(tmp_path, tokenizer):
     prompts = _prompts(tmp_path, tokenizer, 4)
     loader = PromptLoader(prompts, shuffle=False)

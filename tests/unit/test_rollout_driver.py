@@ -11,7 +11,7 @@ from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import AllSamplesFailed, FillError, group_by_prompt
 from relax.rollout.multi_turn import multi_turn_metrics
-from relax.rollout.partial import GroupSoFar, ResponseSoFar
+from relax.rollout.partial import GroupSoFar, PartialStats, ResponseSoFar
 from relax.rollout.rewards import RewardFn, load_reward_fn
 from relax.rollout.tool_calls import ToolUse
 from relax.rollout.rollout import (
@@ -196,6 +196,21 @@ def test_a_group_of_finished_and_aborted_responses_continues_only_the_aborted_on
     assert (refused.token_ids, refused.error) == ([3], "E")
     assert refused.to_continue_later() == ResponseSoFar([3], [-0.3], [0])  # goes on from its tokens later
     assert GroupSoFar.from_state_dict(so_far.state_dict()) == so_far
+
+
+def test_a_custom_generate_functions_response_keeps_its_prompt_and_metadata_until_its_call_restarts_it():
+    kept = Completion([7, 8], [-0.7, -0.8], "abort", "x", loss_mask=[1, 0], prompt_ids=[4, 4],
+                      metadata={"turn": 1})
+    aborted = ResponseSoFar().extended(kept, step=3).to_continue_later()
+    assert (aborted.prompt_ids, aborted.metadata, aborted.steps) == ([4, 4], {"turn": 1}, [3, 3])
+    refused = aborted.extended(Completion.refused("E"), step=4).to_continue_later()
+    assert refused == aborted  # a refused call changes nothing: a later step continues it as it was
+    done = aborted.extended(Completion([9], [-0.9], "stop", "y", loss_mask=[1], prompt_ids=[4, 4], reward=1.0), 4)
+    assert (done.token_ids, done.steps, done.reward, done.metadata) == ([7, 8, 9], [3, 3, 4], 1.0, None)
+    assert aborted.extended(Completion.aborted(restarted=True), step=4) == ResponseSoFar()
+    # the metrics count the calls restarted
+    stats = PartialStats(restarted_calls=2)
+    assert stats.metrics([], tokens=1, step=0)["rollout/partial_restarted_calls"] == 2
 
 
 def test_a_continued_multi_turn_response_is_one_sample_with_its_whole_mask_and_its_turns_counted_once():
