@@ -63,9 +63,11 @@ def _failure_line(output: str, named: str, pid: int) -> str:
 
 
 def _kill_scheduler_mid_generate(marker: dict, run: subprocess.Popen):
-    """SIGKILL the engine's SGLang scheduler while its engine actor runs a generate call; the scheduler."""
+    """SIGKILL the engine's SGLang scheduler while its engine actor runs a generate call; the scheduler. (On the CPU
+    the scheduler's parent is the server it was forked from, not the engine actor: relax.platform.cpu_sglang.)"""
     scheduler = wait_for_process(marker, "sglang::scheduler", still_running=lambda: run.poll() is None)
-    wait_for_title(scheduler.parent(), "EngineWorker.generate", still_running=lambda: run.poll() is None)
+    engine = wait_for_process(marker, "ray::EngineWorker", still_running=lambda: run.poll() is None)
+    wait_for_title(engine, "EngineWorker.generate", still_running=lambda: run.poll() is None)
     scheduler.kill()
     return scheduler
 
