@@ -169,7 +169,7 @@ _HOST_BUFFERS = {"sglang.srt.mem_cache.pool_host.common": _unpinned_host_buffers
 # ----------------------------------------------------------------------------------------------------------
 # The engine's processes forked from a server that has imported them. SGLang 0.5.23's Engine sets the spawn start
 # method (entrypoints/engine.py _set_envs_and_config) and starts its scheduler and detokenizer with that module's
-# `mp.Process`: spawned, each imports SGLang, about 7 CPU-s apiece on a laptop-class core. Here they come from
+# `mp.Process`: spawned, each imports SGLang, about 5 CPU-s apiece on a 2-core machine. Here they come from
 # Python's forkserver with the two modules preloaded: the server imports SGLang once and forks both. A forked
 # process has the server's environment, taken when the server started: the server starts with the first engine of
 # this process and stops when no engine of the process is left, so an engine started after a change of the
