@@ -141,10 +141,12 @@ def test_a_dead_child_process_of_an_actor_fails_the_wait_naming_the_actor_and_th
 
 
 def test_an_actor_that_dies_in_its_init_fails_the_wait_naming_it(placement):
+    """The call waited on never ends on its own: only the engine's death ends the wait. The bound is a hang guard
+    alone: Ray starts the actor's process when the machine lets it, which on CI's two busy cores took up to 150 s."""
     ranks = create_training_actors(Sleeper, placement)
     create_engine_actors(DiesInInit, placement, devices_per_engine=1)
-    message, waited = _waited_failure(ranks.call("sleep", SLOW_CALL_S), placement)
-    assert waited < HANG_GUARD_S, f"the wait ended {waited:.0f} s after it began: {message}"
+    message, waited = _waited_failure(ranks.call("sleep", 3600), placement)
+    assert waited < 300, f"the wait ended {waited:.0f} s after it began: {message}"
     assert re.match(r"engine [01] \(DiesInInit, actor id \w+\) failed: ", message), message
     assert "died" in message, message
 
