@@ -2,17 +2,11 @@
 the benchmarks' timing of a call."""
 
 import os
-import socket
 import time
 
 import torch
 
-
-def free_port() -> int:
-    """A TCP port nothing listens on now, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from relax.ports import free_port
 
 
 def init_distributed(device: str, rank: int = 0, world_size: int = 1, port: int | None = None):

@@ -38,7 +38,9 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from single_rank import free_port, init_distributed
+
+from relax.ports import free_port
+from single_rank import init_distributed
 
 QWEN3_1_7B = dict(
     hidden_size=2048, intermediate_size=5504, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4,

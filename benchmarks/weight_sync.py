@@ -44,7 +44,6 @@ import datetime
 import json
 import os
 import pickle
-import socket
 import sys
 import threading
 import time
@@ -55,6 +54,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
+
+from relax.ports import free_port
 
 WORLD_SIZE = 2
 GiB = 1 << 30
@@ -487,12 +488,6 @@ def _rank(rank: int, args, port: int, hf_dir: str, receivers) -> dict:
     return result
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(hf_dir: str, args) -> list[dict]:
     """Start one receiver per device and the two training ranks; return each rank's result."""
     from relax.platform import get_platform
@@ -514,7 +509,7 @@ def run(hf_dir: str, args) -> list[dict]:
             if status != "ok":
                 raise RuntimeError(f"receiver failed to start:\n{value}")
         results = context.Queue()
-        port = _free_port()
+        port = free_port()
         for rank in range(WORLD_SIZE):
             proc = context.Process(target=_rank_main, args=(rank, args, port, hf_dir, receiver_conns, results))
             proc.start()
