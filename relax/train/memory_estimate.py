@@ -36,12 +36,14 @@ LOGPROB_PIECES_LIVE = 3
 # What a layer's RMSNorm keeps for the backward, in hidden-size vectors per token: its input, the normalised
 # value (for the weight's gradient) and its output (the next projection's input).
 NORM_KEEPS = 3
-GDN_CHUNK = 64  # tokens per chunk of the chunked gated delta rule (relax.kernels.gdn_chunk_triton.CHUNK)
-# The chunked rule's backward holds about this many times the float32 working set of its forward
-# (_gdn_rule_forward_floats): the terms recomputed, their gradients and autograd's saved intermediates. Measured: 8.97
-# GiB beyond the inputs for one layer's forward + backward of relax's rule on 16,384 tokens x 32 value heads,
-# K = V = 128, on an H100 (benchmarks/gdn_chunk_rule.py, docs/benchmarks.md): 2.24 x 4 x 2,048 floats per token and
-# value head. The torch reference's transient is bounded by the same count.
+# Tokens per chunk of the chunked gated delta rule: relax.kernels.gdn_chunk_triton.CHUNK, not imported, since that
+# module imports Triton and the dry run reads this one.
+GDN_CHUNK = 64
+# relax's chunked rule (the CUDA default) holds about this many times the float32 working set of its forward
+# (_gdn_rule_forward_floats) in its backward: the terms recomputed, their gradients and autograd's saved
+# intermediates. Measured: 8.97 GiB beyond the inputs for one layer's forward + backward on 16,384 tokens x 32 value
+# heads, K = V = 128, on an H100 (benchmarks/gdn_chunk_rule.py, docs/benchmarks.md): 2.24 x 4 x 2,048 floats per token
+# and value head. The torch reference took 4.15 GiB on that batch (11 sequences; it works one length at a time).
 GDN_BACKWARD_COPIES = 2.24
 
 
