@@ -45,10 +45,15 @@ printed both for the step (real tokens per second) and per device (the scaling e
 
 --memory-at TOKENS [TOKENS ...]: relax's train step only (relax_cp's instead, or as well, where --sides names it), for
 each TOKENS on one micro-batch of exactly that many tokens (samples from the same distribution, the last one cut to
-fit) with max_tokens_per_micro_batch = TOKENS: its peak device memory (relax_cp: per rank, its share of the row).
+fit) with max_tokens_per_micro_batch = TOKENS: its peak device memory (relax_cp: per rank, its share of the row),
+beside what `relax train --dry-run` estimates for it (relax.train.memory_estimate, relax_estimate_gb).
+
+--recompute-granularity full|selective: relax's sides with megatron-core's activation recompute (full: every layer
+from its input, uniform, one layer at a time), as `relax train --recompute-granularity` sets it.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -183,6 +188,7 @@ def relax_side(platform, hf_dir: str, hf, batch, max_tokens: int, args, context_
     from relax.train.batch import plan_micro_batches
 
     transformer, optimizer, ddp = megatron_configs(hf, context_parallel_size)
+    transformer = with_recompute(transformer, args.recompute_granularity)
     settings = ActorSettings(max_tokens_per_micro_batch=max_tokens, keep_reference=False,
                              fused_output_logprobs=args.fused_output_logprobs)
     actor = MegatronActor(hf_dir, transformer, optimizer, ddp, settings, platform=platform)
@@ -195,6 +201,37 @@ def relax_side(platform, hf_dir: str, hf, batch, max_tokens: int, args, context_
         "row_tokens": sum(batch.token_counts()),  # each row exactly its samples: no padding
         "grad_norms": grad_norms,
     }
+
+
+def with_recompute(transformer, granularity: str | None):
+    """The config with megatron-core's activation recompute: "full" recomputes every layer from its input (uniform,
+    one layer at a time), "selective" its core attention; None keeps every activation."""
+    if granularity is None:
+        return transformer
+    if granularity == "full":
+        return dataclasses.replace(transformer, recompute_granularity="full", recompute_method="uniform",
+                                   recompute_num_layers=1)
+    return dataclasses.replace(transformer, recompute_granularity="selective")
+
+
+def relax_estimate_gb(platform, hf, args, num_tokens: int, context_parallel_size: int) -> float:
+    """What `relax train --dry-run` estimates for this side's peak allocated memory per device, in GB: the same count
+    (relax.train.memory_estimate) for this model, layout and micro-batch."""
+    from relax.train.logprobs import CHUNK_BYTES
+    from relax.train.memory_estimate import Layout, estimate_actor_memory
+
+    transformer, optimizer, ddp = megatron_configs(hf, context_parallel_size)
+    transformer = with_recompute(transformer, args.recompute_granularity)
+    param_bytes = transformer.params_dtype.itemsize
+    estimate = estimate_actor_memory(
+        transformer, vocab_size=hf.text_config["vocab_size"], untied=not hf.text_config.get("tie_word_embeddings"),
+        tokens=num_tokens // context_parallel_size, layout=Layout(context=context_parallel_size),
+        param_bytes=param_bytes, grad_bytes=4 if ddp.grad_reduce_in_fp32 else param_bytes,
+        optimizer=optimizer.optimizer,
+        logprob_pieces_bytes=CHUNK_BYTES if platform.logprob_kernel == "torch" else 0,
+        fused_output_piece_bytes=CHUNK_BYTES if args.fused_output_logprobs else 0,
+    )
+    return estimate.total / 1e9
 
 
 def plain_side(platform, hf_dir: str, hf, batch, max_tokens: int, args, packed_with_mask: bool) -> dict:
@@ -257,6 +294,10 @@ def run_side(platform, name: str, args, max_tokens: int) -> dict:
     batch = filled_batch(args, vocab_size, max_tokens) if args.memory_at else rl_batch(args, vocab_size)
     batch = batch.select(i for i, count in enumerate(batch.token_counts()) if count <= max_tokens)  # see module doc
     try:
+        if name in RELAX_SIDES and args.memory_at:
+            estimate = relax_estimate_gb(platform, hf, args, max_tokens, side_devices(name, args))
+            return {**relax_side(platform, hf_dir, hf, batch, max_tokens, args, side_devices(name, args)),
+                    "relax_estimate_gb": estimate}
         if name in RELAX_SIDES:
             return relax_side(platform, hf_dir, hf, batch, max_tokens, args, side_devices(name, args))
         return plain_side(platform, hf_dir, hf, batch, max_tokens, args, packed_with_mask=name == "relax_before")
@@ -354,6 +395,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-tokens", type=int, default=16384, help="token budget of a micro-batch")
     parser.add_argument("--memory-at", type=int, nargs="+", metavar="TOKENS", help="relax's peak memory only (see doc)")
     parser.add_argument("--fused-output-logprobs", action="store_true", help="relax's side with the flag of that name")
+    parser.add_argument("--recompute-granularity", choices=("full", "selective"),
+                        help="relax's sides with megatron-core's activation recompute (full: uniform, one layer)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(DEFAULT_SIDES))
