@@ -59,7 +59,9 @@ def ringattn_context_parallel(q, k, v, n, cp_para, softmax_scale=None, attn_mask
              "q_index is not the second half of each sequence")
 
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    gathered = gather_from_sequence_parallel_region(torch.cat([k, v], -1), tensor_parallel_output_grad=True, group=group)
+    gathered = gather_from_sequence_parallel_region(
+        torch.cat([k, v], -1), tensor_parallel_output_grad=True, group=group
+    )
     keys, values = gathered.split([k.shape[-1], v.shape[-1]], dim=-1)
     key_positions = [p for chunk_rank in range(size) for p in _positions(ends, chunk_rank, size)]
     query_positions = _positions(ends, cp_para["rank"], size)
