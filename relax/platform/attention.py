@@ -189,6 +189,13 @@ def mindspeed_ring_takes(chunk_cu_seqlens) -> bool:
     return (len(chunk_cu_seqlens) - 1) // 2 <= _NPU_MAX_SEQUENCES
 
 
+@functools.lru_cache(maxsize=8)  # every layer of a micro-batch asks for the same row's
+def _first_and_second_chunks(bounds: tuple, device):
+    """The positions of the first and of the second chunk of each sequence, from the chunks' boundaries."""
+    chunks = [torch.arange(start, end) for start, end in zip(bounds, bounds[1:])]
+    return torch.cat(chunks[0::2]).to(device), torch.cat(chunks[1::2]).to(device)
+
+
 def mindspeed_ring(q, k, v, chunk_cu_seqlens, group, scale: float):
     """Causal attention of this CP rank's queries [t / CP, heads, d] to the keys and values of the whole row, with
     MindSpeed's ring attention (ringattn_context_parallel: AttentionWithCp in its causal eod-reset TND mode, what
@@ -197,17 +204,16 @@ def mindspeed_ring(q, k, v, chunk_cu_seqlens, group, scale: float):
     The rank holds chunks r and 2 CP - 1 - r of every sequence, in that order (relax.train.context_parallel;
     `chunk_cu_seqlens`: their boundaries), which is MindSpeed's split of an eod-reset row (get_batch_utils.py,
     _get_batch_on_this_cp_rank_in_megatron_cp_eod_padding): each local sequence of 2 chunks is the unit of its TND
-    calls, kv_index its first chunks (what a later rank attends to) and q_index its second (what attends to an
-    earlier rank's whole sequence). Sequence ends are TND's cumulative ends, without the leading 0."""
+    calls, kv_index its first chunks (those a later rank's queries attend to) and q_index its second (those that
+    attend to both chunks of a later rank). Sequence ends are TND's cumulative ends, without the leading 0."""
     import torch.distributed as dist
     from megatron.core.packed_seq_params import PackedSeqParams
     from mindspeed.core.context_parallel.ring_context_parallel.ring_context_parallel import ringattn_context_parallel
 
-    bounds = chunk_cu_seqlens.tolist()
-    chunks = [torch.arange(start, end, device=q.device) for start, end in zip(bounds, bounds[1:])]
+    bounds = tuple(chunk_cu_seqlens.tolist())
     sequence_ends = torch.tensor(bounds[2::2])
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=sequence_ends, cu_seqlens_kv=sequence_ends)
-    params.kv_index, params.q_index = torch.cat(chunks[0::2]), torch.cat(chunks[1::2])
+    params.kv_index, params.q_index = _first_and_second_chunks(bounds, q.device)
     cp_para = {
         "causal": True,
         "cp_group": group,
