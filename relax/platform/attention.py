@@ -23,6 +23,13 @@ Kernels:
     "npu_fusion"   torch_npu.npu_fusion_attention in TND layout with the causal sparse mode (the path MindSpeed
                    uses on Ascend). Tested on the CPU only, against a stand-in bound by the op's schema from the
                    torch-npu wheel (tests/npu): no NPU was available.
+
+Context parallelism (Platform.context_parallel_attention): how a CP rank's queries reach the keys of the other ranks.
+    "all-gather"      relax's own: the row's keys and values all-gathered over the CP group, then the kernel's
+                      packed_with_keys (relax.train.context_parallel)
+    "mindspeed-ring"  MindSpeed's ring attention (mindspeed_ring below): keys and values passed around the CP ranks,
+                      npu_fusion_attention on each pair of blocks, the partial outputs merged by their softmax
+                      statistics; rows it cannot take (mindspeed_ring_takes) go the all-gather way
 """
 
 import functools
@@ -31,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 KERNELS = ("sdpa", "flash_varlen", "npu_fusion")
+CONTEXT_PARALLEL_ATTENTION = ("all-gather", "mindspeed-ring")
 
 
 def _sdpa_padded(q, k, v, scale):
@@ -151,6 +159,13 @@ def check_kernel(kernel: str) -> None:
         raise ValueError(f"unknown attention kernel {kernel!r}: choose one of {', '.join(KERNELS)}")
 
 
+def check_context_parallel_attention(method: str) -> None:
+    if method not in CONTEXT_PARALLEL_ATTENTION:
+        raise ValueError(
+            f"unknown context-parallel attention {method!r}: choose one of {', '.join(CONTEXT_PARALLEL_ATTENTION)}"
+        )
+
+
 def padded(kernel: str, q, k, v, scale: float):
     """Causal attention over right-padded rows [b, s, heads, d] with `kernel`."""
     return _PADDED[kernel](q, k, v, scale)
@@ -165,3 +180,45 @@ def packed_with_keys(kernel: str, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqle
     """Causal attention of packed query sequences (boundaries cu_seqlens_q) against key sequences of their own
     (cu_seqlens_k), each sequence's queries the last positions of its keys, with `kernel`."""
     return _PACKED[kernel](q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+
+
+def mindspeed_ring_takes(chunk_cu_seqlens) -> bool:
+    """Whether MindSpeed's ring attention takes this CP rank's part of a row (its chunks' boundaries, two chunks per
+    sequence): the ring attends all the row's sequences in one npu_fusion_attention call per block, and the TND layout
+    takes at most 1024 sequences per call (relax's own path splits the calls)."""
+    return (len(chunk_cu_seqlens) - 1) // 2 <= _NPU_MAX_SEQUENCES
+
+
+@functools.lru_cache(maxsize=8)  # every layer of a micro-batch asks for the same row's
+def _first_and_second_chunks(bounds: tuple, device):
+    """The positions of the first and of the second chunk of each sequence, from the chunks' boundaries."""
+    chunks = [torch.arange(start, end) for start, end in zip(bounds, bounds[1:])]
+    return torch.cat(chunks[0::2]).to(device), torch.cat(chunks[1::2]).to(device)
+
+
+def mindspeed_ring(q, k, v, chunk_cu_seqlens, group, scale: float):
+    """Causal attention of this CP rank's queries [t / CP, heads, d] to the keys and values of the whole row, with
+    MindSpeed's ring attention (ringattn_context_parallel: AttentionWithCp in its causal eod-reset TND mode, what
+    MindSpeed's own DotProductAttention calls for packed rows under megatron_cp_algo).
+
+    The rank holds chunks r and 2 CP - 1 - r of every sequence, in that order (relax.train.context_parallel;
+    `chunk_cu_seqlens`: their boundaries), which is MindSpeed's split of an eod-reset row (get_batch_utils.py,
+    _get_batch_on_this_cp_rank_in_megatron_cp_eod_padding): each local sequence of 2 chunks is the unit of its TND
+    calls, kv_index its first chunks (those a later rank's queries attend to) and q_index its second (those that
+    attend to both chunks of a later rank). Sequence ends are TND's cumulative ends, without the leading 0."""
+    import torch.distributed as dist
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from mindspeed.core.context_parallel.ring_context_parallel.ring_context_parallel import ringattn_context_parallel
+
+    bounds = tuple(chunk_cu_seqlens.tolist())
+    sequence_ends = torch.tensor(bounds[2::2])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=sequence_ends, cu_seqlens_kv=sequence_ends)
+    params.kv_index, params.q_index = _first_and_second_chunks(bounds, q.device)
+    cp_para = {
+        "causal": True,
+        "cp_group": group,
+        "cp_size": dist.get_world_size(group),
+        "rank": dist.get_rank(group),
+        "cp_global_ranks": dist.get_process_group_ranks(group),
+    }
+    return ringattn_context_parallel(q, k, v, q.shape[1], cp_para, scale, None, 0.0, params)

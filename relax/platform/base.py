@@ -39,6 +39,10 @@ class Platform(ABC):
     sglang_server_defaults: Mapping[str, Any]
     # The training actor's causal attention (relax.platform.attention.KERNELS).
     attention_kernel: str
+    # How the actor's attention reaches the keys of other context-parallel ranks
+    # (relax.platform.attention.CONTEXT_PARALLEL_ATTENTION): "all-gather" (relax's own, with attention_kernel) or
+    # "mindspeed-ring" (MindSpeed's ring attention, relax's all-gather for the rows it cannot take).
+    context_parallel_attention: str
     # The training actor's default chunked gated delta rule (relax.kernels.gdn_training.GDN_TRAINING_KERNELS).
     gdn_training_kernel: str
     # How the training actor computes per-token logprobs and entropies over the vocabulary

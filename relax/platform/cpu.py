@@ -81,6 +81,7 @@ class CpuPlatform(Platform):
     handles_cross_devices = False
     sglang_server_defaults = frozen(SGLANG_SERVER_DEFAULTS)
     attention_kernel = "sdpa"
+    context_parallel_attention = "all-gather"
     gdn_training_kernel = "reference"
     logprob_kernel = "torch"  # Triton runs only interpreted on the host
     megatron_features = ()

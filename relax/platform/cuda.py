@@ -55,6 +55,7 @@ class CudaPlatform(Platform):
     handles_cross_devices = True  # SGLang's receiver finds a CUDA IPC handle's device by its uuid
     sglang_server_defaults = frozen({"device": "cuda"})
     attention_kernel = "flash_varlen"
+    context_parallel_attention = "all-gather"
     gdn_training_kernel = "relax"
     logprob_kernel = "triton"
     megatron_features = ()

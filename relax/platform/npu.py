@@ -137,6 +137,9 @@ class NpuPlatform(Platform):
     handles_cross_devices = False
     sglang_server_defaults = frozen({"device": "npu", "attention_backend": "ascend"})
     attention_kernel = "npu_fusion"
+    # MindSpeed's own context-parallel attention first (its ring attention over npu_fusion_attention); relax's
+    # all-gather only for a row the ring cannot take (relax.platform.attention.mindspeed_ring_takes).
+    context_parallel_attention = "mindspeed-ring"
     # MindSpeed's triton-ascend chunked rule and l2norm (forward and backward, packed rows): MindSpeed is in the image
     # and its adaptor puts the same functions at flash-linear-attention's entry points on every NPU rank.
     gdn_training_kernel = "mindspeed"

@@ -152,6 +152,7 @@ class MegatronActor:
             self.config,
             attention_kernel=self.platform.attention_kernel,
             gdn_kernel=self.settings.gdn_training_kernel,
+            context_parallel_attention=self.platform.context_parallel_attention,
         ).to(self.device)
         load_hf_weights(model, self.hf_checkpoint)
         if self.settings.fused_output_logprobs and model.post_process:

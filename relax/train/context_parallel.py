@@ -7,12 +7,13 @@ so every rank gets about the same work. megatron-core's rotary embedding over pa
 (it reads the whole row's cu_seqlens and the CP group), so each local token is rotated by its position in its
 sequence.
 
-Attention (relax.train.model.core_attention): each rank all-gathers the keys and values of the whole row over the CP
-group in one collective (the backward reduce-scatters their gradients), then its queries attend with the platform's
-varlen kernel: each local chunk is a query sequence whose keys are its sequence's tokens up to the chunk's end,
-causality aligned to the end (relax.platform.attention.packed_with_keys), so a query at position p of its sequence
-sees that sequence's keys at positions <= p. The all-gather holds the whole row's keys and values on every rank;
-passing them around a ring, or MindSpeed's own CP on Ascend, would not.
+Attention (relax.train.model.core_attention), relax's all-gather: each rank all-gathers the keys and values of the
+whole row over the CP group in one collective (the backward reduce-scatters their gradients), then its queries attend
+with the platform's varlen kernel: each local chunk is a query sequence whose keys are its sequence's tokens up to the
+chunk's end, causality aligned to the end (relax.platform.attention.packed_with_keys), so a query at position p of its
+sequence sees that sequence's keys at positions <= p. The all-gather holds the whole row's keys and values on every
+rank. On the NPU, MindSpeed's ring attention takes its place (relax.platform.attention.mindspeed_ring): its split of a
+packed row over the CP ranks is this one, and the keys and values travel around the ring instead.
 
 Loss (relax.train.actor): each rank computes the logprobs and entropies of its own tokens (the vocabulary-sized work),
 then gathers them, one number per token, over the CP group into the whole row, so that every CP rank computes the

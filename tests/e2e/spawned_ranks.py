@@ -1,5 +1,6 @@
 """A pool of spawned processes on the CPU platform, started once per test module: `ranks.run(fn, *args)` calls the
-module-level `fn(*args)` on every rank, in a gloo process group of that call's, and returns each rank's result.
+module-level `fn(*args)` on every rank, in a gloo process group of that call's, and returns each rank's result. A
+`prologue` (a module-level function) runs first in every rank, before the platform prepares Megatron.
 
 Megatron's parallel state and every process group are destroyed after every call, so each call builds the layout it
 needs.
@@ -21,8 +22,10 @@ def _next_task(conn):
         return None
 
 
-def _rank_main(rank: int, world_size: int, timeout_s: float, conn) -> None:
+def _rank_main(rank: int, world_size: int, timeout_s: float, conn, prologue) -> None:
     torch.set_num_threads(1)
+    if prologue is not None:
+        prologue()
     from relax.platform import get_platform
 
     get_platform("cpu").prepare_megatron()
@@ -46,14 +49,16 @@ def _rank_main(rank: int, world_size: int, timeout_s: float, conn) -> None:
 
 
 class SpawnedRanks:
-    def __init__(self, world_size: int, task_timeout_s: float):
+    def __init__(self, world_size: int, task_timeout_s: float, prologue=None):
         self.task_timeout_s = task_timeout_s
         context = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = context.Pipe()
             # Not daemonic: megatron's checkpoint writer starts a helper process of its own.
-            proc = context.Process(target=_rank_main, args=(rank, world_size, task_timeout_s, child), daemon=False)
+            proc = context.Process(
+                target=_rank_main, args=(rank, world_size, task_timeout_s, child, prologue), daemon=False
+            )
             proc.start()
             self.conns.append(parent)
             self.procs.append(proc)

@@ -23,6 +23,10 @@ from relax.tools.tiny_model import build_tiny_model
 
 from spawned_ranks import SpawnedRanks
 
+NPU_TESTS = Path(__file__).resolve().parents[1] / "npu"
+sys.path.insert(0, str(NPU_TESTS))
+from cpu_mindspeed import mindspeed_in_use, use_mindspeed_on_cpu  # noqa: E402
+
 WORLD_SIZE = 2
 RELAX = Path(sys.executable).parent / "relax"  # the console script of this virtualenv
 TASK_TIMEOUT_S = 180
@@ -178,11 +182,11 @@ def _my_samples(actor):
 def _actor(
     hf_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, distributed_optimizer: bool = False,
     memory_saver_stand_in: bool = False, grouped_experts: bool = False, lr: float = 1e-3, routing_replay: bool = False,
-    recompute: dict | None = None, bf16: bool = False, **settings,
+    recompute: dict | None = None, bf16: bool = False, optimizer: str = "adam", **settings,
 ):
     """memory_saver_stand_in: sleep through the memory saver route, with the CPU record's do-nothing saver.
     recompute: TransformerConfig's recompute_* fields, as the --recompute-* flags set them. bf16: --bf16's
-    parameters and optimizer."""
+    parameters and optimizer. optimizer: megatron's OptimizerConfig.optimizer ("adam" or "sgd")."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from relax.platform import get_platform
@@ -205,7 +209,7 @@ def _actor(
         **(recompute or {}),
     )
     optimizer = OptimizerConfig(
-        optimizer="adam", lr=lr, min_lr=lr / 10, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
+        optimizer=optimizer, lr=lr, min_lr=lr / 10, clip_grad=1.0, use_distributed_optimizer=distributed_optimizer,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed_optimizer)
@@ -1061,6 +1065,32 @@ def test_context_parallel_rows_with_model_parallelism_give_the_logprobs_and_grad
     # expert-parallel and pipeline ranks run micro-batches of one shape: both rows padded to the longer
     uniform = "ep" in layout or "pp" in layout
     _assert_context_parallel_equals_one_rank(split, baseline, rows=(28, 28) if uniform else (16, 28))
+
+
+@pytest.fixture(scope="module")
+def mindspeed_ranks():
+    """Two ranks of the CPU platform with the NPU platform's MindSpeed path (tests/npu/cpu_mindspeed.py): MindSpeed's
+    preparation of Megatron, and its ring attention for context parallelism."""
+    pool = SpawnedRanks(WORLD_SIZE, TASK_TIMEOUT_S, prologue=use_mindspeed_on_cpu)
+    yield pool
+    pool.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_context_parallel_rows_under_mindspeeds_ring_attention_give_the_logprobs_and_gradients_of_one_rank(
+    mindspeed_ranks, hf_dirs, family
+):
+    """The NPU platform's context parallelism: each rank's queries attend through MindSpeed's ring attention (the
+    contract double, or MindSpeed's own with RELAX_MINDSPEED_CHECKOUT set: AttentionWithCp computing with the stand-in
+    npu_fusion_attention and npu_fusion_attention_grad of tests/npu/torch_npu_ops.py), against CP = 1 under
+    MindSpeed too. The step's optimizer is SGD (nothing moves at lr 0): MindSpeed puts torch's SGD in apex's place, and
+    its AdamW in place of apex's Adam, which needs an accelerator device a CPU build of torch lacks (docs/npu.md)."""
+    baseline = mindspeed_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(optimizer="sgd"))
+    split = mindspeed_ranks.run(_step_on_the_whole_batch, hf_dirs[family], dict(optimizer="sgd", cp=2))
+    try:
+        _assert_context_parallel_equals_one_rank(split, baseline)
+    except AssertionError as error:
+        raise AssertionError(f"under {mindspeed_in_use()}: {error}") from error
 
 
 # --- the output layer fused with the logprobs ----------------------------------------------------------------------

@@ -3,7 +3,8 @@
 MindSpeedOnCpu is the CPU platform (gloo, the host as device, megatron-core's CUDA calls redirected) whose
 prepare_megatron also runs relax.platform.npu.prepare_mindspeed, the NPU platform's own function: torch_npu, MindSpeed's
 adaptor with Ray's argv hidden, repatch with the feature arguments and the Megatron-LM arguments MindSpeed reads. It
-takes the NPU platform's MindSpeed switches. relax's product code has no branch for it: a process that calls
+takes the NPU platform's MindSpeed switches and context-parallel attention (MindSpeed's ring attention, computing with
+the stand-in npu_fusion_attention and its gradient). relax's product code has no branch for it: a process that calls
 use_mindspeed_on_cpu() gets it from relax.platform.get_platform("cpu").
 
 Which MindSpeed: the contract double in tests/npu/mindspeed_double, or, with RELAX_MINDSPEED_CHECKOUT set to a
@@ -31,6 +32,7 @@ CHECKOUT_ENV = "RELAX_MINDSPEED_CHECKOUT"
 
 class MindSpeedOnCpu(CpuPlatform):
     megatron_features = NpuPlatform.megatron_features
+    context_parallel_attention = NpuPlatform.context_parallel_attention
 
     def prepare_megatron(self, feature_args=None) -> None:
         # The CPU redirects first: they adjust megatron-core's modules as MindSpeed's patching imports them.

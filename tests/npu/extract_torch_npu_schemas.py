@@ -25,6 +25,8 @@ OUTPUT = Path(__file__).with_name("torch_npu_schemas.json")
 # The ops relax needs, each with who calls it.
 OPS = {
     "npu_fusion_attention": "relax/platform/attention.py (packed causal attention, TND layout)",
+    "npu_fusion_attention_grad": "MindSpeed's ring attention under context parallelism (relax/platform/attention.py "
+    "mindspeed_ring): mindspeed/core/context_parallel/ring_context_parallel/ring_context_parallel.py",
     "npu_grouped_matmul": "relax/platform/grouped_linear.py (MoE experts: forward and both gradients)",
     "npu_swiglu": "MindSpeed --use-fused-swiglu: mindspeed/core/fusions/fused_bias_swiglu.py",
     "npu_rms_norm": "MindSpeed --use-fused-rmsnorm: mindspeed/core/fusions/fused_rms_norm.py",

@@ -167,6 +167,94 @@ def test_attention_statistics_have_the_wheels_tnd_shapes(torch_npu):
     assert torch.all(softmax_sum >= 1)  # each row's largest term is exp(0)
 
 
+CAUSAL_MASK = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+
+def _fusion_attention(torch_npu, q, k, v, q_lengths, kv_lengths, sparse_mode=3, softmax_layout=""):
+    return torch_npu.npu_fusion_attention(
+        q, k, v, q.shape[1], input_layout="TND", scale=0.3, sparse_mode=sparse_mode,
+        atten_mask=CAUSAL_MASK if sparse_mode else None, actual_seq_qlen=_cu_seqlens(q_lengths)[1:].tolist(),
+        actual_seq_kvlen=_cu_seqlens(kv_lengths)[1:].tolist(), softmax_layout=softmax_layout,
+    )
+
+
+def _fusion_attention_grad(torch_npu, q, k, v, dy, forward, q_lengths, kv_lengths, sparse_mode=3, softmax_layout=""):
+    out, softmax_max, softmax_sum = forward[:3]
+    return torch_npu.npu_fusion_attention_grad(
+        q, k, v, dy, q.shape[1], "TND", atten_mask=CAUSAL_MASK if sparse_mode else None, softmax_max=softmax_max,
+        softmax_sum=softmax_sum, attention_in=out, scale_value=0.3, pre_tockens=k.shape[0],
+        next_tockens=0 if sparse_mode else k.shape[0], sparse_mode=sparse_mode,
+        actual_seq_qlen=_cu_seqlens(q_lengths)[1:].tolist(), actual_seq_kvlen=_cu_seqlens(kv_lengths)[1:].tolist(),
+        softmax_layout=softmax_layout,
+    )
+
+
+@pytest.mark.parametrize("softmax_layout", ["", "TND"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_attention_statistics_are_each_rows_max_and_sum_in_their_layout(torch_npu, softmax_layout, heads, kv_heads):
+    """softmax_max / softmax_sum of each query row: by default each sequence's [N, s, 8] after the previous one's (as
+    MindSpeed's TND ring attention reads them), token-major [T, N, 8] with softmax_layout='TND'."""
+    q, k, v = (t.detach() for t in _qkv(sum(LENGTHS), heads, kv_heads))
+    _, softmax_max, softmax_sum, *_ = _fusion_attention(
+        torch_npu, q, k, v, LENGTHS, LENGTHS, softmax_layout=softmax_layout
+    )
+    maxima, sums = [], []
+    for start, end in zip(_cu_seqlens(LENGTHS)[:-1].tolist(), _cu_seqlens(LENGTHS)[1:].tolist()):
+        keys = k[start:end].repeat_interleave(heads // kv_heads, dim=1)
+        logits = 0.3 * torch.einsum("qnd,knd->nqk", q[start:end], keys)
+        logits = logits.masked_fill(torch.ones(end - start, end - start, dtype=torch.bool).triu(1), float("-inf"))
+        row_max = logits.amax(-1)  # [N, s]
+        maxima.append(row_max)
+        sums.append((logits - row_max[..., None]).exp().sum(-1))
+    for got, rows in ((softmax_max, maxima), (softmax_sum, sums)):
+        assert got.shape == (sum(LENGTHS), heads, 8) and torch.equal(got, got[..., :1].expand_as(got))
+        if softmax_layout == "TND":
+            expected = torch.cat(rows, dim=1).transpose(0, 1)
+        else:
+            expected = torch.cat([row.flatten() for row in rows]).view(sum(LENGTHS), heads)
+        torch.testing.assert_close(got[..., 0], expected)
+
+
+@pytest.mark.parametrize("softmax_layout", ["", "TND"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_attention_gradient_equals_autograd_of_the_attention(torch_npu, softmax_layout, heads, kv_heads):
+    q, k, v = _qkv(sum(LENGTHS), heads, kv_heads)
+    forward = _fusion_attention(torch_npu, q, k, v, LENGTHS, LENGTHS, softmax_layout=softmax_layout)
+    dy = torch.randn_like(forward[0])
+    expected = torch.autograd.grad(forward[0], (q, k, v), dy)
+    q, k, v, forward = q.detach(), k.detach(), v.detach(), [x.detach() if torch.is_tensor(x) else x for x in forward]
+    dq, dk, dv, dpse, dsink = _fusion_attention_grad(
+        torch_npu, q, k, v, dy, forward, LENGTHS, LENGTHS, softmax_layout=softmax_layout
+    )
+    for got, want in zip((dq, dk, dv), expected):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert dpse.numel() == dsink.numel() == 0
+
+
+def test_attention_gradient_of_a_block_of_keys_is_its_share_of_the_whole(torch_npu):
+    """With the statistics and output of the attention to all keys, the gradient of a call on a block of the keys
+    gives that block's dk, dv and its part of dq (the step of ring attention's backward)."""
+    q_lengths, kv_lengths = [3, 2], [6, 4]  # queries attending every key of their sequence (sparse_mode 0)
+    first, second = [3, 2], [3, 2]  # each sequence's keys in two blocks
+    q = _qkv(sum(q_lengths))[0].detach()
+    k, v = (t.detach() for t in _qkv(sum(kv_lengths), seed=1)[1:])
+    forward = _fusion_attention(torch_npu, q, k, v, q_lengths, kv_lengths, sparse_mode=0)
+    dy = torch.randn_like(forward[0])
+    whole = _fusion_attention_grad(torch_npu, q, k, v, dy, forward, q_lengths, kv_lengths, sparse_mode=0)
+    rows = [torch.arange(0, 3), torch.arange(6, 8)], [torch.arange(3, 6), torch.arange(8, 10)]
+    dq = torch.zeros_like(q)
+    for block, lengths in zip(rows, (first, second)):
+        index = torch.cat(block)
+        dq_part, dk, dv, *_ = _fusion_attention_grad(
+            torch_npu, q, k[index], v[index], dy, forward, q_lengths, lengths, sparse_mode=0
+        )
+        dq += dq_part
+        torch.testing.assert_close(dk, whole[1][index], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(dv, whole[2][index], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dq, whole[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("tokens_per_group", [[3, 0, 5, 1], [7], [0, 0, 6], [0, 4]])
 def test_npu_grouped_linear_equals_the_cpu_loop(torch_npu, tokens_per_group):
     generator = torch.Generator().manual_seed(len(tokens_per_group))
@@ -235,6 +323,15 @@ def test_documented_constraints_are_named(torch_npu):
         )
     with pytest.raises(torch_npu_ops.NpuOpError, match="npu_fusion_attention: head_num: 2 differs"):
         torch_npu.npu_fusion_attention(q, k, v, 2, input_layout="TND", actual_seq_qlen=[6], actual_seq_kvlen=[6])
+    with pytest.raises(torch_npu_ops.NpuOpError, match="npu_fusion_attention_grad: softmax_max: required"):
+        torch_npu.npu_fusion_attention_grad(
+            q, k, v, torch.randn_like(q), 4, "TND", attention_in=q, actual_seq_qlen=[6], actual_seq_kvlen=[6]
+        )
+    with pytest.raises(torch_npu_ops.NpuOpError, match="npu_fusion_attention_grad: actual_seq_kvlen: the last"):
+        torch_npu.npu_fusion_attention_grad(
+            q, k, v, torch.randn_like(q), 4, "TND", softmax_max=torch.zeros(6, 4, 8), softmax_sum=torch.ones(6, 4, 8),
+            attention_in=q, actual_seq_qlen=[6], actual_seq_kvlen=[5],
+        )
     x = torch.randn(4, 6)
     many = [torch.randn(6, 5) for _ in range(129)]
     with pytest.raises(torch_npu_ops.NpuOpError, match="npu_grouped_matmul: weight: at most 128 tensors"):

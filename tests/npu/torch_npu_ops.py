@@ -66,37 +66,40 @@ def _causal_keep(sparse_mode: int, q_len: int, kv_len: int, device) -> torch.Ten
     return cols <= rows + shift
 
 
-def _check_sequence_ends(ends, total: int, argument: str) -> None:
-    _require(ends is not None, "npu_fusion_attention", argument, "required with input_layout='TND'")
+def _check_sequence_ends(op: str, ends, total: int, argument: str) -> None:
+    _require(ends is not None, op, argument, "required with input_layout='TND'")
     _require(
-        all(b >= a for a, b in zip([0] + list(ends), ends)), "npu_fusion_attention", argument,
+        all(b >= a for a, b in zip([0] + list(ends), ends)), op, argument,
         f"cumulative sequence ends must not decrease, got {list(ends)}",
     )
     _require(
-        len(ends) > 0 and ends[-1] == total, "npu_fusion_attention", argument,
+        len(ends) > 0 and ends[-1] == total, op, argument,
         f"the last cumulative end {ends[-1] if ends else None} must equal the packed length {total}",
     )
 
 
-def npu_fusion_attention(
-    query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None, scale=1.0,
-    keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0, prefix=None,
-    actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
-    softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0,
-):
-    op = "npu_fusion_attention"
+def _check_attention_call(
+    op, query, key, value, head_num, input_layout, atten_mask, keep_prob, actual_seq_qlen, actual_seq_kvlen,
+    sparse_mode, softmax_layout, **unused,
+) -> None:
+    """The arguments npu_fusion_attention and its gradient share, against the wheel's documented constraints (and the
+    modes the stand-in computes)."""
     if input_layout != "TND":
         raise NotComputed(f"torch_npu.{op}: input_layout {input_layout!r}: the CPU stand-in computes 'TND' only")
-    _refuse_unused(op, pse=pse, padding_mask=padding_mask, prefix=prefix, sink=sink, dropout_mask=dropout_mask)
+    _refuse_unused(op, **unused)
     if keep_prob != 1.0:
         raise NotComputed(f"torch_npu.{op}: keep_prob {keep_prob}: dropout is not computed by the CPU stand-in")
     if softmax_layout not in ("", "TND"):
-        raise NpuOpError(f"torch_npu.{op}: softmax_layout: only '' or 'TND' with input_layout='TND', got {softmax_layout!r}")
+        raise NpuOpError(
+            f"torch_npu.{op}: softmax_layout: only '' or 'TND' with input_layout='TND', got {softmax_layout!r}"
+        )
     _require(query.dim() == 3 and key.dim() == 3 and value.dim() == 3, op, "query/key/value", "TND takes [T, N, D]")
     _require(query.dtype == key.dtype == value.dtype, op, "key/value", "query, key and value need one dtype")
     heads, kv_heads = query.shape[1], key.shape[1]
     _require(head_num == heads, op, "head_num", f"{head_num} differs from query's {heads} heads")
-    _require(heads <= FUSION_ATTENTION_MAX_HEADS, op, "query", f"at most {FUSION_ATTENTION_MAX_HEADS} heads, got {heads}")
+    _require(
+        heads <= FUSION_ATTENTION_MAX_HEADS, op, "query", f"at most {FUSION_ATTENTION_MAX_HEADS} heads, got {heads}"
+    )
     _require(key.shape == value.shape[:2] + key.shape[2:], op, "value", "key and value differ in tokens or heads")
     _require(heads % kv_heads == 0, op, "key", f"{kv_heads} key/value heads do not divide {heads} query heads")
     _require(query.shape[2] == key.shape[2], op, "key", "query and key head dims differ")
@@ -105,8 +108,8 @@ def npu_fusion_attention(
         f"head dims need Dv <= Dk <= {FUSION_ATTENTION_MAX_HEAD_DIM}, got Dk={key.shape[2]}, Dv={value.shape[2]}",
     )
     _require(query.shape[0] <= FUSION_ATTENTION_MAX_TOKENS, op, "query", f"T {query.shape[0]} is above 1M tokens")
-    _check_sequence_ends(actual_seq_qlen, query.shape[0], "actual_seq_qlen")
-    _check_sequence_ends(actual_seq_kvlen, key.shape[0], "actual_seq_kvlen")
+    _check_sequence_ends(op, actual_seq_qlen, query.shape[0], "actual_seq_qlen")
+    _check_sequence_ends(op, actual_seq_kvlen, key.shape[0], "actual_seq_kvlen")
     _require(len(actual_seq_qlen) == len(actual_seq_kvlen), op, "actual_seq_kvlen", "one end per query sequence")
     _require(
         len(actual_seq_qlen) <= FUSION_ATTENTION_MAX_SEQUENCES, op, "actual_seq_qlen",
@@ -118,22 +121,73 @@ def npu_fusion_attention(
             atten_mask.dtype in (torch.bool, torch.uint8)
             and tuple(atten_mask.shape) == (CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE)
             and torch.equal(atten_mask.bool(), _compressed_causal_mask(atten_mask.device)),
-            op, "atten_mask", f"sparse_mode {sparse_mode} needs the 2048 x 2048 bool/uint8 mask, True above the diagonal",
+            op, "atten_mask",
+            f"sparse_mode {sparse_mode} needs the 2048 x 2048 bool/uint8 mask, True above the diagonal",
         )
     elif not (sparse_mode == 0 and atten_mask is None):
-        raise NotComputed(f"torch_npu.{op}: sparse_mode {sparse_mode} (with this atten_mask) is not computed by the CPU stand-in")
+        # sparse_mode 0 without a mask attends every key, whatever pre_tockens and next_tockens say (wheel docs)
+        raise NotComputed(
+            f"torch_npu.{op}: sparse_mode {sparse_mode} (with this atten_mask) is not computed by the CPU stand-in"
+        )
 
-    group = heads // kv_heads
+
+def _sequences(actual_seq_qlen, actual_seq_kvlen):
+    """(query start, query end, key start, key end) of each sequence of a TND call."""
+    return zip([0] + list(actual_seq_qlen[:-1]), actual_seq_qlen, [0] + list(actual_seq_kvlen[:-1]), actual_seq_kvlen)
+
+
+def _heads_first(x, start: int, end: int, group: int = 1) -> torch.Tensor:
+    """Rows start:end of a [T, N, D] tensor as float32 [N * group, s, D] (key/value heads repeated to the query's)."""
+    return x[start:end].float().repeat_interleave(group, dim=1).transpose(0, 1)
+
+
+def _masked_logits(q, k, scale: float, sparse_mode: int) -> torch.Tensor:
+    logits = scale * q @ k.transpose(1, 2)  # [N, sq, skv]
+    if sparse_mode != 0:
+        logits = logits.masked_fill(~_causal_keep(sparse_mode, q.shape[1], k.shape[1], q.device), float("-inf"))
+    return logits
+
+
+# softmax_max / softmax_sum in TND: [T, N, 8] (the wheel's meta function), each row's value repeated 8 times. Their
+# order in memory: with softmax_layout "TND", token-major; by default "NTD" (the wheel's docs), which MindSpeed's TND
+# ring attention reads sequence by sequence, each sequence's [N, s, 8] block after the previous one's
+# (context_parallel/utils.py flatten_softmax and get_selection_indices_for_tnd_softmax_update). The two readings of
+# "NTD" agree for a call of one sequence; the stand-in follows MindSpeed's.
+def _stats_out(per_sequence: list, layout: str, total: int, heads: int) -> torch.Tensor:
+    """[T, N, 8] from each sequence's [N, s, 1]."""
+    if layout == "TND":
+        return torch.cat(per_sequence, dim=1).transpose(0, 1).expand(-1, -1, SOFTMAX_STAT_WIDTH).contiguous()
+    blocks = [stat.expand(-1, -1, SOFTMAX_STAT_WIDTH).reshape(-1, SOFTMAX_STAT_WIDTH) for stat in per_sequence]
+    return torch.cat(blocks).view(total, heads, SOFTMAX_STAT_WIDTH)
+
+
+def _stat_in(stat: torch.Tensor, layout: str, start: int, end: int) -> torch.Tensor:
+    """Sequence start:end's [N, s, 1] of a [T, N, 8] statistic in `layout` (_stats_out's inverse)."""
+    heads = stat.shape[1]
+    if layout == "TND":
+        return stat[start:end, :, :1].transpose(0, 1).float()
+    rows = stat.reshape(-1, SOFTMAX_STAT_WIDTH)[start * heads : end * heads]
+    return rows.view(heads, end - start, SOFTMAX_STAT_WIDTH)[..., :1].float()
+
+
+def npu_fusion_attention(
+    query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None, scale=1.0,
+    keep_prob=1.0, pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0, prefix=None,
+    actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False,
+    softmax_layout="", sink=None, dropout_mask=None, seed=0, offset=0,
+):
+    op = "npu_fusion_attention"
+    _check_attention_call(
+        op, query, key, value, head_num, input_layout, atten_mask, keep_prob, actual_seq_qlen, actual_seq_kvlen,
+        sparse_mode, softmax_layout, pse=pse, padding_mask=padding_mask, prefix=prefix, sink=sink,
+        dropout_mask=dropout_mask,
+    )
+    group = query.shape[1] // key.shape[1]
     outputs, maxima, sums = [], [], []
-    for q_start, q_end, kv_start, kv_end in zip(
-        [0] + list(actual_seq_qlen[:-1]), actual_seq_qlen, [0] + list(actual_seq_kvlen[:-1]), actual_seq_kvlen
-    ):
-        q = query[q_start:q_end].float().transpose(0, 1)  # [N, s, D]
-        k = key[kv_start:kv_end].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        v = value[kv_start:kv_end].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        logits = scale * q @ k.transpose(1, 2)  # [N, sq, skv]
-        if sparse_mode != 0:
-            logits = logits.masked_fill(~_causal_keep(sparse_mode, q.shape[1], k.shape[1], q.device), float("-inf"))
+    for q_start, q_end, kv_start, kv_end in _sequences(actual_seq_qlen, actual_seq_kvlen):
+        q = _heads_first(query, q_start, q_end)
+        k, v = _heads_first(key, kv_start, kv_end, group), _heads_first(value, kv_start, kv_end, group)
+        logits = _masked_logits(q, k, scale, sparse_mode)
         row_max = logits.amax(dim=-1, keepdim=True)
         valid = torch.isfinite(row_max)  # a row with no key left outputs zeros
         weights = torch.where(valid, (logits - torch.where(valid, row_max, 0)).exp(), 0)
@@ -142,12 +196,62 @@ def npu_fusion_attention(
         maxima.append(torch.where(valid, row_max, 0))
         sums.append(row_sum)
     attention = torch.cat(outputs, dim=1).transpose(0, 1).to(query.dtype)  # [T, N, Dv]
+    total, heads = query.shape[:2]
+    softmax_max = _stats_out(maxima, softmax_layout, total, heads).detach()
+    softmax_sum = _stats_out(sums, softmax_layout, total, heads).detach()
+    return attention, softmax_max, softmax_sum, query.new_empty(0), 0, 0, 0
 
-    def stat(parts):
-        return torch.cat(parts, dim=1).transpose(0, 1).expand(-1, -1, SOFTMAX_STAT_WIDTH).contiguous().detach()
 
-    softmax_out = query.new_empty(0)
-    return attention, stat(maxima), stat(sums), softmax_out, 0, 0, 0
+def npu_fusion_attention_grad(
+    query, key, value, dy, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None, softmax_max=None,
+    softmax_sum=None, softmax_in=None, attention_in=None, scale_value=1.0, keep_prob=1.0, pre_tockens=2147483647,
+    next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None, actual_seq_qlen=None,
+    actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True, sync=False, softmax_layout="", sink=None,
+):
+    """(dq, dk, dv, dpse, dsink) of npu_fusion_attention's output given its gradient dy, from the forward's softmax
+    statistics and output (softmax_max, softmax_sum, attention_in), not from a softmax of its own: the probabilities
+    are exp(scale q.k - max) / sum, so statistics of a longer key sequence give this call's keys' share of that
+    attention (how ring attention differentiates its blocks). Dropout, pse and sink are not computed."""
+    op = "npu_fusion_attention_grad"
+    _check_attention_call(
+        op, query, key, value, head_num, input_layout, atten_mask, keep_prob, actual_seq_qlen, actual_seq_kvlen,
+        sparse_mode, softmax_layout, pse=pse, padding_mask=padding_mask, softmax_in=softmax_in, prefix=prefix,
+        sink=sink,
+    )
+    for name, given in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum), ("attention_in", attention_in)):
+        _require(given is not None, op, name, "required: the gradient reads the forward's statistics and output")
+    stat_shape = (query.shape[0], query.shape[1], SOFTMAX_STAT_WIDTH)
+    for name, stat in (("softmax_max", softmax_max), ("softmax_sum", softmax_sum)):
+        _require(tuple(stat.shape) == stat_shape, op, name, f"[T, N, 8] {stat_shape}, got {tuple(stat.shape)}")
+    _require(
+        dy.shape == attention_in.shape == query.shape[:2] + value.shape[2:], op, "dy",
+        "dy and attention_in are [T, N, Dv]",
+    )
+    heads, kv_heads = query.shape[1], key.shape[1]
+    group = heads // kv_heads
+    grads_q, grads_k, grads_v = [], [], []
+    for q_start, q_end, kv_start, kv_end in _sequences(actual_seq_qlen, actual_seq_kvlen):
+        q = _heads_first(query, q_start, q_end)
+        k, v = _heads_first(key, kv_start, kv_end, group), _heads_first(value, kv_start, kv_end, group)
+        d_out, out = _heads_first(dy, q_start, q_end), _heads_first(attention_in, q_start, q_end)
+        row_max = _stat_in(softmax_max, softmax_layout, q_start, q_end)
+        row_sum = _stat_in(softmax_sum, softmax_layout, q_start, q_end)
+        logits = _masked_logits(q, k, scale_value, sparse_mode)
+        probabilities = torch.where(row_sum > 0, (logits - row_max).exp() / row_sum.clamp_min(1e-38), 0)
+        d_probabilities = d_out @ v.transpose(1, 2)
+        d_logits = probabilities * (d_probabilities - (d_out * out).sum(dim=-1, keepdim=True))
+        grads_q.append(scale_value * d_logits @ k)
+        # a key/value head's gradient sums its group of query heads
+        grads_k.append((scale_value * d_logits.transpose(1, 2) @ q).unflatten(0, (kv_heads, group)).sum(1))
+        grads_v.append((probabilities.transpose(1, 2) @ d_out).unflatten(0, (kv_heads, group)).sum(1))
+
+    def tokens_first(parts, like):
+        return torch.cat(parts, dim=1).transpose(0, 1).to(like.dtype).contiguous()
+
+    return (
+        tokens_first(grads_q, query), tokens_first(grads_k, key), tokens_first(grads_v, value), query.new_empty(0),
+        query.new_empty(0),
+    )
 
 
 @functools.cache
@@ -257,6 +361,7 @@ def npu_rms_norm(self, gamma, epsilon=1e-06):
 # Each overload (name or name.overload as in the schemas) and its CPU computation.
 COMPUTATIONS = {
     "npu_fusion_attention": npu_fusion_attention,
+    "npu_fusion_attention_grad": npu_fusion_attention_grad,
     "npu_grouped_matmul": npu_grouped_matmul,
     "npu_grouped_matmul.List": npu_grouped_matmul_list,
     "npu_swiglu": npu_swiglu,

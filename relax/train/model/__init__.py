@@ -66,12 +66,14 @@ def build_gpt_model(
     post_process: bool | None = None,
     attention_kernel: str = "sdpa",
     gdn_kernel: str = "reference",
+    context_parallel_attention: str = "all-gather",
 ):
     """A GPTModel with megatron-core's local layer spec for this HF config, for this process's pipeline
     stage (first/last stage from parallel_state unless given). parallel_output=True: logits stay
     vocab-sharded across TP ranks. Softmax attention computes with relax's CoreAttention and `attention_kernel`
-    (the platform's, relax.platform.attention); the model takes packed rows (PackedSeqParams) and no mask. GDN
-    layers compute with the training kernel `gdn_kernel` (relax.kernels.gdn_training)."""
+    (the platform's, relax.platform.attention), across CP ranks with `context_parallel_attention` (the platform's
+    too); the model takes packed rows (PackedSeqParams) and no mask. GDN layers compute with the training kernel
+    `gdn_kernel` (relax.kernels.gdn_training)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
@@ -89,7 +91,7 @@ def build_gpt_model(
         spec = with_gdn_kernel(spec, gdn_kernel)
     if config.moe_grouped_gemm:
         spec = with_grouped_experts(spec)
-    spec = with_core_attention(spec, attention_kernel)
+    spec = with_core_attention(spec, attention_kernel, context_parallel_attention)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

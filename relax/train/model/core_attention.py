@@ -6,7 +6,9 @@ relax builds. It computes causal attention with the platform's kernel (relax.pla
 rows when megatron passes PackedSeqParams (qkv_format "thd": each sequence attends to itself only), else over
 right-padded rows with causality alone. It takes no attention mask: relax never builds one. Under context parallelism
 the packed row's PackedSeqParams carry how the row is split over the CP ranks (relax.train.context_parallel), and
-this rank's queries attend to the keys and values of the whole row, gathered over the CP group.
+this rank's queries attend to the keys and values of the whole row the platform's way
+(relax.platform.attention.CONTEXT_PARALLEL_ATTENTION): gathered over the CP group, or passed around it by MindSpeed's
+ring attention.
 """
 
 import math
@@ -31,9 +33,11 @@ class CoreAttention(torch.nn.Module):
         cp_comm_type: str | None = None,
         pg_collection=None,
         kernel: str = "sdpa",
+        context_parallel_attention: str = "all-gather",
     ):
         super().__init__()
         attention.check_kernel(kernel)
+        attention.check_context_parallel_attention(context_parallel_attention)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"attention dropout {dropout} is not supported by relax's core attention: use 0")
@@ -43,6 +47,7 @@ class CoreAttention(torch.nn.Module):
             raise ValueError(f"relax's core attention is self-attention only, not {attention_type!r}")
         self.kernel = kernel
         self.context_parallel = config.context_parallel_size > 1
+        self.context_parallel_attention = context_parallel_attention
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(
@@ -83,6 +88,13 @@ class CoreAttention(torch.nn.Module):
                 "context parallelism needs packed rows split over the CP ranks (PackedSeqParams with a row_split, "
                 "relax.train.context_parallel.with_row_split): build micro-batches with relax.train.actor"
             )
+        if self.context_parallel_attention == "mindspeed-ring" and attention.mindspeed_ring_takes(
+            row_split.query_cu_seqlens
+        ):
+            out = attention.mindspeed_ring(
+                query, key, value, row_split.query_cu_seqlens, row_split.group, self.softmax_scale
+            )
+            return out.flatten(1)
         keys, values = row_split.attention_keys_and_values(key, value)
         out = attention.packed_with_keys(
             self.kernel,
@@ -98,21 +110,27 @@ class CoreAttention(torch.nn.Module):
         return out.flatten(1)
 
 
-def with_core_attention(layer_spec, kernel: str):
+def with_core_attention(layer_spec, kernel: str, context_parallel_attention: str = "all-gather"):
     """A layer spec (a ModuleSpec, or TransformerBlockSubmodules of per-layer specs) whose softmax attention computes
-    with CoreAttention(kernel); layers without softmax attention (GDN) are left as they are."""
+    with CoreAttention(kernel, context_parallel_attention); layers without softmax attention (GDN) are left as they
+    are."""
     import dataclasses
 
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if hasattr(layer_spec, "layer_specs"):
         return dataclasses.replace(
-            layer_spec, layer_specs=[with_core_attention(layer, kernel) for layer in layer_spec.layer_specs]
+            layer_spec,
+            layer_specs=[
+                with_core_attention(layer, kernel, context_parallel_attention) for layer in layer_spec.layer_specs
+            ],
         )
     attention_spec = layer_spec.submodules.self_attention
     if not hasattr(attention_spec.submodules, "core_attention"):
         return layer_spec
-    core = ModuleSpec(module=CoreAttention, params={"kernel": kernel})
+    core = ModuleSpec(
+        module=CoreAttention, params={"kernel": kernel, "context_parallel_attention": context_parallel_attention}
+    )
     attention_spec = dataclasses.replace(
         attention_spec, submodules=dataclasses.replace(attention_spec.submodules, core_attention=core)
     )

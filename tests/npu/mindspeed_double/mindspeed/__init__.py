@@ -10,6 +10,8 @@ does at that commit where relax meets it, with no NPU and none of MindSpeed's ke
   field with init=False and no default (core/megatron_basic/arguments_basic.py, transformer_config_init_wrapper);
 - every config is validated at `__post_init__` by each feature's checks, which read those fields
   (arguments_basic.py, transformer_config_post_init_wrapper; the checks in features_manager/).
+- `mindspeed.core.context_parallel.ring_context_parallel.ring_context_parallel.ringattn_context_parallel` takes the
+  arguments of its causal eod-reset (TND) mode and returns that attention (core/context_parallel/).
 
 Each module cites the upstream file of each behaviour. No upstream code is copied: these are relax's own
 implementations of the observable behaviour. The features modelled are those relax switches on and those whose checks

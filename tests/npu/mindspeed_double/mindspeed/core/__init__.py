@@ -1,0 +1,1 @@
+"""The double's `mindspeed.core`: only the context-parallel attention relax calls (context_parallel/)."""
