@@ -29,6 +29,12 @@ are counted (faults/engine_restarts, faults/engine_restart_seconds).
 While restarts are left, the actor's own calls (wake, train, save, sleep) watch only the training ranks: an
 engine that dies while the actor trains is restarted at the next engine call, not while the actor holds the
 devices.
+
+With --no-colocate (relax.run.loop_async) nothing is handed over: the engines generate while the actor trains, and
+Colocation dispatches their groups, restarts them and pushes the weights (push) as above, but a restarted engine
+cannot get the weights the others generate with. Its groups and the new ones go to the engines not restarted since
+the last push; once none is left, and no group runs, the loop's refresh_weights (beside_training) gives every engine
+the actor's weights: the step's training waited for, then pushed, a step ahead of the rollout's (weights_ahead).
 """
 
 import time
