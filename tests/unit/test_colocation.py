@@ -328,7 +328,11 @@ def test_the_injected_faults_are_read_from_the_environment_and_each_is_done_once
 
 def _beside_training(world) -> list:
     """world.colocation as relax.run.loop_async drives it; the calls of its refresh_weights are logged."""
-    world.colocation.beside_training(lambda: world.log.append(("loop", "refresh_weights")) or world.colocation.push(False))
+    def refresh_weights():
+        world.log.append(("loop", "refresh_weights"))
+        world.colocation.push(inject_faults=False)
+
+    world.colocation.beside_training(refresh_weights)
     return world.log
 
 
