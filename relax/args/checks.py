@@ -211,12 +211,6 @@ def engines_have_their_own_devices(config, platform):
             f"--rollout-num-devices-per-engine {r.rollout_num_devices_per_engine} does not divide the "
             f"--rollout-num-devices {r.rollout_num_devices} devices of the engines; give a multiple of it"
         )
-    if r.max_engine_restarts:
-        problems.append(
-            f"--max-engine-restarts {r.max_engine_restarts} with --no-colocate: an engine is not restarted in place "
-            "there (the restarted engine would need the actor's weights while the actor trains the next step); "
-            "drop it or give 0, and use --max-restarts to resume the run from its newest checkpoint instead"
-        )
     if r.actor_sleep_route != "auto":
         problems.append(
             f"--actor-sleep-route {r.actor_sleep_route} with --no-colocate: the actor never sleeps on devices of its "

@@ -601,7 +601,7 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
         "given the actor's current weights before it generates, and the call it missed is made again; the step "
         "goes on. At most this many restarts per run, then the run fails naming the engine (or, with "
         "--max-restarts, restarts from its newest checkpoint); 0: fail at the first (default: 3; 0 with "
-        "--no-colocate, which does not restart engines in place). "
+        "--no-colocate, where a restarted engine waits for the weights the others generate with). "
         "Counted in faults/engine_restarts and faults/engine_restart_seconds.",
     )
     g.add_argument(

@@ -291,8 +291,8 @@ def engine_devices(flags: argparse.Namespace) -> int:
 
 
 def max_engine_restarts(flags: argparse.Namespace) -> int:
-    """--max-engine-restarts; when not given, 3 colocated and 0 with --no-colocate (which does not restart an
-    engine in place: the checks refuse more)."""
+    """--max-engine-restarts; when not given, 3 colocated and 0 with --no-colocate (where a restarted engine idles
+    until the step's push, or makes the rollout wait for the step's training: relax.run.loop_async)."""
     if flags.max_engine_restarts is not None:
         return flags.max_engine_restarts
     return 3 if flags.colocate else 0

@@ -33,7 +33,9 @@ CONTINUED = "abort"  # the finish reason of a response to be continued
 class ResponseSoFar:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # the engine's, one per token
-    steps: list[int] = field(default_factory=list)  # the step whose rollout sampled each token
+    # The step whose rollout sampled each token: its policy's, by the loop's schedule (the next step's where the
+    # engines got the step's trained weights mid-rollout: relax.run.loop_async, after an engine restart)
+    steps: list[int] = field(default_factory=list)
     finish_reason: str = CONTINUED  # or "stop", "length", "error" (the engine refused its request: error)
     text: str = ""
     error: str | None = None

@@ -51,6 +51,11 @@ class EnginePool(Protocol):
         """End every group in flight soon (SGLang's abort): each still comes back through next_done, its aborted
         requests with finish_reason "abort"."""
 
+    # Steps the engines' weights are ahead of those the rollout's step samples with by the loop's schedule (0 but
+    # where relax.run.loop_async gave them the step's trained weights mid-rollout: relax.run.colocation); a group's
+    # tokens are recorded as sampled in that many steps after the rollout's own (relax.rollout.partial).
+    weights_ahead: int
+
 
 def samples_of(prompts: list[Prompt], completions: list[list[Completion]]) -> list[Sample]:
     """Unscored samples of each prompt's completions (sampling.n, or more: a custom generate function's fan-out),
@@ -204,7 +209,7 @@ def collect_groups(
         so_far.responses += [ResponseSoFar() for _ in range(fanned_out)]
         partial_stats.restarted_calls += sum(completion.restarted for completion in completions)
         for j, completion in zip(indices, completions):
-            so_far.responses[j] = so_far.responses[j].extended(completion, step)
+            so_far.responses[j] = so_far.responses[j].extended(completion, step + pool.weights_ahead)
         return so_far
 
     def abort_and_put_back():

@@ -29,9 +29,16 @@ are counted (faults/engine_restarts, faults/engine_restart_seconds).
 While restarts are left, the actor's own calls (wake, train, save, sleep) watch only the training ranks: an
 engine that dies while the actor trains is restarted at the next engine call, not while the actor holds the
 devices.
+
+With --no-colocate (relax.run.loop_async) nothing is handed over: the engines generate while the actor trains, and
+Colocation dispatches their groups, restarts them and pushes the weights (push) as above, but a restarted engine
+cannot get the weights the others generate with. Its groups and the new ones go to the engines not restarted since
+the last push; once none is left, and no group runs, the loop's refresh_weights (beside_training) gives every engine
+the actor's weights: the step's training waited for, then pushed, a step ahead of the rollout's (weights_ahead).
 """
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import ray
@@ -67,13 +74,15 @@ class GroupCall(NamedTuple):
 
 class Colocation:
     def __init__(self, trainers: ActorGroup | None, engines: ActorGroup | None, devices_per_engine: int, settings,
-                 faults: FaultPlan):
+                 faults: FaultPlan, engines_apart: bool = False):
         """`trainers` None: --debug-rollout-only and --eval-only (the engines keep --hf-checkpoint's weights);
         `engines` None: --debug-train-only. `settings`: relax.args.settings.RunSettings' max_engine_restarts,
         engine_start_timeout, rollout_timeout and weight_sync_timeout. The actor starts asleep and the engines with
-        all their memory (relax.run.loop.start_workers)."""
+        all their memory (relax.run.loop.start_workers). `engines_apart`: the engines are on devices of their own
+        (--no-colocate with --rollout-num-devices N), which the weight push takes by broadcast."""
         self.trainers, self.engines = trainers, engines
         self.devices_per_engine = devices_per_engine
+        self.engines_apart = engines_apart
         self.max_restarts: int = settings.max_engine_restarts
         self.start_timeout: Timeout = settings.engine_start_timeout
         self.rollout_timeout: Timeout = settings.rollout_timeout
@@ -87,6 +96,14 @@ class Colocation:
         self._aborted_groups: list[tuple[int, list[Completion]]] = []  # returned aborted without running
         self._aborting = False  # an abort is under way: its groups come back
         self._untaken, self._untaken_seconds = 0, 0.0
+        # How every engine gets the actor's weights before a restarted one generates: colocated, the step's two
+        # hand-overs, once no group runs; beside the training (beside_training), the loop's own.
+        self._refresh_weights: Callable[[], None] = self._hand_over_weights
+        self._beside_training = False
+        # Steps the engines' weights are ahead of those the running rollout's step samples with by the loop's
+        # schedule: 0, but 1 where relax.run.loop_async gave them the step's trained weights mid-rollout. The
+        # rollout records its tokens' step so (relax.rollout.partial).
+        self.weights_ahead = 0
         if trainers is not None and engines is not None and self.max_restarts > 0:
             trainers.watched = [trainers]
 
@@ -119,6 +136,22 @@ class Colocation:
         self.engine_memory = set(MEMORY_TAGS)
         return reports
 
+    def beside_training(self, refresh_weights: Callable[[], None]) -> None:
+        """--no-colocate (relax.run.loop_async): the engines generate while the actor trains, with weights the
+        actor no longer holds, which a restarted engine cannot get. Its groups go to the engines not restarted
+        since the last push while one is left; once none is, and no group runs, `refresh_weights()` gives every
+        engine the actor's weights (through push) before the held groups are sent."""
+        self._refresh_weights, self._beside_training = refresh_weights, True
+
+    def push(self, inject_faults: bool = True) -> list[dict]:
+        """The actor's weights to every engine as they are (--no-colocate: nothing sleeps or was released);
+        returns each rank's push report. `inject_faults`: as to_actor's."""
+        return self._push(self.faults.victim_at("push", self.engines, self.trainers) if inject_faults else None)
+
+    def _hand_over_weights(self) -> None:
+        self.to_actor(inject_faults=False)
+        self.to_engines(inject_faults=False)
+
     def _actor(self, method: str) -> None:
         self.trainers.run(method, timeout=self.sync_timeout)
         self.actor_awake = method == "wake"
@@ -130,8 +163,8 @@ class Colocation:
                evaluation: bool = False) -> None:
         """Send a prompt group (or the continuations of its responses `prefixes`) to the engine with the fewest
         requests in flight (ties: the lowest index), or hold it back while a restarted engine waits for the
-        actor's weights."""
-        hold = self._waiting_for_weights() or any(call.ref is None for call in self._groups.values())
+        actor's weights (beside the training: while none of the engines not restarted is left)."""
+        hold = not self._current_engines() or any(call.ref is None for call in self._groups.values())
         self._groups[key] = GroupCall(prompt, sampling, prefixes, source, evaluation)
         if not hold:
             self._send(key)
@@ -139,7 +172,8 @@ class Colocation:
     def next_done(self) -> tuple[int, list[Completion]]:
         """The next group to complete: its key and completions. A group whose engine dies is held back and sent
         again, with its seeds, once every engine has the actor's weights (the groups still running on the others
-        complete first); after an abort it comes back aborted instead."""
+        complete first), or beside the training at once to an engine not restarted, where one is left; after an
+        abort it comes back aborted instead."""
         done = self._aborted_groups.pop(0) if self._aborted_groups else self._next_completed()
         if not self._groups and not self._aborted_groups:
             self._aborting = False  # every group is back
@@ -161,6 +195,8 @@ class Colocation:
                 self._restart(self._engine_death(error))  # its groups held back, or returned aborted
                 if self._aborted_groups:
                     return self._aborted_groups.pop(0)
+                if self._current_engines() and any(call.ref is None for call in self._groups.values()):
+                    self._send_held()  # beside the training, to the engines not restarted
                 continue
             key = running[refs.index(ref)]
             del self._groups[key]
@@ -192,13 +228,21 @@ class Colocation:
         """Whether a restarted engine still holds --hf-checkpoint's weights where the actor has its own."""
         return bool(self.stale) and self.trainers is not None
 
+    def _current_engines(self) -> list[int]:
+        """The engines a group may go to now: every one, but while a restarted engine waits for the actor's
+        weights, none colocated (every engine gets them first) and beside the training those not restarted (which
+        keep the weights the others lack)."""
+        if not self._waiting_for_weights():
+            return list(range(len(self.engines)))
+        return [index for index in range(len(self.engines)) if index not in self.stale] if self._beside_training else []
+
     def _send(self, key: int) -> None:
         call = self._groups[key]
         load = [0] * len(self.engines)
         for other in self._groups.values():
             if other.engine is not None:
                 load[other.engine] += other.requests
-        engine = min(range(len(load)), key=lambda index: (load[index], index))
+        engine = min(self._current_engines(), key=lambda index: (load[index], index))
         deadline = None if self.rollout_timeout.seconds is None else time.monotonic() + self.rollout_timeout.seconds
         ref = self.engines.actors[engine].generate_group.remote(
             call.prompt, call.sampling, call.prefixes, call.source, call.evaluation
@@ -206,11 +250,10 @@ class Colocation:
         self._groups[key] = call._replace(engine=engine, ref=ref, deadline=deadline)
 
     def _send_held(self) -> None:
-        """Nothing runs: give every engine the actor's weights where one was restarted, then send the held groups
-        in key order."""
-        if self._waiting_for_weights():  # the actor's weights, through the step's two hand-overs
-            self.to_actor(inject_faults=False)
-            self.to_engines(inject_faults=False)
+        """Send the held groups in key order; where no engine may take them (then nothing runs), every engine gets
+        the actor's weights first."""
+        if not self._current_engines():
+            self._refresh_weights()
         held = sorted(key for key, call in self._groups.items() if call.ref is None)
         if not held:
             raise RuntimeError("waiting for a prompt group to complete, but none was submitted")
@@ -239,7 +282,8 @@ class Colocation:
         engine_nodes = [bundle.node_id for bundle in self.engines.bundles]
         while True:
             refs = self.trainers.call(
-                "push_weights", self.engines.actors, self.devices_per_engine, engine_nodes, victim_pid
+                "push_weights", self.engines.actors, self.devices_per_engine, engine_nodes, victim_pid,
+                engines_apart=self.engines_apart,
             )
             victim_pid = None
             try:

@@ -424,7 +424,8 @@ def start_workers(workers: Workers, config, platform, placement: Placement, faul
         workers.data_parallel_ranks = trainers.run("data_parallel_rank", timeout=settings.train_timeout)
     if settings.mode.has_engines and not beside:
         _start_engines(workers, config, platform, engine_placement, memory_saver_on)
-    workers.colocation = Colocation(workers.trainers, workers.engines, rollout.devices_per_engine, settings, faults)
+    workers.colocation = Colocation(workers.trainers, workers.engines, rollout.devices_per_engine, settings, faults,
+                                    engines_apart=apart)
 
 
 def _start_engines(workers: Workers, config, platform, placement: Placement, memory_saver_on: bool) -> None:

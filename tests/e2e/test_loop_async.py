@@ -2,10 +2,14 @@
 its own local Ray cluster, the tiny run's model and sizes (scripts/run-tiny-cpu.sh) with the training rank on one
 Ray bundle and the engine on another (--rollout-num-gpus 1: the weights go by broadcast), and with the engine
 beside the training rank on its bundle (--rollout-num-gpus 0: the weights go as colocated, nothing sleeping).
+Apart, the engine's SGLang scheduler is also killed as step 1's rollout of step 2 begins (RELAX_INJECT_FAULTS,
+--max-engine-restarts 1): the engine is restarted in place, and with no other engine to generate on the rollout
+waits for step 1's training and pushes its weights to the new engine before it generates.
 
 The engine and the training rank are the loop's own (the real SGLang engine, the real Megatron actor) with a
 record: the engine writes when each generate call ran and, once started and after each weight push, its greedy
-tokens and logprobs of fixed probe prompts; the training rank writes when each step's training ran. From those and
+tokens and logprobs of fixed probe prompts (a restarted engine too); the training rank writes when each step's
+training ran. From those and
 the run's own files the test checks that every step is logged, that the rollout of step s+1 ran while the actor
 trained step s (the records' times and the logged perf/train_overlap_time), that every push reached the engine
 (its probe changed) and the last one with the trained weights (its greedy tokens and logprobs are HF
@@ -111,9 +115,18 @@ def read_records(path: Path, event: str | None = None) -> list[dict]:
     return [record for record in records if event is None or record["event"] == event]
 
 
-@pytest.mark.parametrize("engine_devices", ["1", "0"], ids=["apart", "beside"])
+def max_change(probe: list, other: list) -> float:
+    """The largest difference between two probes' logprobs."""
+    return max(abs(a - b) for (_, logprobs), (_, others) in zip(probe, other) for a, b in zip(logprobs, others))
+
+
+FAULT_STEP = 1  # apart, the engine's scheduler is killed as this step's rollout (of the next step) begins
+
+
+@pytest.mark.parametrize("engine_devices, faults", [("1", f"rollout@{FAULT_STEP}=scheduler"), ("0", "")],
+                         ids=["apart", "beside"])
 def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_engine(tmp_path, monkeypatch,
-                                                                                     engine_devices):
+                                                                                     engine_devices, faults):
     model = build_tiny_model(tmp_path / "model", "qwen3", seed=0)
     data = write_task("copy_digit", 200, tmp_path / "copy_digit.jsonl")
     records, output, hf_saves = tmp_path / "records", tmp_path / "output", tmp_path / "hf"
@@ -127,9 +140,11 @@ def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_
         "--advantage-estimator", "grpo", "--no-normalize-advantages-by-std", "--lr", "5e-3", "--weight-decay", "0.0",
         "--num-nodes", "1", "--num-devices-per-node", "1", "--no-colocate", "--rollout-num-gpus", engine_devices,
         "--save", str(tmp_path / "checkpoints"), "--save-hf", str(hf_saves), "--output-dir", str(output),
+        "--max-engine-restarts", "1" if faults else "0",
     ])
     assert not ray.is_initialized(), "run() must start its own Ray cluster here (another test left one connected)"
     marker = mark_in_process_run(monkeypatch, {RECORDS_ENV: str(records)})  # the records' directory too
+    monkeypatch.setenv("RELAX_INJECT_FAULTS", faults)
     monkeypatch.setattr(relax.run.loop, "EngineWorker", RecordingEngineWorker)
     monkeypatch.setattr(relax.run.loop, "TrainWorker", RecordingTrainWorker)
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the Ray workers cannot import this file
@@ -148,6 +163,7 @@ def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_
                     "train/loss", "mismatch/logprob_abs_diff_mean"):
             assert key in m, f"step {m['step']} lacks {key}"
         assert m["rollout/reward_mean"] == 0.5 and m["train/update_successful"] == 1.0
+        assert m["faults/engine_restarts"] == (1 if faults and m["step"] == FAULT_STEP else 0)
     assert "perf/first_rollout_time" in metrics[0]
 
     # Rollouts: the first step's, then step s+1's while step s trained, for every step but the last. Each is
@@ -163,18 +179,24 @@ def test_the_next_rollout_runs_while_the_actor_trains_and_each_push_reaches_the_
     assert generated[0]["end"] <= trained[0]["start"]
     for step in range(NUM_STEPS - 1):
         rollout, training = generated[step + 1], trained[step]
-        assert rollout["start"] < training["end"] and training["start"] < rollout["end"], f"step {step}"
+        if faults and step == FAULT_STEP:  # its groups were sent again once the training had ended
+            assert rollout["start"] >= training["end"]
+        else:
+            assert rollout["start"] < training["end"] and training["start"] < rollout["end"], f"step {step}"
         assert metrics[step]["perf/train_overlap_time"] > 0 and "perf/rollout_time" in metrics[step]
         assert trained[step + 1]["start"] >= rollout["end"]  # the next step trains on that rollout
     assert "perf/rollout_time" not in metrics[-1]  # nothing left to roll out after the last step
 
     # The engine started from the checkpoint and took every push, the last one the weights the run saved last.
     probes = [record["outputs"] for record in read_records(records / "engine.jsonl", "probe")]
+    if faults:  # the restarted engine's probes, at its start and after the weights of step 1's training
+        restarted, refreshed = probes.pop(FAULT_STEP + 1), probes.pop(FAULT_STEP + 1)
+        assert [tokens for tokens, _ in restarted] == [tokens for tokens, _ in probes[0]]  # --hf-checkpoint's
+        assert max_change(restarted, probes[0]) < 1e-5 and max_change(refreshed, restarted) > 1e-3
+        assert max_change(refreshed, probes[FAULT_STEP + 1]) < 1e-5  # the step's own push: the same weights
     assert len(probes) == 1 + NUM_STEPS
     for step in range(NUM_STEPS):
-        changes = [abs(a - b) for (_, before), (_, after) in zip(probes[step], probes[step + 1])
-                   for a, b in zip(before, after)]
-        assert max(changes) > 1e-3, f"the push after step {step} changed nothing"
+        assert max_change(probes[step], probes[step + 1]) > 1e-3, f"the push after step {step} changed nothing"
     reference = hf_greedy(hf_saves / f"step_{NUM_STEPS - 1:06d}", PROBE_PROMPTS, PROBE_TOKENS)
     for (tokens, logprobs), (hf_tokens, hf_logprobs) in zip(probes[-1], reference, strict=True):
         assert tokens == hf_tokens

@@ -274,10 +274,6 @@ RULES = {
         [*RUN, "--no-colocate", "--rollout-num-gpus", "3", "--rollout-num-gpus-per-engine", "2"],
         "--rollout-num-devices-per-engine 2 does not divide the --rollout-num-devices 3 devices of the engines",
     ),
-    "apart, no engine restarts in place": (
-        [*RUN, "--no-colocate", "--rollout-num-gpus", "1", "--max-engine-restarts", "1"],
-        "--max-engine-restarts 1 with --no-colocate: an engine is not restarted in place there",
-    ),
     "apart, no sleep route": (
         [*RUN, "--no-colocate", "--rollout-num-gpus", "1", "--actor-sleep-route", "host-copies"],
         "--actor-sleep-route host-copies with --no-colocate: the actor never sleeps",
@@ -606,12 +602,14 @@ def test_engine_restarts_and_the_driver_waits_are_bounded_by_default(capsys):
     assert "--train-timeout: must be > 0, got 0" in parse_error([*RUN, "--train-timeout", "0"], capsys)
 
 
-def test_engines_apart_take_devices_of_their_own_without_sleep_memory_saver_or_restarts():
+def test_engines_apart_take_devices_of_their_own_without_sleep_or_memory_saver_and_restart_engines_when_asked():
     argv = [*RUN, "--num-devices-per-node", "2", "--no-colocate", "--rollout-num-gpus", "4"]
     config = parse_train_args([*argv, "--rollout-num-gpus-per-engine", "2"])
     assert (config.run.colocate, config.run.rollout_num_devices, config.run.max_engine_restarts) == (False, 4, 0)
     assert not config.sglang.enable_memory_saver and not config.actor.memory_saver
     assert config.rollout.devices_per_engine == 2
+    # engines restarted in place as colocated, when asked (relax.run.loop_async)
+    assert parse_train_args([*argv, "--max-engine-restarts", "1"]).run.max_engine_restarts == 1
     colocated = parse_train_args([*RUN, "--num-devices-per-node", "2"])
     assert (colocated.run.colocate, colocated.run.rollout_num_devices) == (True, None)
 

@@ -70,8 +70,8 @@ class _Group:
         old = self.actors[index]
         self.actors[index] = _Actor(old.name + "'", self.log, old._actor_id.hex()[::-1])
 
-    def call(self, method: str, *args) -> list:
-        return [getattr(actor, method).remote(*args) for actor in self.actors]
+    def call(self, method: str, *args, **kwargs) -> list:
+        return [getattr(actor, method).remote(*args, *kwargs.values()) for actor in self.actors]
 
     def run(self, method: str, *args, timeout=None) -> list:
         return self.wait(self.call(method, *args))
@@ -324,3 +324,54 @@ def test_the_injected_faults_are_read_from_the_environment_and_each_is_done_once
         FaultPlan.from_environ({"RELAX_INJECT_FAULTS": "push@one=engine"})
     with pytest.raises(ValueError, match="'train@1=rank'"):
         FaultPlan.from_environ({"RELAX_INJECT_FAULTS": "train@1=rank"})
+
+
+def _beside_training(world) -> list:
+    """world.colocation as relax.run.loop_async drives it; the calls of its refresh_weights are logged."""
+    def refresh_weights():
+        world.log.append(("loop", "refresh_weights"))
+        world.colocation.push(inject_faults=False)
+
+    world.colocation.beside_training(refresh_weights)
+    return world.log
+
+
+def test_beside_the_training_the_groups_of_a_dead_engine_go_at_once_to_the_engines_not_restarted(world):
+    colocation, log = world.colocation, _beside_training(world)
+    for key in range(3):
+        colocation.submit(key, [key], SamplingConfig(n=2, seed=2 * key))  # engines 0, 1, 0
+    world.engines.actors[0].fails["generate_group"] = RayActorError("e0" * 16, "The actor died.")
+    log.clear()
+    assert colocation.next_done() == (0, ["completion"] * 2)  # engine 0's first group, sent again to engine 1
+    colocation.submit(3, [3], SamplingConfig(n=2, seed=6))  # not held: engine 1 still has the weights
+    assert [colocation.next_done()[0] for _ in range(3)] == [1, 2, 3]
+    assert [entry[:2] for entry in log] == [
+        ("restart", "engine 0"), ("engine 0'", "watched_child_pids"),
+        ("engine 1", "generate_group"), ("engine 1", "generate_group"),  # engine 0's, with their seeds, at once
+        ("engine 1", "generate_group"),
+    ]
+    assert _sent(log) == [("engine 1", [0], 0), ("engine 1", [2], 4), ("engine 1", [3], 6)]
+    assert colocation.stale == {0} and not colocation.actor_awake  # it idles until the step's push
+    colocation.push()
+    assert colocation.stale == set() and [entry[:2] for entry in log][-1] == ("training rank 0", "push_weights")
+
+
+def test_beside_the_training_once_every_engine_was_restarted_the_groups_wait_for_refresh_weights(world):
+    colocation, log = world.colocation, _beside_training(world)
+    for key in range(2):
+        colocation.submit(key, [key], SamplingConfig(n=2, seed=2 * key))  # engines 0 and 1
+    for engine in (0, 1):
+        world.engines.actors[engine].fails["generate_group"] = RayActorError(f"e{engine}" * 16, "The actor died.")
+    log.clear()
+    assert [colocation.next_done()[0] for _ in range(2)] == [0, 1]
+    assert [entry[:2] for entry in log] == [
+        ("restart", "engine 0"), ("engine 0'", "watched_child_pids"),
+        ("engine 1", "generate_group"),  # engine 1 still has the weights: engine 0's group goes there, and fails
+        ("restart", "engine 1"), ("engine 1'", "watched_child_pids"),
+        ("loop", "refresh_weights"), ("training rank 0", "push_weights"),  # no sleep or hand-over: the actor's weights
+        ("engine 0'", "generate_group"), ("engine 1'", "generate_group"),
+    ]
+    assert _sent(log)[-2:] == [("engine 0'", [0], 0), ("engine 1'", [1], 2)] and colocation.stale == set()
+    pushes = [args for name, method, *args in log if method == "push_weights"]
+    assert pushes == [[world.engines.actors, 1, ["node", "node"], None, False]]  # engines_apart: the push's route
+    assert colocation.take_faults()["faults/engine_restarts"] == 2

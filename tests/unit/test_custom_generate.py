@@ -375,6 +375,8 @@ async def by_label(args, sample, sampling_params):
 class WorkerPool:
     """An engine pool (relax.rollout.rollout.EnginePool) over one ScriptedWorker: each group answered at submit."""
 
+    weights_ahead = 0
+
     def __init__(self, worker):
         self.worker, self.done, self.aborts = worker, [], 0
 

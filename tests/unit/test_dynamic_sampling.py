@@ -32,6 +32,8 @@ class ScriptedPool:
     Completion stands for itself), or are refused for the rows in `refused`; groups complete in submission order, and the rows submitted are
     recorded, as are the aborts (after which the groups in flight come back aborted)."""
 
+    weights_ahead = 0
+
     def __init__(self, rewards, refused=()):
         self.rewards, self.refused = rewards, set(refused)
         self.submitted, self.in_flight, self.aborts = [], {}, 0

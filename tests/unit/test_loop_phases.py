@@ -263,7 +263,7 @@ class _World:
         monkeypatch.setattr(loop, "create_node_placement", lambda *args: placement)
         monkeypatch.setattr(loop, "create_training_actors", lambda *args, **kwargs: self._group("trainers"))
         monkeypatch.setattr(loop, "create_engine_actors", lambda *args, **kwargs: self._group("engines"))
-        monkeypatch.setattr(loop, "Colocation", lambda *args: self.colocation)
+        monkeypatch.setattr(loop, "Colocation", self._colocation)
 
         self.waited = []  # the refs of every wait_for call
 
@@ -288,6 +288,10 @@ class _World:
 
         monkeypatch.setattr(loop, "evaluate_if_due", evaluate_if_due)
         monkeypatch.setattr(loop, "collect_rollout", collect_rollout)
+
+    def _colocation(self, *args, engines_apart: bool) -> _Colocation:
+        self.colocation.engines_apart = engines_apart
+        return self.colocation
 
     def _group(self, role: str) -> _Group:
         self.groups[role] = _Group(role, self.wait_for)
@@ -404,6 +408,7 @@ class _AsyncWorld(_World):
         def collect_rollout(step, step_rollout, loader, sampling, rollout):
             loader.take(1)
             self.events.append(("rollout", step))
+            self.on_rollout(step)
             return [f"sample of step {step}"], {"rollout/reward_mean": float(step)}
 
         def start_training(trainers, data_parallel_ranks, samples, algorithm):
@@ -431,7 +436,9 @@ class _AsyncWorld(_World):
         monkeypatch.setattr(loop, "save", save)
         monkeypatch.setattr(loop_async, "start_training", start_training)
         monkeypatch.setattr(loop_async, "training_metrics", training_metrics)
-        monkeypatch.setattr(loop_async, "push_weights", lambda *args, engines_apart: self.events.append(("push", engines_apart)))
+        self.colocation.push = lambda inject_faults=True: self.events.append(("push", self.colocation.engines_apart))
+        self.colocation.beside_training = lambda refresh_weights: setattr(self, "refresh_weights", refresh_weights)
+        self.colocation.weights_ahead = 0
         clock = SimpleNamespace(seconds=lambda engines_done: {"perf/train_time": 2.0, "perf/train_overlap_time": 1.5})
         monkeypatch.setattr(loop_async, "TrainingClock", lambda calls: clock)
 
@@ -468,6 +475,33 @@ def test_the_async_loop_rolls_out_the_next_step_while_the_actor_trains_and_pushe
     assert ["perf/rollout_time" in r for r in rows[:3]] == [True, True, False]  # the next step's: none after the last
     assert all(r["perf/train_time"] == 2.0 and r["perf/train_overlap_time"] == 1.5 for r in rows[:3])
     assert world.groups["trainers"].killed and world.groups["engines"].killed and world.ray_shut_down
+
+
+def test_an_async_rollout_left_without_engines_of_its_weights_waits_for_the_training_once_and_pushes(
+    tmp_path, monkeypatch
+):
+    """Every engine restarted mid-rollout (Colocation calls refresh_weights): the rollout of step 2 waits for step
+    1's training and pushes its weights, one step ahead of the schedule's; the step keeps the metrics waited for."""
+    world = _AsyncWorld(monkeypatch)
+    ahead = []
+
+    def on_rollout(step):
+        if step == 2:
+            world.refresh_weights()
+        ahead.append((step, world.colocation.weights_ahead))
+
+    world.on_rollout = on_rollout
+    config = _config(tmp_path, num_steps=3, debug_rollout_only=False, save=str(tmp_path / "saves"), colocate=False)
+    assert run_with_restarts(config, _inputs_with_prompts(8), attempt=relax.run.loop_async.run) == tmp_path
+    assert world.events[6:11] == [
+        ("train started", "sample of step 1"), ("eval", 1), ("rollout", 2),
+        ("train waited", "sample of step 1"), ("push", True),  # mid-rollout, by refresh_weights
+    ]
+    assert world.events[11:13] == [("push", True), ("train started", "sample of step 2")]  # no second wait
+    assert ahead == [(0, 0), (1, 0), (2, 1)]  # the rollout's tokens recorded as step 3's policy's; reset after
+    assert world.colocation.weights_ahead == 0
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["train/loss"] for r in rows[:3]] == [1.0, 1.0, 1.0]
 
 
 def test_a_signal_stops_the_async_loop_after_its_step_saved_with_the_loader_before_the_next_rollout(

@@ -29,6 +29,8 @@ class InOrderPool:
     """An engine pool (relax.rollout.rollout.EnginePool) whose groups complete in submission order, answered by
     `generate` one group a call (request j of a group seeded as the group's sampling says)."""
 
+    weights_ahead = 0
+
     def __init__(self, generate):
         self.generate, self.in_flight = generate, {}
 

@@ -39,6 +39,8 @@ class ScriptedPool:
     Groups complete in submission order, but those of the prompts in `slow`, which complete only once aborted
     (finish_reason "abort", one token 7 each). Records each submission's (prompt, seed) and its prefixes."""
 
+    weights_ahead = 0  # its engines' weights are those of the rollout's step (a test may set it)
+
     def __init__(self, script, slow=()):
         self.script, self.slow = script, set(slow)
         self.submitted: list[tuple[int, int | None]] = []
@@ -173,6 +175,23 @@ def test_partial_rollout_puts_aborted_groups_back_with_their_tokens_and_a_later_
     assert samples[0].response_steps == [3, 4] and samples[0].response_logprobs == [-1.0, -1.0]
     assert metrics["rollout/partial_resumed_samples"] == 4 and metrics["rollout/partial_oldest_token_age"] == 1
     assert metrics["rollout/partial_old_token_fraction"] == 0.5 and metrics["rollout/partial_stale_samples"] == 0
+
+
+def test_tokens_of_weights_a_step_ahead_of_the_rollouts_are_recorded_as_the_next_steps():
+    """--no-colocate: a restart made the rollout of step 3 wait for the step's training and push its weights, so its
+    tokens are of the policy step 4's rollout samples with; taken again in step 4 they are that step's own."""
+    pool = ScriptedPool({i: [str(i), "x"] for i in range(6)}, slow={0, 2})
+    loader = PromptLoader(prompts(6), shuffle=False)
+    pool.weights_ahead = 1
+    collect(pool, loader, num_groups=2, chunk_size=4, partial=Partial(max_staleness=0), step=3)
+    assert json.loads(json.dumps(loader.state_dict()))["put_back_progress"][0]["responses"][0]["steps"] == [4]
+    pool.slow.clear()
+    pool.weights_ahead = 0
+    samples, metrics = collect(pool, loader, num_groups=2, chunk_size=2, partial=Partial(max_staleness=0), step=4)
+    assert [s.response_token_ids for s in samples[:2]] == [[7, 0], [7, 0]]  # continued: not stale
+    assert samples[0].response_steps is None  # no token of an earlier policy
+    assert metrics["rollout/partial_oldest_token_age"] == 0 and metrics["rollout/partial_old_token_fraction"] == 0
+    assert metrics["rollout/partial_stale_samples"] == 0
 
 
 def test_partial_rollout_starts_again_responses_older_than_the_staleness_bound():
