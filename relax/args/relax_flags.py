@@ -594,14 +594,14 @@ def add_relax_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-engine-restarts",
         type=_non_negative_int,
-        default=None,
+        default=3,
         metavar="N",
         help="An engine (or its SGLang scheduler or detokenizer) that dies or stops answering in any phase (rollout, "
         "device hand-over, weight push, evaluation) is started again on its devices, in the other engines' state, "
         "given the actor's current weights before it generates, and the call it missed is made again; the step "
         "goes on. At most this many restarts per run, then the run fails naming the engine (or, with "
-        "--max-restarts, restarts from its newest checkpoint); 0: fail at the first (default: 3; 0 with "
-        "--no-colocate, where a restarted engine waits for the weights the others generate with). "
+        "--max-restarts, restarts from its newest checkpoint); 0: fail at the first (default: %(default)s; with "
+        "--no-colocate, a restarted engine waits for the weights the others generate with: relax.run.loop_async). "
         "Counted in faults/engine_restarts and faults/engine_restart_seconds.",
     )
     g.add_argument(

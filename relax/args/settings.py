@@ -192,7 +192,7 @@ def run_settings(flags: argparse.Namespace) -> RunSettings:
         load=flags.load,
         max_restarts=flags.max_restarts or 0,
         dry_run=flags.dry_run,
-        max_engine_restarts=max_engine_restarts(flags),
+        max_engine_restarts=flags.max_engine_restarts,
         engine_start_timeout=Timeout(flags.engine_start_timeout, "--engine-start-timeout"),
         rollout_timeout=Timeout(flags.rollout_timeout, "--rollout-timeout"),
         weight_sync_timeout=Timeout(flags.weight_sync_timeout, "--weight-sync-timeout"),
@@ -288,14 +288,6 @@ def engine_devices(flags: argparse.Namespace) -> int:
     if flags.colocate or flags.rollout_num_devices == 0:
         return flags.num_nodes * flags.num_devices_per_node
     return flags.rollout_num_devices or 0
-
-
-def max_engine_restarts(flags: argparse.Namespace) -> int:
-    """--max-engine-restarts; when not given, 3 colocated and 0 with --no-colocate (where a restarted engine idles
-    until the step's push, or makes the rollout wait for the step's training: relax.run.loop_async)."""
-    if flags.max_engine_restarts is not None:
-        return flags.max_engine_restarts
-    return 3 if flags.colocate else 0
 
 
 def rollout_requests_per_engine(flags: argparse.Namespace) -> int:

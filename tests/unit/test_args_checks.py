@@ -602,13 +602,13 @@ def test_engine_restarts_and_the_driver_waits_are_bounded_by_default(capsys):
     assert "--train-timeout: must be > 0, got 0" in parse_error([*RUN, "--train-timeout", "0"], capsys)
 
 
-def test_engines_apart_take_devices_of_their_own_without_sleep_or_memory_saver_and_restart_engines_when_asked():
+def test_engines_apart_take_devices_of_their_own_without_sleep_or_memory_saver_and_restart_engines_as_colocated():
     argv = [*RUN, "--num-devices-per-node", "2", "--no-colocate", "--rollout-num-gpus", "4"]
     config = parse_train_args([*argv, "--rollout-num-gpus-per-engine", "2"])
-    assert (config.run.colocate, config.run.rollout_num_devices, config.run.max_engine_restarts) == (False, 4, 0)
+    assert (config.run.colocate, config.run.rollout_num_devices, config.run.max_engine_restarts) == (False, 4, 3)
     assert not config.sglang.enable_memory_saver and not config.actor.memory_saver
     assert config.rollout.devices_per_engine == 2
-    # engines restarted in place as colocated, when asked (relax.run.loop_async)
+    # engines restarted in place as colocated (relax.run.loop_async), as many times as asked
     assert parse_train_args([*argv, "--max-engine-restarts", "1"]).run.max_engine_restarts == 1
     colocated = parse_train_args([*RUN, "--num-devices-per-node", "2"])
     assert (colocated.run.colocate, colocated.run.rollout_num_devices) == (True, None)
@@ -617,7 +617,7 @@ def test_engines_apart_take_devices_of_their_own_without_sleep_or_memory_saver_a
 def test_engines_beside_the_actor_share_its_devices_without_sleep_or_memory_saver(capsys):
     argv = [*RUN, "--num-devices-per-node", "2", "--no-colocate", "--rollout-num-gpus", "0"]
     config = parse_train_args(argv)
-    assert (config.run.colocate, config.run.rollout_num_devices, config.run.max_engine_restarts) == (False, 0, 0)
+    assert (config.run.colocate, config.run.rollout_num_devices, config.run.max_engine_restarts) == (False, 0, 3)
     assert not config.sglang.enable_memory_saver and not config.actor.memory_saver
     # the engines fill the actor's devices, as colocated
     assert "does not divide the 2 devices" in parse_error([*argv, "--rollout-num-gpus-per-engine", "4"], capsys)
