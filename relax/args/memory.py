@@ -37,6 +37,7 @@ def actor_memory(flags, megatron, platform) -> MemoryEstimate:
         data=max(1, world // model_parallel),
         sequence_parallel=tc.sequence_parallel,
         distributed_optimizer=megatron.optimizer.use_distributed_optimizer,
+        keys_gathered=platform.context_parallel_attention == "all-gather",
     )
     param_bytes = megatron.transformer.params_dtype.itemsize
     return estimate_actor_memory(

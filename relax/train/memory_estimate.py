@@ -13,7 +13,8 @@ Counted from the architecture (megatron-core's TransformerConfig) and the layout
   norms keep, the projections' inputs and outputs and the attention / gated-delta output (flash attention:
   no [s, s] scores); full recompute keeps only each layer's input (and one recomputed group of layers at a time);
   selective recompute drops its modules' internals; under context parallelism the attention keeps the keys and
-  values it gathered from every CP rank. With pipeline parallelism the first stage holds as many
+  values it gathered from every CP rank (relax's all-gather), or its own only (MindSpeed's ring attention on the NPU,
+  which passes the others' around the ring again in the backward). With pipeline parallelism the first stage holds as many
   micro-batches in flight as there are stages, which amounts to every layer's activations for one micro-batch.
 - the logits: the output layer's logits, their transposed copy and their gradient in the activations' dtype (the
   logprob and entropy never materialise them in fp32; relax/train/logprobs.py). With --fused-output-logprobs, one
@@ -54,6 +55,9 @@ class Layout:
     context: int = 1
     expert: int = 1
     data: int = 1  # data-parallel replicas (world / (tensor x pipeline x context))
+    # Under context parallelism, whether each rank keeps the whole row's keys and values (the platform's
+    # context_parallel_attention: relax's all-gather) or its own only (MindSpeed's ring attention).
+    keys_gathered: bool = True
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
 
@@ -167,13 +171,13 @@ def parameter_count(tc, vocab_size: int, untied: bool) -> tuple[int, int, int]:
     return vocabulary, dense, experts
 
 
-def _mixer_activation_elements(tc, kind: str, tp: int, sp_div: int, cp: int) -> float:
+def _mixer_activation_elements(tc, kind: str, tp: int, sp_div: int, cp: int, keys_gathered: bool) -> float:
     h = tc.hidden_size
     if kind == "attention":
         q, kv, out, _ = _attention_widths(tc)
-        # the norm, q/k/v (as rotated; under context parallelism the keys and values gathered from every CP rank),
-        # the attention's output (the output projection's input)
-        return NORM_KEEPS * h / sp_div + (q + kv * cp + out) / tp
+        # the norm, q/k/v (as rotated; under context parallelism with keys_gathered the keys and values gathered from
+        # every CP rank), the attention's output (the output projection's input)
+        return NORM_KEEPS * h / sp_div + (q + kv * (cp if keys_gathered else 1) + out) / tp
     qk, v, heads = _gdn_widths(tc)
     # the norm, q/k/v/z/b/a, the convolution's output, the rule's output and its gated norm; under context parallelism
     # the rule runs on values widened by a key head's width per value head (relax.train.context_parallel)
@@ -221,7 +225,7 @@ def estimate_actor_memory(
     sp_div = tp if layout.sequence_parallel else 1
     modules = set(tc.recompute_modules or ()) if tc.recompute_granularity == "selective" else set()
     per_layer = [
-        _mixer_activation_elements(tc, kind, tp, sp_div, layout.context)
+        _mixer_activation_elements(tc, kind, tp, sp_div, layout.context, layout.keys_gathered)
         + _mlp_activation_elements(tc, moe, tp, etp, sp_div, modules)
         for kind, moe in zip(layer_kinds(tc), moe_layers(tc))
     ]

@@ -59,6 +59,8 @@ def test_parallelism_recompute_and_a_sharded_optimizer_each_lower_what_they_spli
     assert tp2.activations < base.activations
     cp4 = _estimate(layout=Layout(context=4))  # the same tokens per device: each layer keeps the gathered K/V
     assert cp4.activations - base.activations == 24 * (4 - 1) * 2 * 4 * 128 * 16384 * 2
+    ring = _estimate(layout=Layout(context=4, keys_gathered=False))  # MindSpeed's ring: each rank its own K/V
+    assert ring.activations == base.activations
     sharded = _estimate(layout=Layout(data=4, distributed_optimizer=True))
     assert sharded.optimizer == base.optimizer // 4 and sharded.parameters == base.parameters
     full = _estimate(_shape(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1))
@@ -136,3 +138,14 @@ def test_an_engine_share_chosen_at_start_up_cannot_be_checked_before():
     beside = SimpleNamespace(colocate=False, rollout_num_devices=0, device_memory_gib=80.0)
     assert memory_for_training(beside, SimpleNamespace(mem_fraction_static=None)) is None
     assert memory_for_training(beside, SimpleNamespace(mem_fraction_static=0.25)) == 60 * GIB
+
+
+def test_the_npu_estimate_under_context_parallelism_keeps_each_ranks_own_keys_and_values():
+    """The NPU's context-parallel attention is MindSpeed's ring (no rank keeps the whole row's keys and values), the
+    CPU's relax's all-gather: the same layout, fewer activations."""
+    argv = [*DRY_RUN, "--vocab-size", "64", "--num-devices-per-node", "2", "--context-parallel-size", "2"]
+    config = parse_train_args(argv)
+    gathered = actor_memory(config.flags, config.megatron, platform_facts("cpu"))
+    ring = actor_memory(config.flags, config.megatron, platform_facts("npu"))
+    assert ring.activations < gathered.activations
+    assert (ring.parameters, ring.optimizer, ring.logits) == (gathered.parameters, gathered.optimizer, gathered.logits)
