@@ -216,20 +216,16 @@ def with_recompute(transformer, granularity: str | None):
 
 def relax_estimate_gb(platform, hf, args, num_tokens: int, context_parallel_size: int) -> float:
     """What `relax train --dry-run` estimates for this side's peak allocated memory per device, in GB: the same count
-    (relax.train.memory_estimate) for this model, layout and micro-batch."""
-    from relax.train.logprobs import CHUNK_BYTES
-    from relax.train.memory_estimate import Layout, estimate_actor_memory
+    (relax.args.memory.configs_memory) for this model, layout and micro-batch."""
+    from relax.args.memory import configs_memory
+    from relax.train.memory_estimate import Layout
 
     transformer, optimizer, ddp = megatron_configs(hf, context_parallel_size)
-    transformer = with_recompute(transformer, args.recompute_granularity)
-    param_bytes = transformer.params_dtype.itemsize
-    estimate = estimate_actor_memory(
-        transformer, vocab_size=hf.text_config["vocab_size"], untied=not hf.text_config.get("tie_word_embeddings"),
-        tokens=num_tokens // context_parallel_size, layout=Layout(context=context_parallel_size),
-        param_bytes=param_bytes, grad_bytes=4 if ddp.grad_reduce_in_fp32 else param_bytes,
-        optimizer=optimizer.optimizer,
-        logprob_pieces_bytes=CHUNK_BYTES if platform.logprob_kernel == "torch" else 0,
-        fused_output_piece_bytes=CHUNK_BYTES if args.fused_output_logprobs else 0,
+    estimate = configs_memory(
+        with_recompute(transformer, args.recompute_granularity), optimizer, ddp, hf.text_config["vocab_size"],
+        untied=not hf.text_config.get("tie_word_embeddings"), tokens=num_tokens // context_parallel_size,
+        layout=Layout(context=context_parallel_size), platform=platform,
+        fused_output_logprobs=args.fused_output_logprobs,
     )
     return estimate.total / 1e9
 
@@ -294,12 +290,12 @@ def run_side(platform, name: str, args, max_tokens: int) -> dict:
     batch = filled_batch(args, vocab_size, max_tokens) if args.memory_at else rl_batch(args, vocab_size)
     batch = batch.select(i for i, count in enumerate(batch.token_counts()) if count <= max_tokens)  # see module doc
     try:
-        if name in RELAX_SIDES and args.memory_at:
-            estimate = relax_estimate_gb(platform, hf, args, max_tokens, side_devices(name, args))
-            return {**relax_side(platform, hf_dir, hf, batch, max_tokens, args, side_devices(name, args)),
-                    "relax_estimate_gb": estimate}
         if name in RELAX_SIDES:
-            return relax_side(platform, hf_dir, hf, batch, max_tokens, args, side_devices(name, args))
+            devices = side_devices(name, args)
+            result = relax_side(platform, hf_dir, hf, batch, max_tokens, args, devices)
+            if args.memory_at:
+                result["relax_estimate_gb"] = relax_estimate_gb(platform, hf, args, max_tokens, devices)
+            return result
         return plain_side(platform, hf_dir, hf, batch, max_tokens, args, packed_with_mask=name == "relax_before")
     except torch.OutOfMemoryError as error:
         return {"out_of_memory": str(error).splitlines()[0]}

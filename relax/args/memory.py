@@ -1,6 +1,8 @@
 """The training memory a configuration needs per device (relax.train.memory_estimate's count, from the parsed
 flags and the Megatron config): what --dry-run prints and --device-memory-gib is checked against."""
 
+import dataclasses
+
 from relax.train.logprobs import CHUNK_BYTES
 from relax.train.memory_estimate import GIB, Layout, MemoryEstimate, estimate_actor_memory
 
@@ -37,20 +39,32 @@ def actor_memory(flags, megatron, platform) -> MemoryEstimate:
         data=max(1, world // model_parallel),
         sequence_parallel=tc.sequence_parallel,
         distributed_optimizer=megatron.optimizer.use_distributed_optimizer,
-        keys_gathered=platform.context_parallel_attention == "all-gather",
     )
-    param_bytes = megatron.transformer.params_dtype.itemsize
+    return configs_memory(
+        tc, megatron.optimizer, megatron.ddp, megatron.model.vocab_size,
+        untied=megatron.model.untie_embeddings_and_output_weights, tokens=micro_batch_tokens(flags, megatron),
+        layout=layout, platform=platform, fused_output_logprobs=flags.fused_output_logprobs,
+    )
+
+
+def configs_memory(tc, optimizer, ddp, vocab_size: int, untied: bool, tokens: int, layout: Layout, platform,
+                   fused_output_logprobs: bool) -> MemoryEstimate:
+    """The estimate for megatron-core's configs (TransformerConfig `tc`, OptimizerConfig, DistributedDataParallelConfig)
+    on `platform`: its logprob kernel, and its context-parallel attention, which decides whether the layout keeps the
+    row's gathered keys (Layout.keys_gathered). What the dry run counts and what the benchmarks set beside their
+    measured peaks (benchmarks/rl_batch_throughput.py --memory-at)."""
+    param_bytes = tc.params_dtype.itemsize
     return estimate_actor_memory(
         tc,
-        vocab_size=megatron.model.vocab_size,
-        untied=megatron.model.untie_embeddings_and_output_weights,
-        tokens=micro_batch_tokens(flags, megatron),
-        layout=layout,
+        vocab_size=vocab_size,
+        untied=untied,
+        tokens=tokens,
+        layout=dataclasses.replace(layout, keys_gathered=platform.context_parallel_attention == "all-gather"),
         param_bytes=param_bytes,
-        grad_bytes=4 if megatron.ddp.grad_reduce_in_fp32 else param_bytes,
-        optimizer=megatron.optimizer.optimizer,
+        grad_bytes=4 if ddp.grad_reduce_in_fp32 else param_bytes,
+        optimizer=optimizer.optimizer,
         logprob_pieces_bytes=CHUNK_BYTES if platform.logprob_kernel == "torch" else 0,
-        fused_output_piece_bytes=CHUNK_BYTES if flags.fused_output_logprobs else 0,
+        fused_output_piece_bytes=CHUNK_BYTES if fused_output_logprobs else 0,
     )
 
 
