@@ -25,7 +25,7 @@ TIERS = ("e2e", "npu", "unit", "gpu")
 LONGEST_FIRST = (
     "test_loop_two_engines.py", "test_loop_faults.py", "test_loop.py", "test_loop_resume.py", "test_loop_debug.py",
     "test_loop_async.py", "test_qwen35_sglang.py", "test_patches_sglang.py", "test_qwen35_loop.py",
-    "test_loop_signals.py", "test_loop_over_sampling.py", "test_train_megatron.py", "test_multinode_sync.py",
+    "test_loop_signals.py", "test_train_megatron.py", "test_multinode_sync.py",
     "test_multi_turn_engine.py", "test_worker_watch.py", "test_loop_tools.py", "test_loop_custom_generate.py",
     "test_submit_tiny_run.py", "test_engine.py",
 )

@@ -1,6 +1,9 @@
 """The loop's debug modes on the tiny CPU job (scripts/run-tiny-cpu.sh), through the real stack:
 
-1. a normal run with --dynamic-sampling saves each step's rollout (--save-rollout-data);
+1. a normal run with --dynamic-sampling saves each step's rollout (--save-rollout-data); it over-samples
+   (--over-sampling-batch-size 12 for 8 groups) with the engine running one group (8 requests) at a time, so that
+   groups still wait in its queue when the batch is full: they are aborted through SGLang's abort and their prompts
+   put back (relax.rollout.rollout.collect_groups), and no prompt is trained twice in a step;
 2. --debug-train-only replays those files with no engine and trains to the very same losses (the actor
    starts from the same checkpoint and sees the same samples, the engine's logprobs included);
 3. --debug-rollout-only generates, scores and saves with no training actor, into the normal run's output
@@ -88,7 +91,7 @@ def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_on
     dumps = str(tmp_path / "dumps" / "step_{step}.jsonl")
     original, original_actors = _run_tiny_job(
         tmp_path, "original", "--num-steps", "2", "--save-rollout-data", dumps,
-        "--dynamic-sampling", "--over-sampling-batch-size", "12", *CORRECTIONS,
+        "--dynamic-sampling", "--over-sampling-batch-size", "12", "--sglang-max-running-requests", "8", *CORRECTIONS,
     )
     assert original_actors == {"TrainWorker", "EngineWorker"}  # the process-tree probe sees both kinds
     for record in original:
@@ -97,9 +100,14 @@ def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_on
         assert record["rollout/generated_groups"] + record["rollout/returned_prompts"] == (
             record["rollout/submitted_groups"]
         ), record
+        assert record["rollout/returned_prompts"] > 0 and record["rollout/failed_groups"] == 0, record
+        assert 0 <= record["rollout/aborted_groups"] <= record["rollout/returned_prompts"], record
+    assert sum(record["rollout/aborted_groups"] for record in original) > 0  # cut short in the engine's queue
     for step in (0, 1):
         samples = load_rollout_data(dumps, step, num_groups=8, samples_per_prompt=8)
         assert all(len(set(s.reward for s in samples[g : g + 8])) > 1 for g in range(0, 64, 8))  # all informative
+        rows = [sample.prompt.row for sample in samples[::8]]
+        assert len(set(rows)) == 8, rows  # no prompt twice in a step
 
     assert any(r["mismatch/tis_clip_fraction"] > 0 and r["mismatch/mis_masked_fraction"] > 0 for r in original)
 
