@@ -175,6 +175,9 @@ _HOST_BUFFERS = {"sglang.srt.mem_cache.pool_host.common": _unpinned_host_buffers
 # this process and stops when no engine of the process is left, so an engine started after a change of the
 # environment (a test's switch) gets a server that has it, unless another engine of the process still runs. The
 # server is the processes' parent: SGLang's children die with it (PR_SET_PDEATHSIG) and it dies with this process.
+# Why a server of its own, not a fork of this process (which has imported SGLang too): a process forked from one that
+# has run torch's OpenMP ops hangs in its first parallel op (seen here: a matmul in the parent, then the same in a
+# forked child never returns), and this process (an engine actor, a test process) may have run some.
 # ----------------------------------------------------------------------------------------------------------
 ENGINE_PROCESS_MODULES = ["sglang.srt.managers.scheduler", "sglang.srt.managers.detokenizer_manager"]
 _forkserver_users = 0
