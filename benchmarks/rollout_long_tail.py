@@ -42,10 +42,10 @@ Per mode, over the steps after the first that ran a rollout (async's last step g
 mode's first step includes warm-ups), from the run's output/metrics.jsonl: the median perf/step_time; trained
 samples per second (--rollout-batch-size x --n-samples-per-prompt over that median); the rollout's share of the
 time (the sum of perf/rollout_time over the sum of perf/step_time; under async the rollout runs beside the
-training); the mean aborted groups per step. The trained samples' response lengths (median, p90, p99, max, mean,
-share at --max-response) are read from the run's --save-rollout-data files of every step (written inside the
-timed rollout), with the 1-minute load average before and after the run. Last, each mode's step time and
-samples per second over sync's.
+training); the mean aborted groups per step; each phase's median seconds (the perf/*_time keys). The trained
+samples' response lengths (median, p90, p99, max, mean, share at --max-response) are read from the run's
+--save-rollout-data files of every step (written inside the timed rollout), with the 1-minute load average before
+and after the run. Last, each mode's step time and samples per second over sync's.
 """
 
 import argparse
@@ -215,6 +215,13 @@ def mode_summary(records: list[dict], samples_per_step: int) -> dict:
         "trained_samples_per_s": samples_per_step / step_time,
         "rollout_share": sum(r["perf/rollout_time"] for r in steady) / sum(r["perf/step_time"] for r in steady),
         "aborted_groups_per_step": statistics.fmean(r.get("rollout/aborted_groups", 0.0) for r in steady),
+        # where the step goes: each phase's median seconds (perf/rollout_time, perf/train_time, ...)
+        "phase_medians_s": {
+            key.removeprefix("perf/"): statistics.median(r[key] for r in steady)
+            for key in sorted(steady[0])
+            if key.startswith("perf/") and key.endswith("_time") and key != "perf/step_time"
+            and all(key in r for r in steady)
+        },
     }
 
 

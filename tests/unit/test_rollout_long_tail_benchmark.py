@@ -54,9 +54,12 @@ def test_quantile_is_the_smallest_value_with_that_share_at_or_below_it():
 def test_the_summary_reads_the_steps_after_the_first_that_ran_a_rollout():
     rows = [
         {"step": 0, "perf/step_time": 9.0, "perf/rollout_time": 8.0},  # warm-ups
-        {"step": 1, "perf/step_time": 2.0, "perf/rollout_time": 1.0, "rollout/aborted_groups": 4.0},
-        {"step": 2, "perf/step_time": 4.0, "perf/rollout_time": 1.0, "rollout/aborted_groups": 2.0},
-        {"step": 3, "perf/step_time": 3.0, "perf/rollout_time": 1.0, "rollout/aborted_groups": 0.0},
+        {"step": 1, "perf/step_time": 2.0, "perf/rollout_time": 1.0, "perf/train_time": 0.5,
+         "rollout/aborted_groups": 4.0},
+        {"step": 2, "perf/step_time": 4.0, "perf/rollout_time": 1.0, "perf/train_time": 2.0,
+         "rollout/aborted_groups": 2.0},
+        {"step": 3, "perf/step_time": 3.0, "perf/rollout_time": 1.0, "perf/train_time": 1.0,
+         "rollout/aborted_groups": 0.0, "perf/save_time": 0.3},  # a phase of one step only: no median
         {"step": 4, "perf/step_time": 0.5},  # async's last step: no rollout
     ]
     summary = mode_summary(rows, samples_per_step=64)
@@ -65,5 +68,6 @@ def test_the_summary_reads_the_steps_after_the_first_that_ran_a_rollout():
     assert summary["trained_samples_per_s"] == pytest.approx(64 / 3.0)
     assert summary["rollout_share"] == pytest.approx(3.0 / 9.0)
     assert summary["aborted_groups_per_step"] == 2.0
+    assert summary["phase_medians_s"] == {"rollout_time": 1.0, "train_time": 1.0}
     with pytest.raises(ValueError, match="--num-steps 3"):
         mode_summary(rows[:1], samples_per_step=64)
