@@ -7,6 +7,7 @@ needs.
 """
 
 import datetime
+import gc
 import traceback
 
 import torch
@@ -46,6 +47,7 @@ def _rank_main(rank: int, world_size: int, timeout_s: float, conn, prologue) -> 
         finally:
             parallel_state.destroy_model_parallel()
             torch.distributed.destroy_process_group()
+            gc.collect()  # a group's threads end with its last reference, which a task's garbage cycles may hold
 
 
 class SpawnedRanks:
