@@ -3,7 +3,9 @@
 1. a normal run with --dynamic-sampling saves each step's rollout (--save-rollout-data); it over-samples
    (--over-sampling-batch-size 12 for 8 groups) with the engine running one group (8 requests) at a time, so that
    groups still wait in its queue when the batch is full: they are aborted through SGLang's abort and their prompts
-   put back (relax.rollout.rollout.collect_groups), and no prompt is trained twice in a step;
+   put back (relax.rollout.rollout.collect_groups), and no prompt is trained twice in a step. Its requests sample
+   with seeds SGLang honours under deterministic inference, so how many groups dynamic sampling drops, and so how
+   many are still in flight when the batch is full, is the same in every run;
 2. --debug-train-only replays those files with no engine and trains to the very same losses (the actor
    starts from the same checkpoint and sees the same samples, the engine's logprobs included);
 3. --debug-rollout-only generates, scores and saves with no training actor, into the normal run's output
@@ -91,7 +93,8 @@ def test_saved_rollouts_replay_to_the_same_losses_and_each_debug_mode_creates_on
     dumps = str(tmp_path / "dumps" / "step_{step}.jsonl")
     original, original_actors = _run_tiny_job(
         tmp_path, "original", "--num-steps", "2", "--save-rollout-data", dumps,
-        "--dynamic-sampling", "--over-sampling-batch-size", "12", "--sglang-max-running-requests", "8", *CORRECTIONS,
+        "--dynamic-sampling", "--over-sampling-batch-size", "12", "--sglang-max-running-requests", "8",
+        "--sglang-enable-deterministic-inference", *CORRECTIONS,
     )
     assert original_actors == {"TrainWorker", "EngineWorker"}  # the process-tree probe sees both kinds
     for record in original:
