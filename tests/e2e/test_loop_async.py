@@ -39,6 +39,8 @@ from relax.tools.tiny_model import build_tiny_model
 from relax.train.worker import TrainWorker
 from tiny_runs import PERF_KEYS
 
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
+
 RECORDS_ENV = "RELAX_TEST_RECORDS"  # the directory the engine and the training rank write their records to
 PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
 PROBE_TOKENS = 6

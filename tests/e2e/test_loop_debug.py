@@ -22,9 +22,12 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from relax.rollout.dump import load_rollout_data
 from tiny_runs import step_records, tiny_job
+
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
 
 ACTORS = ("TrainWorker", "EngineWorker")
 RUN_TIMEOUT_S = 600

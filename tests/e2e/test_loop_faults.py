@@ -30,6 +30,8 @@ from processes import describe, kill_marked, leftover_processes, run_marker, wai
 from relax.run.metrics import read_metrics
 from tiny_runs import SAVING_RUN_STEPS, eval_flags, run_tiny_job, step_records, tiny_job
 
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
+
 HANG_GUARD_S = 120
 
 

@@ -38,6 +38,8 @@ from tiny_runs import (
     ROOT, SAVING_RUN_STEPS as STEPS, eval_flags, eval_set_paths, run_tiny_job, step_records, tiny_job,
 )
 
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
+
 EXACT_KEYS = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_length_mean", "rollout/truncated_fraction")
 CLOSE_KEYS = ("train/loss", "train/pg_loss", "train/clip_fraction", "train/ppo_kl", "train/grad_norm", "train/lr")
 

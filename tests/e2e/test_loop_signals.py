@@ -15,10 +15,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from relax.rollout.dump import rollout_data_path
 from relax.run.state import read_checkpoint
 from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process, wait_for_title
 from tiny_runs import tiny_job
+
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
 
 
 def wait_for_first_step(metrics: Path, driver: subprocess.Popen, stderr: Path, timeout_s: float = 600.0) -> None:

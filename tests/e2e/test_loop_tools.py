@@ -26,6 +26,8 @@ from relax.rollout.turns import ChatTurns
 from relax.tools.tiny_model import build_tiny_model
 from tiny_runs import run_tiny_job, step_records
 
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
+
 TOOL_METRICS = ("rollout/turns_mean", "rollout/tool_calls", "rollout/tool_failures", "rollout/tool_timeouts",
                 "rollout/masked_token_share")
 

@@ -17,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import ray
 
 import relax.run.loop
@@ -31,6 +32,8 @@ from relax.rollout.worker import EngineWorker
 from relax.run.inputs import read_inputs
 from relax.tools.tiny_model import build_tiny_model
 from tiny_runs import PERF_KEYS
+
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
 
 RECORDS_ENV = "RELAX_TEST_ENGINE_RECORDS"  # the directory the engines write their records to
 PROBE_PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]

@@ -10,6 +10,7 @@ to the engine on the other node through a gloo group made with SGLang's init_wei
 engines' greedy tokens and logprobs for fixed prompts then agree, and differ from before the step.
 """
 
+import pytest
 import ray
 
 from generations import assert_same_generations, largest_logprob_change
@@ -27,6 +28,8 @@ from relax.rollout.worker import EngineWorker
 from relax.sync.broadcast import BROADCAST, SAME_DEVICE
 from relax.tools.tiny_model import build_tiny_model
 from relax.train.worker import TrainWorker
+
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
 
 PROMPTS = [[5, 6, 7], [1, 33, 31, 17, 30, 54, 15]]
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8, ignore_eos=True)

@@ -14,9 +14,13 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
+
 from processes import environ, title
 from relax.ray.local_cluster import LocalCluster
 from tiny_runs import step_records
+
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
 
 REPO = Path(__file__).resolve().parents[2]
 # Titles of the run's processes that must see the submitting shell's variables.

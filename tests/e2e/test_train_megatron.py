@@ -804,7 +804,7 @@ def _routing_against_the_engine(hf_dir: str, batch, routing_replay: bool) -> dic
     return result
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", [pytest.param("qwen3_moe", marks=pytest.mark.long), "qwen3_5_moe"])
 def test_routing_replay_routes_every_token_as_the_engine_did(ranks, hf_dirs, tmp_path, family):
     """--use-rollout-routing-replay on SGLang's real engine and the actor: with replay the actor's routers choose
     the engine's experts for every token the engine ran (prompt and response) and its logprobs come closer to the
@@ -1049,6 +1049,7 @@ def four_ranks():
     pool.close()
 
 
+@pytest.mark.long  # four ranks of their own (pytest.ini: not in CI's run)
 @pytest.mark.parametrize(
     "family, layout", [("qwen3", dict(tp=2)), ("qwen3_5", dict(tp=2)), ("qwen3_moe", dict(ep=2)),
                        ("qwen3_5_moe", dict(ep=2)), ("qwen3", dict(pp=2)), ("qwen3_5", dict(pp=2))],
@@ -1122,6 +1123,7 @@ def test_fused_output_logprobs_give_the_step_of_the_logits(ranks, hf_dirs, model
     _assert_same_step(fused, baseline, [14, 25])  # two rows of two samples, unpadded
 
 
+@pytest.mark.long  # pytest.ini: not in CI's run
 def test_fused_output_logprobs_under_context_parallelism_give_the_step_of_one_rank(ranks, hf_dirs):
     """Each CP rank projects and scores its own tokens; their values are gathered into the rows as without fusion."""
     baseline = ranks.run(_step_on_the_whole_batch, hf_dirs["qwen3_tied"], {})
