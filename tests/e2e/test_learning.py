@@ -1,6 +1,6 @@
 """The tiny job (scripts/run-tiny-cpu.sh: 80 steps of the copy-digit task) learns in each rollout mode: the mean
 reward of its last 20 steps reaches 0.9, as the colocated run's does. Minutes per run on 2 cores, so these are not
-in the default run (pytest.ini's `-m "not learning"`): `.venv/bin/python -m pytest -m learning -n 3
+in the default run (pytest.ini's `-m "not learning and not long"`): `.venv/bin/python -m pytest -m learning -n 3
 tests/e2e/test_learning.py`. Their figures over several seeds are in docs/benchmarks.md ("Partial rollout on CPU",
 "Separate devices on CPU")."""
 

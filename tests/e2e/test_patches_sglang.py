@@ -176,6 +176,7 @@ GENERATE_WITH_SWITCH = textwrap.dedent(
 )
 
 
+@pytest.mark.long  # two engines with the interpreted kernel (pytest.ini: not in CI's run)
 def test_fused_gdn_decode_switch_generates_like_the_default_path_and_hf(patched_root, tmp_path):
     from test_qwen35_sglang import NEW_TOKENS, PROMPTS, _assert_same_generation, _hf_greedy
 

@@ -10,7 +10,9 @@ SGLang's own shutdown then leaves none of the engine's processes running.
 
 One engine start per model, one after another in one fresh interpreter (SGLANG_FAMILIES): the CPU platform must be
 prepared before sglang is first imported (SGLang fixes its device at import), and other tests of the session have
-imported it already; one interpreter for the three imports SGLang once (about 8 CPU-seconds each).
+imported it already; one interpreter for the three imports SGLang once (about 8 CPU-seconds each), and the engines'
+processes are forked from one server (the platform's sglang_engine_processes, as in a run), held for the three,
+which imports SGLang's scheduler once.
 """
 
 import json
@@ -50,8 +52,9 @@ ENGINE_SCRIPT = textwrap.dedent(
             for r in results
         ]
 
-    def alive_children():
-        return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+    def alive_children():  # the engine's scheduler and detokenizer (not the server they are forked from)
+        return {p.pid for p in psutil.Process().children(recursive=True)
+                if p.name().startswith("sglang::") and p.status() != psutil.STATUS_ZOMBIE}
 
     def run(model_dir, updated_dir):
         engine = sglang.Engine(model_path=model_dir, log_level="error", **platform.sglang_server_defaults)
@@ -71,7 +74,8 @@ ENGINE_SCRIPT = textwrap.dedent(
         return {"before": before, "after": after, "started": sorted(started),
                 "alive_after_shutdown": sorted(alive_children() & started)}
 
-    print(json.dumps({family: run(*dirs) for family, dirs in models.items()}))
+    with platform.sglang_engine_processes():
+        print(json.dumps({family: run(*dirs) for family, dirs in models.items()}))
     """
 )
 

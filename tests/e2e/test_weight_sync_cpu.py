@@ -14,6 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import weight_sync  # noqa: E402
 
+pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
+
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2", "tp2"])
 def test_switch_and_push_on_cpu(tmp_path, tp):
