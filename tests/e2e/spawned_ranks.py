@@ -47,7 +47,23 @@ def _rank_main(rank: int, world_size: int, timeout_s: float, conn, prologue) -> 
         finally:
             parallel_state.destroy_model_parallel()
             torch.distributed.destroy_process_group()
-            gc.collect()  # a group's threads end with its last reference, which a task's garbage cycles may hold
+            _free_the_tasks_models()
+
+
+def _free_the_tasks_models() -> None:
+    """Collect what the task left: its models, and with them the process groups they reference, whose gloo threads
+    (two per group) end with their last reference. A megatron-core DDP model is held in a cycle the garbage collector
+    cannot see, through autograd's C++ nodes: the DDP keeps a hook on each parameter's gradient accumulator that
+    refers back to it, and a tensor the model keeps from its last forward (an MoE token dispatcher's, say) holds
+    the graph up to those accumulators. Emptying each DDP left over (the task has ended: nothing uses them) lets the
+    model go, and the cycle with it (each task's models stayed alive otherwise: 560 threads per rank by the middle of
+    test_train_megatron)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    gc.collect()
+    for ddp in [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]:
+        ddp.__dict__.clear()
+    gc.collect()
 
 
 class SpawnedRanks:
