@@ -60,7 +60,6 @@ def _free_the_tasks_models() -> None:
     test_train_megatron)."""
     from megatron.core.distributed import DistributedDataParallel
 
-    gc.collect()
     for ddp in [o for o in gc.get_objects() if isinstance(o, DistributedDataParallel)]:
         ddp.__dict__.clear()
     gc.collect()
