@@ -1,8 +1,11 @@
-"""`relax train --dry-run` through the installed console script: each flag shows up in its own namespace."""
+"""`relax train --dry-run` through the installed console script, run once for the module: each flag shows up in
+its own namespace, and the placement names the bundles of the actor and of each engine."""
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from relax.tools.tiny_model import build_tiny_model
 
@@ -21,30 +24,26 @@ def sections(output: str) -> dict[str, dict[str, str]]:
     return found
 
 
-def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
-    checkpoint = build_tiny_model(tmp_path, "qwen3")  # 56 tokens, 4 query heads over 2 KV heads
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """The checkpoint and the finished dry run: two training ranks (TP=2) and, apart from them (--no-colocate),
+    two engines of two devices each."""
+    checkpoint = build_tiny_model(tmp_path_factory.mktemp("dry_run"), "qwen3")  # 56 tokens, 4 query heads / 2 KV
     argv = ["train", "--dry-run", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--lr", "2e-6"]
-    argv += [
-        "--prompt-data",
-        "prompts.jsonl",
-        "--reward-fn",
-        "math",
-        "--rollout-batch-size",
-        "4",
-        "--n-samples-per-prompt",
-        "2",
-    ]
+    argv += ["--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--rollout-batch-size", "4",
+             "--n-samples-per-prompt", "2"]
     argv += ["--num-devices-per-node", "2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]
-    argv += [
-        "--sglang-mem-fraction-static",
-        "0.05",
-        "--sglang-attention-backend",
-        "torch_native",
-        "--no-sglang-enable-tf32-matmul",
-    ]
+    argv += ["--no-colocate", "--rollout-num-gpus", "4", "--rollout-num-gpus-per-engine", "2"]
+    argv += ["--sglang-mem-fraction-static", "0.05", "--sglang-attention-backend", "torch_native",
+             "--no-sglang-enable-tf32-matmul"]
     result = subprocess.run([str(RELAX), *argv], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    s = sections(result.stdout)
+    return checkpoint, result.stdout
+
+
+def test_dry_run_prints_flags_in_their_namespaces(dry_run):
+    checkpoint, stdout = dry_run
+    s = sections(stdout)
     assert set(s) == {
         "relax",
         *(f"settings.{group}" for group in ("run", "rollout", "evaluation", "algorithm", "actor", "outputs")),
@@ -75,14 +74,9 @@ def test_dry_run_prints_flags_in_their_namespaces(tmp_path):
     assert "tensor_model_parallel_size" not in s["sglang"]
 
 
-def test_dry_run_shows_which_bundles_the_actor_and_each_engine_take(tmp_path):
-    checkpoint = build_tiny_model(tmp_path, "qwen3")
-    argv = ["train", "--dry-run", "--device", "cpu", "--hf-checkpoint", str(checkpoint), "--lr", "2e-6",
-            "--prompt-data", "prompts.jsonl", "--reward-fn", "math", "--no-colocate", "--rollout-num-gpus", "4",
-            "--rollout-num-gpus-per-engine", "2"]
-    result = subprocess.run([str(RELAX), *argv], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert ("placement: 5 bundle(s) (the actor's, then the engines')\n"
-            "  training ranks 0-0: bundles 0-0 (1 node(s) x 1)\n"
-            "  engine 0: bundles 1-2\n"
-            "  engine 1: bundles 3-4\n") in result.stdout
+def test_dry_run_shows_which_bundles_the_actor_and_each_engine_take(dry_run):
+    _, stdout = dry_run
+    assert ("placement: 6 bundle(s) (the actor's, then the engines')\n"
+            "  training ranks 0-1: bundles 0-1 (1 node(s) x 2)\n"
+            "  engine 0: bundles 2-3\n"
+            "  engine 1: bundles 4-5\n") in stdout

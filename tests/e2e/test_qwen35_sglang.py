@@ -8,11 +8,11 @@ checkpoint of the same shapes, and must then generate exactly what HF generates 
 SGLang keeps in a second form (the GDN conv weight is also cached as a [conv_dim, W] view) would show up here.
 SGLang's own shutdown then leaves none of the engine's processes running.
 
-One engine start per model, one after another in one fresh interpreter (SGLANG_FAMILIES): the CPU platform must be
-prepared before sglang is first imported (SGLang fixes its device at import), and other tests of the session have
-imported it already; one interpreter for the three imports SGLang once (about 8 CPU-seconds each), and the engines'
-processes are forked from one server (the platform's sglang_engine_processes, as in a run), held for the three,
-which imports SGLang's scheduler once.
+One engine start per model the session tests, one after another in one fresh interpreter (SGLANG_FAMILIES; CI's run
+leaves Qwen3-Next to the long tier): the CPU platform must be prepared before sglang is first imported (SGLang fixes
+its device at import), and other tests of the session have imported it already; one interpreter for all imports
+SGLang once (about 8 CPU-seconds each), and the engines' processes are forked from one server (the platform's
+sglang_engine_processes, as in a run), held for all, which imports SGLang's scheduler once.
 """
 
 import json
@@ -92,17 +92,24 @@ def _assert_same_generation(engine_out, hf_out, what):
         assert diff <= LOGPROB_TOLERANCE, f"{what}: logprobs of the {len(prompt)}-token prompt differ by {diff:.2e}"
 
 
-SGLANG_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Qwen3-Next shares Qwen3.5's GDN serving path: its engine runs in the long tier (pytest.ini), not in CI's run.
+SGLANG_FAMILIES = ("qwen3_5", "qwen3_5_moe", pytest.param("qwen3_next", marks=pytest.mark.long))
+
+
+def _selected_families(session, module) -> list[str]:
+    """The families of this module's tests that the session runs (after -m, -k and node ids deselected others)."""
+    return [item.callspec.params["family"] for item in session.items if item.module is module]
 
 
 @pytest.fixture(scope="module")
-def engine_runs(tmp_path_factory) -> dict:
-    """Per family: its tiny model and a second random checkpoint of the same shapes, and what ENGINE_SCRIPT's engine
-    generated with each (one interpreter, the engines one after another)."""
+def engine_runs(request, tmp_path_factory) -> dict:
+    """Per family the session runs: its tiny model and a second random checkpoint of the same shapes, and what
+    ENGINE_SCRIPT's engine generated with each (one interpreter, the engines one after another)."""
     # SGLang 0.5.23 reads the layer kinds from full_attention_interval (configs/qwen3_next.py
     # layers_block_type), HF from layer_types: the tiny models' layer_types are every 4th layer full attention.
+    families = _selected_families(request.session, request.module)
     models = {}
-    for family in SGLANG_FAMILIES:
+    for family in families:
         root = tmp_path_factory.mktemp(family)
         models[family] = [str(build_tiny_model(root / name, family=family, seed=seed, full_attention_interval=4))
                           for name, seed in (("first", 0), ("second", 1))]
@@ -112,7 +119,7 @@ def engine_runs(tmp_path_factory) -> dict:
     )
     assert run.returncode == 0, run.stderr[-6000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    return {family: (*models[family], results[family]) for family in SGLANG_FAMILIES}
+    return {family: (*models[family], results[family]) for family in families}
 
 
 @pytest.mark.parametrize("family", SGLANG_FAMILIES)

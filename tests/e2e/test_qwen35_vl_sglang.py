@@ -48,7 +48,9 @@ def _export(config_dir: str, weights_dir: str, out_file: str) -> None:
     save_file({name: tensor.contiguous() for name, tensor in export_hf_weights(model, hf)}, out_file)
 
 
-@pytest.fixture(params=["qwen3_5_vl", "qwen3_5_moe_vl"])
+# The dense checkpoint's language model is test_qwen35_sglang's qwen3_5, its layout the MoE one's without experts:
+# it runs in the long tier (pytest.ini), the MoE one in CI's run.
+@pytest.fixture(params=[pytest.param("qwen3_5_vl", marks=pytest.mark.long), "qwen3_5_moe_vl"])
 def checkpoints(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     first = build_tiny_model(root / "first", request.param, seed=0)
