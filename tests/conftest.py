@@ -24,9 +24,9 @@ TIERS = ("e2e", "npu", "unit", "gpu")
 # groups with the most tests first.) The long tier's modules (pytest.ini) are in the list for `-m long`.
 LONGEST_FIRST = (
     "test_train_megatron.py", "test_loop_faults.py", "test_loop_resume.py", "test_loop_debug.py",
-    "test_patches_sglang.py", "test_loop_async.py", "test_multinode_sync.py", "test_loop_two_engines.py",
-    "test_worker_watch.py", "test_qwen35_sglang.py", "test_submit_tiny_run.py", "test_run_scripts.py", "test_loop.py",
-    "test_loop_signals.py", "test_ray_cluster.py", "test_weight_sync_cpu.py", "test_qwen35_loop.py",
+    "test_ray_cluster.py", "test_patches_sglang.py", "test_loop_async.py", "test_multinode_sync.py",
+    "test_loop_two_engines.py", "test_qwen35_sglang.py", "test_submit_tiny_run.py", "test_run_scripts.py", "test_loop.py",
+    "test_loop_signals.py", "test_weight_sync_cpu.py", "test_qwen35_loop.py",
     "test_loop_tools.py", "test_loop_custom_generate.py", "test_qwen35_vl_sglang.py", "test_qwen35_megatron.py",
     "test_npu_startup.py", "test_engine.py",
 )

@@ -11,7 +11,7 @@ and its requests sent again with their seeds (relax.run.colocation); the step co
 of a run without the fault (saved_tiny_run: deterministic inference, the same learning rate). Then a training rank:
 the driver fails soon, with a message naming the worker that died and where its log is, and no process of the run
 is left. (An engine failing once its --max-engine-restarts are used up fails the run as a training rank's death
-does: tests/e2e/test_worker_watch.py.)
+does: tests/e2e/test_ray_cluster.py.)
 
 The bound on the driver's exit is a hang guard (a dead worker must not leave the driver waiting forever),
 not a timing test. Each test asks for the run without faults only once its own run has ended: another lane may be
@@ -114,7 +114,7 @@ def test_an_engine_killed_mid_rollout_restarts_in_place_then_a_training_rank_kil
         assert [row[key] for row in compared] == [row[key] for row in saved_steps[: len(compared)]], key
     # Either the driver's liveness watch (relax.ray.watch) reports the rank's death, within about a second, or the
     # call the driver waits on fails first (Ray reports a dead actor to calls on it): the tiny run's phases are too
-    # short to tell which. tests/e2e/test_worker_watch.py shows the watch alone.
+    # short to tell which. tests/e2e/test_ray_cluster.py shows the watch alone.
     _failure_line(output, "training rank 0", rank.pid)
     leftover = leftover_processes(marker)
     assert not leftover, f"processes of the run left behind: {describe(leftover)}"
