@@ -28,6 +28,7 @@ Four things differ from calling sglang.Engine directly:
 import asyncio
 import base64
 import itertools
+import math
 import os
 import signal
 import sys
@@ -233,6 +234,50 @@ def decode_graph_shortfall(fields: Mapping, requests_per_engine: int) -> str | N
         f"--sglang-cuda-graph-config) stop at {largest} requests, while an engine runs up to {most} at once in a "
         "rollout: decode steps of larger batches run without a graph (without those flags relax sizes the graphs "
         "to the rollout)"
+    )
+
+
+@dataclass(frozen=True)
+class AdmissionBudget:
+    """What an engine's scheduler admits new requests against. SGLang starts a waiting request only while its KV
+    cache holds the request's prompt and, for each running request, the tokens it may still generate (clipped at
+    `reserve_clip`) x the new-token ratio; the ratio starts every busy spell at `init_ratio` x `conservativeness`
+    (at most 1) and decays as decode steps pass."""
+
+    kv_cache_tokens: int
+    conservativeness: float  # --sglang-schedule-conservativeness, as the scheduler resolved it
+    init_ratio: float  # SGLANG_INIT_NEW_TOKEN_RATIO
+    reserve_clip: int  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
+    max_running_requests: int
+
+    @property
+    def reserve_ratio(self) -> float:
+        return min(self.init_ratio * self.conservativeness, 1.0)
+
+
+def admission_holdback(budget: AdmissionBudget, requests_per_engine: int, max_response_len: int) -> str | None:
+    """Where SGLang starts fewer of the requests an engine gets at once in a rollout than it could run (its
+    max_running_requests), because of the tokens it reserves for the running ones, says how many it starts and the
+    --sglang-schedule-conservativeness that starts them all; None otherwise.
+
+    Why: the requests held back start one or a few at a time as others finish, each admission a prefill pass of
+    its own, while the KV cache the reservation protects stays mostly unused (a rollout's responses are mostly far
+    shorter than their budget). Over-sampling multiplies the requests in flight, and so the holdback."""
+    most = min(requests_per_engine, budget.max_running_requests)
+    budget_tokens = min(max_response_len, budget.reserve_clip)
+    reserved = budget_tokens * budget.reserve_ratio  # per running request
+    if reserved == 0 or budget.kv_cache_tokens >= most * reserved:
+        return None
+    starts = int(budget.kv_cache_tokens // reserved)
+    starting_all = math.floor(100 * budget.kv_cache_tokens / (most * budget_tokens * budget.init_ratio)) / 100
+    return (
+        f"SGLang starts about {starts} of the {most} requests an engine runs at once in a rollout, the rest as "
+        f"those finish: its KV cache holds {budget.kv_cache_tokens} tokens and it reserves "
+        f"{budget.reserve_ratio:.2f} x min(--rollout-max-response-len, {budget.reserve_clip}) = {reserved:.0f} of "
+        f"them for each running request ({budget.init_ratio:g} x --sglang-schedule-conservativeness "
+        f"{budget.conservativeness:g}). --sglang-schedule-conservativeness {starting_all:g} or less starts them all "
+        "at once (less still leaves room for the prompts); if their tokens then fill the cache, SGLang retracts some "
+        "requests and computes them again later"
     )
 
 
@@ -541,6 +586,22 @@ class RolloutEngine:
         an async actor (relax.rollout.worker says why EngineWorker must not be one). `priority`: SGLang's, for a
         request that continues a response (CONTINUED_RESPONSE_PRIORITY); None for the rest."""
         return _generate_request(engine, request, params, self._routed_experts_row, priority)
+
+    def admission_budget(self) -> AdmissionBudget:
+        """What the scheduler admits new requests against (AdmissionBudget), from its own state: the resolved
+        server args and the KV cache's size in tokens; the two SGLang environment settings as its processes,
+        this process's children, read them."""
+        from sglang.srt.environ import envs
+        from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+        state = self._run(self._live().tokenizer_manager.get_internal_state())[0]
+        return AdmissionBudget(
+            kv_cache_tokens=state["memory_usage"]["token_capacity"],
+            conservativeness=state["schedule_conservativeness"],
+            init_ratio=envs.SGLANG_INIT_NEW_TOKEN_RATIO.get(),
+            reserve_clip=CLIP_MAX_NEW_TOKENS,
+            max_running_requests=state["effective_max_running_requests_per_dp"],
+        )
 
     def flush_cache(self):
         result = self._run(self._live().tokenizer_manager.flush_cache())

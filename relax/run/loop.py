@@ -43,7 +43,13 @@ from pathlib import Path
 import ray
 import torch
 
-from relax.args.settings import AlgorithmSettings, EvalSettings, RolloutSettings, RunSettings
+from relax.args.settings import (
+    AlgorithmSettings,
+    EvalSettings,
+    RolloutSettings,
+    RunSettings,
+    rollout_requests_per_engine,
+)
 from relax.console import say
 from relax.metric_names import extreme
 from relax.run.metrics import MetricsLog
@@ -56,6 +62,7 @@ from relax.ray.watch import Timeout
 from relax.rollout.api import Filling, GenerateAndScore, Replay, Rollout, RolloutRequest
 from relax.rollout.data import PromptLoader
 from relax.rollout.dump import save_rollout_data
+from relax.rollout.engine import admission_holdback
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty, group_sizes
 from relax.rollout.rollout import EnginePool, Generate, reward_and_length_metrics
@@ -429,7 +436,8 @@ def start_workers(workers: Workers, config, platform, placement: Placement, faul
 
 
 def _start_engines(workers: Workers, config, platform, placement: Placement, memory_saver_on: bool) -> None:
-    """The engine actors on `placement`, waited on until started."""
+    """The engine actors on `placement`, waited on until started. Says where SGLang would start only some of a
+    rollout's requests at once (relax.rollout.engine.admission_holdback)."""
     settings, rollout = config.run, config.rollout
     workers.engines = engines = create_engine_actors(
         EngineWorker, placement,
@@ -438,6 +446,12 @@ def _start_engines(workers: Workers, config, platform, placement: Placement, mem
               rollout.tools, rollout.custom_generate),
     )
     engines.run("watched_child_pids", timeout=settings.engine_start_timeout)  # returns once every engine started
+    if settings.mode.reads_prompts:
+        budgets = engines.run("admission_budget", timeout=settings.engine_start_timeout)
+        holdback = admission_holdback(min(budgets, key=lambda budget: budget.kv_cache_tokens),
+                                      rollout_requests_per_engine(config.flags), rollout.max_response_len)
+        if holdback:
+            say(f"relax: {holdback}")
 
 
 def load_checkpoint(trainers: ActorGroup, checkpoint, settings: RunSettings) -> None:

@@ -68,6 +68,15 @@ def assert_engine_matches_hf(engine, model_dir, steps=8):
             assert max(abs(a - b) for a, b in zip(completion.logprobs, logprobs)) < 1e-4
 
 
+def test_the_admission_budget_is_the_schedulers_own(engine):
+    """Read from the running scheduler: the KV pool SERVER_ARGS asked for, SGLang's default conservativeness and
+    reservation settings, and the scheduler's cap on running requests."""
+    budget = engine.admission_budget()
+    assert budget.kv_cache_tokens == SERVER_ARGS["max_total_tokens"]
+    assert (budget.conservativeness, budget.init_ratio, budget.reserve_clip) == (1.0, 0.7, 4096)
+    assert budget.max_running_requests > 0
+
+
 def test_greedy_tokens_and_logprobs_match_hf(engine, models):
     assert_engine_matches_hf(engine, models[0])
 

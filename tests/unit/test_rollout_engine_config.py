@@ -1,6 +1,7 @@
 """relax.rollout.engine's checks that need no running engine (the engine itself: tests/e2e/test_engine.py)."""
 
 import base64
+import dataclasses
 
 import numpy as np
 import pytest
@@ -9,10 +10,12 @@ import torch
 from relax.hf_checkpoint.architecture import FAMILIES
 from relax.platform import get_platform
 from relax.rollout.engine import (
+    AdmissionBudget,
     RolloutEngine,
     SamplingConfig,
     _completion,
     _chosen_fields,
+    admission_holdback,
     decode_routed_experts,
     request_params,
     rollout_decode_graph_fields,
@@ -102,6 +105,26 @@ def test_decode_graph_sizes_for_engine_fields_given_as_a_dict():
     assert rollout_decode_graph_fields({**gpu, "cuda_graph_bs_decode": [1, 8]}, 1024) == {}
     assert rollout_decode_graph_fields({**gpu, "cuda_graph_backend_decode": "disabled"}, 1024) == {}
     assert rollout_decode_graph_fields(server_defaults(get_platform("cpu")), 1024) == {}
+
+
+def test_the_requests_sglang_would_hold_back_at_a_rollouts_start_are_reported_with_the_setting_that_starts_them():
+    """The H100 run of benchmarks/rollout_long_tail.py (docs/benchmarks.md): one engine's KV cache of 413,099
+    tokens, responses of up to 2,048 tokens. Over-sampling's 512 requests overflow SGLang's reservation; sync's 256,
+    or 512 at a conservativeness of 0.3, or 512 behind a cap of 256 running requests, do not."""
+    h100 = AdmissionBudget(kv_cache_tokens=413_099, conservativeness=1.0, init_ratio=0.7, reserve_clip=4096,
+                           max_running_requests=2048)
+    holdback = admission_holdback(h100, 512, 2048)
+    assert holdback.startswith("SGLang starts about 288 of the 512 requests an engine runs at once in a rollout")
+    assert "reserves 0.70 x min(--rollout-max-response-len, 4096) = 1434 of them" in holdback
+    assert "--sglang-schedule-conservativeness 0.56 or less starts them all" in holdback
+    assert admission_holdback(h100, 256, 2048) is None
+    assert admission_holdback(dataclasses.replace(h100, conservativeness=0.3), 512, 2048) is None
+    assert admission_holdback(dataclasses.replace(h100, max_running_requests=256), 512, 2048) is None
+    assert admission_holdback(dataclasses.replace(h100, conservativeness=0.0), 512, 2048) is None  # reserves none
+    # The reservation stops at SGLang's clip, and at a ratio of 1 however conservative.
+    clipped = admission_holdback(dataclasses.replace(h100, conservativeness=2.0), 512, 8192)
+    assert "reserves 1.00 x min(--rollout-max-response-len, 4096) = 4096 of them" in clipped
+    assert "starts about 100 of the 512" in clipped and "conservativeness 0.28 or less" in clipped
 
 
 def test_the_engines_model_package_has_every_architecture_relax_trains():
