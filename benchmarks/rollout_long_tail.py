@@ -39,8 +39,9 @@ shifts of order 1 at a hidden size of 1024. On the H100 at 1e-6 the sync run's m
 at step 0 to 7 at step 1 and 2048 at step 2.)
 
 Per mode, over the steps after the first that ran a rollout (async's last step generates nothing, and every
-mode's first step includes warm-ups), from the run's output/metrics.jsonl: the median perf/step_time; trained
-samples per second (--rollout-batch-size x --n-samples-per-prompt over that median); the rollout's share of the
+mode's first step includes warm-ups), from the run's output/metrics.jsonl: each step's perf/step_time and their
+median; trained samples per second (--rollout-batch-size x --n-samples-per-prompt x the steps, over the steps'
+summed perf/step_time); the rollout's share of the
 time (the sum of perf/rollout_time over the sum of perf/step_time; under async the rollout runs beside the
 training); the mean aborted groups per step; each phase's median seconds (the perf/*_time keys). The trained
 samples' response lengths (median, p90, p99, max, mean, share at --max-response) are read from the run's
@@ -208,11 +209,14 @@ def mode_summary(records: list[dict], samples_per_step: int) -> dict:
     steady = [r for r in records if r.get("step", 0) >= 1 and "perf/rollout_time" in r and "perf/step_time" in r]
     if not steady:
         raise ValueError("no step after the first ran a rollout: give --num-steps 3 or more")
-    step_time = statistics.median(r["perf/step_time"] for r in steady)
+    step_times = [r["perf/step_time"] for r in steady]
     return {
         "steps_measured": len(steady),
-        "step_time_median_s": step_time,
-        "trained_samples_per_s": samples_per_step / step_time,
+        "step_times_s": step_times,
+        "step_time_median_s": statistics.median(step_times),
+        # over the measured steps' whole time, not a typical step: partial rollout's steps differ by design (one
+        # finishes groups an earlier step carried), so its throughput is the run's
+        "trained_samples_per_s": samples_per_step * len(steady) / sum(step_times),
         "rollout_share": sum(r["perf/rollout_time"] for r in steady) / sum(r["perf/step_time"] for r in steady),
         "aborted_groups_per_step": statistics.fmean(r.get("rollout/aborted_groups", 0.0) for r in steady),
         # where the step goes: each phase's median seconds (perf/rollout_time, perf/train_time, ...)

@@ -65,7 +65,8 @@ def test_the_summary_reads_the_steps_after_the_first_that_ran_a_rollout():
     summary = mode_summary(rows, samples_per_step=64)
     assert summary["steps_measured"] == 3
     assert summary["step_time_median_s"] == 3.0
-    assert summary["trained_samples_per_s"] == pytest.approx(64 / 3.0)
+    assert summary["step_times_s"] == [2.0, 4.0, 3.0]
+    assert summary["trained_samples_per_s"] == pytest.approx(3 * 64 / 9.0)  # the steps' samples over their time
     assert summary["rollout_share"] == pytest.approx(3.0 / 9.0)
     assert summary["aborted_groups_per_step"] == 2.0
     assert summary["phase_medians_s"] == {"rollout_time": 1.0, "train_time": 1.0}
