@@ -43,13 +43,7 @@ from pathlib import Path
 import ray
 import torch
 
-from relax.args.settings import (
-    AlgorithmSettings,
-    EvalSettings,
-    RolloutSettings,
-    RunSettings,
-    rollout_requests_per_engine,
-)
+from relax.args.settings import AlgorithmSettings, EvalSettings, RolloutSettings, RunSettings
 from relax.console import say
 from relax.metric_names import extreme
 from relax.run.metrics import MetricsLog
@@ -65,7 +59,7 @@ from relax.rollout.dump import save_rollout_data
 from relax.rollout.engine import admission_holdback
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty, group_sizes
-from relax.rollout.rollout import EnginePool, Generate, reward_and_length_metrics
+from relax.rollout.rollout import EnginePool, Generate, most_requests_per_engine, reward_and_length_metrics
 from relax.rollout.worker import EngineWorker
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
@@ -449,7 +443,9 @@ def _start_engines(workers: Workers, config, platform, placement: Placement, mem
     if settings.mode.reads_prompts:
         budgets = engines.run("admission_budget", timeout=settings.engine_start_timeout)
         holdback = admission_holdback(min(budgets, key=lambda budget: budget.kv_cache_tokens),
-                                      rollout_requests_per_engine(config.flags), rollout.max_response_len)
+                                      most_requests_per_engine(rollout.over_sampling_batch_size, rollout.sampling.n,
+                                                               len(engines.actors)),
+                                      rollout.max_response_len)
         if holdback:
             say(f"relax: {holdback}")
 

@@ -25,7 +25,7 @@ from relax.run.inputs import Inputs
 from relax.run.state import Checkpoint, RunStopped, StopOnSignal
 from relax.train.saved_steps import LATEST, CheckpointError
 from relax.rollout.data import Prompt
-from relax.rollout.engine import SamplingConfig
+from relax.rollout.engine import AdmissionBudget, SamplingConfig
 from relax.rollout.groups import Sample
 
 
@@ -245,6 +245,11 @@ class _Colocation:
         return {"faults/engine_restarts": count}
 
 
+# What the groups' methods answer, where 0 will not do: an engine whose KV cache starts every request at once.
+ANSWERS = {"admission_budget": AdmissionBudget(kv_cache_tokens=1 << 30, conservativeness=1.0, init_ratio=0.7,
+                                               reserve_clip=4096, max_running_requests=1024)}
+
+
 class _World:
     """What run() would create, replaced by doubles in relax.run.loop: the platform, Ray, the placement, the
     workers' groups, the evaluations and rollouts (recorded by step). `wait_for` (the groups' run and wait)
@@ -273,7 +278,7 @@ class _World:
             if fails is not None and refs == [fails[0]]:
                 failure, fails = fails[1], None  # once: a restarted run gets past it
                 raise failure
-            return [0 for _ in refs]  # data_parallel_rank: 0
+            return [ANSWERS.get(method, 0) for _, method in refs]  # data_parallel_rank: 0
 
         self.wait_for = wait_for
 
@@ -322,6 +327,7 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
         rollout=SimpleNamespace(
             sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None, dynamic_sampling=False,
             shuffle=False, over_sampling_batch_size=1, max_prompts=10, partial=None, tools=None, custom_generate=None,
+            max_response_len=SamplingConfig().max_new_tokens,
         ),
         evaluation=SimpleNamespace(), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=outputs,
@@ -335,6 +341,21 @@ def test_the_evaluation_after_the_last_step_logs_the_engines_restarted_during_it
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["faults/engine_restarts"]) for r in rows] == [(0, 0), (1, 0), (2, 1)]
     assert "perf/step_time" not in rows[-1] and world.groups["engines"].killed and world.ray_shut_down
+
+
+def test_the_start_says_when_an_engine_would_start_only_part_of_a_rollouts_requests(tmp_path, monkeypatch, capsys):
+    """The engine's KV cache (its scheduler's answer) against the rollout's requests per engine (over-sampling 64
+    groups x 8 on one engine) and their response budget."""
+    _World(monkeypatch)
+    small = AdmissionBudget(kv_cache_tokens=100_000, conservativeness=1.0, init_ratio=0.7, reserve_clip=4096,
+                            max_running_requests=1024)
+    monkeypatch.setitem(ANSWERS, "admission_budget", small)
+    config = _config(tmp_path, num_steps=1, debug_rollout_only=True)
+    config.rollout.over_sampling_batch_size, config.rollout.sampling, config.rollout.max_response_len = (
+        64, SamplingConfig(n=8), 2048)
+    run(config, NO_INPUTS)
+    assert ("relax: SGLang starts about 69 of the 512 requests an engine runs at once in a rollout"
+            in capsys.readouterr().out)
 
 
 def test_a_signal_during_the_last_step_stops_the_run_after_it_without_the_evaluation_after_it(tmp_path, monkeypatch):
