@@ -210,14 +210,15 @@ def mode_summary(records: list[dict], samples_per_step: int) -> dict:
     if not steady:
         raise ValueError("no step after the first ran a rollout: give --num-steps 3 or more")
     step_times = [r["perf/step_time"] for r in steady]
+    measured_time = sum(step_times)
     return {
         "steps_measured": len(steady),
         "step_times_s": step_times,
         "step_time_median_s": statistics.median(step_times),
         # over the measured steps' whole time, not a typical step: partial rollout's steps differ by design (one
         # finishes groups an earlier step carried), so its throughput is the run's
-        "trained_samples_per_s": samples_per_step * len(steady) / sum(step_times),
-        "rollout_share": sum(r["perf/rollout_time"] for r in steady) / sum(r["perf/step_time"] for r in steady),
+        "trained_samples_per_s": samples_per_step * len(steady) / measured_time,
+        "rollout_share": sum(r["perf/rollout_time"] for r in steady) / measured_time,
         "aborted_groups_per_step": statistics.fmean(r.get("rollout/aborted_groups", 0.0) for r in steady),
         # where the step goes: each phase's median seconds (perf/rollout_time, perf/train_time, ...)
         "phase_medians_s": {
