@@ -52,12 +52,33 @@ def process_records(pids: list[int]) -> list[dict]:
     return records
 
 
-def process_state(record: dict) -> str | None:
-    """None while the recorded process runs, else what became of it."""
+# psutil's start time in seconds since the epoch is the start since boot plus the boot time, which the kernel
+# recomputes from the system clock: a clock correction moves it by whole seconds (seen on CI: a live actor's start
+# time read 1 s later than recorded). The recorded time is matched within this slack once, when the watch begins;
+# from then on psutil's own identity (the start since boot on Linux and macOS) tells a reused pid.
+CLOCK_SLACK_S = 2.0
+
+
+def _gone(pid: int) -> str:
+    return "exited (its pid now belongs to another process)" if psutil.pid_exists(pid) else "exited"
+
+
+def attach(record: dict) -> psutil.Process | str:
+    """The recorded process, or what became of it if it is gone already."""
     try:
         process = psutil.Process(record["pid"])
-        if process.create_time() != record["created"]:
-            return "exited (its pid now belongs to another process)"
+        if abs(process.create_time() - record["created"]) > CLOCK_SLACK_S:
+            return _gone(record["pid"])
+    except psutil.NoSuchProcess:
+        return "exited"
+    return process
+
+
+def process_state(process: psutil.Process) -> str | None:
+    """None while the process runs, else what became of it."""
+    if not process.is_running():  # also False where its pid was reused
+        return _gone(process.pid)
+    try:
         if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             return "exited (a zombie now)"
     except psutil.NoSuchProcess:
@@ -75,13 +96,13 @@ class ProcessWatcher:
         The whereabouts are Ray refs resolved before this starts: an actor that died in its __init__ makes
         this call fail with that actor's error."""
         watched = [
-            (index, record, position == 0)
+            (index, record, position == 0, attach(record))
             for index, where in zip(indices, whereabouts, strict=True)
             for position, record in enumerate(where["processes"])
         ]
         while True:
-            for index, record, own in watched:
-                state = process_state(record)
+            for index, record, own, process in watched:
+                state = process if isinstance(process, str) else process_state(process)
                 if state is not None:
                     return {"index": index, "own": own, **record, "state": state}
             time.sleep(POLL_S)
