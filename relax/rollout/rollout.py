@@ -322,6 +322,12 @@ def _short_batch(stats: FillStats, kept: int, num_groups: int, max_prompts: int,
     return f"kept {kept} of {num_groups} groups after submitting {max_prompts} prompts: " + "; ".join(why)
 
 
+def most_groups_in_flight(num_groups: int, chunk_size: int) -> int:
+    """The most groups collect_groups has submitted and not taken back at once: it submits the next `chunk_size`
+    only while fewer are in flight than the `num_groups` it still needs (at most num_groups - 1)."""
+    return num_groups + chunk_size - 1
+
+
 def most_requests_per_engine(num_prompts: int, n: int, num_engines: int) -> int:
     """The most requests one engine holds at once when `num_prompts` groups of `n` requests are in flight over
     `num_engines` engines, each group sent to the engine with the least in flight: ceil(num_prompts / num_engines)

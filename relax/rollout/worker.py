@@ -9,10 +9,13 @@ watch (relax.ray.watch), which polls the processes watched_child_pids names.
 
 The actor is a threaded one with two concurrency groups: the hand-overs (memory, weights) run one at a time in
 Ray's default group, in the order they are called, as before; the rollout's groups (generate_group) and the abort
-run in GENERATION, up to MAX_CONCURRENT_GROUPS at once, each waiting in its own thread on the engine's event loop
-(RolloutEngine runs it in a thread of its own). Not an async actor: Ray runs an async actor's __init__ on its event
-loop thread, where SGLang's Engine would take Ray's running loop as its own, and off the main thread, where no
-SIGQUIT handler can be installed (SGLang's children SIGQUIT the process when they fail).
+run in GENERATION, each waiting in its own thread on the engine's event loop (RolloutEngine runs it in a thread of
+its own). The abort must not wait behind the generations it ends, so GENERATION has a thread for every group a
+rollout may have in flight, on whichever engine they all went to, and one more (engine_actor_class); more calls than
+threads wait in Ray's queue, which only an evaluation's (all its prompts submitted at once, never aborted) meets.
+Not an async actor: Ray runs an async actor's __init__ on its event loop thread, where SGLang's Engine would take
+Ray's running loop as its own, and off the main thread, where no SIGQUIT handler can be installed (SGLang's children
+SIGQUIT the process when they fail).
 
 With tools (--tools: a ToolRollout), a group's samples are multi-turn (relax.rollout.multi_turn): each sample's turns
 run as one coroutine on the engine's event loop, all n of the group at once, so a sample's requests stay on this
@@ -56,12 +59,14 @@ from relax.rollout.rollout import offset_seed
 from relax.rollout.tool_calls import ToolUse
 
 GENERATION = "generation"  # the concurrency group of the rollout's calls
-MAX_CONCURRENT_GROUPS = 1024  # generate_group calls an engine actor runs at once (threads; Ray queues the rest)
+# GENERATION's threads at least: generate_group calls an engine actor runs at once (the evaluation's too; Ray queues
+# the rest). Ray starts them all with the actor.
+MIN_GENERATION_THREADS = 1024
 
 
 class EngineWorker(RolloutEngine):
     # ray.remote's options for this class (relax.ray.placement.ActorGroup reads them; subclasses inherit them)
-    RAY_OPTIONS = {"concurrency_groups": {GENERATION: MAX_CONCURRENT_GROUPS}}
+    RAY_OPTIONS = {"concurrency_groups": {GENERATION: MIN_GENERATION_THREADS}}
 
     def __init__(self, server_args, model_path: str, device: str, tp_size: int, enable_memory_saver: bool,
                  tool_rollout: ToolRollout | None = None, custom_generate: SlimeArgs | None = None):
@@ -198,6 +203,14 @@ class EngineWorker(RolloutEngine):
         if self.generate_server is not None and engine is not None:
             asyncio.run_coroutine_threadsafe(self.generate_server.stop(), engine.loop).result()
         super().shutdown()
+
+
+def engine_actor_class(groups_in_flight: int) -> ray.actor.ActorClass:
+    """EngineWorker as the Ray actor class of a rollout with at most `groups_in_flight` groups in flight over all the
+    engines: GENERATION has a thread for each (one engine may get them all, the others restarting) and one for the
+    abort. (Ray's .options() cannot set concurrency groups.)"""
+    threads = max(MIN_GENERATION_THREADS, groups_in_flight + 1)
+    return ray.remote(concurrency_groups={GENERATION: threads})(EngineWorker)
 
 
 def _request_unless_aborted(worker: EngineWorker):

@@ -59,8 +59,10 @@ from relax.rollout.dump import save_rollout_data
 from relax.rollout.engine import admission_holdback
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty, group_sizes
-from relax.rollout.rollout import EnginePool, Generate, most_requests_per_engine, reward_and_length_metrics
-from relax.rollout.worker import EngineWorker
+from relax.rollout.rollout import (
+    EnginePool, Generate, most_groups_in_flight, most_requests_per_engine, reward_and_length_metrics,
+)
+from relax.rollout.worker import engine_actor_class
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
 from relax.run.state import Checkpoint, RunStopped, StopOnSignal, sampling_seed, save, save_due
@@ -433,8 +435,10 @@ def _start_engines(workers: Workers, config, platform, placement: Placement, mem
     """The engine actors on `placement`, waited on until started. Says where SGLang would start only some of a
     rollout's requests at once (relax.rollout.engine.admission_holdback)."""
     settings, rollout = config.run, config.rollout
+    groups_in_flight = (most_groups_in_flight(rollout.batch_size, rollout.over_sampling_batch_size)
+                        if settings.mode.reads_prompts else 0)
     workers.engines = engines = create_engine_actors(
-        EngineWorker, placement,
+        engine_actor_class(groups_in_flight), placement,
         devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
         args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on,
               rollout.tools, rollout.custom_generate),

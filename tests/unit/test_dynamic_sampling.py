@@ -12,6 +12,8 @@ from relax.rollout.data import Prompt, PromptLoader
 from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import FillError
 from relax.rollout.rewards import RewardFn
+from relax.rollout.rollout import most_groups_in_flight
+from relax.rollout.worker import GENERATION, MIN_GENERATION_THREADS, engine_actor_class
 
 REWARD_AS_WRITTEN = RewardFn(lambda sample: float(sample.response), "reward as written", False, False)
 
@@ -30,18 +32,20 @@ def _settings(**changes) -> RolloutSettings:
 class ScriptedPool:
     """An engine pool (relax.rollout.rollout.EnginePool): prompt [i]'s two samples score rewards[i] (a pair; a
     Completion stands for itself), or are refused for the rows in `refused`; groups complete in submission order, and the rows submitted are
-    recorded, as are the aborts (after which the groups in flight come back aborted)."""
+    recorded, as are the aborts (after which the groups in flight come back aborted) and the most groups in flight."""
 
     weights_ahead = 0
 
     def __init__(self, rewards, refused=()):
         self.rewards, self.refused = rewards, set(refused)
         self.submitted, self.in_flight, self.aborts = [], {}, 0
+        self.most_in_flight = 0
 
     def submit(self, key, prompt, sampling, prefixes=None, source=None):
         assert prefixes is None, "nothing is continued without --partial-rollout"
         self.submitted.append(prompt[0])
         self.in_flight[key] = prompt[0]
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
 
     def next_done(self):
         key = min(self.in_flight)
@@ -92,6 +96,16 @@ def test_over_sampling_batch_size_sets_the_prompts_in_flight(scripted_generation
     samples, metrics = _collect(pool, loader, _settings(over_sampling_batch_size=5))
     assert pool.submitted == [0, 1, 2, 3, 4]
     assert len(samples) == 6 and metrics["rollout/aborted_groups"] == 2 and metrics["rollout/submitted_groups"] == 5
+
+
+def test_a_dropped_group_refills_up_to_the_most_groups_in_flight_the_engines_are_sized_for(scripted_generation):
+    # row 0 teaches nothing: 2 in flight for the 3 still needed, so the next chunk of 3 goes at once
+    pool, loader = scripted_generation([(1, 1)] + [(0, 1)] * 9)
+    _collect(pool, loader, _settings(over_sampling_batch_size=3))
+    assert pool.most_in_flight == most_groups_in_flight(num_groups=3, chunk_size=3) == 5
+    assert engine_actor_class(5).__ray_metadata__.concurrency_groups == {GENERATION: MIN_GENERATION_THREADS}
+    most = 2 * MIN_GENERATION_THREADS  # each group in flight and the abort
+    assert engine_actor_class(most).__ray_metadata__.concurrency_groups == {GENERATION: most + 1}
 
 
 def test_the_prompt_bound_stops_the_run_with_counts_instead_of_a_short_batch(scripted_generation):

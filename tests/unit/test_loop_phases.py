@@ -27,6 +27,7 @@ from relax.train.saved_steps import LATEST, CheckpointError
 from relax.rollout.data import Prompt
 from relax.rollout.engine import AdmissionBudget, SamplingConfig
 from relax.rollout.groups import Sample
+from relax.rollout.worker import GENERATION
 
 
 GRPO_IN_PAIRS = AlgorithmSettings(
@@ -267,7 +268,7 @@ class _World:
         placement = SimpleNamespace(remove=lambda: setattr(self, "placement_removed", True))
         monkeypatch.setattr(loop, "create_node_placement", lambda *args: placement)
         monkeypatch.setattr(loop, "create_training_actors", lambda *args, **kwargs: self._group("trainers"))
-        monkeypatch.setattr(loop, "create_engine_actors", lambda *args, **kwargs: self._group("engines"))
+        monkeypatch.setattr(loop, "create_engine_actors", self._create_engines)
         monkeypatch.setattr(loop, "Colocation", self._colocation)
 
         self.waited = []  # the refs of every wait_for call
@@ -293,6 +294,10 @@ class _World:
 
         monkeypatch.setattr(loop, "evaluate_if_due", evaluate_if_due)
         monkeypatch.setattr(loop, "collect_rollout", collect_rollout)
+
+    def _create_engines(self, engine_class, *args, **kwargs):
+        self.engine_class = engine_class
+        return self._group("engines")
 
     def _colocation(self, *args, engines_apart: bool) -> _Colocation:
         self.colocation.engines_apart = engines_apart
@@ -326,8 +331,8 @@ def _config(output_dir, num_steps: int, debug_rollout_only: bool, save=None, max
         run=settings,
         rollout=SimpleNamespace(
             sampling=SamplingConfig(), devices_per_engine=1, save_data=None, load_data=None, dynamic_sampling=False,
-            shuffle=False, over_sampling_batch_size=1, max_prompts=10, partial=None, tools=None, custom_generate=None,
-            max_response_len=SamplingConfig().max_new_tokens,
+            shuffle=False, batch_size=1, over_sampling_batch_size=1, max_prompts=10, partial=None, tools=None,
+            custom_generate=None, max_response_len=SamplingConfig().max_new_tokens,
         ),
         evaluation=SimpleNamespace(), algorithm=None, megatron=SimpleNamespace(values=None), actor=None,
         sglang=None, outputs=outputs,
@@ -356,6 +361,14 @@ def test_the_start_says_when_an_engine_would_start_only_part_of_a_rollouts_reque
     run(config, NO_INPUTS)
     assert ("relax: SGLang starts about 69 of the 512 requests an engine runs at once in a rollout"
             in capsys.readouterr().out)
+
+
+def test_the_engines_have_a_generation_thread_for_every_group_a_rollout_may_have_in_flight(tmp_path, monkeypatch):
+    world = _World(monkeypatch)
+    config = _config(tmp_path, num_steps=1, debug_rollout_only=True)
+    config.rollout.batch_size, config.rollout.over_sampling_batch_size = 1024, 2048
+    run(config, NO_INPUTS)
+    assert world.engine_class.__ray_metadata__.concurrency_groups == {GENERATION: 1024 + 2048 - 1 + 1}
 
 
 def test_a_signal_during_the_last_step_stops_the_run_after_it_without_the_evaluation_after_it(tmp_path, monkeypatch):
