@@ -40,45 +40,36 @@ class Timeout:
         return f"{self.seconds:g} s ({self.setting}; raise it if this call needs longer)"
 
 
+# How far apart two readings of one process's start since boot may be: the boot time may move between the two
+# reads of started_since_boot (whole seconds).
+START_SLACK_S = 1.5
+
+
+def started_since_boot(process: psutil.Process) -> float:
+    """When `process` started, in seconds since the machine booted. psutil's start time is in seconds since the
+    epoch: the start since boot plus the boot time, which the kernel recomputes from the system clock, so a clock
+    correction moves it (seen on CI: a live actor's start read 1 s later than recorded) but not this difference."""
+    return process.create_time() - psutil.boot_time()
+
+
 def process_records(pids: list[int]) -> list[dict]:
-    """pid, start time (so a reused pid is not taken for the process) and title of each process."""
+    """pid, start (so a reused pid is not taken for the process) and title of each process."""
     records = []
     for pid in pids:
         process = psutil.Process(pid)
         with process.oneshot():
             # Whitespace collapsed: setproctitle pads titles (sglang::scheduler) with spaces.
             title = " ".join(" ".join(process.cmdline()).split()) or process.name()
-            records.append({"pid": pid, "created": process.create_time(), "title": title[:60]})
+            records.append({"pid": pid, "started": started_since_boot(process), "title": title[:60]})
     return records
 
 
-# psutil's start time in seconds since the epoch is the start since boot plus the boot time, which the kernel
-# recomputes from the system clock: a clock correction moves it by whole seconds (seen on CI: a live actor's start
-# time read 1 s later than recorded). The recorded time is matched within this slack once, when the watch begins;
-# from then on psutil's own identity (the start since boot on Linux and macOS) tells a reused pid.
-CLOCK_SLACK_S = 2.0
-
-
-def _gone(pid: int) -> str:
-    return "exited (its pid now belongs to another process)" if psutil.pid_exists(pid) else "exited"
-
-
-def attach(record: dict) -> psutil.Process | str:
-    """The recorded process, or what became of it if it is gone already."""
+def process_state(record: dict) -> str | None:
+    """None while the recorded process runs, else what became of it."""
     try:
         process = psutil.Process(record["pid"])
-        if abs(process.create_time() - record["created"]) > CLOCK_SLACK_S:
-            return _gone(record["pid"])
-    except psutil.NoSuchProcess:
-        return "exited"
-    return process
-
-
-def process_state(process: psutil.Process) -> str | None:
-    """None while the process runs, else what became of it."""
-    if not process.is_running():  # also False where its pid was reused
-        return _gone(process.pid)
-    try:
+        if abs(started_since_boot(process) - record["started"]) > START_SLACK_S:
+            return "exited (its pid now belongs to another process)"
         if process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
             return "exited (a zombie now)"
     except psutil.NoSuchProcess:
@@ -96,13 +87,13 @@ class ProcessWatcher:
         The whereabouts are Ray refs resolved before this starts: an actor that died in its __init__ makes
         this call fail with that actor's error."""
         watched = [
-            (index, record, position == 0, attach(record))
+            (index, record, position == 0)
             for index, where in zip(indices, whereabouts, strict=True)
             for position, record in enumerate(where["processes"])
         ]
         while True:
-            for index, record, own, process in watched:
-                state = process if isinstance(process, str) else process_state(process)
+            for index, record, own in watched:
+                state = process_state(record)
                 if state is not None:
                     return {"index": index, "own": own, **record, "state": state}
             time.sleep(POLL_S)
