@@ -137,7 +137,7 @@ def main():
     )
     args = parser.parse_args()
 
-    from relax.rollout.engine import rollout_decode_graph_fields
+    from relax.rollout.engine_fields import rollout_decode_graph_fields
     from relax.tools.tiny_model import QWEN3_1_7B_BODY, build_tiny_model
 
     # the decode graphs a run's engine gets for this batch (relax.args applies the same rule to --sglang-* flags)

@@ -61,7 +61,7 @@ from relax.args.strict import StrictArgumentParser
 from relax.args.unsupported import REFUSED_VALUES, SLIME_FLAGS
 from relax.hf_checkpoint import HFCheckpointError, read_hf_checkpoint
 from relax.platform import platform_facts, resolve_platform_name
-from relax.rollout.engine import rollout_decode_graph_fields, server_defaults
+from relax.rollout.engine_fields import rollout_decode_graph_fields, server_defaults
 from relax.rollout.rollout import DEFAULT_MAX_CHUNKS
 from relax.train.algorithms import ALGORITHMS
 from relax.train.losses import DUAL_CLIP, K3_CLAMP
@@ -172,7 +172,7 @@ def parse_train_args(argv: list[str]) -> TrainConfig:
         defaults=server_defaults(platform, engine_logs=relax.engine_logs),
     )
     # Decode graphs up to the most requests an engine runs at once in the rollout (the rule and why:
-    # relax.rollout.engine.rollout_decode_graph_fields); the user's own sizes win.
+    # relax.rollout.engine_fields.rollout_decode_graph_fields); the user's own sizes win.
     graphs = rollout_decode_graph_fields(server_args_fields(sglang), rollout_requests_per_engine(relax))
     sglang = msgspec.structs.replace(sglang, **graphs)
     problems = check_config(relax, megatron, sglang, platform)

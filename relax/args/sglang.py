@@ -163,7 +163,7 @@ def _given(action: argparse.Action, argv: list[str]) -> bool:
 
 def build_server_args(namespace: argparse.Namespace, argv: list[str], managed: dict, defaults: dict):
     """A real ServerArgs from the `sglang_*` dests, the managed fields relax fills (`managed`), and relax's
-    defaults for this platform (`defaults`, relax.rollout.engine.server_defaults) under every field whose
+    defaults for this platform (`defaults`, relax.rollout.engine_fields.server_defaults) under every field whose
     flag is not in argv: the ServerArgs the engine runs with, so --dry-run shows it."""
     from sglang.srt.server_args import ServerArgs
 

@@ -28,7 +28,8 @@ from relax.args.settings import (
 from relax.args.sglang import server_args_fields
 from relax.rollout.data import Prompt, PromptLoader, load_prompts
 from relax.rollout.dump import check_rollout_data
-from relax.rollout.engine import SamplingConfig, decode_graph_shortfall
+from relax.rollout.engine import SamplingConfig
+from relax.rollout.engine_fields import decode_graph_shortfall
 from relax.rollout.evaluation import EvalSet, load_eval_sets
 from relax.rollout.rewards import RewardFn, load_reward_fn
 from relax.run.metrics import earlier_record

@@ -56,7 +56,7 @@ from relax.ray.watch import Timeout
 from relax.rollout.api import Filling, GenerateAndScore, Replay, Rollout, RolloutRequest
 from relax.rollout.data import PromptLoader
 from relax.rollout.dump import save_rollout_data
-from relax.rollout.engine import admission_holdback
+from relax.rollout.engine_fields import admission_holdback
 from relax.rollout.evaluation import EvalSet, eval_due, evaluate
 from relax.rollout.groups import Sample, apply_overlong_penalty, group_sizes
 from relax.rollout.rollout import (
@@ -433,7 +433,7 @@ def start_workers(workers: Workers, config, platform, placement: Placement, faul
 
 def _start_engines(workers: Workers, config, platform, placement: Placement, memory_saver_on: bool) -> None:
     """The engine actors on `placement`, waited on until started. Says where SGLang would start only some of a
-    rollout's requests at once (relax.rollout.engine.admission_holdback)."""
+    rollout's requests at once (relax.rollout.engine_fields.admission_holdback)."""
     settings, rollout = config.run, config.rollout
     groups_in_flight = (most_groups_in_flight(rollout.batch_size, rollout.over_sampling_batch_size)
                         if settings.mode.reads_prompts else 0)

@@ -11,7 +11,7 @@ from relax.args import build_parser, parse_train_args
 from relax.args.sglang import MANAGED_BY_RELAX, prepare_import, sglang_actions
 from relax.args.unsupported import refused_sglang_field
 from relax.platform import get_platform
-from relax.rollout.engine import server_defaults
+from relax.rollout.engine_fields import server_defaults
 
 # Enough for a run that only the SGLang flags vary in: a tiny model size, data, reward, LR, CPU.
 BASE = [*TINY_SIZE, *REQUIRED]
@@ -24,7 +24,7 @@ def checkpoint(tiny_qwen3):
 
 
 def relax_defaults_as_sglang_flags() -> list[str]:
-    """relax's CPU defaults (relax.rollout.engine.server_defaults) spelt as SGLang flags: given before the
+    """relax's CPU defaults (relax.rollout.engine_fields.server_defaults) spelt as SGLang flags: given before the
     user's, SGLang's own parse takes them where the user gives nothing, as relax does."""
     flags = []
     by_dest = {action.dest: action for action in sglang_actions()}

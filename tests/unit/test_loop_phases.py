@@ -25,7 +25,8 @@ from relax.run.inputs import Inputs
 from relax.run.state import Checkpoint, RunStopped, StopOnSignal
 from relax.train.saved_steps import LATEST, CheckpointError
 from relax.rollout.data import Prompt
-from relax.rollout.engine import AdmissionBudget, SamplingConfig
+from relax.rollout.engine import SamplingConfig
+from relax.rollout.engine_fields import AdmissionBudget
 from relax.rollout.groups import Sample
 from relax.rollout.worker import GENERATION
 

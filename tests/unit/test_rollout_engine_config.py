@@ -1,4 +1,5 @@
-"""relax.rollout.engine's checks that need no running engine (the engine itself: tests/e2e/test_engine.py)."""
+"""relax.rollout.engine's and relax.rollout.engine_fields' checks that need no running engine (the engine itself:
+tests/e2e/test_engine.py)."""
 
 import base64
 import dataclasses
@@ -10,17 +11,14 @@ import torch
 from relax.hf_checkpoint.architecture import FAMILIES
 from relax.platform import get_platform
 from relax.rollout.engine import (
-    AdmissionBudget,
     RolloutEngine,
     SamplingConfig,
     _completion,
     _chosen_fields,
-    admission_holdback,
     decode_routed_experts,
     request_params,
-    rollout_decode_graph_fields,
-    server_defaults,
 )
+from relax.rollout.engine_fields import AdmissionBudget, admission_holdback, rollout_decode_graph_fields, server_defaults
 from relax.rollout.sglang_models import SGLANG_MODULES
 
 
