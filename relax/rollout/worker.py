@@ -205,12 +205,12 @@ class EngineWorker(RolloutEngine):
         super().shutdown()
 
 
-def engine_actor_class(groups_in_flight: int) -> ray.actor.ActorClass:
-    """EngineWorker as the Ray actor class of a rollout with at most `groups_in_flight` groups in flight over all the
-    engines: GENERATION has a thread for each (one engine may get them all, the others restarting) and one for the
-    abort. (Ray's .options() cannot set concurrency groups.)"""
+def engine_actor_class(worker_class: type[EngineWorker], groups_in_flight: int) -> ray.actor.ActorClass:
+    """`worker_class` (EngineWorker or a subclass) as the Ray actor class of a rollout with at most `groups_in_flight`
+    groups in flight over all the engines: GENERATION has a thread for each (one engine may get them all, the others
+    restarting) and one for the abort. (Ray's .options() cannot set concurrency groups.)"""
     threads = max(MIN_GENERATION_THREADS, groups_in_flight + 1)
-    return ray.remote(concurrency_groups={GENERATION: threads})(EngineWorker)
+    return ray.remote(concurrency_groups={GENERATION: threads})(worker_class)
 
 
 def _request_unless_aborted(worker: EngineWorker):

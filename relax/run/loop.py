@@ -62,7 +62,7 @@ from relax.rollout.groups import Sample, apply_overlong_penalty, group_sizes
 from relax.rollout.rollout import (
     EnginePool, Generate, most_groups_in_flight, most_requests_per_engine, reward_and_length_metrics,
 )
-from relax.rollout.worker import engine_actor_class
+from relax.rollout.worker import EngineWorker, engine_actor_class
 from relax.run.colocation import Colocation
 from relax.run.inputs import Inputs
 from relax.run.state import Checkpoint, RunStopped, StopOnSignal, sampling_seed, save, save_due
@@ -438,7 +438,7 @@ def _start_engines(workers: Workers, config, platform, placement: Placement, mem
     groups_in_flight = (most_groups_in_flight(rollout.batch_size, rollout.over_sampling_batch_size)
                         if settings.mode.reads_prompts else 0)
     workers.engines = engines = create_engine_actors(
-        engine_actor_class(groups_in_flight), placement,
+        engine_actor_class(EngineWorker, groups_in_flight), placement,
         devices_per_engine=rollout.devices_per_engine, memory_saver_on=memory_saver_on,
         args=(config.sglang, settings.hf_checkpoint, platform.name, rollout.devices_per_engine, memory_saver_on,
               rollout.tools, rollout.custom_generate),

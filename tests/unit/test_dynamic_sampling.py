@@ -13,7 +13,7 @@ from relax.rollout.engine import Completion, SamplingConfig
 from relax.rollout.groups import FillError
 from relax.rollout.rewards import RewardFn
 from relax.rollout.rollout import most_groups_in_flight
-from relax.rollout.worker import GENERATION, MIN_GENERATION_THREADS, engine_actor_class
+from relax.rollout.worker import GENERATION, MIN_GENERATION_THREADS, EngineWorker, engine_actor_class
 
 REWARD_AS_WRITTEN = RewardFn(lambda sample: float(sample.response), "reward as written", False, False)
 
@@ -103,9 +103,10 @@ def test_a_dropped_group_refills_up_to_the_most_groups_in_flight_the_engines_are
     pool, loader = scripted_generation([(1, 1)] + [(0, 1)] * 9)
     _collect(pool, loader, _settings(over_sampling_batch_size=3))
     assert pool.most_in_flight == most_groups_in_flight(num_groups=3, chunk_size=3) == 5
-    assert engine_actor_class(5).__ray_metadata__.concurrency_groups == {GENERATION: MIN_GENERATION_THREADS}
+    assert engine_actor_class(EngineWorker, 5).__ray_metadata__.concurrency_groups == {
+        GENERATION: MIN_GENERATION_THREADS}
     most = 2 * MIN_GENERATION_THREADS  # each group in flight and the abort
-    assert engine_actor_class(most).__ray_metadata__.concurrency_groups == {GENERATION: most + 1}
+    assert engine_actor_class(EngineWorker, most).__ray_metadata__.concurrency_groups == {GENERATION: most + 1}
 
 
 def test_the_prompt_bound_stops_the_run_with_counts_instead_of_a_short_batch(scripted_generation):
