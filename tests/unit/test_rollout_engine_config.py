@@ -18,7 +18,9 @@ from relax.rollout.engine import (
     decode_routed_experts,
     request_params,
 )
-from relax.rollout.engine_fields import AdmissionBudget, admission_holdback, rollout_decode_graph_fields, server_defaults
+from relax.rollout.engine_fields import (
+    AdmissionBudget, admission_holdback, rollout_decode_graph_fields, server_defaults,
+)
 from relax.rollout.sglang_models import SGLANG_MODULES
 
 
