@@ -15,7 +15,7 @@ MODES = {
     "colocated": [],
     # 16 groups in flight for the 8 a step trains on; the aborted ones continue in the next step, so nearly every
     # batch is the previous step's surplus, one step old (seed 1234 reached 0.86 in one run, 0.998 in another)
-    "partial rollout": ["--over-sampling-batch-size", "16", "--partial-rollout", "--seed", "1"],
+    "partial rollout": ["--over-sampling-batch-size", "32", "--partial-rollout", "--seed", "1"],
     # the engine on a Ray bundle of its own, one step off-policy (14 of 15 seeds reached 0.9; seed 1234 reached
     # 0.99 twice and 0.88 once: which groups a step trains depends on the processes' timing)
     "async": ["--no-colocate", "--rollout-num-gpus", "1", "--seed", "2"],

@@ -33,6 +33,10 @@ ACTORS = ("TrainWorker", "EngineWorker")
 RUN_TIMEOUT_S = 600
 
 
+# 8 prompt groups of 8 samples a step, which the assertions below count (the script's own job trains on 16)
+EIGHT_PROMPTS = ("--rollout-batch-size", "8", "--global-batch-size", "64")
+
+
 def _run_tiny_job(exp_dir: Path, name: str, *flags: str,
                   output_name: str | None = None) -> tuple[list[dict], set[str]]:
     """Run the tiny job with extra flags, its output in exp_dir / (output_name or name); returns its steps' metrics
@@ -40,7 +44,8 @@ def _run_tiny_job(exp_dir: Path, name: str, *flags: str,
     exp_dir can be imported by the run."""
     output = exp_dir / (output_name or name)
     python_path = os.pathsep.join(filter(None, [str(exp_dir), os.environ.get("PYTHONPATH")]))
-    command, env = tiny_job(exp_dir, "--output-dir", str(output), *flags, env={"PYTHONPATH": python_path})
+    command, env = tiny_job(exp_dir, "--output-dir", str(output), *EIGHT_PROMPTS, *flags,
+                            env={"PYTHONPATH": python_path})
     log_path = exp_dir / f"{name}.log"
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -37,8 +37,9 @@ def wait_for_first_step(metrics: Path, driver: subprocess.Popen, stderr: Path, t
 def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path):
     marker = run_marker()
     saves, pattern = tmp_path / "checkpoints", str(tmp_path / "rollouts" / "step_{step}.jsonl")
-    command, env = tiny_job(tmp_path, "--num-steps", "50", "--save", str(saves), "--over-sampling-batch-size", "16",
-                            "--partial-rollout", "--max-staleness", "1", "--rollout-max-response-len", "48",
+    command, env = tiny_job(tmp_path, "--num-steps", "50", "--save", str(saves), "--rollout-batch-size", "8",
+                            "--global-batch-size", "64", "--over-sampling-batch-size", "16", "--partial-rollout",
+                            "--max-staleness", "1", "--rollout-max-response-len", "48",
                             "--save-rollout-data", pattern, env=marker)
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     # run-tiny-cpu.sh execs the driver: the Popen's pid is the driver's.

@@ -477,7 +477,7 @@ def test_the_tiny_scripts_flags_pass_the_checks_in_each_mode(tiny_exp_dir, mode)
     "flags, use_rollout_logprobs, tis",
     [([], False, False), (["--no-colocate", "--rollout-num-gpus", "1"], True, False),
      (["--no-colocate", "--rollout-num-gpus", "1", "--use-tis"], False, True),
-     (["--over-sampling-batch-size", "16", "--partial-rollout"], True, False)],
+     (["--over-sampling-batch-size", "32", "--partial-rollout"], True, False)],
     ids=["colocated", "apart", "apart with tis", "partial rollout"],
 )
 def test_the_tiny_script_takes_the_engines_logprobs_as_the_old_policy_only_off_policy(
