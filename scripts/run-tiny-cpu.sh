@@ -53,10 +53,10 @@ args=(
     # without the std division (Dr. GRPO): with a chat template around the prompt (14 tokens between the digit
     # and the answer), lr 1e-2 and GRPO's std division, the policy often settled on one digit for every prompt
     # before it learned to read the prompt (mean reward about 0.6; docs/benchmarks.md).
-    # 16 prompts a step and the lr's cosine decay to 0: with 8 prompts and a constant lr, half the runs settled on
-    # one digit, before the policy read the prompt (the batch's mix of the two prompts pulls it to one) or after
-    # it had learned the task (Adam moves every weight by up to about the lr at each step, a step with no gradient
-    # included, and one such step undid the task).
+    # 16 prompts a step and the lr's cosine decay to 0 (docs/benchmarks.md): with 8 prompts a step, half the runs
+    # settled on one digit for every prompt before they learned to read it; with 16 at a constant lr, a run could
+    # learn the task and lose it late (Adam moves each weight by up to about the lr at every step, a step with no
+    # gradient included).
     --input-key prompt --label-key label
     --num-steps 80
     --rollout-batch-size 16 --n-samples-per-prompt 8 --rollout-max-response-len 2 --rollout-temperature 1.0
