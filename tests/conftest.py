@@ -18,17 +18,17 @@ import pytest
 # In the order the lanes take them: the e2e tests (seconds to minutes each) first, the unit tests (milliseconds each)
 # last, where they fill in while the last long tests end.
 TIERS = ("e2e", "npu", "unit", "gpu")
-# The e2e modules whose tests take longest, longest first (CPU-seconds in one process, 2026-12-07: about 30 to 500 each;
+# The e2e modules whose tests take longest, longest first (CPU-seconds in one process, 2026-12-07: about 30 to 450 each;
 # most of them start an engine or the whole tiny job); the lanes take them before the other e2e modules. A long test
 # taken last would run on alone while the other lane stands idle. (pytest.ini turns off pytest-xdist's own order, the
 # groups with the most tests first.) The long tier's modules (pytest.ini) are in the list for `-m long`.
 LONGEST_FIRST = (
-    "test_learning.py", "test_train_megatron.py", "test_loop_faults.py", "test_loop_resume.py", "test_loop_debug.py",
+    "test_train_megatron.py", "test_loop_faults.py", "test_loop_resume.py", "test_loop_debug.py",
     "test_ray_cluster.py", "test_patches_sglang.py", "test_loop_async.py", "test_multinode_sync.py",
-    "test_loop_two_engines.py", "test_qwen35_sglang.py", "test_submit_tiny_run.py", "test_run_scripts.py",
-    "test_loop.py", "test_loop_signals.py", "test_weight_sync_cpu.py", "test_qwen35_loop.py", "test_loop_tools.py",
-    "test_loop_custom_generate.py", "test_qwen35_vl_sglang.py", "test_qwen35_megatron.py", "test_npu_startup.py",
-    "test_engine.py",
+    "test_loop_two_engines.py", "test_qwen35_sglang.py", "test_submit_tiny_run.py", "test_run_scripts.py", "test_loop.py",
+    "test_loop_signals.py", "test_weight_sync_cpu.py", "test_qwen35_loop.py",
+    "test_loop_tools.py", "test_loop_custom_generate.py", "test_qwen35_vl_sglang.py", "test_qwen35_megatron.py",
+    "test_npu_startup.py", "test_engine.py",
 )
 
 _lane = os.environ.get("PYTEST_XDIST_WORKER")

@@ -25,16 +25,12 @@ import psutil
 import pytest
 
 from relax.rollout.dump import load_rollout_data
-from tiny_runs import step_records, tiny_job
+from tiny_runs import EIGHT_PROMPTS, step_records, tiny_job
 
 pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
 
 ACTORS = ("TrainWorker", "EngineWorker")
 RUN_TIMEOUT_S = 600
-
-
-# 8 prompt groups of 8 samples a step, which the assertions below count (the script's own job trains on 16)
-EIGHT_PROMPTS = ("--rollout-batch-size", "8", "--global-batch-size", "64")
 
 
 def _run_tiny_job(exp_dir: Path, name: str, *flags: str,

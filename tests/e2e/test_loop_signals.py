@@ -20,7 +20,7 @@ import pytest
 from relax.rollout.dump import rollout_data_path
 from relax.run.state import read_checkpoint
 from processes import describe, kill_marked, leftover_processes, run_marker, wait_for_process, wait_for_title
-from tiny_runs import tiny_job
+from tiny_runs import EIGHT_PROMPTS, tiny_job
 
 pytestmark = pytest.mark.long  # pytest.ini: not in CI's run
 
@@ -37,10 +37,9 @@ def wait_for_first_step(metrics: Path, driver: subprocess.Popen, stderr: Path, t
 def test_sigterm_mid_run_saves_the_step_stops_everything_and_exits_143(tmp_path):
     marker = run_marker()
     saves, pattern = tmp_path / "checkpoints", str(tmp_path / "rollouts" / "step_{step}.jsonl")
-    command, env = tiny_job(tmp_path, "--num-steps", "50", "--save", str(saves), "--rollout-batch-size", "8",
-                            "--global-batch-size", "64", "--over-sampling-batch-size", "16", "--partial-rollout",
-                            "--max-staleness", "1", "--rollout-max-response-len", "48",
-                            "--save-rollout-data", pattern, env=marker)
+    command, env = tiny_job(tmp_path, "--num-steps", "50", "--save", str(saves), *EIGHT_PROMPTS,
+                            "--over-sampling-batch-size", "16", "--partial-rollout", "--max-staleness", "1",
+                            "--rollout-max-response-len", "48", "--save-rollout-data", pattern, env=marker)
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     # run-tiny-cpu.sh execs the driver: the Popen's pid is the driver's.
     with open(stdout, "w") as out, open(stderr, "w") as err:

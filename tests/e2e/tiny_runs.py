@@ -17,6 +17,8 @@ from relax.tools.tiny_model import build_tiny_model
 ROOT = Path(__file__).resolve().parents[2]
 # The time of each phase, logged at every step of a run that trains.
 PERF_KEYS = ("perf/step_time", "perf/rollout_time", "perf/train_wait_time", "perf/train_time", "perf/weight_sync_time")
+# 8 prompt groups of 8 samples a step, for tests that count them (the script's own job trains on 16 prompts)
+EIGHT_PROMPTS = ("--rollout-batch-size", "8", "--global-batch-size", "64")
 
 
 def step_records(records: list[dict]) -> list[dict]:
