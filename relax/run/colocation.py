@@ -94,6 +94,7 @@ class Colocation:
         self.used = 0  # restarts over the run
         self._groups: dict[int, GroupCall] = {}  # the groups submitted and not yet returned, by key
         self._aborted_groups: list[tuple[int, list[Completion]]] = []  # returned aborted without running
+        self._seen_done: list[tuple[int, ray.ObjectRef]] = []  # running groups' calls seen done: _next_done_call
         self._aborting = False  # an abort is under way: its groups come back
         self._untaken, self._untaken_seconds = 0, 0.0
         # How every engine gets the actor's weights before a restarted one generates: colocated, the step's two
@@ -181,15 +182,8 @@ class Colocation:
 
     def _next_completed(self) -> tuple[int, list[Completion]]:
         while True:
-            running = [key for key, call in self._groups.items() if call.ref is not None]
-            if not running:
-                self._send_held()
-                continue
-            calls = [self._groups[key] for key in running]
-            refs = [call.ref for call in calls]
             try:
-                ref = first_done(refs, self.engines.placement, [call.deadline for call in calls],
-                                 self.rollout_timeout, [(self.engines, call.engine) for call in calls])
+                key, ref = self._next_done_call()
                 completions = ray.get(ref)
             except (ray.exceptions.RayError, WorkerFailed) as error:  # this engine's or another one's
                 self._restart(self._engine_death(error))  # its groups held back, or returned aborted
@@ -198,9 +192,30 @@ class Colocation:
                 if self._current_engines() and any(call.ref is None for call in self._groups.values()):
                     self._send_held()  # beside the training, to the engines not restarted
                 continue
-            key = running[refs.index(ref)]
             del self._groups[key]
             return key, completions
+
+    def _next_done_call(self) -> tuple[int, ray.ObjectRef]:
+        """The key and call of a running group whose call is done (it may hold an error). One wait over the groups
+        in flight finds every call done by then, and the next calls take those first: a wait per batch of groups
+        completed, not per group (an abort returns every group in flight at once)."""
+        while self._seen_done:
+            key, ref = self._seen_done.pop(0)
+            call = self._groups.get(key)
+            if call is not None and call.ref is ref:  # not sent again since (an engine restart)
+                return key, ref
+        while True:
+            calls = {call.ref: (key, call) for key, call in self._groups.items() if call.ref is not None}
+            if calls:
+                break
+            self._send_held()
+        running = [call for _, call in calls.values()]
+        ref = first_done(list(calls), self.engines.placement, [call.deadline for call in running],
+                         self.rollout_timeout, [(self.engines, call.engine) for call in running])
+        others = [other for other in calls if other is not ref]
+        done_too, _ = ray.wait(others, num_returns=len(others), timeout=0) if others else ([], [])
+        self._seen_done = [(calls[other][0], other) for other in done_too]
+        return calls[ref][0], ref
 
     def abort(self) -> None:
         """Every group in flight ends soon (SGLang's abort on every engine) and comes back through next_done; a

@@ -267,6 +267,33 @@ def test_the_groups_of_an_engine_dead_mid_rollout_go_again_with_their_seeds_once
     assert colocation.stale == set()
 
 
+def test_calls_done_together_are_taken_with_one_wait_and_those_lost_with_a_restarted_engine_go_again(
+    world, monkeypatch
+):
+    waits = []
+
+    def first_done(refs, *args):
+        waits.append(len(refs))
+        return refs[0]
+
+    def get(ref):  # engine 0's calls end with its death, found at ray.get of the first one
+        if ref.actor.name == "engine 0":
+            raise RayActorError("e0" * 16, "The actor died.")
+        return _answer(ref)
+
+    monkeypatch.setattr(relax.run.colocation, "first_done", first_done)
+    monkeypatch.setattr(relax.run.colocation.ray, "get", get)
+    colocation = world.colocation
+    for key in range(3):
+        colocation.submit(key, [key], SamplingConfig(n=2, seed=2 * key))  # engines 0, 1, 0: every call done
+    assert colocation.next_done() == (1, ["completion"] * 2)  # group 0 met engine 0's death: 0 and 2 held
+    assert waits == [3]  # group 1 was seen done in the same wait
+    world.log.clear()
+    assert [colocation.next_done()[0] for _ in range(2)] == [0, 2]  # not group 2's call on the dead engine
+    assert waits == [3, 2]
+    assert _sent(world.log) == [("engine 0'", [0], 0), ("engine 1", [2], 4)]
+
+
 def test_continued_responses_count_one_request_each_and_go_again_with_their_prefixes_after_an_engine_death(world):
     colocation = world.colocation
     colocation.submit(0, [0], SamplingConfig(n=4), prefixes=[[5], [6, 7]])  # 2 requests: engine 0
