@@ -135,6 +135,7 @@ class FillStats:
     groups_completed: int = 0  # came back complete before the batch was full
     groups_kept: int = 0
     groups_failed: int = 0  # a sample of theirs failed in the engine
+    groups_equal_rewards: int = 0  # scored, with all rewards equal: no learning signal under a group baseline
     groups_dropped: int = 0  # all rewards equal (dynamic sampling)
     groups_aborted: int = 0  # in flight when the batch was full, and cut short by the abort
     prompts_returned: int = 0  # of the groups in flight when the batch was full: put back into the prompt stream
@@ -145,26 +146,26 @@ class FillStats:
     failures: list[str] = field(default_factory=list)  # the first distinct reasons (MAX_REPORTED_FAILURES)
 
     def metrics(self, dynamic_sampling: bool) -> dict[str, float]:
-        """The submitted, aborted and put back groups, the failed samples and groups; with dynamic sampling, its
-        groups too."""
+        """The submitted, aborted and put back groups, the failed samples and groups, the share of scored groups
+        whose rewards differ; with dynamic sampling, its groups too."""
+        scored = self.groups_completed - self.groups_failed
         counts = {
             "rollout/failed_samples": self.samples_failed,
             "rollout/failed_groups": self.groups_failed,
             "rollout/submitted_groups": self.groups_submitted,
             "rollout/aborted_groups": self.groups_aborted,
             "rollout/returned_prompts": self.prompts_returned,
+            "rollout/informative_group_fraction": (scored - self.groups_equal_rewards) / max(scored, 1),
         }
         if self.samples_aborted_by_function:  # only a custom generate function returns samples ABORTED
             counts["rollout/function_aborted_samples"] = self.samples_aborted_by_function
         if not dynamic_sampling:
             return counts
-        scored = self.groups_completed - self.groups_failed
         return {
             **counts,
             "rollout/generated_groups": self.groups_completed,
             "rollout/kept_groups": self.groups_kept,
             "rollout/dropped_groups": self.groups_dropped,
-            "rollout/informative_group_fraction": (scored - self.groups_dropped) / max(scored, 1),
         }
 
     def count_failures(self, group: Group) -> None:

@@ -250,7 +250,9 @@ def collect_groups(
                 aborted_by_function.append(key)
             else:
                 rewards.add(score_samples(group.samples, reward_fn))
-                if dynamic_sampling and group.rewards_all_equal():
+                equal_rewards = group.rewards_all_equal()
+                stats.groups_equal_rewards += equal_rewards
+                if dynamic_sampling and equal_rewards:
                     stats.count_dropped(group)
                 else:
                     kept[key] = group

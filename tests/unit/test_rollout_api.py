@@ -55,7 +55,7 @@ def test_the_default_rollout_takes_the_steps_prompts_and_answers_as_generate_and
     expected = generate_and_score(_generate, _loader().take(2), SAMPLING, reward)
     assert result == RolloutResult(expected, {
         "rollout/failed_samples": 0, "rollout/failed_groups": 0, "rollout/submitted_groups": 2,
-        "rollout/aborted_groups": 0, "rollout/returned_prompts": 0,
+        "rollout/aborted_groups": 0, "rollout/returned_prompts": 0, "rollout/informative_group_fraction": 0.0,
     })
     assert [s.loss_mask for s in result.samples] == [[1, 1]] * 4
 

@@ -136,7 +136,8 @@ def test_without_over_sampling_the_batch_is_the_next_prompts_with_the_steps_seed
     assert [s.prompt.row for s in samples] == [1, 1, 2, 2, 3, 3]
     assert pool.submitted == [(0, 100), (1, 102), (2, 104)] and pool.aborts == 0
     assert metrics == {"rollout/failed_samples": 0, "rollout/failed_groups": 0, "rollout/submitted_groups": 3,
-                       "rollout/aborted_groups": 0, "rollout/returned_prompts": 0}
+                       "rollout/aborted_groups": 0, "rollout/returned_prompts": 0,
+                       "rollout/informative_group_fraction": 0.0}  # no group's rewards differ
     assert [p.row for p in loader.take(2)] == [4, 5]
 
 
@@ -149,6 +150,7 @@ def test_over_sampling_keeps_the_first_groups_to_complete_in_submission_order_an
     assert pool.submitted == [(0, 5), (1, 7), (2, 9), (3, 11)] and pool.aborts == 1 and not pool.in_flight
     assert (metrics["rollout/submitted_groups"], metrics["rollout/aborted_groups"]) == (4, 2)
     assert metrics["rollout/returned_prompts"] == 2
+    assert metrics["rollout/informative_group_fraction"] == 1.0  # one right and one wrong answer in each
     # nothing lost: the aborted prompts come first in the next step, then the stream goes on
     assert [p.label for p in loader.take(3)] == ["0", "2", "4"]
 
