@@ -30,8 +30,9 @@ restarted one idles until the step's push). Once none is left (the only engine d
 for the step's training, pushes its weights to every engine (all of them restarted then) and sends the held groups:
 what they generate is of the next step's policy, and the rollout records its tokens so (Colocation.weights_ahead:
 the per-token steps of --partial-rollout, --max-staleness and the rollout/partial_* ages); an evaluation that met this
-mixes the two policies. The step then takes the training's metrics already waited for and pushes as usual. A training
-rank that dies still fails the run (--max-restarts resumes it from its newest checkpoint).
+mixes the two policies. The step then takes the training's metrics already waited for, and pushes only where an
+engine was restarted since. A training rank that dies still fails the run (--max-restarts resumes it from its newest
+checkpoint).
 
 A checkpoint of step s holds the actor after train(s) and the prompt loader after step s's prompts; a resumed run
 pushes that actor's weights to the engines and redoes rollout(s+1) with them, so its first step trains on-policy
@@ -120,7 +121,8 @@ def step_overlapped(run_: StartedRun, step: int, rollout: tuple[list, dict]) -> 
                 faults.inject("save", engines, trainers)
                 saved = run_.save(step, loader_after_step)
         with timer("perf/weight_sync_time"):
-            colocation.push()  # the weights the next rollout samples with, by the schedule
+            if not colocation.weights_ahead or colocation.stale:  # else refresh_weights pushed them mid-rollout
+                colocation.push()  # the weights the next rollout samples with, by the schedule
         colocation.beside_training(partial(refresh_weights, colocation, None))
         colocation.weights_ahead = 0
     row = {**eval_metrics, **rollout_metrics, **train_metrics, **timer.seconds, **clock.seconds(engines_done)}

@@ -232,6 +232,7 @@ class _Colocation:
 
     def __init__(self):
         self.untaken, self.hand_overs = 0, []
+        self.stale, self.weights_ahead = set(), 0  # no engine restarted since the last push; weights as scheduled
 
     def to_actor(self) -> None:
         self.hand_overs.append("to_actor")
@@ -516,7 +517,8 @@ def test_an_async_rollout_left_without_engines_of_its_weights_waits_for_the_trai
     tmp_path, monkeypatch
 ):
     """Every engine restarted mid-rollout (Colocation calls refresh_weights): the rollout of step 2 waits for step
-    1's training and pushes its weights, one step ahead of the schedule's; the step keeps the metrics waited for."""
+    1's training and pushes its weights, one step ahead of the schedule's; the step keeps the metrics waited for,
+    and pushes nothing more."""
     world = _AsyncWorld(monkeypatch)
     ahead = []
 
@@ -532,11 +534,26 @@ def test_an_async_rollout_left_without_engines_of_its_weights_waits_for_the_trai
         ("train started", "sample of step 1"), ("eval", 1), ("rollout", 2),
         ("train waited", "sample of step 1"), ("push", True),  # mid-rollout, by refresh_weights
     ]
-    assert world.events[11:13] == [("push", True), ("train started", "sample of step 2")]  # no second wait
+    # no second wait, and no second push of the same weights
+    assert world.events[11:13] == [("train started", "sample of step 2"), ("eval", 2)]
     assert ahead == [(0, 0), (1, 0), (2, 1)]  # the rollout's tokens recorded as step 3's policy's; reset after
     assert world.colocation.weights_ahead == 0
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["train/loss"] for r in rows[:3]] == [1.0, 1.0, 1.0]
+
+
+def test_an_engine_restarted_after_the_mid_rollout_push_gets_the_steps_push(tmp_path, monkeypatch):
+    world = _AsyncWorld(monkeypatch)
+
+    def on_rollout(step):
+        if step == 2:
+            world.refresh_weights()
+            world.colocation.stale = {0}  # restarted again after it: --hf-checkpoint's weights
+
+    world.on_rollout = on_rollout
+    config = _config(tmp_path, num_steps=3, debug_rollout_only=False, save=str(tmp_path / "saves"), colocate=False)
+    assert run_with_restarts(config, _inputs_with_prompts(8), attempt=relax.run.loop_async.run) == tmp_path
+    assert world.events[10:13] == [("push", True), ("push", True), ("train started", "sample of step 2")]
 
 
 def test_a_signal_stops_the_async_loop_after_its_step_saved_with_the_loader_before_the_next_rollout(
