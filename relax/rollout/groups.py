@@ -135,11 +135,11 @@ class FillStats:
     groups_completed: int = 0  # came back complete before the batch was full
     groups_kept: int = 0
     groups_failed: int = 0  # a sample of theirs failed in the engine
-    groups_equal_rewards: int = 0  # scored, with all rewards equal: no learning signal under a group baseline
-    groups_dropped: int = 0  # all rewards equal (dynamic sampling)
+    # Scored, with all rewards equal: no learning signal under a group baseline (dropped with dynamic sampling).
+    groups_equal_rewards: int = 0
     groups_aborted: int = 0  # in flight when the batch was full, and cut short by the abort
     prompts_returned: int = 0  # of the groups in flight when the batch was full: put back into the prompt stream
-    dropped_by_reward: dict[float, int] = field(default_factory=dict)  # the shared reward of dropped groups
+    equal_rewards_by_reward: dict[float, int] = field(default_factory=dict)  # those groups, by their shared reward
     samples_generated: int = 0
     samples_failed: int = 0
     samples_aborted_by_function: int = 0  # a custom generate function returned them ABORTED: their prompts put back
@@ -165,7 +165,7 @@ class FillStats:
             **counts,
             "rollout/generated_groups": self.groups_completed,
             "rollout/kept_groups": self.groups_kept,
-            "rollout/dropped_groups": self.groups_dropped,
+            "rollout/dropped_groups": self.groups_equal_rewards,
         }
 
     def count_failures(self, group: Group) -> None:
@@ -174,10 +174,10 @@ class FillStats:
         self.samples_failed += len(failed)
         self.failures = list(dict.fromkeys([*self.failures, *failure_reasons(failed)]))[:MAX_REPORTED_FAILURES]
 
-    def count_dropped(self, group: Group) -> None:
-        self.groups_dropped += 1
+    def count_equal_rewards(self, group: Group) -> None:
+        self.groups_equal_rewards += 1
         shared = group.rewards[0] if group.samples else 0.0
-        self.dropped_by_reward[shared] = self.dropped_by_reward.get(shared, 0) + 1
+        self.equal_rewards_by_reward[shared] = self.equal_rewards_by_reward.get(shared, 0) + 1
 
     def failures_text(self) -> str:
         return (

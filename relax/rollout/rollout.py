@@ -251,10 +251,9 @@ def collect_groups(
             else:
                 rewards.add(score_samples(group.samples, reward_fn))
                 equal_rewards = group.rewards_all_equal()
-                stats.groups_equal_rewards += equal_rewards
-                if dynamic_sampling and equal_rewards:
-                    stats.count_dropped(group)
-                else:
+                if equal_rewards:
+                    stats.count_equal_rewards(group)
+                if not (dynamic_sampling and equal_rewards):  # dynamic sampling drops them
                     kept[key] = group
             if stats.samples_failed == stats.samples_generated and stats.groups_completed >= num_groups:
                 raise AllSamplesFailed(
@@ -315,8 +314,8 @@ def _short_batch(stats: FillStats, kept: int, num_groups: int, max_prompts: int,
                    "their prompts were put back")
     if dynamic_sampling:
         why.append(
-            f"{stats.groups_dropped} of {stats.groups_completed} groups had equal rewards (by shared reward: "
-            f"{stats.dropped_by_reward}). The task is too easy or too hard for the model, or the reward is broken; "
+            f"{stats.groups_equal_rewards} of {stats.groups_completed} groups had equal rewards (by shared reward: "
+            f"{stats.equal_rewards_by_reward}). The task is too easy or too hard for the model, or the reward is broken; "
             "raise the bound (--rollout-max-prompts) or turn dynamic sampling off"
         )
     else:
