@@ -6,8 +6,9 @@ engine, megatron-core), gpu (tests/gpu, through the device tool only; not in CI)
 
 Lanes: pytest.ini runs the suite in pytest-xdist workers (`--dist loadgroup`). An e2e test that uses a module
 fixture (an engine, a process group, a cluster) is in its module's group, so the fixture starts once, in one lane;
-any other test goes to whichever lane is free (the session's saved tiny run is built once for all lanes:
-tests/e2e/conftest.py). Each lane gets its own Ray temporary directory, so a local cluster one lane starts
+so is one that uses the session's saved tiny run (built once for all lanes: tests/e2e/conftest.py), so that the
+module's other tests do not hold the second lane idle on the run's lock while the first lane runs it; any other test
+goes to whichever lane is free. Each lane gets its own Ray temporary directory, so a local cluster one lane starts
 (ray.init() with no address) never finds another lane's through /tmp/ray."""
 
 import os
@@ -38,10 +39,16 @@ if _lane:
     os.makedirs(os.environ["RAY_TMPDIR"], exist_ok=True)
 
 
-def _uses_a_module_fixture(item) -> bool:
+# Session fixtures that one lane builds while any other lane that needs them waits (tests/e2e/conftest.py).
+BUILT_BY_ONE_LANE = ("saved_tiny_run",)
+
+
+def _runs_in_its_modules_lane(item) -> bool:
     # pytest names a test's fixture definitions only in this attribute (the last definition of a name is used).
-    definitions = item._fixtureinfo.name2fixturedefs.values()
-    return any(overrides[-1].scope in ("class", "module") for overrides in definitions)
+    fixtures = item._fixtureinfo.name2fixturedefs
+    if any(name in fixtures for name in BUILT_BY_ONE_LANE):
+        return True
+    return any(overrides[-1].scope in ("class", "module") for overrides in fixtures.values())
 
 
 def _lane_order(path: Path) -> tuple[int, int]:
@@ -55,12 +62,12 @@ def _lane_order(path: Path) -> tuple[int, int]:
 def pytest_collection_modifyitems(config, items):
     tests_dir = Path(__file__).parent
     items.sort(key=lambda item: _lane_order(Path(item.fspath).relative_to(tests_dir)))  # stable: modules stay whole
-    grouped = set()  # the e2e modules whose tests share a lane: a module fixture of one of them
+    grouped = set()  # the e2e modules whose tests share a lane: a module fixture or the saved run of one of them
     for item in items:
         tier = Path(item.fspath).relative_to(tests_dir).parts[0]
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
-        if tier == "e2e" and _uses_a_module_fixture(item):
+        if tier == "e2e" and _runs_in_its_modules_lane(item):
             grouped.add(item.fspath)
     for item in items:
         if item.fspath in grouped:

@@ -350,6 +350,10 @@ BEFORE_NPU_TOPK = textwrap.dedent(
     from sglang.srt.layers.moe.topk import TopKConfig
 
     assert npu_topk.__file__.startswith(root), npu_topk.__file__
+    # SGLang's grouped top-k is torch.compile'd: compiled here once for the forked cases, which each run it again
+    npu_topk.fused_topk_npu(hidden_states=torch.zeros(5, 4), router_logits=torch.randn(5, 12),
+                            topk_config=TopKConfig(top_k=2, use_grouped_topk=True, topk_group=1, num_expert_group=2))
+    assert calls == [], calls  # grouped routing never reaches relax's kernel (ROUTE_NPU_TOPK checks it per case)
     """
 )
 ROUTE_NPU_TOPK = textwrap.dedent(
