@@ -315,8 +315,8 @@ def _short_batch(stats: FillStats, kept: int, num_groups: int, max_prompts: int,
     if dynamic_sampling:
         why.append(
             f"{stats.groups_equal_rewards} of {stats.groups_completed} groups had equal rewards (by shared reward: "
-            f"{stats.equal_rewards_by_reward}). The task is too easy or too hard for the model, or the reward is broken; "
-            "raise the bound (--rollout-max-prompts) or turn dynamic sampling off"
+            f"{stats.equal_rewards_by_reward}). The task is too easy or too hard for the model, or the reward is "
+            "broken; raise the bound (--rollout-max-prompts) or turn dynamic sampling off"
         )
     else:
         why.append(REFUSAL_FIX)

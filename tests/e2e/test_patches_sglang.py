@@ -351,8 +351,8 @@ BEFORE_NPU_TOPK = textwrap.dedent(
 
     assert npu_topk.__file__.startswith(root), npu_topk.__file__
     # SGLang's grouped top-k is torch.compile'd: compiled here once for the forked cases, which each run it again
-    npu_topk.fused_topk_npu(hidden_states=torch.zeros(5, 4), router_logits=torch.randn(5, 12),
-                            topk_config=TopKConfig(top_k=2, use_grouped_topk=True, topk_group=1, num_expert_group=2))
+    grouped = TopKConfig(top_k=2, use_grouped_topk=True, topk_group=1, num_expert_group=2)
+    npu_topk.fused_topk_npu(hidden_states=torch.zeros(5, 4), router_logits=torch.randn(5, 12), topk_config=grouped)
     assert calls == [], calls  # grouped routing never reaches relax's kernel (ROUTE_NPU_TOPK checks it per case)
     """
 )
@@ -370,8 +370,7 @@ ROUTE_NPU_TOPK = textwrap.dedent(
         torch.testing.assert_close(out.topk_weights, weights)
         assert torch.equal(out.topk_ids.long(), ids)
         print("SERVED", scoring_func, renormalize, out.topk_ids.dtype)
-    # grouped routing is never relax's: SGLang's torch-native grouped top-k serves it
-    grouped = TopKConfig(top_k=2, use_grouped_topk=True, topk_group=1, num_expert_group=2)
+    # grouped routing (BEFORE_NPU_TOPK's config) is never relax's: SGLang's torch-native grouped top-k serves it
     npu_topk.fused_topk_npu(hidden_states=torch.zeros(5, 4), router_logits=logits, topk_config=grouped)
     print("CALLS", calls)
     """
